@@ -1,0 +1,462 @@
+#include "backend/XcommBackend.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "backend/InputChecks.hpp"
+#include "backend/StoreCpuBackend.hpp"
+#include "backend/XcommWork.hpp"
+#include "collectives/ReduceKernels.hpp"
+
+namespace xcomm {
+namespace {
+
+c10::IValue listValue(const std::vector<at::Tensor>& ts) {
+  return c10::IValue(ts);
+}
+
+c10::IValue listOfListsValue(const std::vector<std::vector<at::Tensor>>& lists) {
+  c10::List<c10::List<at::Tensor>> value;
+  for (const auto& list : lists) value.push_back(c10::List<at::Tensor>(list));
+  return c10::IValue(value);
+}
+
+bool isPremul(const c10d::ReduceOp& op) {
+  return op.op_ == c10d::ReduceOp::PREMUL_SUM;
+}
+
+// SUM over `factor * x` is what PREMUL_SUM means.
+std::vector<at::Tensor> scaledCopies(const std::vector<at::Tensor>& ts, double factor) {
+  std::vector<at::Tensor> scaled;
+  scaled.reserve(ts.size());
+  for (const auto& t : ts) scaled.push_back(t.mul(factor));
+  return scaled;
+}
+
+}  // namespace
+
+XcommBackend::XcommBackend(int rank, int size, c10::intrusive_ptr<XcommOptions> options,
+                           Transports transports)
+    : Backend(rank, size), options_(std::move(options)), transports_(std::move(transports)) {
+  TORCH_CHECK(options_, "xcomm: options must not be null");
+  TORCH_CHECK(transports_.cpu || transports_.cuda,
+              "xcomm: a process group needs a CPU or a CUDA transport backend");
+  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+    TORCH_CHECK(!t || (t->getRank() == rank && t->getSize() == size),
+                "xcomm: the transport backend's rank/size (", t ? t->getRank() : -1, "/",
+                t ? t->getSize() : -1, ") differ from the group's (", rank, "/", size, ")");
+  }
+  init();
+}
+
+XcommBackend::~XcommBackend() = default;
+
+c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    c10::intrusive_ptr<XcommOptions> options) {
+  TORCH_CHECK_VALUE(size > 0 && rank >= 0 && rank < size, "xcomm: rank ", rank,
+                    " is out of range for a group of size ", size);
+  Transports transports;
+  transports.cpu = c10::make_intrusive<StoreCpuBackend>(store, rank, size, options->timeout);
+  return c10::make_intrusive<XcommBackend>(rank, size, std::move(options), std::move(transports));
+}
+
+void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
+  options_->timeout = timeout;
+  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+    if (t) t->setTimeout(timeout);
+  }
+}
+
+void XcommBackend::shutdown() {
+  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+    if (t) t->shutdown();
+  }
+}
+
+void XcommBackend::abort() {
+  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+    if (t) t->abort();
+  }
+}
+
+c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op) {
+  const bool cuda = t.device().is_cuda();
+  const auto& transport = cuda ? transports_.cuda : transports_.cpu;
+  TORCH_CHECK_VALUE(transport, "xcomm.", op, ": this process group has no ",
+                    cuda ? "CUDA (NCCL)" : "CPU", " transport for a tensor on ", t.device().str(),
+                    cuda ? "; CUDA needs torch with CUDA, NCCL and a visible GPU" : "");
+  return *transport;
+}
+
+bool XcommBackend::transportHasPremul(const at::Tensor& t) const {
+  return t.device().is_cuda();
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
+                                                  c10d::OpType type, const TensorStaging& staging,
+                                                  c10::IValue result,
+                                                  std::function<void()> extraFinalize) {
+  std::function<void()> finalize = staging.copyBack();
+  if (extraFinalize) {
+    finalize = [copyBack = std::move(finalize), extra = std::move(extraFinalize)] {
+      if (copyBack) copyBack();
+      extra();
+    };
+  }
+  auto resultType = result.type();
+  return c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
+                                            std::move(result), std::move(resultType));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                       const c10d::BroadcastOptions& opts) {
+  constexpr const char* op = "broadcast";
+  checks::tensorList(op, tensors);
+  checks::rank(op, opts.rootRank, size_, "root");
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  auto staged = staging.inOut(tensors);
+  auto work = transport.broadcast(staged, opts);
+  return wrap(std::move(work), c10d::OpType::BROADCAST, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::AllreduceOptions& opts) {
+  constexpr const char* op = "all_reduce";
+  checks::tensorList(op, tensors);
+  checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  auto staged = staging.inOut(tensors);
+  c10d::AllreduceOptions innerOpts = opts;
+  if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
+    const double factor = premulFactor(opts.reduceOp);
+    for (auto& t : staged) t.mul_(factor);  // in place: the op overwrites it anyway
+    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  auto work = transport.allreduce(staged, innerOpts);
+  return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  constexpr const char* op = "all_reduce_coalesced";
+  checks::tensorList(op, tensors);
+  checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  auto staged = staging.inOut(tensors);
+  c10d::AllreduceCoalescedOptions innerOpts = opts;
+  if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
+    const double factor = premulFactor(opts.reduceOp);
+    for (auto& t : staged) t.mul_(factor);
+    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  auto work = transport.allreduce_coalesced(staged, innerOpts);
+  return wrap(std::move(work), c10d::OpType::ALLREDUCE_COALESCED, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                    const c10d::ReduceOptions& opts) {
+  constexpr const char* op = "reduce";
+  checks::tensorList(op, tensors);
+  checks::rank(op, opts.rootRank, size_, "root");
+  checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  c10d::ReduceOptions innerOpts = opts;
+  if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
+    // Scale a copy, so a non-root rank's tensor keeps its values; the root
+    // receives the result through the copy.
+    auto scaled = scaledCopies(tensors, premulFactor(opts.reduceOp));
+    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    auto work = transport.reduce(scaled, innerOpts);
+    std::function<void()> copyToRoot;
+    if (rank_ == opts.rootRank) {
+      copyToRoot = [tensors, scaled] {
+        for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(scaled[i]);
+      };
+    }
+    return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors),
+                std::move(copyToRoot));
+  }
+  auto staged = staging.inOut(tensors);
+  auto work = transport.reduce(staged, innerOpts);
+  return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather";
+  checks::tensorList(op, inputs, "input");
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "xcomm.all_gather: got ", outputs.size(),
+                    " output lists for ", inputs.size(), " input tensors");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checks::listForEveryRank(op, outputs[i], size_, inputs[i].numel(), "output");
+    for (const auto& out : outputs[i]) {
+      checks::sameDeviceAndDtype(op, out, inputs[i], "output", "input");
+    }
+  }
+  auto& transport = transportFor(inputs[0], op);
+  TensorStaging staging;
+  auto stagedIn = staging.in(inputs);
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.allgather(stagedOut, stagedIn, opts);
+  return wrap(std::move(work), c10d::OpType::ALLGATHER, staging, listOfListsValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                             const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather_into_tensor";
+  checks::tensorList(op, {input}, "input");
+  checks::tensorList(op, {output}, "output");
+  checks::sameDeviceAndDtype(op, output, input, "output", "input");
+  checks::allgatherBase(output, input, size_);
+  auto& transport = transportFor(input, op);
+  TensorStaging staging;
+  auto stagedIn = staging.in(input);
+  auto stagedOut = staging.out(output);
+  auto work = transport._allgather_base(stagedOut, stagedIn, opts);
+  return wrap(std::move(work), c10d::OpType::_ALLGATHER_BASE, staging, listValue({output}));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather_into_tensor_coalesced";
+  checks::tensorList(op, inputs, "input");
+  checks::tensorList(op, outputs, "output");
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "xcomm.", op, ": got ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
+    checks::allgatherBase(outputs[i], inputs[i], size_);
+  }
+  auto& transport = transportFor(inputs[0], op);
+  TensorStaging staging;
+  auto stagedIn = staging.in(inputs);
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
+  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const c10d::GatherOptions& opts) {
+  constexpr const char* op = "gather";
+  checks::tensorList(op, inputs, "input");
+  checks::rank(op, opts.rootRank, size_, "root");
+  TORCH_CHECK_VALUE(inputs.size() == 1, "xcomm.gather: expects one input tensor, got ",
+                    inputs.size());
+  if (rank_ == opts.rootRank) {
+    TORCH_CHECK_VALUE(outputs.size() == 1, "xcomm.gather: the root needs one output list, got ",
+                      outputs.size());
+    checks::listForEveryRank(op, outputs[0], size_, inputs[0].numel(), "gather");
+    for (const auto& out : outputs[0]) {
+      checks::sameDeviceAndDtype(op, out, inputs[0], "output", "input");
+    }
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty(), "xcomm.gather: only the root (rank ", opts.rootRank,
+                      ") passes a gather list");
+  }
+  auto& transport = transportFor(inputs[0], op);
+  TensorStaging staging;
+  auto stagedIn = staging.in(inputs);
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.gather(stagedOut, stagedIn, opts);
+  return wrap(std::move(work), c10d::OpType::GATHER, staging, listOfListsValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                     std::vector<std::vector<at::Tensor>>& inputs,
+                                                     const c10d::ScatterOptions& opts) {
+  constexpr const char* op = "scatter";
+  checks::tensorList(op, outputs, "output");
+  checks::rank(op, opts.rootRank, size_, "root");
+  TORCH_CHECK_VALUE(outputs.size() == 1, "xcomm.scatter: expects one output tensor, got ",
+                    outputs.size());
+  if (rank_ == opts.rootRank) {
+    TORCH_CHECK_VALUE(inputs.size() == 1, "xcomm.scatter: the root needs one input list, got ",
+                      inputs.size());
+    checks::listForEveryRank(op, inputs[0], size_, outputs[0].numel(), "scatter");
+    for (const auto& in : inputs[0]) {
+      checks::sameDeviceAndDtype(op, in, outputs[0], "input", "output");
+    }
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty(), "xcomm.scatter: only the root (rank ", opts.rootRank,
+                      ") passes a scatter list");
+  }
+  auto& transport = transportFor(outputs[0], op);
+  TensorStaging staging;
+  std::vector<std::vector<at::Tensor>> stagedIn;
+  for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.scatter(stagedOut, stagedIn, opts);
+  return wrap(std::move(work), c10d::OpType::SCATTER, staging, listValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr const char* op = "reduce_scatter";
+  checks::tensorList(op, outputs, "output");
+  checks::reduceOp(op, opts.reduceOp, outputs[0].scalar_type());
+  TORCH_CHECK_VALUE(inputs.size() == outputs.size(), "xcomm.reduce_scatter: got ", inputs.size(),
+                    " input lists for ", outputs.size(), " outputs");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    checks::listForEveryRank(op, inputs[i], size_, outputs[i].numel(), "input");
+    for (const auto& in : inputs[i]) {
+      checks::sameDeviceAndDtype(op, in, outputs[i], "input", "output");
+    }
+  }
+  auto& transport = transportFor(outputs[0], op);
+  TensorStaging staging;
+  c10d::ReduceScatterOptions innerOpts = opts;
+  std::vector<std::vector<at::Tensor>> stagedIn;
+  const bool lowerPremul = isPremul(opts.reduceOp) && !transportHasPremul(outputs[0]);
+  for (const auto& list : inputs) {
+    stagedIn.push_back(lowerPremul ? scaledCopies(list, premulFactor(opts.reduceOp))
+                                   : staging.in(list));
+  }
+  if (lowerPremul) innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.reduce_scatter(stagedOut, stagedIn, innerOpts);
+  return wrap(std::move(work), c10d::OpType::REDUCE_SCATTER, staging, listValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  constexpr const char* op = "reduce_scatter_tensor";
+  checks::tensorList(op, {input}, "input");
+  checks::tensorList(op, {output}, "output");
+  checks::sameDeviceAndDtype(op, output, input, "output", "input");
+  checks::reduceOp(op, opts.reduceOp, input.scalar_type());
+  checks::reduceScatterBase(output, input, size_);
+  auto& transport = transportFor(input, op);
+  TensorStaging staging;
+  c10d::ReduceScatterOptions innerOpts = opts;
+  at::Tensor stagedIn;
+  if (isPremul(opts.reduceOp) && !transportHasPremul(input)) {
+    stagedIn = input.contiguous().mul(premulFactor(opts.reduceOp));
+    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  } else {
+    stagedIn = staging.in(input);
+  }
+  auto stagedOut = staging.out(output);
+  auto work = transport._reduce_scatter_base(stagedOut, stagedIn, innerOpts);
+  return wrap(std::move(work), c10d::OpType::_REDUCE_SCATTER_BASE, staging, listValue({output}));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr const char* op = "reduce_scatter_tensor_coalesced";
+  checks::tensorList(op, inputs, "input");
+  checks::tensorList(op, outputs, "output");
+  checks::reduceOp(op, opts.reduceOp, inputs[0].scalar_type());
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "xcomm.", op, ": got ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
+    checks::reduceScatterBase(outputs[i], inputs[i], size_);
+  }
+  auto& transport = transportFor(inputs[0], op);
+  TensorStaging staging;
+  c10d::ReduceScatterOptions innerOpts = opts;
+  std::vector<at::Tensor> stagedIn;
+  if (isPremul(opts.reduceOp) && !transportHasPremul(inputs[0])) {
+    stagedIn = scaledCopies(inputs, premulFactor(opts.reduceOp));
+    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  } else {
+    stagedIn = staging.in(inputs);
+  }
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.reduce_scatter_tensor_coalesced(stagedOut, stagedIn, innerOpts);
+  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                           std::vector<int64_t>& outputSplits,
+                                                           std::vector<int64_t>& inputSplits,
+                                                           const c10d::AllToAllOptions& opts) {
+  constexpr const char* op = "all_to_all_single";
+  checks::tensorList(op, {input}, "input");
+  checks::tensorList(op, {output}, "output");
+  checks::sameDeviceAndDtype(op, output, input, "output", "input");
+  checks::splits(op, inputSplits, input, size_, "input");
+  checks::splits(op, outputSplits, output, size_, "output");
+  auto& transport = transportFor(input, op);
+  TensorStaging staging;
+  auto stagedIn = staging.in(input);
+  auto stagedOut = staging.out(output);
+  auto work = transport.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits, opts);
+  return wrap(std::move(work), c10d::OpType::ALLTOALL_BASE, staging, listValue({output}));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllToAllOptions& opts) {
+  constexpr const char* op = "all_to_all";
+  checks::tensorList(op, inputs, "input");
+  checks::tensorList(op, outputs, "output");
+  TORCH_CHECK_VALUE(
+      static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_,
+      "xcomm.all_to_all: needs one input and one output tensor per rank (", size_, "), got ",
+      inputs.size(), " inputs and ", outputs.size(), " outputs");
+  checks::sameDeviceAndDtype(op, outputs[0], inputs[0], "output", "input");
+  auto& transport = transportFor(inputs[0], op);
+  TensorStaging staging;
+  auto stagedIn = staging.in(inputs);
+  auto stagedOut = staging.out(outputs);
+  auto work = transport.alltoall(stagedOut, stagedIn, opts);
+  return wrap(std::move(work), c10d::OpType::ALLTOALL, staging, listValue(outputs));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                  int tag) {
+  constexpr const char* op = "send";
+  checks::tensorList(op, tensors);
+  checks::rank(op, dstRank, size_, "destination");
+  TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  auto staged = staging.in(tensors);
+  auto work = transport.send(staged, dstRank, tag);
+  return wrap(std::move(work), c10d::OpType::SEND, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                  int tag) {
+  constexpr const char* op = "recv";
+  checks::tensorList(op, tensors);
+  checks::rank(op, srcRank, size_, "source");
+  TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  auto staged = staging.out(tensors);
+  auto work = transport.recv(staged, srcRank, tag);
+  return wrap(std::move(work), c10d::OpType::RECV, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                           int tag) {
+  constexpr const char* op = "recv";
+  checks::tensorList(op, tensors);
+  TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
+  auto& transport = transportFor(tensors[0], op);
+  TensorStaging staging;
+  auto staged = staging.out(tensors);
+  auto work = transport.recvAnysource(staged, tag);
+  return wrap(std::move(work), c10d::OpType::RECVANYSOURCE, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
+  const bool useCuda =
+      !transports_.cpu || (opts.device && opts.device->is_cuda() && transports_.cuda);
+  auto& transport = useCuda ? *transports_.cuda : *transports_.cpu;
+  auto work = transport.barrier(opts);
+  return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}));
+}
+
+}  // namespace xcomm

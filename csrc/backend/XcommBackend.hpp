@@ -1,0 +1,104 @@
+#pragma once
+// XcommBackend: the c10d::Backend behind init_process_group(backend="xcomm").
+//
+// Every call is checked and staged here, then handed to the transport backend
+// for the tensors' device: Gloo for CPU tensors and NCCL for CUDA tensors when
+// created from Python, or xcomm's own StoreCpuBackend in a C++-only program.
+#include <chrono>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "backend/TensorStaging.hpp"
+#include "backend/XcommOptions.hpp"
+
+namespace xcomm {
+
+class XcommBackend : public c10d::Backend {
+ public:
+  // The transport backends, one per device type; either may be null.
+  struct Transports {
+    c10::intrusive_ptr<c10d::Backend> cpu;
+    c10::intrusive_ptr<c10d::Backend> cuda;
+  };
+
+  XcommBackend(int rank, int size, c10::intrusive_ptr<XcommOptions> options, Transports transports);
+  ~XcommBackend() override;
+
+  // The C++-only entry point: CPU collectives over xcomm's store transport,
+  // nothing but a c10d::Store needed (all ranks pass stores of one server).
+  static c10::intrusive_ptr<XcommBackend> createWithStore(
+      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+      c10::intrusive_ptr<XcommOptions> options = XcommOptions::create());
+
+  const std::string getBackendName() const override { return "xcomm"; }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
+  const Transports& transports() const { return transports_; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts = c10d::ReduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts = c10d::ReduceScatterOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+      std::vector<int64_t>& inputSplits,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+
+ private:
+  c10d::Backend& transportFor(const at::Tensor& t, const char* op);
+  // Whether the transport for `t` implements PREMUL_SUM itself (NCCL does).
+  bool transportHasPremul(const at::Tensor& t) const;
+  c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
+                                      const TensorStaging& staging, c10::IValue result,
+                                      std::function<void()> extraFinalize = {});
+
+  c10::intrusive_ptr<XcommOptions> options_;
+  Transports transports_;
+};
+
+}  // namespace xcomm

@@ -1,0 +1,149 @@
+#include "backend/XcommWork.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace xcomm {
+namespace {
+
+std::vector<at::Tensor> tensorsOf(const c10::IValue& value) {
+  if (value.isTensorList()) {
+    return value.toTensorVector();
+  }
+  if (value.isList()) {  // a list of lists (allgather, gather)
+    std::vector<at::Tensor> flat;
+    for (const auto& inner : value.toListRef()) {
+      auto part = tensorsOf(inner);
+      flat.insert(flat.end(), part.begin(), part.end());
+    }
+    return flat;
+  }
+  return {};
+}
+
+}  // namespace
+
+c10::TypePtr tensorListType() {
+  return c10::ListType::create(c10::TensorType::get());
+}
+
+void RunOnce::run() {
+  std::call_once(once_, [this] {
+    try {
+      fn_();
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+  });
+  if (error_) {
+    std::rethrow_exception(error_);
+  }
+}
+
+DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c10d::Work> inner,
+                             std::function<void()> finalize, c10::IValue result,
+                             c10::TypePtr resultType)
+    : Work(rank, opType), inner_(std::move(inner)), result_(std::move(result)) {
+  TORCH_INTERNAL_ASSERT(inner_, "DelegatedWork needs an inner work");
+  if (!finalize) {
+    return;
+  }
+  finalize_ = std::make_shared<RunOnce>(std::move(finalize));
+  c10::intrusive_ptr<c10::ivalue::Future> innerFuture;
+  try {
+    innerFuture = inner_->getFuture();
+  } catch (const c10::Error&) {
+    return;  // point-to-point works have no future; wait() finalizes them
+  }
+  auto finalizeOnce = finalize_;
+  auto value = result_;
+  chained_ = innerFuture->then(
+      [finalizeOnce, value](c10::ivalue::Future& /*done*/) -> c10::IValue {
+        finalizeOnce->run();
+        return value;
+      },
+      std::move(resultType));
+}
+
+bool DelegatedWork::isCompleted() {
+  return inner_->isCompleted() && (!chained_ || chained_->completed());
+}
+
+bool DelegatedWork::isSuccess() const {
+  return inner_->isSuccess() && (!chained_ || !chained_->completed() || !chained_->hasError());
+}
+
+std::exception_ptr DelegatedWork::exception() const {
+  if (auto e = inner_->exception()) {
+    return e;
+  }
+  if (chained_ && chained_->completed() && chained_->hasError()) {
+    return chained_->exception_ptr();
+  }
+  return nullptr;
+}
+
+int DelegatedWork::sourceRank() const {
+  return inner_->sourceRank();
+}
+
+std::vector<at::Tensor> DelegatedWork::result() {
+  return finalize_ ? tensorsOf(result_) : inner_->result();
+}
+
+void DelegatedWork::synchronize() {
+  inner_->synchronize();
+  if (chained_) {
+    chained_->wait();
+  }
+}
+
+bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
+  const bool ok = inner_->wait(timeout);
+  if (!finalize_) {
+    return ok;
+  }
+  if (chained_) {
+    chained_->wait();  // also orders the current CUDA stream after the copy-back
+    if (chained_->hasError()) {
+      std::rethrow_exception(chained_->exception_ptr());
+    }
+  } else {
+    finalize_->run();
+  }
+  return ok;
+}
+
+void DelegatedWork::abort() {
+  inner_->abort();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> DelegatedWork::getFuture() {
+  return chained_ ? chained_ : inner_->getFuture();
+}
+
+uint64_t DelegatedWork::getSequencenumber() const {
+  return inner_->getSequencenumber();
+}
+
+FutureWork::FutureWork(int rank, c10d::OpType opType, const char* profilingTitle,
+                       c10::IValue result, c10::TypePtr resultType)
+    : Work(rank, opType, profilingTitle),
+      result_(std::move(result)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(std::move(resultType))) {}
+
+void FutureWork::markSucceeded(int sourceRank) {
+  sourceRank_ = sourceRank;
+  future_->markCompleted(result_);
+  finish();
+}
+
+void FutureWork::markFailed(std::exception_ptr error) {
+  future_->setError(error);
+  finish(error);
+}
+
+std::vector<at::Tensor> FutureWork::result() {
+  return tensorsOf(result_);
+}
+
+}  // namespace xcomm

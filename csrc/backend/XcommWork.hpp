@@ -1,0 +1,75 @@
+#pragma once
+// Work objects returned by xcomm's collectives.
+//
+// DelegatedWork wraps the Work of a transport backend (Gloo, NCCL) and adds
+// the step that copies staged results back into the caller's tensors.
+// FutureWork is completed by xcomm's own worker threads.
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace xcomm {
+
+// The future type of collectives whose result is a list of tensors.
+c10::TypePtr tensorListType();
+
+// Runs a callable exactly once, from whichever thread gets there first; later
+// callers block until it finished. An exception is rethrown to every caller.
+class RunOnce {
+ public:
+  explicit RunOnce(std::function<void()> fn) : fn_(std::move(fn)) {}
+  void run();
+
+ private:
+  std::function<void()> fn_;
+  std::once_flag once_;
+  std::exception_ptr error_;
+};
+
+class DelegatedWork : public c10d::Work {
+ public:
+  // `finalize` may be empty. When set, it runs once after `inner` succeeded and
+  // before this work counts as complete; the future then holds `result`.
+  DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c10d::Work> inner,
+                std::function<void()> finalize, c10::IValue result, c10::TypePtr resultType);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  uint64_t getSequencenumber() const override;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::shared_ptr<RunOnce> finalize_;                // null when nothing is staged
+  c10::intrusive_ptr<c10::ivalue::Future> chained_;  // inner's future + finalize
+  c10::IValue result_;
+};
+
+class FutureWork : public c10d::Work {
+ public:
+  FutureWork(int rank, c10d::OpType opType, const char* profilingTitle, c10::IValue result,
+             c10::TypePtr resultType);
+
+  void markSucceeded(int sourceRank = -1);
+  void markFailed(std::exception_ptr error);
+
+  int sourceRank() const override { return sourceRank_; }
+  std::vector<at::Tensor> result() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  c10::IValue result_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  int sourceRank_ = -1;
+};
+
+}  // namespace xcomm

@@ -1,0 +1,68 @@
+#include "transport/StoreTransport.hpp"
+
+#include <cstring>
+#include <thread>
+
+#include <c10/util/Exception.h>
+
+namespace xcomm {
+
+StoreTransport::StoreTransport(c10::intrusive_ptr<c10d::Store> store, int rank, int size)
+    : store_(std::move(store)), rank_(rank), size_(size) {
+  TORCH_CHECK(store_, "xcomm: StoreTransport needs a store");
+}
+
+std::string StoreTransport::key(int src, int dst, const std::string& channel) const {
+  return "xcomm/msg/" + channel + "/" + std::to_string(src) + "-" + std::to_string(dst);
+}
+
+void StoreTransport::send(int dst, const std::string& channel, const void* data, size_t nbytes) {
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  store_->set(key(rank_, dst, channel), std::vector<uint8_t>(bytes, bytes + nbytes));
+}
+
+void StoreTransport::take(const std::string& k, int src, void* data, size_t nbytes) {
+  std::vector<uint8_t> value = store_->get(k);
+  store_->deleteKey(k);
+  TORCH_CHECK(value.size() == nbytes, "xcomm: rank ", src, " sent ", value.size(),
+              " bytes where rank ", rank_, " expected ", nbytes,
+              "; the ranks called the collective with tensors of different sizes or dtypes");
+  if (nbytes > 0) {
+    std::memcpy(data, value.data(), nbytes);
+  }
+}
+
+void StoreTransport::recv(int src, const std::string& channel, void* data, size_t nbytes,
+                          std::chrono::milliseconds timeout) {
+  const std::string k = key(src, rank_, channel);
+  try {
+    store_->wait({k}, timeout);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "xcomm: timed out after ", timeout.count(), " ms waiting for rank ", src,
+                " (", channel, "); the peer is dead, stuck, or called a different collective. ",
+                "Store said: ", e.what_without_backtrace());
+  }
+  take(k, src, data, nbytes);
+}
+
+int StoreTransport::recvAny(const std::vector<int>& sources,
+                            const std::function<std::string(int)>& channelFor, void* data,
+                            size_t nbytes, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(50);
+  while (true) {
+    for (int src : sources) {
+      const std::string k = key(src, rank_, channelFor(src));
+      if (store_->check({k})) {
+        take(k, src, data, nbytes);
+        return src;
+      }
+    }
+    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "xcomm: timed out after ",
+                timeout.count(), " ms in recv from any source; no peer sent a message");
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
+}
+
+}  // namespace xcomm

@@ -1,0 +1,239 @@
+// XcommBackend's C++-only path: ranks are threads sharing a HashStore, as a
+// LibTorch program would run them; results are checked against arithmetic.
+#include <catch2/catch.hpp>
+
+#include <functional>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "backend/XcommBackend.hpp"
+
+using Catch::Contains;
+using xcomm::XcommBackend;
+
+namespace {
+
+using RankFn = std::function<void(XcommBackend&, int rank, int size)>;
+
+// Runs fn on `size` ranks; rethrows the first rank's failure.
+void runRanks(int size, const RankFn& fn,
+              std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::exception_ptr> errors(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        auto backend =
+            XcommBackend::createWithStore(store, r, size, xcomm::XcommOptions::create(timeout));
+        fn(*backend, r, size);
+        backend->shutdown();
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+at::Tensor rankValues(int rank, int64_t n, at::ScalarType dtype) {
+  return (at::arange(n, at::kLong) + 10 * (rank + 1)).to(dtype);
+}
+
+}  // namespace
+
+TEST_CASE("allreduce on every op matches the arithmetic", "[backend]") {
+  for (int size : {1, 2, 3, 4}) {
+    runRanks(size, [](XcommBackend& b, int rank, int size) {
+      using R = c10d::ReduceOp;
+      for (auto op : {R::SUM, R::PRODUCT, R::MIN, R::MAX, R::BAND, R::BOR, R::BXOR}) {
+        std::vector<at::Tensor> ts{rankValues(rank, 5, at::kLong)};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp(op);
+        b.allreduce(ts, opts)->wait();
+        auto expected = rankValues(0, 5, at::kLong);
+        for (int r = 1; r < size; ++r) {
+          auto x = rankValues(r, 5, at::kLong);
+          switch (op) {
+            case R::SUM:
+              expected += x;
+              break;
+            case R::PRODUCT:
+              expected *= x;
+              break;
+            case R::MIN:
+              expected = at::minimum(expected, x);
+              break;
+            case R::MAX:
+              expected = at::maximum(expected, x);
+              break;
+            case R::BAND:
+              expected = expected.bitwise_and(x);
+              break;
+            case R::BOR:
+              expected = expected.bitwise_or(x);
+              break;
+            default:
+              expected = expected.bitwise_xor(x);
+              break;
+          }
+        }
+        INFO("size " << size << " op " << int(op));
+        CHECK(at::equal(ts[0], expected));
+      }
+    });
+  }
+}
+
+TEST_CASE("float AVG and PREMUL_SUM, bitwise identical on every rank", "[backend]") {
+  std::vector<at::Tensor> results(3);
+  runRanks(3, [&](XcommBackend& b, int rank, int size) {
+    std::vector<at::Tensor> avg{at::full({4}, 1.0 + rank)};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::AVG);
+    b.allreduce(avg, opts)->wait();
+    CHECK(at::allclose(avg[0], at::full({4}, 2.0)));
+
+    std::vector<at::Tensor> pre{at::rand({64}, at::TensorOptions().dtype(at::kFloat)) + rank};
+    opts.reduceOp = c10d::makePreMulSum(0.5);
+    b.allreduce(pre, opts)->wait();
+    results[rank] = pre[0];
+  });
+  CHECK(at::equal(results[0], results[1]));
+  CHECK(at::equal(results[1], results[2]));
+}
+
+TEST_CASE("non-contiguous tensors are reduced element by element", "[backend]") {
+  runRanks(2, [](XcommBackend& b, int rank, int size) {
+    auto base = at::zeros({8});
+    base.index_put_({at::indexing::Slice(0, at::indexing::None, 2)}, 1.0 + rank);
+    std::vector<at::Tensor> ts{base.slice(0, 0, 8, 2)};  // stride 2
+    b.allreduce(ts)->wait();
+    CHECK(at::equal(ts[0], at::full({4}, 3.0)));
+    // The elements between the strided ones are untouched.
+    CHECK(at::equal(base.slice(0, 1, 8, 2), at::zeros({4})));
+  });
+}
+
+TEST_CASE("broadcast, allgather, gather and scatter move the right data", "[backend]") {
+  runRanks(3, [](XcommBackend& b, int rank, int size) {
+    for (int root = 0; root < size; ++root) {
+      std::vector<at::Tensor> ts{rankValues(rank, 4, at::kFloat)};
+      c10d::BroadcastOptions bo;
+      bo.rootRank = root;
+      b.broadcast(ts, bo)->wait();
+      CHECK(at::equal(ts[0], rankValues(root, 4, at::kFloat)));
+    }
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (int r = 0; r < size; ++r) outs[0].push_back(at::zeros({4}, at::kInt));
+    std::vector<at::Tensor> in{rankValues(rank, 4, at::kInt)};
+    auto work = b.allgather(outs, in);
+    work->wait();
+    for (int r = 0; r < size; ++r) CHECK(at::equal(outs[0][r], rankValues(r, 4, at::kInt)));
+
+    at::Tensor flatOut = at::zeros({4 * size}, at::kInt);
+    b._allgather_base(flatOut, in[0])->wait();
+    CHECK(at::equal(flatOut.view({size, 4})[size - 1], rankValues(size - 1, 4, at::kInt)));
+
+    std::vector<std::vector<at::Tensor>> gathered;
+    if (rank == 1)
+      gathered = {{at::zeros({4}, at::kInt), at::zeros({4}, at::kInt), at::zeros({4}, at::kInt)}};
+    c10d::GatherOptions go;
+    go.rootRank = 1;
+    b.gather(gathered, in, go)->wait();
+    if (rank == 1) CHECK(at::equal(gathered[0][2], rankValues(2, 4, at::kInt)));
+
+    std::vector<std::vector<at::Tensor>> toScatter;
+    if (rank == 0)
+      toScatter = {
+          {rankValues(0, 4, at::kInt), rankValues(1, 4, at::kInt), rankValues(2, 4, at::kInt)}};
+    std::vector<at::Tensor> got{at::zeros({4}, at::kInt)};
+    b.scatter(got, toScatter)->wait();
+    CHECK(at::equal(got[0], rankValues(rank, 4, at::kInt)));
+  });
+}
+
+TEST_CASE("reduce_scatter_tensor and uneven all_to_all_single", "[backend]") {
+  runRanks(2, [](XcommBackend& b, int rank, int size) {
+    auto in = at::arange(6, at::kFloat) * (rank + 1);  // sum over ranks = 3 * arange
+    auto out = at::zeros({3});
+    b._reduce_scatter_base(out, in)->wait();
+    CHECK(at::equal(out, at::arange(3 * rank, 3 * rank + 3, at::kFloat) * 3));
+
+    // rank 0 sends 1 row to rank 0 and 2 rows to rank 1; rank 1 sends 3 and 0.
+    std::vector<int64_t> inSplits =
+        rank == 0 ? std::vector<int64_t>{1, 2} : std::vector<int64_t>{3, 0};
+    std::vector<int64_t> outSplits =
+        rank == 0 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{2, 0};
+    auto a2aIn = at::arange(3, at::kFloat) + 100 * rank;
+    auto a2aOut = at::zeros({rank == 0 ? 4 : 2});
+    b.alltoall_base(a2aOut, a2aIn, outSplits, inSplits)->wait();
+    auto expected = rank == 0 ? at::tensor(std::vector<float>{0, 100, 101, 102})
+                              : at::tensor(std::vector<float>{1, 2});
+    CHECK(at::equal(a2aOut, expected));
+  });
+}
+
+TEST_CASE("send/recv in a ring, recv from any source, and the future's value", "[backend]") {
+  runRanks(3, [](XcommBackend& b, int rank, int size) {
+    std::vector<at::Tensor> out{at::full({3}, double(rank))};
+    std::vector<at::Tensor> in{at::zeros({3})};
+    auto recvWork = b.recv(in, (rank + size - 1) % size, 7);
+    b.send(out, (rank + 1) % size, 7)->wait();
+    recvWork->wait();
+    CHECK(at::equal(in[0], at::full({3}, double((rank + size - 1) % size))));
+
+    if (rank == 0) {
+      for (int i = 0; i < size - 1; ++i) {
+        std::vector<at::Tensor> any{at::zeros({1})};
+        auto w = b.recvAnysource(any, 3);
+        w->wait();
+        CHECK(any[0].item<float>() == float(w->sourceRank()));
+      }
+    } else {
+      std::vector<at::Tensor> mine{at::full({1}, double(rank))};
+      b.send(mine, 0, 3)->wait();
+    }
+
+    std::vector<at::Tensor> ts{at::ones({2})};
+    auto work = b.allreduce(ts);
+    auto fut = work->getFuture();
+    fut->wait();
+    auto value = fut->value().toTensorVector();
+    REQUIRE(value.size() == 1);
+    CHECK(at::equal(value[0], at::full({2}, double(size))));
+    b.barrier()->wait();
+  });
+}
+
+TEST_CASE("a missing peer is an error within the timeout, not a hang", "[backend]") {
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(runRanks(
+                        2,
+                        [](XcommBackend& b, int rank, int size) {
+                          if (rank == 1) return;  // never joins the collective
+                          std::vector<at::Tensor> ts{at::ones({2})};
+                          b.allreduce(ts)->wait();
+                        },
+                        std::chrono::milliseconds(500)),
+                    Contains("timed out") && Contains("rank 1"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+}
+
+TEST_CASE("bad input raises before anything is sent", "[backend]") {
+  runRanks(1, [](XcommBackend& b, int rank, int size) {
+    std::vector<at::Tensor> floats{at::ones({2})};
+    c10d::AllreduceOptions band;
+    band.reduceOp = c10d::ReduceOp(c10d::ReduceOp::BAND);
+    CHECK_THROWS_WITH(b.allreduce(floats, band), Contains("BAND"));
+    c10d::BroadcastOptions bo;
+    bo.rootRank = 3;
+    CHECK_THROWS_WITH(b.broadcast(floats, bo), Contains("root rank 3"));
+    at::Tensor out = at::zeros({3});
+    CHECK_THROWS_WITH(b._allgather_base(out, floats[0]), Contains("output tensor has 3"));
+  });
+}
