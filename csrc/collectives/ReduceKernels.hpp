@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "common/TorchCompat.hpp"
+
 namespace xcomm {
 
 // Folds `x` into `acc` (acc = acc (op) x). Both tensors are contiguous and of

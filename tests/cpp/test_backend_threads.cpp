@@ -1,13 +1,15 @@
 // XcommBackend's C++-only path: ranks are threads sharing a HashStore, as a
 // LibTorch program would run them; results are checked against arithmetic.
-#include <catch2/catch.hpp>
-
 #include <functional>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "backend/XcommBackend.hpp"
+#include "common/TorchCompat.hpp"
+
+// After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
+#include <catch2/catch.hpp>
 
 using Catch::Contains;
 using xcomm::XcommBackend;
@@ -99,7 +101,7 @@ TEST_CASE("float AVG and PREMUL_SUM, bitwise identical on every rank", "[backend
     CHECK(at::allclose(avg[0], at::full({4}, 2.0)));
 
     std::vector<at::Tensor> pre{at::rand({64}, at::TensorOptions().dtype(at::kFloat)) + rank};
-    opts.reduceOp = c10d::makePreMulSum(0.5);
+    opts.reduceOp = xcomm::compat::makePreMulSum(0.5);
     b.allreduce(pre, opts)->wait();
     results[rank] = pre[0];
   });

@@ -1,7 +1,8 @@
 // Input checks: each bad input raises an error that names the problem.
-#include <catch2/catch.hpp>
-
 #include "backend/InputChecks.hpp"
+
+// After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
+#include <catch2/catch.hpp>
 
 namespace checks = xcomm::checks;
 using Catch::Contains;

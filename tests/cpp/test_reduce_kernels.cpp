@@ -1,7 +1,8 @@
 // Reduction kernels against the arithmetic they stand for.
-#include <catch2/catch.hpp>
-
 #include "collectives/ReduceKernels.hpp"
+
+// After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
+#include <catch2/catch.hpp>
 
 using xcomm::reduceInto;
 using RedOp = c10d::ReduceOp::RedOpType;
@@ -77,8 +78,8 @@ TEST_CASE("reduceOpSupports follows the dtype rules", "[reduce]") {
 }
 
 TEST_CASE("premulFactor reads scalar and tensor factors", "[reduce]") {
-  CHECK(xcomm::premulFactor(c10d::makePreMulSum(2.5)) == Approx(2.5));
-  CHECK(xcomm::premulFactor(c10d::makePreMulSum(at::full({1}, 0.25))) == Approx(0.25));
+  CHECK(xcomm::premulFactor(xcomm::compat::makePreMulSum(2.5)) == Approx(2.5));
+  CHECK(xcomm::premulFactor(xcomm::compat::makePreMulSum(at::full({1}, 0.25))) == Approx(0.25));
   c10d::ReduceOp bare;  // PREMUL_SUM without its factor
   bare.op_ = RedOp::PREMUL_SUM;
   CHECK_THROWS_WITH(xcomm::premulFactor(bare), Catch::Contains("factor"));

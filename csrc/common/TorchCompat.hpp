@@ -1,0 +1,26 @@
+#pragma once
+// What differs between the torch versions xcomm builds against (2.11 to 2.14),
+// in one place. Everything else uses names common to all of them.
+#include <torch/headeronly/version.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+namespace xcomm::compat {
+
+// torch 2.13 renamed NCCLPreMulSumSupplement (keeping an alias); 2.14 dropped
+// the old name.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
+#else
+using PreMulSumSupplement = c10d::PreMulSumSupplement;
+#endif
+
+// A PREMUL_SUM ReduceOp with `factor` (a double or a one-element tensor).
+template <typename T>
+c10d::ReduceOp makePreMulSum(const T& factor) {
+  c10d::ReduceOp op;
+  op.op_ = c10d::ReduceOp::PREMUL_SUM;
+  op.supplement_ = c10::make_intrusive<PreMulSumSupplement>(factor);
+  return op;
+}
+
+}  // namespace xcomm::compat
