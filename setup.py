@@ -13,6 +13,7 @@ recompiles that file. Environment knobs:
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -33,7 +34,12 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         import torch.utils
 
-        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        target = Path(self.get_ext_fullpath(ext.name)).resolve()
+        out_dir = target.parent
+        if getattr(self, "editable_mode", False) or self.inplace:
+            # Editable installs import from the source tree: build straight
+            # into it, so `cmake --build build/cmake-pyXY` alone refreshes it.
+            out_dir = ROOT / "python" / "xcomm"
         build_dir = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
         build_dir.mkdir(parents=True, exist_ok=True)
         generator = ["-G", "Ninja"] if self._has_ninja() else []
@@ -55,6 +61,10 @@ class CMakeBuild(build_ext):
         subprocess.run(configure, check=True)
         jobs = os.environ.get("XCOMM_BUILD_JOBS", str(os.cpu_count() or 2))
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
+        built = out_dir / target.name
+        if built != target:  # setuptools expects the module where it asked for it
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built, target)
 
     @staticmethod
     def _has_ninja() -> bool:

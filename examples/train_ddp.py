@@ -25,6 +25,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import xcomm  # noqa: F401  (registers the "xcomm" backend)
+from xcomm import hooks as xhooks
+from xcomm.hooks.stats import CompressionStats, allreduce_bytes
+
+COMPRESSION = ["none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd"]
 
 
 @dataclass
@@ -74,6 +78,32 @@ def register_hook(model: DDP, hook: str) -> None:
         raise ValueError(f"unknown hook {hook!r}")
 
 
+def register_compression(
+    model: DDP, method: str, density: float, rank: int
+) -> CompressionStats | None:
+    """Registers xcomm's hook for `method`; returns its statistics."""
+    if method == "none":
+        return None
+    if method in ("fp16", "bf16"):
+        state = xhooks.CastState()
+        hook = xhooks.fp16_cast_hook if method == "fp16" else xhooks.bf16_cast_hook
+    elif method == "int8":
+        state, hook = xhooks.Int8State(), xhooks.int8_compress_hook
+    elif method == "topk":
+        state, hook = xhooks.TopKState(density=density), xhooks.topk_hook
+    elif method == "randomk":
+        state, hook = xhooks.RandomKState(density=density), xhooks.randomk_hook
+    elif method == "powersgd":
+        state = xhooks.PowerSGDState(
+            process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=10
+        )
+        hook = xhooks.powersgd_hook
+    else:
+        raise ValueError(f"unknown compression {method!r}")
+    model.register_comm_hook(state, hook)
+    return state.stats
+
+
 def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     with torch.no_grad():
         return (model(x).argmax(dim=1) == y).float().mean().item()
@@ -84,13 +114,18 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     data = load_digits(args.seed)
     model = DDP(make_model())
+    if args.hook != "none" and args.compression != "none":
+        raise ValueError("choose either --hook (torch's) or --compression (xcomm's), not both")
     register_hook(model, args.hook)
+    stats = register_compression(model, args.compression, args.density, rank)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     per_rank = args.batch_size // world_size
     n_train = len(data.x_train)
 
     step_times: list[float] = []
+    wire_before = 0
     for step in range(1, args.steps + 1):
         # Each global batch is split across ranks, so the run does the same
         # arithmetic whatever the world size.
@@ -105,16 +140,22 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         step_times.append(time.perf_counter() - t0)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
             recent = step_times[-args.log_every :]
+            # Link traffic per step: the hook's count, or a ring allreduce of every gradient.
+            wire_now = stats.bytes_on_wire if stats else allreduce_bytes(grad_bytes, world_size) * step
+            per_step = (wire_now - wire_before) / len(recent)
+            wire_before = wire_now
             print(
                 f"step {step:4d}  loss {loss.item():.4f}  "
                 f"test acc {accuracy(model, data.x_test, data.y_test):.4f}  "
-                f"time/step {1000 * sum(recent) / len(recent):.2f} ms",
+                f"time/step {1000 * sum(recent) / len(recent):.2f} ms  "
+                f"wire/step {per_step / 1024:.1f} KiB",
                 flush=True,
             )
     if rank == 0:
         mean_ms = 1000 * sum(step_times) / len(step_times)
         print(
-            f"done: backend={args.backend} hook={args.hook} world_size={world_size} "
+            f"done: backend={args.backend} hook={args.hook} compression={args.compression} "
+            f"world_size={world_size} "
             f"steps={args.steps} final test accuracy "
             f"{accuracy(model, data.x_test, data.y_test):.4f}  mean time/step {mean_ms:.2f} ms",
             flush=True,
@@ -148,6 +189,11 @@ def parse_args() -> argparse.Namespace:
         "--hook", default="none", choices=["none", "allreduce", "fp16", "powersgd"],
         help="a torch DDP comm hook to register (default: DDP's own allreduce)",
     )
+    p.add_argument(
+        "--compression", default="none", choices=COMPRESSION,
+        help="xcomm's gradient compression hook (default: none)",
+    )
+    p.add_argument("--density", type=float, default=0.05, help="top-k / random-k density")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn without torchrun")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=64, help="global batch size")

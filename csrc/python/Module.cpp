@@ -4,8 +4,32 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/XcommBackend.hpp"
+#include "python/Bindings.hpp"
+
+#include <map>
+#include <string>
 
 namespace py = pybind11;
+
+namespace xcomm::python {
+namespace {
+
+std::map<std::string, BindFn>& registry() {
+  static std::map<std::string, BindFn> functions;
+  return functions;
+}
+
+}  // namespace
+
+BindingRegistrar::BindingRegistrar(const char* name, BindFn fn) {
+  registry()[name] = fn;
+}
+
+void bindAll(pybind11::module_& m) {
+  for (const auto& [name, fn] : registry()) fn(m);
+}
+
+}  // namespace xcomm::python
 
 namespace {
 
@@ -55,6 +79,8 @@ PYBIND11_MODULE(_C, m) {
         const auto& t = b.transports().cuda;
         return t ? t->getBackendName() : std::string();
       });
+
+  xcomm::python::bindAll(m);
 
 #ifdef XCOMM_WITH_CUDA
   m.attr("built_with_cuda") = true;

@@ -1,0 +1,51 @@
+#pragma once
+// int8 quantization with one float32 scale per chunk of elements.
+//
+// Used as a compressed reduce-scatter then allgather: each rank quantizes its
+// buffer in `world` shards and sends shard j to rank j (alltoall); rank j sums
+// the shards it received in float32 (in rank order) and quantizes the sum;
+// an allgather gives everyone every reduced shard. Each rank sends about
+// 2 (world-1)/world bytes per element, as a ring allreduce of int8 would.
+//
+// A packed shard is [int8 values (shardElems) | float32 scales (chunks)].
+// A chunk holding NaN or Inf decodes to NaN, so a non-finite gradient stays
+// visible (as an uncompressed allreduce would leave it) instead of vanishing.
+#include <cstdint>
+
+#include <ATen/ATen.h>
+
+namespace xcomm {
+
+class Int8Codec {
+ public:
+  explicit Int8Codec(int64_t chunkElems = 1024);
+
+  int64_t chunkElems() const { return chunkElems_; }
+  // Elements per shard: numel split over `world`, rounded up to whole chunks.
+  int64_t shardElems(int64_t numel, int world) const;
+  // Bytes of one packed shard of `elems` elements.
+  int64_t packedBytes(int64_t elems) const;
+
+  // Quantizes `flat` (any floating dtype) as `world` shards: uint8 [world, packedBytes].
+  at::Tensor packShards(const at::Tensor& flat, int world) const;
+  // Dequantizes and sums the world's versions of one shard, uint8 [world, packedBytes],
+  // into float32 [shardElems], in rank order (so every run gives the same bits).
+  at::Tensor reduceShards(const at::Tensor& received, int64_t shardElems) const;
+  // Quantizes one float32 shard: uint8 [packedBytes].
+  at::Tensor pack(const at::Tensor& shard) const;
+  // Dequantizes the world's packed shards, uint8 [world, packedBytes], into
+  // `out` (flat, any floating dtype; its numel may be less than world * shard).
+  void unpackAll(const at::Tensor& gathered, int64_t shardElems, at::Tensor& out) const;
+
+  // Quantize then dequantize, for error feedback and tests: what the peers see.
+  at::Tensor roundTrip(const at::Tensor& flat) const;
+
+ private:
+  void quantize(const float* src, int64_t n, int8_t* dst, float* scales) const;
+  void dequantize(const int8_t* src, const float* scales, int64_t n, float* dst,
+                  bool accumulate) const;
+
+  int64_t chunkElems_;
+};
+
+}  // namespace xcomm

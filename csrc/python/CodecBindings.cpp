@@ -1,0 +1,109 @@
+// Bindings of the int8, top-k and random-k codecs (xcomm._C).
+#include <pybind11/stl.h>
+
+#include "compress/Int8Codec.hpp"
+#include "compress/RandomKCodec.hpp"
+#include "compress/TopKCodec.hpp"
+#include "python/Bindings.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+template <typename Codec>
+void bindFeedbackState(py::class_<Codec>& cls) {
+  cls.def(
+         "feedback_state",
+         [](Codec& c) {
+           std::map<int64_t, at::Tensor> copy;
+           for (const auto& [key, t] : c.errorFeedback().state()) copy[key] = t.clone();
+           return copy;
+         },
+         "The error-feedback residuals by bucket key (copies), for checkpoints.")
+      .def(
+          "load_feedback_state",
+          [](Codec& c, std::map<int64_t, at::Tensor> state) {
+            for (auto& [key, t] : state) t = t.clone();
+            c.errorFeedback().load(std::move(state));
+          },
+          py::arg("state"));
+}
+
+void bindCodecs(py::module_& m) {
+  py::class_<xcomm::ErrorFeedback>(m, "ErrorFeedback", "Per-bucket error-feedback residuals.")
+      .def(py::init<>())
+      .def("compensate", &xcomm::ErrorFeedback::compensate, py::arg("key"), py::arg("input"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("store", &xcomm::ErrorFeedback::store, py::arg("key"), py::arg("residual"))
+      .def("clear", &xcomm::ErrorFeedback::clear)
+      .def("state",
+           [](const xcomm::ErrorFeedback& f) {
+             std::map<int64_t, at::Tensor> copy;
+             for (const auto& [key, t] : f.state()) copy[key] = t.clone();
+             return copy;
+           })
+      .def(
+          "load",
+          [](xcomm::ErrorFeedback& f, std::map<int64_t, at::Tensor> state) {
+            for (auto& [key, t] : state) t = t.clone();
+            f.load(std::move(state));
+          },
+          py::arg("state"));
+
+  py::class_<xcomm::Int8Codec>(m, "Int8Codec", "int8 quantization with a float32 scale per chunk.")
+      .def(py::init<int64_t>(), py::arg("chunk_elems") = 1024)
+      .def_property_readonly("chunk_elems", &xcomm::Int8Codec::chunkElems)
+      .def("shard_elems", &xcomm::Int8Codec::shardElems, py::arg("numel"), py::arg("world"))
+      .def("packed_bytes", &xcomm::Int8Codec::packedBytes, py::arg("elems"))
+      .def("pack_shards", &xcomm::Int8Codec::packShards, py::arg("flat"), py::arg("world"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_shards", &xcomm::Int8Codec::reduceShards, py::arg("received"),
+           py::arg("shard_elems"), py::call_guard<py::gil_scoped_release>())
+      .def("pack", &xcomm::Int8Codec::pack, py::arg("shard"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "unpack_all",
+          [](const xcomm::Int8Codec& c, const at::Tensor& gathered, int64_t shard, at::Tensor out) {
+            c.unpackAll(gathered, shard, out);
+          },
+          py::arg("gathered"), py::arg("shard_elems"), py::arg("out"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("round_trip", &xcomm::Int8Codec::roundTrip, py::arg("flat"),
+           py::call_guard<py::gil_scoped_release>());
+
+  py::class_<xcomm::TopKCodec> topk(m, "TopKCodec", "Top-k sparsification with error feedback.");
+  topk.def(py::init<bool, bool, int64_t, uint64_t>(), py::arg("approximate"),
+           py::arg("error_feedback"), py::arg("sample_size") = 4096, py::arg("seed") = 0)
+      .def_static("k_for", &xcomm::TopKCodec::kFor, py::arg("numel"), py::arg("density"))
+      .def_static("packed_bytes", &xcomm::TopKCodec::packedBytes, py::arg("k"), py::arg("dtype"))
+      .def("encode", &xcomm::TopKCodec::encode, py::arg("key"), py::arg("flat"), py::arg("k"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "decode",
+          [](const xcomm::TopKCodec& c, const at::Tensor& gathered, int64_t k, at::Tensor out,
+             double divisor) { c.decode(gathered, k, out, divisor); },
+          py::arg("gathered"), py::arg("k"), py::arg("out"), py::arg("divisor"),
+          py::call_guard<py::gil_scoped_release>())
+      .def("get_rng_state", &xcomm::TopKCodec::rngState)
+      .def("set_rng_state", &xcomm::TopKCodec::setRngState, py::arg("state"));
+  bindFeedbackState(topk);
+
+  py::class_<xcomm::RandomKCodec> randk(m, "RandomKCodec",
+                                        "Random-k sparsification from a shared seed.");
+  randk.def(py::init<uint64_t, bool>(), py::arg("seed"), py::arg("error_feedback"))
+      .def("positions", &xcomm::RandomKCodec::positions, py::arg("key"), py::arg("step"),
+           py::arg("numel"), py::arg("density"), py::call_guard<py::gil_scoped_release>())
+      .def("encode", &xcomm::RandomKCodec::encode, py::arg("key"), py::arg("flat"),
+           py::arg("positions"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "decode",
+          [](const xcomm::RandomKCodec& c, const at::Tensor& reduced, const at::Tensor& positions,
+             at::Tensor out, double divisor) { c.decode(reduced, positions, out, divisor); },
+          py::arg("reduced"), py::arg("positions"), py::arg("out"), py::arg("divisor"),
+          py::call_guard<py::gil_scoped_release>());
+  bindFeedbackState(randk);
+}
+
+}  // namespace
+
+XCOMM_REGISTER_BINDINGS(codecs, bindCodecs);

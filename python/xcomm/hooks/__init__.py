@@ -1,0 +1,25 @@
+"""DDP communication hooks with gradient compression, beside torch's own.
+
+Each method has a state class and a hook; register them with
+``model.register_comm_hook(state, hook)``. Every state keeps
+``CompressionStats`` in ``state.stats`` and checkpoints with
+``state_dict()`` / ``load_state_dict()``.
+"""
+
+from .cast import CastState, bf16_cast_hook, fp16_cast_hook
+from .int8 import Int8State, int8_compress_hook
+from .sparse import RandomKState, TopKState, randomk_hook, topk_hook
+from .stats import CompressionStats
+
+__all__ = [
+    "CastState",
+    "CompressionStats",
+    "Int8State",
+    "RandomKState",
+    "TopKState",
+    "bf16_cast_hook",
+    "fp16_cast_hook",
+    "int8_compress_hook",
+    "randomk_hook",
+    "topk_hook",
+]

@@ -1,0 +1,200 @@
+"""Top-k and random-k sparsification hooks with error feedback.
+
+Both add the bucket's residual ``e`` to the gradient, ``a = g + e``, send
+``k = ceil(density * L)`` of its ``L`` entries and keep the rest as the next
+residual, ``e = a - sent``, so nothing is lost, only delayed (as in DGC).
+
+- Top-k sends the ``k`` largest-magnitude entries. Ranks choose different
+  positions, so each rank's ``k`` (int32 index, value) pairs are allgathered
+  and summed: ``mean = (1/n) sum_r scatter(idx_r, val_r)``. Traffic per rank:
+  ``(n-1) * k * (4 + itemsize)`` bytes.
+- Random-k draws the same positions on every rank from a shared seed, the
+  bucket index and the step, so a dense allreduce of the ``k`` selected values
+  is exact and no indices are sent: ``2 (n-1)/n * k * itemsize`` bytes.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ._common import (
+    StepCounter,
+    allreduce_mean,
+    check_density,
+    check_floating,
+    check_start_iter,
+    group_size,
+)
+from .stats import CompressionStats, allgather_bytes, allreduce_bytes
+
+__all__ = ["TopKState", "topk_hook", "RandomKState", "randomk_hook"]
+
+
+@dataclass
+class TopKState:
+    """State of :func:`topk_hook`.
+
+    Args:
+        process_group: the group to reduce over (default: the default group).
+        density: fraction of entries sent per bucket, in (0, 1].
+        approximate: estimate the top-k threshold from a sample (faster on
+            large buckets) instead of a full top-k.
+        error_feedback: keep what was not sent for the next step.
+        start_iter: iterations reduced uncompressed first (>= 2 with error feedback).
+        warmup_steps: after ``start_iter``, the density decays exponentially
+            from ``warmup_density`` to ``density`` over this many steps (DGC's
+            warm-up); 0 disables it.
+        warmup_density: the density at the start of the warm-up.
+        seed: seed of the sampling in approximate mode.
+
+    Example::
+
+        >>> from xcomm.hooks import TopKState, topk_hook
+        >>> model.register_comm_hook(TopKState(density=0.01), topk_hook)  # doctest: +SKIP
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    density: float = 0.01
+    approximate: bool = False
+    error_feedback: bool = True
+    start_iter: int = 2
+    warmup_steps: int = 0
+    warmup_density: float = 0.25
+    seed: int = 0
+    stats: CompressionStats = field(default_factory=CompressionStats)
+
+    def __post_init__(self) -> None:
+        check_density("TopKState", self.density)
+        check_density("TopKState (warmup_density)", self.warmup_density)
+        check_start_iter("TopKState", self.start_iter, self.error_feedback)
+        if self.warmup_steps < 0:
+            raise ValueError(f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}")
+        self.codec = _C.TopKCodec(self.approximate, self.error_feedback, 4096, self.seed)
+        self.steps = StepCounter()
+
+    def current_density(self) -> float:
+        """The density of this step, following the warm-up schedule."""
+        done = self.steps.iter - self.start_iter
+        if self.warmup_steps <= 0 or done >= self.warmup_steps:
+            return self.density
+        start = max(self.warmup_density, self.density)
+        return start * (self.density / start) ** (done / self.warmup_steps)
+
+    def state_dict(self) -> dict:
+        return {
+            "iter": self.steps.iter,
+            "feedback": self.codec.feedback_state(),
+            "rng": self.codec.get_rng_state(),
+            "stats": self.stats.as_dict(),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        self.steps.iter = int(d["iter"])
+        self.codec.load_feedback_state(d["feedback"])
+        self.codec.set_rng_state(d["rng"])
+        self.stats.load_dict(d["stats"])
+
+
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Averages the top-k entries of every rank's (gradient + residual)."""
+    buffer = bucket.buffer()
+    check_floating("topk_hook", buffer)
+    if state.steps.iter < state.start_iter:
+        state.steps.after_bucket(bucket)
+        return allreduce_mean(state, bucket, state.stats)
+    density = state.current_density()
+    state.steps.after_bucket(bucket)
+
+    world = group_size(state.process_group)
+    k = _C.TopKCodec.k_for(buffer.numel(), density)
+    packed = state.codec.encode(bucket.index(), buffer, k)
+    state.stats.record(
+        allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
+    )
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8)
+    fut = dist.all_gather_into_tensor(
+        gathered, packed, group=state.process_group, async_op=True
+    ).get_future()
+
+    def decode(f: torch.futures.Future) -> torch.Tensor:
+        state.codec.decode(gathered, k, buffer, float(world))
+        return buffer
+
+    return fut.then(decode)
+
+
+@dataclass
+class RandomKState:
+    """State of :func:`randomk_hook`.
+
+    Args:
+        process_group: the group to reduce over (default: the default group).
+        density: expected fraction of entries sent per bucket, in (0, 1].
+        seed: the shared seed; every rank must use the same one.
+        error_feedback: keep what was not sent for the next step.
+        start_iter: iterations reduced uncompressed first (>= 2 with error feedback).
+
+    Example::
+
+        >>> from xcomm.hooks import RandomKState, randomk_hook
+        >>> model.register_comm_hook(RandomKState(density=0.05), randomk_hook)  # doctest: +SKIP
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    density: float = 0.01
+    seed: int = 0
+    error_feedback: bool = True
+    start_iter: int = 2
+    stats: CompressionStats = field(default_factory=CompressionStats)
+
+    def __post_init__(self) -> None:
+        check_density("RandomKState", self.density)
+        check_start_iter("RandomKState", self.start_iter, self.error_feedback)
+        self.codec = _C.RandomKCodec(self.seed, self.error_feedback)
+        self.steps = StepCounter()
+
+    def state_dict(self) -> dict:
+        return {
+            "iter": self.steps.iter,
+            "feedback": self.codec.feedback_state(),
+            "stats": self.stats.as_dict(),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        self.steps.iter = int(d["iter"])
+        self.codec.load_feedback_state(d["feedback"])
+        self.stats.load_dict(d["stats"])
+
+
+def randomk_hook(
+    state: RandomKState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Averages the same random subset of entries on every rank with one allreduce."""
+    buffer = bucket.buffer()
+    check_floating("randomk_hook", buffer)
+    if state.steps.iter < state.start_iter:
+        state.steps.after_bucket(bucket)
+        return allreduce_mean(state, bucket, state.stats)
+    step = state.steps.iter
+    state.steps.after_bucket(bucket)
+
+    world = group_size(state.process_group)
+    key = bucket.index()
+    positions = state.codec.positions(key, step, buffer.numel(), state.density)
+    values = state.codec.encode(key, buffer, positions)
+    state.stats.record(
+        allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world)
+    )
+    fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
+
+    def decode(f: torch.futures.Future) -> torch.Tensor:
+        state.codec.decode(f.value()[0], positions, buffer, float(world))
+        return buffer
+
+    return fut.then(decode)
+
+
