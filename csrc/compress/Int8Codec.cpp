@@ -121,6 +121,9 @@ at::Tensor Int8Codec::pack(const at::Tensor& shard) const {
 }
 
 void Int8Codec::unpackAll(const at::Tensor& gathered, int64_t shard, at::Tensor& out) const {
+  if (out.numel() == 0) {
+    return;
+  }
   at::Tensor packed = gathered.contiguous().view({-1, packedBytes(shard)});
   const int64_t world = packed.size(0);
   TORCH_CHECK_VALUE(out.numel() <= world * shard, "xcomm: int8 output larger than the payload");

@@ -12,11 +12,14 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "backend/InputChecks.hpp"
 #include "compress/PowerSgdKernels.hpp"
 
 namespace xcomm {
 
 namespace {
+
+using checks::dtypeName;
 
 // Work items are cut to about this many elements, so a big matrix spreads
 // over threads and small ones are not split into pieces too small to pay
@@ -27,10 +30,6 @@ constexpr int64_t kParallelThreshold = int64_t{1} << 15;
 // projectColumns keeps (column range x rank) accumulators; bound them to
 // stay in L1.
 constexpr int64_t kMaxColumnAccumulators = 2048;
-
-std::string dtypeName(at::ScalarType t) {
-  return std::string("torch.") + c10::getDtypeNames(t).first;
-}
 
 bool supportedDtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -175,6 +174,8 @@ struct PowerSgdCodec::Bucket {
 PowerSgdCodec::PowerSgdCodec(PowerSgdOptions options) : options_(options) {
   options_.validate();
 }
+
+PowerSgdCodec::~PowerSgdCodec() = default;
 
 PowerSgdCodec::BucketPlan PowerSgdCodec::planLayout(const at::Tensor& buffer,
                                                     const std::vector<at::Tensor>& grads,

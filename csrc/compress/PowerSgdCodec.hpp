@@ -70,6 +70,9 @@ struct PowerSgdParamState {
 class PowerSgdCodec {
  public:
   explicit PowerSgdCodec(PowerSgdOptions options);
+  ~PowerSgdCodec();
+  PowerSgdCodec(const PowerSgdCodec&) = delete;
+  PowerSgdCodec& operator=(const PowerSgdCodec&) = delete;
 
   const PowerSgdOptions& options() const { return options_; }
 

@@ -258,6 +258,10 @@ def _rank_main(rank: int, spec: _RunSpec) -> None:
                 spec.pg_timeout,
                 spec.use_pg_options,
             )
+            if dist.get_backend() != spec.backend:
+                raise AssertionError(
+                    f"default group backend is {dist.get_backend()!r}, expected {spec.backend!r}"
+                )
             if spec.ref_group:
                 ref = dist.new_group(backend="gloo", timeout=spec.pg_timeout)
         ctx = RankContext(
@@ -290,7 +294,7 @@ def _subprocess_entry() -> None:
     """``python -c 'import dist_harness; dist_harness._subprocess_entry()' SPEC RANK``."""
     spec_path, rank = sys.argv[1], int(sys.argv[2])
     with open(spec_path, "rb") as f:
-        sys.path[:0] = pickle.loads(f.read())  # sys.path first: spec needs it
+        sys.path[:0] = pickle.load(f)  # sys.path first: unpickling the spec needs it
         spec: _RunSpec = pickle.load(f)
     _rank_main(rank, spec)
 
@@ -488,6 +492,8 @@ def _supervise(
                 deadline = min(deadline, now + FAILURE_GRACE)
         if all(exited):
             break
+        if may_die and all(exited[r] for r in range(n) if r not in may_die):
+            break  # only ranks allowed to die (e.g. a stopped victim) are left
         # A rank that returned its value gets SHUTDOWN_GRACE to exit.
         for r, t in result_time.items():
             if procs[r].exitcode() is None and now - t > SHUTDOWN_GRACE:
@@ -498,7 +504,9 @@ def _supervise(
         time.sleep(0.02)
 
     # Let faulthandler-less ranks die; capture stacks of the stuck ones first.
-    stuck = [r for r in range(n) if procs[r].exitcode() is None]
+    stuck = [r for r in range(n) if procs[r].exitcode() is None and r not in may_die]
+    for r in may_die:
+        procs[r].kill()
     if stuck:
         for r in stuck:
             pid = procs[r].pid
@@ -527,9 +535,7 @@ def _supervise(
                     cause = pickle.loads(res["pickled"])
         elif res is None and r not in may_die:
             if r in stuck:
-                problems.append(
-                    f"--- rank {r} HUNG (no result after {elapsed:.1f}s, killed)"
-                )
+                problems.append(f"--- rank {r} HUNG (no result after {elapsed:.1f}s, killed)")
             else:
                 problems.append(f"--- rank {r} died without a result ({_signal_name(code or 0)})")
         elif res is not None and r in stuck:
@@ -537,8 +543,10 @@ def _supervise(
                 f"--- rank {r} returned but HUNG during teardown "
                 "(destroy_process_group / exit); killed"
             )
-        elif res is not None and code not in (0, None) and not os.path.exists(
-            _done_path(spec.tmpdir, r)
+        elif (
+            res is not None
+            and code not in (0, None)
+            and not os.path.exists(_done_path(spec.tmpdir, r))
         ):
             problems.append(
                 f"--- rank {r} returned but crashed during teardown ({_signal_name(code)})"
@@ -569,7 +577,12 @@ def _supervise(
 
 WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
 
-FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+)
 INT_DTYPES: tuple[torch.dtype, ...] = (torch.int8, torch.uint8, torch.int32, torch.int64)
 ALL_DTYPES: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, *INT_DTYPES, torch.bool)
 
@@ -658,7 +671,9 @@ class Mismatches:
         self.ctx = ctx
         self.items: list[str] = []
 
-    def compare(self, label: str, got: torch.Tensor, expected: torch.Tensor, n_terms: int = 0) -> None:
+    def compare(
+        self, label: str, got: torch.Tensor, expected: torch.Tensor, n_terms: int = 0
+    ) -> None:
         msg = describe_mismatch(
             f"[rank {self.ctx.rank}/{self.ctx.world_size}] {label}",
             got,
@@ -762,6 +777,8 @@ class Checker(Mismatches):
         self.group = group
         self.ref_group = ref_group if ref_group is not None else ctx.ref
         self.cases = 0
+        #: Labels of the cases the reference rejected (for self-checks).
+        self.rejected: list[str] = []
 
     def run(
         self,
@@ -777,9 +794,10 @@ class Checker(Mismatches):
         for mode in modes:
             self.cases += 1
             lab = f"{label} [{mode}]"
-            ok_ref, ref_res = try_run(lambda: execute(ref_case, self.ref_group, mode))
-            ok, res = try_run(lambda: execute(case, self.group, mode))
+            ok_ref, ref_res = try_run(lambda m=mode: execute(ref_case, self.ref_group, m))
+            ok, res = try_run(lambda m=mode: execute(case, self.group, m))
             if not ok_ref:
+                self.rejected.append(lab)
                 if ok:
                     self.fail(
                         lab,
@@ -813,7 +831,7 @@ class Checker(Mismatches):
         for mode in modes:
             self.cases += 1
             lab = f"{label} [{mode}]"
-            ok, res = try_run(lambda: execute(case, self.group, mode))
+            ok, res = try_run(lambda m=mode: execute(case, self.group, m))
             if not ok:
                 msg = str(res)
                 if may_raise_match is None:

@@ -40,6 +40,7 @@ from dist_harness import (
     ALL_DTYPES,
     BACKEND,
     BASIC_OPS,
+    BITWISE_OPS,
     FLOAT_DTYPES,
     Checker,
     Mismatches,
@@ -70,7 +71,11 @@ def _modes_for(dtype: torch.dtype) -> tuple[Mode, ...]:
 def _reduce_math(stack: torch.Tensor, op_name: str) -> torch.Tensor:
     """Reduction over dim 0 of per-rank values (for math references)."""
     if op_name == "SUM":
-        return stack.sum(0, dtype=torch.float64).to(stack.dtype) if stack.is_floating_point() else stack.sum(0).to(stack.dtype)
+        return (
+            stack.sum(0, dtype=torch.float64).to(stack.dtype)
+            if stack.is_floating_point()
+            else stack.sum(0).to(stack.dtype)
+        )
     if op_name == "MAX":
         return stack.amax(0)
     if op_name == "MIN":
@@ -88,17 +93,45 @@ def _rank_all_reduce(ctx: RankContext) -> list[str]:
     for dtype in ALL_DTYPES:
         for op_name, op in BASIC_OPS.items():
 
-            def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, op: Any = op, name: str = op_name) -> Any:
+            def case(
+                group: PG,
+                async_op: bool,
+                dtype: torch.dtype = dtype,
+                op: Any = op,
+                name: str = op_name,
+            ) -> Any:
                 t = make_input(ctx, dtype, (N,), small=name == "PRODUCT")
                 return dist.all_reduce(t, op=op, group=group, async_op=async_op), [t]
 
             chk.run(f"all_reduce {dtype_name(dtype)} {op_name}", case, modes=_modes_for(dtype))
 
+    # Self-check of the reference: gloo rejects exactly the bitwise ops on
+    # floating point and AVG on integer/bool dtypes (else the "must reject
+    # too" comparisons above would be vacuous or the reference broken).
+    expected_rejected = {
+        f"all_reduce {dtype_name(d)} {o} [{mode}]"
+        for d in ALL_DTYPES
+        for o in BASIC_OPS
+        if (o in BITWISE_OPS and d.is_floating_point) or (o == "AVG" and not d.is_floating_point)
+        for mode in _modes_for(d)
+    }
+    if set(chk.rejected) != expected_rejected:
+        chk.fail(
+            "reference self-check",
+            "gloo's rejections differ from the expected ones (symmetric difference): "
+            f"{sorted(set(chk.rejected) ^ expected_rejected)}",
+        )
+
     # Shapes: empty, scalar-like, 3-D, large.
     for dtype in (torch.float32, torch.int64):
         for shape in [(0,), (1,), (), (3, 5, 7), (BIG,)]:
 
-            def case_shape(group: PG, async_op: bool, dtype: torch.dtype = dtype, shape: tuple[int, ...] = shape) -> Any:
+            def case_shape(
+                group: PG,
+                async_op: bool,
+                dtype: torch.dtype = dtype,
+                shape: tuple[int, ...] = shape,
+            ) -> Any:
                 t = make_input(ctx, dtype, shape, salt=1)
                 return dist.all_reduce(t, group=group, async_op=async_op), [t]
 
@@ -109,12 +142,16 @@ def _rank_all_reduce(ctx: RankContext) -> list[str]:
     for dtype in FLOAT_DTYPES if ctx.backend != "gloo" else ():
         for factor in (0.5, 3.0):
 
-            def case_pre(group: PG, async_op: bool, dtype: torch.dtype = dtype, f: float = factor) -> Any:
+            def case_pre(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, f: float = factor
+            ) -> Any:
                 t = make_input(ctx, dtype, (N,), salt=2)
                 op = dist._make_nccl_premul_sum(f)
                 return dist.all_reduce(t, op=op, group=group, async_op=async_op), [t]
 
-            def ref_pre(group: PG, async_op: bool, dtype: torch.dtype = dtype, f: float = factor) -> Any:
+            def ref_pre(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, f: float = factor
+            ) -> Any:
                 t = make_input(ctx, dtype, (N,), salt=2) * f
                 return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op), [t]
 
@@ -139,14 +176,25 @@ def _rank_all_reduce_coalesced(ctx: RankContext) -> list[str]:
     for dtype in ALL_DTYPES:
         for op_name, op in BASIC_OPS.items():
 
-            def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, op: Any = op, name: str = op_name) -> Any:
-                ts = [make_input(ctx, dtype, s, salt=i, small=name == "PRODUCT") for i, s in enumerate(shapes)]
+            def case(
+                group: PG,
+                async_op: bool,
+                dtype: torch.dtype = dtype,
+                op: Any = op,
+                name: str = op_name,
+            ) -> Any:
+                ts = [
+                    make_input(ctx, dtype, s, salt=i, small=name == "PRODUCT")
+                    for i, s in enumerate(shapes)
+                ]
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # deprecated API
                     work = dist.all_reduce_coalesced(ts, op=op, group=group, async_op=async_op)
                 return work, ts
 
-            chk.run(f"all_reduce_coalesced {dtype_name(dtype)} {op_name}", case, modes=_modes_for(dtype))
+            chk.run(
+                f"all_reduce_coalesced {dtype_name(dtype)} {op_name}", case, modes=_modes_for(dtype)
+            )
     return chk.items
 
 
@@ -180,7 +228,14 @@ def _rank_noncontiguous(ctx: RankContext) -> list[str]:
             for op_name in ("SUM", "MAX"):
                 op = BASIC_OPS[op_name]
 
-                def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, shape: Any = shape, view: Any = view, op: Any = op) -> Any:
+                def case(
+                    group: PG,
+                    async_op: bool,
+                    dtype: torch.dtype = dtype,
+                    shape: Any = shape,
+                    view: Any = view,
+                    op: Any = op,
+                ) -> Any:
                     base = make_input(ctx, dtype, shape, salt=3)
                     v = view(base)
                     assert not v.is_contiguous()
@@ -189,7 +244,9 @@ def _rank_noncontiguous(ctx: RankContext) -> list[str]:
                 # Expected: the strided elements hold the reduction over ranks,
                 # every other element of the base tensor is untouched.
                 expected = make_input(ctx, dtype, shape, salt=3)
-                per_rank = torch.stack([view(make_input(ctx, dtype, shape, salt=3, rank=r)) for r in range(ws)])
+                per_rank = torch.stack(
+                    [view(make_input(ctx, dtype, shape, salt=3, rank=r)) for r in range(ws)]
+                )
                 view(expected).copy_(_reduce_math(per_rank, op_name))
                 chk.expect(
                     f"all_reduce non-contiguous {vname} {dtype_name(dtype)} {op_name}",
@@ -199,9 +256,18 @@ def _rank_noncontiguous(ctx: RankContext) -> list[str]:
                 )
             for root in range(ws):
 
-                def case_b(group: PG, async_op: bool, dtype: torch.dtype = dtype, shape: Any = shape, view: Any = view, root: int = root) -> Any:
+                def case_b(
+                    group: PG,
+                    async_op: bool,
+                    dtype: torch.dtype = dtype,
+                    shape: Any = shape,
+                    view: Any = view,
+                    root: int = root,
+                ) -> Any:
                     base = make_input(ctx, dtype, shape, salt=4)
-                    return dist.broadcast(view(base), src=root, group=group, async_op=async_op), [base]
+                    return dist.broadcast(view(base), src=root, group=group, async_op=async_op), [
+                        base
+                    ]
 
                 expected = make_input(ctx, dtype, shape, salt=4)
                 view(expected).copy_(view(make_input(ctx, dtype, shape, salt=4, rank=root)))
@@ -232,11 +298,21 @@ def _rank_broadcast(ctx: RankContext) -> list[str]:
         for dtype in ALL_DTYPES:
             for shape in [(N,), (2, 3, 4)] + ([(BIG,)] if dtype == torch.float32 else []):
 
-                def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, shape: Any = shape, root: int = root) -> Any:
+                def case(
+                    group: PG,
+                    async_op: bool,
+                    dtype: torch.dtype = dtype,
+                    shape: Any = shape,
+                    root: int = root,
+                ) -> Any:
                     t = make_input(ctx, dtype, shape)
                     return dist.broadcast(t, src=root, group=group, async_op=async_op), [t]
 
-                chk.run(f"broadcast {dtype_name(dtype)} shape={shape} root={root}", case, modes=_modes_for(dtype))
+                chk.run(
+                    f"broadcast {dtype_name(dtype)} shape={shape} root={root}",
+                    case,
+                    modes=_modes_for(dtype),
+                )
     return chk.items
 
 
@@ -252,7 +328,14 @@ def _rank_reduce(ctx: RankContext) -> list[str]:
         for dtype in ALL_DTYPES:
             for op_name, op in BASIC_OPS.items():
 
-                def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, op: Any = op, root: int = root, name: str = op_name) -> Any:
+                def case(
+                    group: PG,
+                    async_op: bool,
+                    dtype: torch.dtype = dtype,
+                    op: Any = op,
+                    root: int = root,
+                    name: str = op_name,
+                ) -> Any:
                     t = make_input(ctx, dtype, (N,), small=name == "PRODUCT")
                     work = dist.reduce(t, dst=root, op=op, group=group, async_op=async_op)
                     # Only the root's tensor is defined after reduce.
@@ -280,7 +363,9 @@ def _rank_all_gather(ctx: RankContext) -> list[str]:
     for dtype in ALL_DTYPES:
         for shape in [(N,), (3, 5)] + ([(BIG,), (0,)] if dtype == torch.float32 else []):
 
-            def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, shape: Any = shape) -> Any:
+            def case(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, shape: Any = shape
+            ) -> Any:
                 t = make_input(ctx, dtype, shape)
                 out = [torch.full(shape, 7).to(dtype) for _ in range(ws)]
                 return dist.all_gather(out, t, group=group, async_op=async_op), out
@@ -292,7 +377,11 @@ def _rank_all_gather(ctx: RankContext) -> list[str]:
             out[me].copy_(make_input(ctx, dtype, (N,)))
             return dist.all_gather(out, out[me], group=group, async_op=async_op), out
 
-        chk.run(f"all_gather in-place (input is output[rank]) {dtype_name(dtype)}", case_inplace, modes=FAST_MODES)
+        chk.run(
+            f"all_gather in-place (input is output[rank]) {dtype_name(dtype)}",
+            case_inplace,
+            modes=FAST_MODES,
+        )
     return chk.items
 
 
@@ -308,12 +397,18 @@ def _rank_all_gather_into_tensor(ctx: RankContext) -> list[str]:
     for dtype in ALL_DTYPES:
         for layout in ("concat", "stack"):
 
-            def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, layout: str = layout) -> Any:
+            def case(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, layout: str = layout
+            ) -> Any:
                 t = make_input(ctx, dtype, (N,))
                 out = torch.zeros((ws * N,) if layout == "concat" else (ws, N), dtype=dtype)
                 return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op), [out]
 
-            chk.run(f"all_gather_into_tensor {dtype_name(dtype)} {layout}", case, modes=_modes_for(dtype))
+            chk.run(
+                f"all_gather_into_tensor {dtype_name(dtype)} {layout}",
+                case,
+                modes=_modes_for(dtype),
+            )
 
         def case_inplace(group: PG, async_op: bool, dtype: torch.dtype = dtype) -> Any:
             out = torch.zeros(ws * N, dtype=dtype)
@@ -321,7 +416,11 @@ def _rank_all_gather_into_tensor(ctx: RankContext) -> list[str]:
             chunk.copy_(make_input(ctx, dtype, (N,)))
             return dist.all_gather_into_tensor(out, chunk, group=group, async_op=async_op), [out]
 
-        chk.run(f"all_gather_into_tensor in-place (input is a view of output) {dtype_name(dtype)}", case_inplace, modes=FAST_MODES)
+        chk.run(
+            f"all_gather_into_tensor in-place (input is a view of output) {dtype_name(dtype)}",
+            case_inplace,
+            modes=FAST_MODES,
+        )
 
     def case_2d(group: PG, async_op: bool) -> Any:
         t = make_input(ctx, torch.float32, (3, 4))
@@ -357,23 +456,58 @@ def _rank_reduce_scatter(ctx: RankContext) -> list[str]:
         for op_name, op in BASIC_OPS.items():
             small = op_name == "PRODUCT"
 
-            def case_list(group: PG, async_op: bool, dtype: torch.dtype = dtype, op: Any = op, small: bool = small) -> Any:
+            def case_list(
+                group: PG,
+                async_op: bool,
+                dtype: torch.dtype = dtype,
+                op: Any = op,
+                small: bool = small,
+            ) -> Any:
                 inputs = [make_input(ctx, dtype, (N,), salt=j, small=small) for j in range(ws)]
                 out = torch.zeros(N, dtype=dtype)
-                return dist.reduce_scatter(out, inputs, op=op, group=group, async_op=async_op), [out]
+                return dist.reduce_scatter(out, inputs, op=op, group=group, async_op=async_op), [
+                    out
+                ]
 
             modes = _modes_for(dtype) if op_name == "SUM" else FAST_MODES
             chk.run(f"reduce_scatter (list) {dtype_name(dtype)} {op_name}", case_list, modes=modes)
 
             for layout in ("concat", "stack"):
 
-                def case_t(group: PG, async_op: bool, dtype: torch.dtype = dtype, op: Any = op, small: bool = small, layout: str = layout) -> Any:
+                def case_t(
+                    group: PG,
+                    async_op: bool,
+                    dtype: torch.dtype = dtype,
+                    op: Any = op,
+                    small: bool = small,
+                    layout: str = layout,
+                ) -> Any:
                     shape = (ws * N,) if layout == "concat" else (ws, N)
                     inp = make_input(ctx, dtype, shape, salt=5, small=small)
                     out = torch.zeros(N, dtype=dtype)
-                    return dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op), [out]
+                    return dist.reduce_scatter_tensor(
+                        out, inp, op=op, group=group, async_op=async_op
+                    ), [out]
 
-                chk.run(f"reduce_scatter_tensor {dtype_name(dtype)} {op_name} {layout}", case_t, modes=modes)
+                chk.run(
+                    f"reduce_scatter_tensor {dtype_name(dtype)} {op_name} {layout}",
+                    case_t,
+                    modes=modes,
+                )
+
+    for dtype in (torch.float32, torch.int64):
+
+        def case_inplace(group: PG, async_op: bool, dtype: torch.dtype = dtype) -> Any:
+            # The output is this rank's chunk of the input (FSDP style).
+            inp = make_input(ctx, dtype, (ws * N,), salt=5)
+            out = inp[ctx.rank * N : (ctx.rank + 1) * N]
+            return dist.reduce_scatter_tensor(out, inp, group=group, async_op=async_op), [out]
+
+        chk.run(
+            f"reduce_scatter_tensor in-place (output is a view of input) {dtype_name(dtype)}",
+            case_inplace,
+            modes=FAST_MODES,
+        )
 
     def case_big(group: PG, async_op: bool) -> Any:
         inp = make_input(ctx, torch.float32, (ws * BIG,), salt=6)
@@ -406,12 +540,23 @@ def _rank_all_to_all(ctx: RankContext) -> list[str]:
     for dtype in ALL_DTYPES:
         for even in (True, False):
 
-            def case(group: PG, async_op: bool, dtype: torch.dtype = dtype, even: bool = even) -> Any:
-                send = [make_input(ctx, dtype, (N if even else _split(me, j) + 1,), salt=j) for j in range(ws)]
-                recv = [torch.zeros(N if even else _split(j, me) + 1, dtype=dtype) for j in range(ws)]
+            def case(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, even: bool = even
+            ) -> Any:
+                send = [
+                    make_input(ctx, dtype, (N if even else _split(me, j) + 1,), salt=j)
+                    for j in range(ws)
+                ]
+                recv = [
+                    torch.zeros(N if even else _split(j, me) + 1, dtype=dtype) for j in range(ws)
+                ]
                 return dist.all_to_all(recv, send, group=group, async_op=async_op), recv
 
-            chk.run(f"all_to_all (list) {dtype_name(dtype)} {'even' if even else 'uneven'}", case, modes=_modes_for(dtype))
+            chk.run(
+                f"all_to_all (list) {dtype_name(dtype)} {'even' if even else 'uneven'}",
+                case,
+                modes=_modes_for(dtype),
+            )
     return chk.items
 
 
@@ -427,30 +572,52 @@ def _rank_all_to_all_single(ctx: RankContext) -> list[str]:
     for dtype in ALL_DTYPES:
         for trailing in [(), (3,)]:
 
-            def case_even(group: PG, async_op: bool, dtype: torch.dtype = dtype, trailing: Any = trailing) -> Any:
+            def case_even(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, trailing: Any = trailing
+            ) -> Any:
                 inp = make_input(ctx, dtype, (ws * 4, *trailing))
                 out = torch.zeros(ws * 4, *trailing, dtype=dtype)
                 return dist.all_to_all_single(out, inp, group=group, async_op=async_op), [out]
 
-            chk.run(f"all_to_all_single even {dtype_name(dtype)} trailing={trailing}", case_even, modes=_modes_for(dtype))
+            chk.run(
+                f"all_to_all_single even {dtype_name(dtype)} trailing={trailing}",
+                case_even,
+                modes=_modes_for(dtype),
+            )
 
-            def case_even_explicit(group: PG, async_op: bool, dtype: torch.dtype = dtype, trailing: Any = trailing) -> Any:
+            def case_even_explicit(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, trailing: Any = trailing
+            ) -> Any:
                 inp = make_input(ctx, dtype, (ws * 2, *trailing))
                 out = torch.zeros(ws * 2, *trailing, dtype=dtype)
                 splits = [2] * ws
-                return dist.all_to_all_single(out, inp, splits, splits, group=group, async_op=async_op), [out]
+                return dist.all_to_all_single(
+                    out, inp, splits, splits, group=group, async_op=async_op
+                ), [out]
 
-            chk.run(f"all_to_all_single even explicit splits {dtype_name(dtype)} trailing={trailing}", case_even_explicit, modes=FAST_MODES)
+            chk.run(
+                f"all_to_all_single even explicit splits {dtype_name(dtype)} trailing={trailing}",
+                case_even_explicit,
+                modes=FAST_MODES,
+            )
 
-            def case_uneven(group: PG, async_op: bool, dtype: torch.dtype = dtype, trailing: Any = trailing) -> Any:
+            def case_uneven(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, trailing: Any = trailing
+            ) -> Any:
                 in_splits = [_split(me, j) for j in range(ws)]
                 out_splits = [_split(j, me) for j in range(ws)]
                 inp = make_input(ctx, dtype, (sum(in_splits), *trailing), salt=7)
                 out = torch.zeros(sum(out_splits), *trailing, dtype=dtype)
-                work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=async_op)
+                work = dist.all_to_all_single(
+                    out, inp, out_splits, in_splits, group=group, async_op=async_op
+                )
                 return work, [out]
 
-            chk.run(f"all_to_all_single uneven {dtype_name(dtype)} trailing={trailing}", case_uneven, modes=_modes_for(dtype))
+            chk.run(
+                f"all_to_all_single uneven {dtype_name(dtype)} trailing={trailing}",
+                case_uneven,
+                modes=_modes_for(dtype),
+            )
 
     def case_big(group: PG, async_op: bool) -> Any:
         inp = make_input(ctx, torch.float32, (ws * BIG // 4,), salt=8)
@@ -478,7 +645,9 @@ def _rank_gather_scatter(ctx: RankContext) -> list[str]:
     for root in range(ws):
         for dtype in ALL_DTYPES:
 
-            def case_g(group: PG, async_op: bool, dtype: torch.dtype = dtype, root: int = root) -> Any:
+            def case_g(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, root: int = root
+            ) -> Any:
                 t = make_input(ctx, dtype, (N,))
                 gl = [torch.zeros(N, dtype=dtype) for _ in range(ws)] if me == root else None
                 work = dist.gather(t, gl, dst=root, group=group, async_op=async_op)
@@ -486,9 +655,15 @@ def _rank_gather_scatter(ctx: RankContext) -> list[str]:
 
             chk.run(f"gather {dtype_name(dtype)} dst={root}", case_g, modes=_modes_for(dtype))
 
-            def case_s(group: PG, async_op: bool, dtype: torch.dtype = dtype, root: int = root) -> Any:
+            def case_s(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, root: int = root
+            ) -> Any:
                 out = torch.zeros(N, dtype=dtype)
-                sl = [make_input(ctx, dtype, (N,), salt=j) for j in range(ws)] if me == root else None
+                sl = (
+                    [make_input(ctx, dtype, (N,), salt=j) for j in range(ws)]
+                    if me == root
+                    else None
+                )
                 return dist.scatter(out, sl, src=root, group=group, async_op=async_op), [out]
 
             chk.run(f"scatter {dtype_name(dtype)} src={root}", case_s, modes=_modes_for(dtype))
@@ -537,7 +712,10 @@ def _rank_send_recv(ctx: RankContext) -> list[str]:
     # the opposite order.
     label = "send/recv with tags (received in reverse order)"
     with m.case(label):
-        a, b = make_input(ctx, torch.float32, (N,), salt=10), make_input(ctx, torch.float32, (N,), salt=11)
+        a, b = (
+            make_input(ctx, torch.float32, (N,), salt=10),
+            make_input(ctx, torch.float32, (N,), salt=11),
+        )
         ra, rb = torch.zeros(N), torch.zeros(N)
         works = [dist.isend(a, dst=nxt, tag=1), dist.isend(b, dst=nxt, tag=2)]
         rworks = [dist.irecv(rb, src=prv, tag=2), dist.irecv(ra, src=prv, tag=1)]
@@ -569,7 +747,11 @@ def _rank_recv_any_source(ctx: RankContext) -> list[str]:
                     if not isinstance(src, int) or not 0 < src < ws:
                         m.fail(label, f"recv returned source {src!r}")
                         continue
-                    m.compare(f"{label} from {src}", buf, make_input(ctx, torch.int64, (N,), salt=rnd, rank=src))
+                    m.compare(
+                        f"{label} from {src}",
+                        buf,
+                        make_input(ctx, torch.int64, (N,), salt=rnd, rank=src),
+                    )
                 if sorted(seen) != list(range(1, ws)):
                     m.fail(label, f"sources seen {seen}, expected each of 1..{ws - 1} once")
             else:
@@ -599,7 +781,10 @@ def _rank_batch_isend_irecv(ctx: RankContext) -> list[str]:
             m.compare(label, buf, make_input(ctx, dtype, (N,), salt=12, rank=prv))
     label = "batch_isend_irecv bidirectional (both neighbours)"
     with m.case(label):
-        to_next, to_prev = make_input(ctx, torch.float32, (N,), salt=13), make_input(ctx, torch.float32, (N,), salt=14)
+        to_next, to_prev = (
+            make_input(ctx, torch.float32, (N,), salt=13),
+            make_input(ctx, torch.float32, (N,), salt=14),
+        )
         from_prev, from_next = torch.zeros(N), torch.zeros(N)
         ops = [
             dist.P2POp(dist.irecv, from_prev, prv),
@@ -616,8 +801,12 @@ def _rank_batch_isend_irecv(ctx: RankContext) -> list[str]:
             ]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
-        m.compare(label + " from prev", from_prev, make_input(ctx, torch.float32, (N,), salt=13, rank=prv))
-        m.compare(label + " from next", from_next, make_input(ctx, torch.float32, (N,), salt=14, rank=nxt))
+        m.compare(
+            label + " from prev", from_prev, make_input(ctx, torch.float32, (N,), salt=13, rank=prv)
+        )
+        m.compare(
+            label + " from next", from_next, make_input(ctx, torch.float32, (N,), salt=14, rank=nxt)
+        )
     return m.items
 
 
@@ -654,4 +843,3 @@ def _rank_barrier(ctx: RankContext, delay: float) -> list[str]:
 def test_barrier(world_size: int) -> None:
     """barrier blocks until the late rank arrives (sync, async, future)."""
     assert_no_mismatches(run_ranks(_rank_barrier, world_size, 0.4))
-

@@ -76,7 +76,9 @@ def _subgroup_battery(chk: Checker, members: list[int], label: str) -> None:
             t = make_input(ctx, torch.int64, (N,))
             return dist.broadcast(t, group=group, async_op=async_op, group_src=gsrc), [t]
 
-        chk.run(f"{label} broadcast group_src={members.index(src)}", bc_g, modes=("sync",), n_terms=n)
+        chk.run(
+            f"{label} broadcast group_src={members.index(src)}", bc_g, modes=("sync",), n_terms=n
+        )
 
         def red(group: PG, async_op: bool, dst: int = src) -> Any:
             t = make_input(ctx, torch.float32, (N,))
@@ -87,14 +89,22 @@ def _subgroup_battery(chk: Checker, members: list[int], label: str) -> None:
 
         def gat(group: PG, async_op: bool, dst: int = src) -> Any:
             t = make_input(ctx, torch.int64, (N,))
-            gl = [torch.zeros(N, dtype=torch.int64) for _ in range(gsize)] if ctx.rank == dst else None
+            gl = (
+                [torch.zeros(N, dtype=torch.int64) for _ in range(gsize)]
+                if ctx.rank == dst
+                else None
+            )
             return dist.gather(t, gl, dst=dst, group=group, async_op=async_op), gl or []
 
         chk.run(f"{label} gather dst={src}", gat, modes=("sync",), n_terms=n)
 
         def sca(group: PG, async_op: bool, s: int = src) -> Any:
             out = torch.zeros(N)
-            sl = [make_input(ctx, torch.float32, (N,), salt=j) for j in range(gsize)] if ctx.rank == s else None
+            sl = (
+                [make_input(ctx, torch.float32, (N,), salt=j) for j in range(gsize)]
+                if ctx.rank == s
+                else None
+            )
             return dist.scatter(out, sl, src=s, group=group, async_op=async_op), [out]
 
         chk.run(f"{label} scatter src={src}", sca, modes=("sync",), n_terms=n)
@@ -144,7 +154,11 @@ def _subgroup_battery(chk: Checker, members: list[int], label: str) -> None:
             ]
             for w in works:
                 w.wait()
-            chk.compare(f"{label} send/recv ring", buf, make_input(ctx, torch.float32, (N,), salt=21, rank=prv))
+            chk.compare(
+                f"{label} send/recv ring",
+                buf,
+                make_input(ctx, torch.float32, (N,), salt=21, rank=prv),
+            )
 
 
 def _subsets(ws: int) -> list[list[int]]:
@@ -196,7 +210,11 @@ def _rank_subgroups(ctx: RankContext) -> list[str]:
             wb.wait()
             wa.wait()
             m.compare("interleaved: default group", a, torch.full((N,), 10, dtype=torch.int64))
-            m.compare("interleaved: subgroup", b, torch.full((N,), 10 * sum(r + 1 for r in members), dtype=torch.int64))
+            m.compare(
+                "interleaved: subgroup",
+                b,
+                torch.full((N,), 10 * sum(r + 1 for r in members), dtype=torch.int64),
+            )
         items += m.items
     return items
 
@@ -257,7 +275,9 @@ def _rank_many_in_flight(ctx: RankContext, count: int) -> list[str]:
             m.compare(f"in-flight mixed #{i}", t, e)
         for i, w in enumerate(works):
             if not w.is_completed():
-                m.fail(f"in-flight mixed #{i}", "is_completed() is False after its future completed")
+                m.fail(
+                    f"in-flight mixed #{i}", "is_completed() is False after its future completed"
+                )
     return m.items
 
 
@@ -284,7 +304,12 @@ def _rank_wait_timeout(ctx: RankContext, wait_s: float) -> dict[str, Any] | None
         work.wait(timeout=datetime.timedelta(seconds=wait_s))
         outcome: dict[str, Any] = {"raised": False, "elapsed": time.monotonic() - t0}
     except Exception as e:  # noqa: BLE001
-        outcome = {"raised": True, "elapsed": time.monotonic() - t0, "type": type(e).__name__, "message": str(e)}
+        outcome = {
+            "raised": True,
+            "elapsed": time.monotonic() - t0,
+            "type": type(e).__name__,
+            "message": str(e),
+        }
     ctx.signal("done")
     return outcome
 
@@ -298,7 +323,9 @@ def test_wait_timeout_expires() -> None:
         _rank_wait_timeout, 2, wait_s, pg_timeout=datetime.timedelta(seconds=6), timeout=60
     )[0]
     assert res is not None
-    assert res["raised"], f"wait(timeout={wait_s}s) returned after {res['elapsed']:.2f}s without raising"
+    assert res["raised"], (
+        f"wait(timeout={wait_s}s) returned after {res['elapsed']:.2f}s without raising"
+    )
     assert 0.5 * wait_s <= res["elapsed"] < wait_s + 5, f"raised after {res['elapsed']:.2f}s"
     assert res["type"] in ("RuntimeError", "DistBackendError", "DistError", "TimeoutError"), res
 
@@ -316,7 +343,11 @@ def _rank_async_errors(ctx: RankContext, group_timeout_s: float) -> dict[str, An
             try:
                 work = dist.all_reduce(t, group=group, async_op=True)
             except Exception as e:  # noqa: BLE001
-                out[name] = {"raised_at": "call", "message": str(e), "elapsed": time.monotonic() - t0}
+                out[name] = {
+                    "raised_at": "call",
+                    "message": str(e),
+                    "elapsed": time.monotonic() - t0,
+                }
                 continue
             try:
                 if how == "wait":
@@ -350,10 +381,10 @@ def test_errors_surface_from_wait_and_future() -> None:
     r0 = res[0]
     for name in ("wait", "future"):
         info = r0[name]
-        assert info["raised_at"] == name, (
-            f"expected the failure to surface from {name}(): {info}"
+        assert info["raised_at"] == name, f"expected the failure to surface from {name}(): {info}"
+        assert info["elapsed"] < 15, (
+            f"{name}: took {info['elapsed']:.1f}s to fail with a 2s timeout"
         )
-        assert info["elapsed"] < 15, f"{name}: took {info['elapsed']:.1f}s to fail with a 2s timeout"
     for r, out in enumerate(res):
         assert out["default_group_after"] == 3.0, f"rank {r}: default group result {out}"
 
@@ -427,12 +458,16 @@ def _rank_import_twice(ctx: RankContext) -> list[str]:
     with m.case("importlib.reload(xcomm) again"):
         importlib.reload(xcomm)
     if "xcomm" not in dist.Backend.backend_list:
-        m.fail("registration", f"'xcomm' not in dist.Backend.backend_list: {dist.Backend.backend_list}")
+        m.fail(
+            "registration", f"'xcomm' not in dist.Backend.backend_list: {dist.Backend.backend_list}"
+        )
     with m.case("xcomm.Options"):
         if not dataclasses.is_dataclass(xcomm.Options):
             m.fail("xcomm.Options", "is not a dataclass")
         if xcomm.Options().timeout is not None:
-            m.fail("xcomm.Options", f"default timeout is {xcomm.Options().timeout!r}, expected None")
+            m.fail(
+                "xcomm.Options", f"default timeout is {xcomm.Options().timeout!r}, expected None"
+            )
     with m.case("init after reload"):
         dist.init_process_group(
             backend="xcomm",
@@ -452,3 +487,34 @@ def test_import_twice_and_reload() -> None:
     """`import xcomm` twice and importlib.reload(xcomm) in a fresh interpreter
     do not fail, and the backend still works afterwards."""
     assert_no_mismatches(run_ranks(_rank_import_twice, 2, init=False, launcher="subprocess"))
+
+
+def _rank_options_timeout(ctx: RankContext) -> dict[str, Any] | None:
+    import xcomm  # noqa: PLC0415
+
+    g = dist.new_group(
+        timeout=datetime.timedelta(minutes=10),
+        pg_options=xcomm.Options(timeout=datetime.timedelta(seconds=2)),
+    )
+    if ctx.rank != 0:
+        ctx.wait_signal("done", 60)  # never joins the collective on g
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(N), group=g)
+        out: dict[str, Any] = {"raised": False}
+    except Exception as e:  # noqa: BLE001
+        out = {"raised": True, "error": f"{type(e).__name__}: {e}"}
+    out["elapsed"] = time.monotonic() - t0
+    ctx.signal("done")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BACKEND != "xcomm", reason="xcomm.Options")
+def test_options_timeout_wins_over_group_timeout() -> None:
+    """xcomm.Options(timeout=2s) takes precedence over new_group(timeout=10min):
+    a collective whose peer never joins fails after about 2 s."""
+    res = run_ranks(_rank_options_timeout, 2, timeout=60)[0]
+    assert res is not None and res["raised"], f"did not raise: {res}"
+    assert res["elapsed"] < 15, f"raised only after {res['elapsed']:.1f}s: {res}"

@@ -1,0 +1,173 @@
+"""Fault injection: a peer dies in the middle of a collective.
+
+The victim rank kills itself (``os._exit`` or SIGKILL) while the survivors
+are blocked in (or about to enter) a collective; in one scenario it freezes
+itself with SIGSTOP instead (a stalled peer: connections stay open, so only
+the timeout can detect it).  Expected behaviour, for
+every survivor:
+
+* the collective raises an exception (no hang, no silent wrong result)
+  within the process-group timeout (5 s) plus slack: elapsed < 30 s;
+* a second collective on the same group also raises quickly (no hang);
+* the survivor then tears down (``destroy_process_group``) and its
+  interpreter exits with code 0 (fresh interpreters via the ``subprocess``
+  launcher, so atexit / static destructors of the extension run).
+
+The survivors report through their return value (harness result file); the
+harness fails the test if a survivor hangs, crashes or exits non-zero.
+Reference: none needed (the expected outcome is an exception).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from typing import Any, Literal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import RankContext, run_ranks
+
+PG_TIMEOUT = datetime.timedelta(seconds=5)
+#: Upper bound on the time a survivor may take to notice the dead peer.
+BOUND_S = 30.0
+#: Collectives a survivor issues before giving up waiting for the failure.
+MAX_TRIES = 20
+
+How = Literal["os_exit", "sigkill", "sigstop"]
+Where = Literal["all_reduce", "all_reduce_async_big", "recv", "barrier"]
+
+
+def _die(how: How) -> None:
+    """End the victim; ``sigstop`` freezes it instead (a stalled peer whose
+    sockets stay open: only the timeout can detect it)."""
+    if how == "os_exit":
+        os._exit(17)
+    os.kill(os.getpid(), signal.SIGSTOP if how == "sigstop" else signal.SIGKILL)
+    time.sleep(3600)
+
+
+def _op(where: Where, ctx: RankContext, victim: int) -> None:
+    if where in ("all_reduce", "all_reduce_async_big"):
+        size = 1 << 20 if where == "all_reduce_async_big" else 64
+        t = torch.ones(size)
+        dist.all_reduce(t, async_op=True).wait()
+    elif where == "recv":
+        dist.recv(torch.zeros(64), src=victim)
+    else:
+        dist.barrier()
+
+
+def _rank_fault(ctx: RankContext, victim: int, how: How, where: Where) -> dict[str, Any] | None:
+    # Healthy warm-up: the group works before the fault.
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    assert t[0].item() == ctx.world_size
+
+    if ctx.rank == victim:
+        if where == "all_reduce_async_big":
+            # Enter a few large collectives (data starts moving), die mid-flight.
+            for _ in range(3):
+                dist.all_reduce(torch.ones(1 << 20), async_op=True)
+        else:
+            time.sleep(0.5)  # the survivors are blocked in the collective by now
+        _die(how)
+
+    result: dict[str, Any] = {}
+    # "first": repeat the op until it fails (with a big async all_reduce the
+    # victim may complete some of them before it dies); "second": one more
+    # call after the failure, which must fail too.
+    for attempt, tries in (("first", MAX_TRIES), ("second", 1)):
+        for i in range(tries):
+            t0 = time.monotonic()
+            try:
+                _op(where, ctx, victim)
+            except Exception as e:  # noqa: BLE001
+                result[attempt] = {
+                    "raised": True,
+                    "iteration": i,
+                    "elapsed": time.monotonic() - t0,
+                    "error": f"{type(e).__name__}: {str(e)[:400]}",
+                }
+                break
+        else:
+            result[attempt] = {
+                "raised": False,
+                "iteration": tries,
+                "elapsed": time.monotonic() - t0,
+            }
+    return result
+
+
+SCENARIOS = [
+    pytest.param(2, 1, "os_exit", "all_reduce", True, id="ws2-os_exit-all_reduce-pg_options"),
+    pytest.param(
+        3,
+        2,
+        "sigkill",
+        "all_reduce_async_big",
+        True,
+        id="ws3-sigkill-big_all_reduce-pg_options",
+        marks=pytest.mark.large_world,
+    ),
+    pytest.param(
+        3,
+        0,
+        "sigkill",
+        "barrier",
+        False,
+        id="ws3-sigkill-rank0-barrier-init_timeout",
+        marks=pytest.mark.large_world,
+    ),
+    pytest.param(2, 0, "os_exit", "recv", False, id="ws2-os_exit-recv-init_timeout"),
+    pytest.param(
+        2, 1, "sigstop", "all_reduce", True, id="ws2-sigstop(stalled peer)-all_reduce-pg_options"
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "victim", "how", "where", "use_pg_options"), SCENARIOS)
+def test_peer_dies_mid_collective(
+    world_size: int, victim: int, how: How, where: Where, use_pg_options: bool
+) -> None:
+    """Every survivor raises within the bound, a second call raises too, and it exits cleanly."""
+    t0 = time.monotonic()
+    results = run_ranks(
+        _rank_fault,
+        world_size,
+        victim,
+        how,
+        where,
+        pg_timeout=PG_TIMEOUT,
+        use_pg_options=use_pg_options,
+        launcher="subprocess",
+        may_die=[victim],
+        timeout=90,
+    )
+    wall = time.monotonic() - t0
+    problems: list[str] = []
+    for rank, res in enumerate(results):
+        if rank == victim:
+            continue
+        if res is None:
+            problems.append(f"rank {rank}: no result")
+            continue
+        for attempt in ("first", "second"):
+            info = res[attempt]
+            if not info["raised"]:
+                problems.append(
+                    f"rank {rank} {attempt} {where}: {info['iteration']} call(s) returned normally "
+                    "although a peer is dead (expected an exception)"
+                )
+            elif info["elapsed"] >= BOUND_S:
+                problems.append(
+                    f"rank {rank} {attempt} {where}: raised only after {info['elapsed']:.1f}s "
+                    f"(bound {BOUND_S}s, pg timeout {PG_TIMEOUT.total_seconds()}s): {info['error']}"
+                )
+    assert not problems, "\n".join(problems) + f"\nall results: {results}"
+    assert wall < 90
