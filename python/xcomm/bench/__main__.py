@@ -1,0 +1,227 @@
+"""Command line of xcomm's benchmarks: ``python -m xcomm.bench <subcommand>``.
+
+Subcommands:
+
+``collectives``
+    nccl-tests-style sweep of allreduce, broadcast, allgather, reduce_scatter
+    and alltoall over several backends side by side.
+``report``
+    Re-prints / re-plots a stored ``collectives.json``.
+
+Examples::
+
+    python -m xcomm.bench collectives --backends xcomm,gloo --nproc 2 --out bench-results/loopback
+    python -m xcomm.bench collectives --min-bytes 1K --max-bytes 64M --factor 4
+    # 2 emulated nodes at 1 Gbit/s, 1 rank each (root):
+    python -m xcomm.bench collectives --nodes 2 --nproc 2 --rate 1gbit --max-bytes 64M
+    python -m xcomm.bench report bench-results/loopback/collectives.json --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .metrics import OPS
+
+if TYPE_CHECKING:
+    from .collectives import SweepConfig
+
+MiB = 1 << 20
+
+
+def _size(text: str) -> int:
+    from .collectives import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def _add_collectives(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "collectives",
+        help="sweep collectives over message sizes, backends side by side",
+        description="nccl-tests-style sweep: p50 time, algbw, busbw and a correctness check "
+        "per (op, size, backend). Ranks are spawned on loopback (or in an emulated cluster "
+        "with --nodes).",
+    )
+    a = p.add_argument
+    a(
+        "--backends",
+        default=None,
+        help="comma-separated backends, name or name:device (default: xcomm,gloo, plus nccl with a GPU)",
+    )
+    a("--ops", default=",".join(OPS), help=f"comma-separated ops (default {','.join(OPS)})")
+    a("--nproc", type=int, default=2, help="world size, total ranks (default 2)")
+    a("--min-bytes", type=_size, default=8, help="smallest message, bytes or K/M/G (default 8)")
+    a("--max-bytes", type=_size, default=256 * MiB, help="largest message (default 256M)")
+    a("--factor", type=float, default=2.0, help="size multiplication step (default 2)")
+    a("--iters", type=int, default=20, help="timed iterations for small messages (default 20)")
+    a(
+        "--min-iters",
+        type=int,
+        default=3,
+        help="timed iterations for the largest messages (default 3)",
+    )
+    a(
+        "--iter-bytes",
+        type=_size,
+        default=512 * MiB,
+        help="iterations = clamp(iter_bytes / size, min-iters, iters) (default 512M)",
+    )
+    a(
+        "--warmup",
+        type=int,
+        default=5,
+        help="most warm-up iterations, fewer for big messages (default 5)",
+    )
+    a("--dtype", default="float32", help="float32 (default), float64, float16, bfloat16, int32")
+    a("--baseline", default="gloo", help="backend the ratios are against (default gloo)")
+    a(
+        "--out",
+        default="bench-results/collectives",
+        help="folder for collectives.{csv,json,md,png} (default bench-results/collectives)",
+    )
+    a("--no-out", action="store_true", help="write no files, only the table")
+    a("--no-plot", action="store_true", help="skip the PNG")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a(
+        "--nodes",
+        type=int,
+        default=0,
+        help="0: ranks on loopback (default); N: an emulated cluster of N nodes (root)",
+    )
+    a("--rate", default=None, help="link rate of the emulated cluster, e.g. 1gbit")
+    a(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default cores / local ranks)",
+    )
+    a("--label", default="", help="free text stored in the JSON and the plot title")
+    a(
+        "--pg-timeout",
+        type=float,
+        default=600.0,
+        help="process group timeout, seconds (default 600)",
+    )
+    a(
+        "--no-interleave",
+        action="store_true",
+        help="time each backend's iterations in one block instead of round-robin",
+    )
+    a("--timeout", type=float, default=None, help="kill the ranks after this many seconds")
+    a(
+        "--launcher",
+        choices=("spawn", "env"),
+        default="spawn",
+        help="spawn: start the ranks (default); env: this process is one rank "
+        "(env:// variables set)",
+    )
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("report", help="re-print or re-plot a stored collectives.json")
+    p.add_argument("json", help="path of a collectives.json")
+    p.add_argument("--baseline", default="gloo")
+    p.add_argument(
+        "--markdown", action="store_true", help="print Markdown instead of the text table"
+    )
+    p.add_argument("--ops", default=None, help="only these ops (comma-separated)")
+    p.add_argument(
+        "--sizes", default=None, help="only these sizes (comma-separated, e.g. 1K,1M,64M)"
+    )
+    p.add_argument("--plot", default=None, metavar="PNG", help="also write the plot here")
+    p.add_argument("--title", default=None, help="plot title")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m xcomm.bench`` argument parser."""
+    parser = argparse.ArgumentParser(prog="python -m xcomm.bench", description="xcomm benchmarks")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    _add_collectives(sub)
+    _add_report(sub)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SweepConfig:
+    """Builds a validated :class:`~xcomm.bench.collectives.SweepConfig` from parsed arguments."""
+    from .collectives import SweepConfig, default_backends, parse_list
+
+    cfg = SweepConfig(
+        backends=parse_list(args.backends) if args.backends else default_backends(),
+        ops=parse_list(args.ops),
+        nproc=args.nproc,
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes,
+        factor=args.factor,
+        max_iters=args.iters,
+        min_iters=min(args.min_iters, args.iters),
+        iter_bytes=args.iter_bytes,
+        max_warmup=args.warmup,
+        dtype=args.dtype,
+        out=None if args.no_out else args.out,
+        baseline=args.baseline,
+        nodes=args.nodes,
+        rate=args.rate,
+        plot=not args.no_plot,
+        progress=not args.no_progress,
+        pg_timeout_s=args.pg_timeout,
+        threads=args.threads,
+        label=args.label,
+        interleave=not args.no_interleave,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _cmd_collectives(args: argparse.Namespace) -> int:
+    from .collectives import launch, run_rank
+
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.launcher == "env":
+        return run_rank(cfg)
+    return launch(cfg, timeout=args.timeout)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from . import report
+    from .collectives import parse_list, parse_size
+
+    ms, meta = report.load_json(args.json)
+    ops = parse_list(args.ops) if args.ops else None
+    sizes = [parse_size(s) for s in parse_list(args.sizes)] if args.sizes else None
+    if args.markdown:
+        print(report.format_markdown(ms, baseline=args.baseline, ops=ops, sizes=sizes))
+    else:
+        sel = [
+            m for m in ms if (ops is None or m.op in ops) and (sizes is None or m.nbytes in sizes)
+        ]
+        print(report.format_table(sel, baseline=args.baseline))
+    if args.plot:
+        title = (
+            args.title if args.title is not None else str(meta.get("config", {}).get("label", ""))
+        )
+        report.plot(Path(args.plot), ms, baseline=args.baseline, title=title)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    if args.cmd == "collectives":
+        return _cmd_collectives(args)
+    return _cmd_report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Compute per step of xcomm's PowerSGD hook against torch's, on the same buckets.
+
+Run: ``python -m xcomm.bench.powersgd_compute [--ranks 1,2,4] [--steps 10]``.
+
+Both hooks run over a world-size-1 process group, so their collectives are
+trivial and the time is the hooks' own work (plus the few microseconds of
+issuing each collective: xcomm's hook issues 2 per bucket, torch's 3). The
+buckets are DDP's (rebuilt) buckets of two models, built without a model:
+gradients laid out as DDP lays them out (reverse parameter order, a 1 MiB
+first bucket, then ``--bucket-mb``), refilled with the same random gradients
+before every step (outside the timed region). Each step issues the hook for
+every bucket, then waits for all of them, as DDP does.
+
+Reported: the median over ``--steps`` steps once compression runs (after
+``start_powerSGD_iter`` = 2 plain steps and one compressed warm-up step,
+which allocates the state), and xcomm / torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+MiB = 1 << 20
+
+
+def mlp_shapes() -> list[tuple[int, ...]]:
+    """A ~20M-parameter MLP: 784 -> 4 x 2048 -> 1000 (weights and biases)."""
+    dims = [784, 2048, 2048, 2048, 2048, 2048, 1000]
+    shapes: list[tuple[int, ...]] = []
+    for fan_in, fan_out in zip(dims[:-1], dims[1:]):
+        shapes += [(fan_out, fan_in), (fan_out,)]
+    return shapes
+
+
+def resnet18_shapes() -> list[tuple[int, ...]]:
+    """ResNet-18's parameters (11.7M in 62 tensors, most of them small)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    in_ch = 64
+    for out_ch, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for block in range(2):
+            s = stride if block == 0 else 1
+            shapes += [(out_ch, in_ch, 3, 3), (out_ch,), (out_ch,)]
+            shapes += [(out_ch, out_ch, 3, 3), (out_ch,), (out_ch,)]
+            if block == 0 and (s != 1 or in_ch != out_ch):
+                shapes += [(out_ch, in_ch, 1, 1), (out_ch,), (out_ch,)]
+            in_ch = out_ch
+    shapes += [(1000, 512), (1000,)]
+    return shapes
+
+
+MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
+    "mlp-20M": mlp_shapes,
+    "resnet18": resnet18_shapes,
+}
+
+
+class Bucket:
+    """What a hook uses of ``dist.GradBucket``, over a buffer laid out as DDP's."""
+
+    def __init__(self, index: int, shapes: Sequence[tuple[int, ...]], is_last: bool) -> None:
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        self._buffer = torch.empty(numel)
+        self._grads, self._params, offset = [], [], 0
+        for s in shapes:
+            n = torch.Size(s).numel()
+            self._grads.append(self._buffer[offset : offset + n].view(s))
+            self._params.append(torch.nn.Parameter(torch.empty(0)))
+            offset += n
+        self._index, self._last = index, is_last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._params
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+
+def ddp_buckets(shapes: Sequence[tuple[int, ...]], bucket_mb: float) -> list[Bucket]:
+    """DDP's rebuilt buckets when gradients become ready in reverse order."""
+    ready = [torch.empty(s) for s in reversed(shapes)]
+    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_mb * MiB)]
+    indices, _ = dist._compute_bucket_assignment_by_size(ready, limits)
+    rev = list(reversed(shapes))
+    return [
+        Bucket(i, [rev[j] for j in idx], i == len(indices) - 1) for i, idx in enumerate(indices)
+    ]
+
+
+def time_hook(
+    hook: Callable[[Any, Any], torch.futures.Future],
+    state: Any,
+    buckets: Sequence[Bucket],
+    grads: Sequence[torch.Tensor],
+    steps: int,
+    warmup: int,
+) -> list[float]:
+    times = []
+    for step in range(warmup + steps):
+        for b, g in zip(buckets, grads):
+            b.buffer().copy_(g)
+        start = time.perf_counter()
+        futures = [hook(state, b) for b in buckets]
+        for f in futures:
+            f.wait()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0) -> dict[str, Any]:
+    from xcomm.hooks import PowerSGDState, powersgd_hook  # noqa: PLC0415
+
+    buckets = ddp_buckets(MODELS[model](), bucket_mb)
+    gen = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(b.buffer().numel(), generator=gen) for b in buckets]
+    config = dict(matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    warmup = config["start_powerSGD_iter"] + 1  # plain steps, then the first compressed one
+    result: dict[str, Any] = {
+        "model": model,
+        "rank": rank,
+        "params": sum(g.numel() for g in grads),
+        "buckets": len(buckets),
+    }
+    runs = {
+        "torch": lambda: time_hook(
+            torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(None, **config),
+            buckets, grads, steps, warmup,
+        ),
+        "xcomm": lambda: time_hook(
+            powersgd_hook, PowerSGDState(None, **config), buckets, grads, steps, warmup
+        ),
+    }  # fmt: skip
+    for name, run in runs.items():
+        result[name] = statistics.median(run()) * 1e3
+    result["ratio"] = result["xcomm"] / result["torch"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xcomm.bench.powersgd_compute", description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--ranks", default="1,2,4", help="matrix_approximation_rank values")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--backend", default="xcomm", help="process group backend (world size 1)")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    args = parser.parse_args(argv)  # fmt: skip
+
+    import xcomm  # noqa: F401, PLC0415 - registers the backend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            args.backend, init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
+        )
+        try:
+            print(
+                f"PowerSGD hook compute per step, CPU, {torch.get_num_threads()} threads, "
+                f"world size 1 ({args.backend}), {args.bucket_mb:g} MiB buckets, "
+                f"median of {args.steps} steps"
+            )
+            header = f"{'model':10} {'params':>7} {'buckets':>7} {'rank':>4} {'torch ms':>9} {'xcomm ms':>9} {'xcomm/torch':>11}"
+            print(header)
+            print("-" * len(header))
+            for model in args.models.split(","):
+                for rank in (int(r) for r in args.ranks.split(",")):
+                    r = measure(model, rank, args.steps, args.bucket_mb)
+                    print(
+                        f"{r['model']:10} {r['params'] / 1e6:6.1f}M {r['buckets']:7d} {r['rank']:4d} "
+                        f"{r['torch']:9.2f} {r['xcomm']:9.2f} {r['ratio']:11.2f}",
+                        flush=True,
+                    )
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
