@@ -26,7 +26,13 @@ void bindFeedbackState(py::class_<Codec>& cls) {
             for (auto& [key, t] : state) t = t.clone();
             c.errorFeedback().load(std::move(state));
           },
-          py::arg("state"));
+          py::arg("state"))
+      .def(
+          "set_feedback",
+          [](Codec& c, int64_t key, const at::Tensor& residual) {
+            c.errorFeedback().store(key, residual.clone());
+          },
+          py::arg("key"), py::arg("residual"));
 }
 
 void bindCodecs(py::module_& m) {

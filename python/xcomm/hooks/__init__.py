@@ -10,16 +10,19 @@ from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .int8 import Int8State, int8_compress_hook
 from .sparse import RandomKState, TopKState, randomk_hook, topk_hook
 from .stats import CompressionStats
+from .powersgd import PowerSGDState, powersgd_hook
 
 __all__ = [
     "CastState",
     "CompressionStats",
     "Int8State",
+    "PowerSGDState",
     "RandomKState",
     "TopKState",
     "bf16_cast_hook",
     "fp16_cast_hook",
     "int8_compress_hook",
+    "powersgd_hook",
     "randomk_hook",
     "topk_hook",
 ]

@@ -90,3 +90,75 @@ def then_collective(
 
     fut.add_done_callback(on_first)
     return out
+
+
+class ResidualCheckpoint:
+    """Saves error-feedback residuals by parameter name instead of by bucket.
+
+    DDP lays its buckets out one way in its first iteration and another after
+    it rebuilds them, so a residual saved by bucket index can land on other
+    parameters when a fresh DDP resumes. Given the model, residuals are saved
+    per parameter and re-assembled for whatever bucket layout comes next.
+    Without the model, they are saved by bucket (exact only when the resumed
+    run's buckets match the saved ones).
+    """
+
+    def __init__(self, model: torch.nn.Module | None) -> None:
+        self._names: dict[int, str] = {}
+        if model is not None:
+            self._names = {id(p): n for n, p in model.named_parameters()}
+        self._layouts: dict[int, list[tuple[str, int, int]]] = {}  # bucket -> (name, offset, numel)
+        self._pending: dict[str, torch.Tensor] = {}
+
+    @property
+    def by_parameter(self) -> bool:
+        return bool(self._names)
+
+    def observe(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]] | None:
+        """Records the bucket's layout; returns it (None without a model)."""
+        if not self._names:
+            return None
+        base = bucket.buffer().storage_offset()
+        layout = [
+            (self._names[id(p)], g.storage_offset() - base, g.numel())
+            for p, g in zip(bucket.parameters(), bucket.gradients())
+        ]
+        self._layouts[bucket.index()] = layout
+        return layout
+
+    def restore_into(self, bucket: dist.GradBucket, set_residual: Callable[[int, torch.Tensor], None]) -> None:
+        """After a load: builds this bucket's residual from the saved pieces."""
+        layout = self.observe(bucket)
+        if not self._pending or layout is None:
+            return
+        buffer = bucket.buffer()
+        residual = torch.zeros_like(buffer)
+        found = False
+        for name, offset, numel in layout:
+            piece = self._pending.pop(name, None)
+            if piece is not None:
+                residual.narrow(0, offset, numel).copy_(piece.reshape(-1))
+                found = True
+        if found:
+            set_residual(bucket.index(), residual)
+
+    def save(self, residuals: dict[int, torch.Tensor]) -> dict[str, Any]:
+        if not self._names:
+            return {"by": "bucket", "residuals": residuals}
+        per_param = dict(self._pending)
+        for key, residual in residuals.items():
+            for name, offset, numel in self._layouts.get(key, []):
+                per_param[name] = residual.narrow(0, offset, numel).clone()
+        return {"by": "parameter", "residuals": per_param}
+
+    def load(self, saved: dict[str, Any], load_by_bucket: Callable[[dict], None]) -> None:
+        if saved["by"] == "bucket":
+            load_by_bucket(saved["residuals"])
+            return
+        if not self._names:
+            raise ValueError(
+                "xcomm.hooks: this checkpoint saved residuals by parameter; pass model= to the "
+                "state that loads it"
+            )
+        load_by_bucket({})
+        self._pending = {n: t.clone() for n, t in saved["residuals"].items()}

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ._common import (
+    ResidualCheckpoint,
     StepCounter,
     allreduce_mean,
     check_floating,
@@ -47,6 +48,9 @@ class Int8State:
         error_feedback: carry the quantization error into the next step.
         start_iter: iterations reduced uncompressed first (>= 2 with error
             feedback, since DDP rebuilds its buckets after iteration 1).
+        model: the DDP model; when given, checkpoints keep residuals per
+            parameter, so a resumed run continues bit for bit even though a
+            fresh DDP lays out its first buckets differently.
 
     Example::
 
@@ -58,6 +62,7 @@ class Int8State:
     chunk_elems: int = 1024
     error_feedback: bool = True
     start_iter: int = 2
+    model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
 
     def __post_init__(self) -> None:
@@ -67,17 +72,18 @@ class Int8State:
         self.codec = _C.Int8Codec(self.chunk_elems)
         self.feedback = _C.ErrorFeedback()
         self.steps = StepCounter()
+        self.residuals = ResidualCheckpoint(self.model)
 
     def state_dict(self) -> dict:
         return {
             "iter": self.steps.iter,
-            "feedback": self.feedback.state(),
+            "feedback": self.residuals.save(self.feedback.state()),
             "stats": self.stats.as_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.steps.iter = int(d["iter"])
-        self.feedback.load(d["feedback"])
+        self.residuals.load(d["feedback"], self.feedback.load)
         self.stats.load_dict(d["stats"])
 
 
@@ -94,6 +100,8 @@ def int8_compress_hook(
 
     group, codec, world = state.process_group, state.codec, group_size(state.process_group)
     key = bucket.index()
+    if state.error_feedback:
+        state.residuals.restore_into(bucket, state.feedback.store)
     acc = state.feedback.compensate(key, buffer) if state.error_feedback else buffer
     shard = codec.shard_elems(buffer.numel(), world)
     packed = codec.pack_shards(acc, world)  # [world, bytes_per_shard]

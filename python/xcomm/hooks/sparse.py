@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ._common import (
+    ResidualCheckpoint,
     StepCounter,
     allreduce_mean,
     check_density,
@@ -50,6 +51,9 @@ class TopKState:
             warm-up); 0 disables it.
         warmup_density: the density at the start of the warm-up.
         seed: seed of the sampling in approximate mode.
+        model: the DDP model; when given, checkpoints keep residuals per
+            parameter, so a resumed run continues bit for bit even though a
+            fresh DDP lays out its first buckets differently.
 
     Example::
 
@@ -65,6 +69,7 @@ class TopKState:
     warmup_steps: int = 0
     warmup_density: float = 0.25
     seed: int = 0
+    model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,7 @@ class TopKState:
             raise ValueError(f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}")
         self.codec = _C.TopKCodec(self.approximate, self.error_feedback, 4096, self.seed)
         self.steps = StepCounter()
+        self.residuals = ResidualCheckpoint(self.model)
 
     def current_density(self) -> float:
         """The density of this step, following the warm-up schedule."""
@@ -87,14 +93,14 @@ class TopKState:
     def state_dict(self) -> dict:
         return {
             "iter": self.steps.iter,
-            "feedback": self.codec.feedback_state(),
+            "feedback": self.residuals.save(self.codec.feedback_state()),
             "rng": self.codec.get_rng_state(),
             "stats": self.stats.as_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.steps.iter = int(d["iter"])
-        self.codec.load_feedback_state(d["feedback"])
+        self.residuals.load(d["feedback"], self.codec.load_feedback_state)
         self.codec.set_rng_state(d["rng"])
         self.stats.load_dict(d["stats"])
 
@@ -111,6 +117,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     world = group_size(state.process_group)
     k = _C.TopKCodec.k_for(buffer.numel(), density)
+    if state.error_feedback:
+        state.residuals.restore_into(bucket, state.codec.set_feedback)
     packed = state.codec.encode(bucket.index(), buffer, k)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
@@ -137,6 +145,9 @@ class RandomKState:
         seed: the shared seed; every rank must use the same one.
         error_feedback: keep what was not sent for the next step.
         start_iter: iterations reduced uncompressed first (>= 2 with error feedback).
+        model: the DDP model; when given, checkpoints keep residuals per
+            parameter, so a resumed run continues bit for bit even though a
+            fresh DDP lays out its first buckets differently.
 
     Example::
 
@@ -149,6 +160,7 @@ class RandomKState:
     seed: int = 0
     error_feedback: bool = True
     start_iter: int = 2
+    model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
 
     def __post_init__(self) -> None:
@@ -156,17 +168,18 @@ class RandomKState:
         check_start_iter("RandomKState", self.start_iter, self.error_feedback)
         self.codec = _C.RandomKCodec(self.seed, self.error_feedback)
         self.steps = StepCounter()
+        self.residuals = ResidualCheckpoint(self.model)
 
     def state_dict(self) -> dict:
         return {
             "iter": self.steps.iter,
-            "feedback": self.codec.feedback_state(),
+            "feedback": self.residuals.save(self.codec.feedback_state()),
             "stats": self.stats.as_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.steps.iter = int(d["iter"])
-        self.codec.load_feedback_state(d["feedback"])
+        self.residuals.load(d["feedback"], self.codec.load_feedback_state)
         self.stats.load_dict(d["stats"])
 
 
@@ -184,6 +197,8 @@ def randomk_hook(
 
     world = group_size(state.process_group)
     key = bucket.index()
+    if state.error_feedback:
+        state.residuals.restore_into(bucket, state.codec.set_feedback)
     positions = state.codec.positions(key, step, buffer.numel(), state.density)
     values = state.codec.encode(key, buffer, positions)
     state.stats.record(

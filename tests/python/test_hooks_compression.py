@@ -1,0 +1,189 @@
+"""xcomm's compression hooks (fp16/bf16 cast, int8, top-k, random-k) under DDP.
+
+References: the exact mean gradient (math, from an uncompressed allreduce in
+the same ranks), the codecs' documented error bounds, and an uninterrupted
+run for checkpoint-and-resume (bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_harness import RankContext, run_ranks
+
+xcomm = pytest.importorskip("xcomm")
+from xcomm import hooks  # noqa: E402
+
+METHODS = ["fp16", "bf16", "int8", "topk", "topk_approx", "randomk"]
+
+
+def make_state(method: str, **overrides: Any) -> tuple[Any, Callable]:
+    if method in ("fp16", "bf16"):
+        hook = hooks.fp16_cast_hook if method == "fp16" else hooks.bf16_cast_hook
+        return hooks.CastState(), hook
+    if method == "int8":
+        return hooks.Int8State(chunk_elems=64, **overrides), hooks.int8_compress_hook
+    if method == "topk":
+        return hooks.TopKState(density=0.1, **overrides), hooks.topk_hook
+    if method == "topk_approx":
+        return hooks.TopKState(density=0.05, approximate=True, **overrides), hooks.topk_hook
+    if method == "randomk":
+        return hooks.RandomKState(density=0.3, seed=5, **overrides), hooks.randomk_hook
+    raise ValueError(method)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 5),
+    )
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+def train(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# --------------------------------------------------------------------------- #
+
+
+def _identical_params(ctx: RankContext, method: str) -> tuple[torch.Tensor, dict]:
+    model = DDP(make_model())
+    state, hook = make_state(method)
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    train(model, opt, ctx.rank, range(8))
+    return flat_params(model), state.stats.as_dict()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_rank_holds_identical_parameters(method: str) -> None:
+    results = run_ranks(_identical_params, 2, method)
+    p0, stats = results[0]
+    for p, _ in results[1:]:
+        assert torch.equal(p, p0), f"{method}: ranks diverged"
+    assert torch.isfinite(p0).all()
+    assert stats["calls"] >= 8
+    if method in ("fp16", "bf16"):
+        assert stats["ratio"] == pytest.approx(2.0)
+    if method == "int8":
+        assert stats["ratio"] > 2.0  # the first 2 steps are uncompressed
+    if method.startswith("topk") or method == "randomk":
+        assert stats["ratio"] > 1.5
+
+
+def _compressed_grad_vs_exact(ctx: RankContext, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One backward with the hook (compressing from step 0, no error feedback)
+    and the exact mean gradient of the same inputs from a plain allreduce."""
+    overrides = {} if method in ("fp16", "bf16") else {"start_iter": 0, "error_feedback": False}
+    model = DDP(make_model())
+    state, hook = make_state(method, **overrides)
+    model.register_comm_hook(state, hook)
+    x, y = batch(ctx.rank, 0)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+    ref = make_model()
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    exact = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+    dist.all_reduce(exact, group=ctx.ref)
+    return got, exact / ctx.world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("method", ["fp16", "bf16", "int8"])
+def test_dense_codecs_approximate_the_mean_gradient(method: str, world_size: int) -> None:
+    got, exact = run_ranks(_compressed_grad_vs_exact, world_size, method)[0]
+    scale = exact.abs().max().item()
+    # fp16: 11-bit mantissa; bf16: 8-bit; int8: two roundings of 1/254 of a chunk's max.
+    tol = {"fp16": 2e-3, "bf16": 1.6e-2, "int8": 2.5 / 127}[method] * scale
+    assert (got - exact).abs().max().item() <= tol
+
+
+def test_topk_without_feedback_sends_each_ranks_largest_entries() -> None:
+    got, exact = run_ranks(_compressed_grad_vs_exact, 2, "topk")[0]
+    # Entries that survived are (sums of) true per-rank entries: sparse, finite.
+    nonzero = (got != 0).float().mean().item()
+    assert 0.0 < nonzero <= 0.2 + 1e-6  # at most 2 ranks x 10% density
+    assert torch.isfinite(got).all()
+
+
+def _checkpoint_resume(ctx: RankContext, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def fresh() -> tuple[DDP, torch.optim.Optimizer, Any]:
+        model = DDP(make_model())
+        state, hook = make_state(method, model=model)
+        model.register_comm_hook(state, hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
+
+    model, opt, state = fresh()
+    train(model, opt, ctx.rank, range(6))
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    )
+    train(model, opt, ctx.rank, range(6, 12))
+    uninterrupted = flat_params(model)
+
+    model2, opt2, state2 = fresh()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    state2.load_state_dict(saved["hook"])
+    train(model2, opt2, ctx.rank, range(6, 12))
+    return uninterrupted, flat_params(model2)
+
+
+@pytest.mark.parametrize("method", ["int8", "topk", "topk_approx", "randomk"])
+def test_checkpoint_and_resume_is_bitwise_identical(method: str) -> None:
+    for uninterrupted, resumed in run_ranks(_checkpoint_resume, 2, method):
+        assert torch.equal(uninterrupted, resumed), f"{method}: resumed run differs"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: hooks.TopKState(density=0.0), "density"),
+        (lambda: hooks.TopKState(density=1.5), "density"),
+        (lambda: hooks.RandomKState(density=-0.1), "density"),
+        (lambda: hooks.TopKState(start_iter=1), "start_iter"),
+        (lambda: hooks.RandomKState(start_iter=0), "start_iter"),
+        (lambda: hooks.Int8State(start_iter=1), "start_iter"),
+        (lambda: hooks.Int8State(chunk_elems=0), "chunk_elems"),
+        (lambda: hooks.TopKState(warmup_steps=-1), "warmup_steps"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(make: Callable[[], Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_start_iter_below_two_is_fine_without_error_feedback() -> None:
+    hooks.TopKState(start_iter=0, error_feedback=False)
+    hooks.Int8State(start_iter=0, error_feedback=False)
+
+
+def test_topk_warmup_decays_to_the_target_density() -> None:
+    state = hooks.TopKState(density=0.01, warmup_steps=10, warmup_density=0.25)
+    state.steps.iter = state.start_iter
+    assert state.current_density() == pytest.approx(0.25)
+    state.steps.iter = state.start_iter + 5
+    assert 0.01 < state.current_density() < 0.25
+    state.steps.iter = state.start_iter + 10
+    assert state.current_density() == pytest.approx(0.01)
