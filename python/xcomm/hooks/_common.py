@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .stats import CompressionStats, allreduce_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def group_size(process_group: dist.ProcessGroup | None) -> int:
@@ -16,7 +19,9 @@ def group_size(process_group: dist.ProcessGroup | None) -> int:
 
 def check_density(name: str, density: float) -> None:
     if not (0.0 < density <= 1.0):
-        raise ValueError(f"xcomm.hooks.{name}: density must be in (0, 1], got {density}")
+        raise ValueError(
+            f"xcomm.hooks.{name}: density must be in (0, 1], got {density}"
+        )
 
 
 def check_start_iter(name: str, start_iter: int, error_feedback: bool) -> None:
@@ -42,7 +47,9 @@ def allreduce_mean(
     buffer = bucket.buffer()
     world = group_size(state.process_group)
     buffer.div_(world)
-    stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(buffer.nbytes, world))
+    stats.record(
+        allreduce_bytes(buffer.nbytes, world), allreduce_bytes(buffer.nbytes, world)
+    )
     fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
@@ -92,66 +99,148 @@ def then_collective(
     return out
 
 
+class BucketView:
+    """What a codec works on for one bucket: a key and a flat tensor.
+
+    Usually the bucket's own buffer under the bucket's index. After a resume
+    it may be a copy in the saved run's parameter order (see
+    :class:`ResidualCheckpoint`); :meth:`write_back` then copies the result
+    into the bucket.
+    """
+
+    def __init__(
+        self,
+        key: int,
+        tensor: torch.Tensor,
+        index: torch.Tensor | None,
+        buffer: torch.Tensor,
+    ) -> None:
+        self.key = key
+        self.tensor = tensor
+        self._index = index
+        self._buffer = buffer
+
+    def write_back(self) -> torch.Tensor:
+        """Puts the view's values into the bucket's buffer and returns the buffer."""
+        if self._index is not None:
+            self._buffer.index_copy_(0, self._index, self.tensor)
+        return self._buffer
+
+
 class ResidualCheckpoint:
-    """Saves error-feedback residuals by parameter name instead of by bucket.
+    """Checkpoints error-feedback residuals by parameter name, not by bucket.
 
     DDP lays its buckets out one way in its first iteration and another after
-    it rebuilds them, so a residual saved by bucket index can land on other
-    parameters when a fresh DDP resumes. Given the model, residuals are saved
-    per parameter and re-assembled for whatever bucket layout comes next.
-    Without the model, they are saved by bucket (exact only when the resumed
-    run's buckets match the saved ones).
+    it rebuilds them, and the codecs' output depends on the layout (int8
+    chunk boundaries, top-k over the whole bucket, random-k positions). Given
+    the model, a checkpoint records the residual of every parameter and the
+    parameter order of every bucket. A resumed run whose fresh DDP holds the
+    same parameters in a bucket in another order compresses a copy laid out
+    in the saved order (:meth:`view`), so it continues bit for bit; once DDP
+    has rebuilt its buckets the layouts agree again and no copy is made.
+    When the resumed buckets group parameters differently, the residuals
+    still follow their parameters, but the result is no longer bitwise that
+    of an uninterrupted run (a warning says so once).
+
+    Without the model, residuals are saved by bucket index (exact only when
+    the resumed run's buckets match the saved ones).
     """
 
     def __init__(self, model: torch.nn.Module | None) -> None:
         self._names: dict[int, str] = {}
         if model is not None:
             self._names = {id(p): n for n, p in model.named_parameters()}
-        self._layouts: dict[int, list[tuple[str, int, int]]] = {}  # bucket -> (name, offset, numel)
+        # key -> [(name, numel)] in the order the codec saw them.
+        self._layouts: dict[int, list[tuple[str, int]]] = {}
+        # From a loaded checkpoint: key -> [(name, numel)], and residual pieces.
+        self._saved_layouts: dict[int, list[tuple[str, int]]] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._warned = False
 
     @property
     def by_parameter(self) -> bool:
         return bool(self._names)
 
-    def observe(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]] | None:
-        """Records the bucket's layout; returns it (None without a model)."""
-        if not self._names:
-            return None
+    def _current(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]]:
         base = bucket.buffer().storage_offset()
-        layout = [
+        return [
             (self._names[id(p)], g.storage_offset() - base, g.numel())
             for p, g in zip(bucket.parameters(), bucket.gradients())
         ]
-        self._layouts[bucket.index()] = layout
-        return layout
 
-    def restore_into(self, bucket: dist.GradBucket, set_residual: Callable[[int, torch.Tensor], None]) -> None:
-        """After a load: builds this bucket's residual from the saved pieces."""
-        layout = self.observe(bucket)
-        if not self._pending or layout is None:
-            return
+    def view(
+        self,
+        bucket: dist.GradBucket,
+        set_residual: Callable[[int, torch.Tensor], None] | None,
+    ) -> BucketView:
+        """The codec's view of ``bucket``; restores pending residuals into
+        ``set_residual(key, residual)`` (``None``: no error feedback)."""
         buffer = bucket.buffer()
-        residual = torch.zeros_like(buffer)
-        found = False
-        for name, offset, numel in layout:
-            piece = self._pending.pop(name, None)
-            if piece is not None:
-                residual.narrow(0, offset, numel).copy_(piece.reshape(-1))
-                found = True
-        if found:
-            set_residual(bucket.index(), residual)
+        if not self._names:
+            return BucketView(bucket.index(), buffer, None, buffer)
+        current = self._current(bucket)
+        key, order, index = bucket.index(), [(n, k) for n, _, k in current], None
+        if self._saved_layouts:
+            names = {n for n, _, _ in current}
+            match = [
+                k
+                for k, lay in self._saved_layouts.items()
+                if {n for n, _ in lay} == names
+            ]
+            if match:
+                key, order = match[0], self._saved_layouts[match[0]]
+                if order != [(n, k) for n, _, k in current]:
+                    offsets = {n: off for n, off, _ in current}
+                    index = (
+                        torch.cat(
+                            [
+                                torch.arange(
+                                    offsets[n], offsets[n] + k, device=buffer.device
+                                )
+                                for n, k in order
+                            ]
+                        )
+                        if order
+                        else torch.empty(0, dtype=torch.long, device=buffer.device)
+                    )
+            elif not self._warned:
+                self._warned = True
+                logger.warning(
+                    "xcomm.hooks: the resumed DDP groups parameters into buckets differently "
+                    "from the checkpoint; residuals follow their parameters, but the run is "
+                    "not bitwise that of an uninterrupted one"
+                )
+        self._layouts[key] = order
+        tensor = buffer if index is None else buffer.index_select(0, index)
+        view = BucketView(key, tensor, index, buffer)
+        if set_residual is not None and self._pending:
+            residual = torch.zeros_like(tensor)
+            found, offset = False, 0
+            for name, numel in order:
+                piece = self._pending.pop(name, None)
+                if piece is not None:
+                    residual.narrow(0, offset, numel).copy_(piece.reshape(-1))
+                    found = True
+                offset += numel
+            if found:
+                set_residual(key, residual)
+        return view
 
     def save(self, residuals: dict[int, torch.Tensor]) -> dict[str, Any]:
         if not self._names:
             return {"by": "bucket", "residuals": residuals}
         per_param = dict(self._pending)
         for key, residual in residuals.items():
-            for name, offset, numel in self._layouts.get(key, []):
+            offset = 0
+            for name, numel in self._layouts.get(key, []):
                 per_param[name] = residual.narrow(0, offset, numel).clone()
-        return {"by": "parameter", "residuals": per_param}
+                offset += numel
+        layouts = {k: [list(e) for e in lay] for k, lay in self._layouts.items()}
+        return {"by": "parameter", "residuals": per_param, "layouts": layouts}
 
-    def load(self, saved: dict[str, Any], load_by_bucket: Callable[[dict], None]) -> None:
+    def load(
+        self, saved: dict[str, Any], load_by_bucket: Callable[[dict], None]
+    ) -> None:
         if saved["by"] == "bucket":
             load_by_bucket(saved["residuals"])
             return
@@ -162,3 +251,7 @@ class ResidualCheckpoint:
             )
         load_by_bucket({})
         self._pending = {n: t.clone() for n, t in saved["residuals"].items()}
+        self._saved_layouts = {
+            int(k): [(str(n), int(c)) for n, c in lay]
+            for k, lay in saved.get("layouts", {}).items()
+        }

@@ -67,7 +67,9 @@ class Int8State:
 
     def __post_init__(self) -> None:
         if self.chunk_elems <= 0:
-            raise ValueError(f"xcomm.hooks.Int8State: chunk_elems must be > 0, got {self.chunk_elems}")
+            raise ValueError(
+                f"xcomm.hooks.Int8State: chunk_elems must be > 0, got {self.chunk_elems}"
+            )
         check_start_iter("Int8State", self.start_iter, self.error_feedback)
         self.codec = _C.Int8Codec(self.chunk_elems)
         self.feedback = _C.ErrorFeedback()
@@ -98,12 +100,17 @@ def int8_compress_hook(
         return allreduce_mean(state, bucket, state.stats)
     state.steps.after_bucket(bucket)
 
-    group, codec, world = state.process_group, state.codec, group_size(state.process_group)
-    key = bucket.index()
-    if state.error_feedback:
-        state.residuals.restore_into(bucket, state.feedback.store)
-    acc = state.feedback.compensate(key, buffer) if state.error_feedback else buffer
-    shard = codec.shard_elems(buffer.numel(), world)
+    group, codec, world = (
+        state.process_group,
+        state.codec,
+        group_size(state.process_group),
+    )
+    view = state.residuals.view(
+        bucket, state.feedback.store if state.error_feedback else None
+    )
+    key, flat = view.key, view.tensor
+    acc = state.feedback.compensate(key, flat) if state.error_feedback else flat
+    shard = codec.shard_elems(flat.numel(), world)
     packed = codec.pack_shards(acc, world)  # [world, bytes_per_shard]
     if state.error_feedback:
         sent = torch.empty_like(acc)
@@ -115,17 +122,21 @@ def int8_compress_hook(
         alltoall_bytes(packed.numel(), world) + allgather_bytes(shard_bytes, world),
     )
     received = torch.empty_like(packed)
-    fut = dist.all_to_all_single(received, packed, group=group, async_op=True).get_future()
+    fut = dist.all_to_all_single(
+        received, packed, group=group, async_op=True
+    ).get_future()
 
     gathered = torch.empty(world * shard_bytes, dtype=torch.uint8)
 
     def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:
         mean_shard = codec.reduce_shards(received, shard).div_(world)
         mine = codec.pack(mean_shard)
-        return dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True).get_future()
+        return dist.all_gather_into_tensor(
+            gathered, mine, group=group, async_op=True
+        ).get_future()
 
     def unpack(f: torch.futures.Future) -> torch.Tensor:
-        codec.unpack_all(gathered, shard, buffer)
-        return buffer
+        codec.unpack_all(gathered, shard, flat)
+        return view.write_back()
 
     return then_collective(fut, reduce_and_gather, buffer.device).then(unpack)

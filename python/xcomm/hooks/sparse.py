@@ -77,8 +77,12 @@ class TopKState:
         check_density("TopKState (warmup_density)", self.warmup_density)
         check_start_iter("TopKState", self.start_iter, self.error_feedback)
         if self.warmup_steps < 0:
-            raise ValueError(f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}")
-        self.codec = _C.TopKCodec(self.approximate, self.error_feedback, 4096, self.seed)
+            raise ValueError(
+                f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}"
+            )
+        self.codec = _C.TopKCodec(
+            self.approximate, self.error_feedback, 4096, self.seed
+        )
         self.steps = StepCounter()
         self.residuals = ResidualCheckpoint(self.model)
 
@@ -105,7 +109,9 @@ class TopKState:
         self.stats.load_dict(d["stats"])
 
 
-def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def topk_hook(
+    state: TopKState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """Averages the top-k entries of every rank's (gradient + residual)."""
     buffer = bucket.buffer()
     check_floating("topk_hook", buffer)
@@ -117,9 +123,10 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     world = group_size(state.process_group)
     k = _C.TopKCodec.k_for(buffer.numel(), density)
-    if state.error_feedback:
-        state.residuals.restore_into(bucket, state.codec.set_feedback)
-    packed = state.codec.encode(bucket.index(), buffer, k)
+    view = state.residuals.view(
+        bucket, state.codec.set_feedback if state.error_feedback else None
+    )
+    packed = state.codec.encode(view.key, view.tensor, k)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
@@ -129,8 +136,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     ).get_future()
 
     def decode(f: torch.futures.Future) -> torch.Tensor:
-        state.codec.decode(gathered, k, buffer, float(world))
-        return buffer
+        state.codec.decode(gathered, k, view.tensor, float(world))
+        return view.write_back()
 
     return fut.then(decode)
 
@@ -196,20 +203,19 @@ def randomk_hook(
     state.steps.after_bucket(bucket)
 
     world = group_size(state.process_group)
-    key = bucket.index()
-    if state.error_feedback:
-        state.residuals.restore_into(bucket, state.codec.set_feedback)
+    view = state.residuals.view(
+        bucket, state.codec.set_feedback if state.error_feedback else None
+    )
+    key = view.key
     positions = state.codec.positions(key, step, buffer.numel(), state.density)
-    values = state.codec.encode(key, buffer, positions)
+    values = state.codec.encode(key, view.tensor, positions)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world)
     )
     fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
 
     def decode(f: torch.futures.Future) -> torch.Tensor:
-        state.codec.decode(f.value()[0], positions, buffer, float(world))
-        return buffer
+        state.codec.decode(f.value()[0], positions, view.tensor, float(world))
+        return view.write_back()
 
     return fut.then(decode)
-
-
