@@ -19,9 +19,7 @@ def group_size(process_group: dist.ProcessGroup | None) -> int:
 
 def check_density(name: str, density: float) -> None:
     if not (0.0 < density <= 1.0):
-        raise ValueError(
-            f"xcomm.hooks.{name}: density must be in (0, 1], got {density}"
-        )
+        raise ValueError(f"xcomm.hooks.{name}: density must be in (0, 1], got {density}")
 
 
 def check_start_iter(name: str, start_iter: int, error_feedback: bool) -> None:
@@ -35,9 +33,7 @@ def check_start_iter(name: str, start_iter: int, error_feedback: bool) -> None:
 
 def check_floating(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
-        raise TypeError(
-            f"xcomm.hooks.{name}: gradients must be floating point, got {tensor.dtype}"
-        )
+        raise TypeError(f"xcomm.hooks.{name}: gradients must be floating point, got {tensor.dtype}")
 
 
 def allreduce_mean(
@@ -47,9 +43,7 @@ def allreduce_mean(
     buffer = bucket.buffer()
     world = group_size(state.process_group)
     buffer.div_(world)
-    stats.record(
-        allreduce_bytes(buffer.nbytes, world), allreduce_bytes(buffer.nbytes, world)
-    )
+    stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(buffer.nbytes, world))
     fut = dist.all_reduce(buffer, group=state.process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
@@ -97,6 +91,49 @@ def then_collective(
 
     fut.add_done_callback(on_first)
     return out
+
+
+class IssueOrder:
+    """Keeps the order of a hook's collectives the same on every rank.
+
+    A hook that issues its second collective from a future callback (int8's
+    allgather after the alltoall, PowerSGD's Q after P) would otherwise race
+    with the next bucket's first collective issued by DDP's thread, and ranks
+    could issue them in different orders: a collective mismatch that Gloo
+    answers by aborting the process. DDP calls the hook for buckets in the
+    same order on every rank, so each bucket takes a turn here: its first
+    collective starts once the previous bucket has issued its last one.
+    Transfers still overlap the rest of the backward pass.
+
+    Example::
+
+        ready, issued = state.order.next_turn()
+        # start the bucket's first collective when `ready` completes, and
+        # call issued.set_result(None) right after issuing its last one.
+    """
+
+    def __init__(self) -> None:
+        self._tail: torch.futures.Future | None = None
+
+    def next_turn(self) -> tuple[torch.futures.Future, torch.futures.Future]:
+        """(ready, issued) for the next bucket, in hook-call order."""
+        ready = self._tail
+        if ready is None:
+            ready = torch.futures.Future()
+            ready.set_result(None)
+        issued: torch.futures.Future = torch.futures.Future()
+        self._tail = issued
+        return ready, issued
+
+
+def mark_issued(issued: torch.futures.Future, exc: BaseException | None = None) -> None:
+    """Completes a turn of :class:`IssueOrder` (once; later calls are ignored)."""
+    if issued.done():
+        return
+    if exc is None:
+        issued.set_result(None)
+    else:
+        issued.set_exception(exc)
 
 
 class BucketView:
@@ -182,11 +219,7 @@ class ResidualCheckpoint:
         key, order, index = bucket.index(), [(n, k) for n, _, k in current], None
         if self._saved_layouts:
             names = {n for n, _, _ in current}
-            match = [
-                k
-                for k, lay in self._saved_layouts.items()
-                if {n for n, _ in lay} == names
-            ]
+            match = [k for k, lay in self._saved_layouts.items() if {n for n, _ in lay} == names]
             if match:
                 key, order = match[0], self._saved_layouts[match[0]]
                 if order != [(n, k) for n, _, k in current]:
@@ -194,9 +227,7 @@ class ResidualCheckpoint:
                     index = (
                         torch.cat(
                             [
-                                torch.arange(
-                                    offsets[n], offsets[n] + k, device=buffer.device
-                                )
+                                torch.arange(offsets[n], offsets[n] + k, device=buffer.device)
                                 for n, k in order
                             ]
                         )
@@ -238,9 +269,7 @@ class ResidualCheckpoint:
         layouts = {k: [list(e) for e in lay] for k, lay in self._layouts.items()}
         return {"by": "parameter", "residuals": per_param, "layouts": layouts}
 
-    def load(
-        self, saved: dict[str, Any], load_by_bucket: Callable[[dict], None]
-    ) -> None:
+    def load(self, saved: dict[str, Any], load_by_bucket: Callable[[dict], None]) -> None:
         if saved["by"] == "bucket":
             load_by_bucket(saved["residuals"])
             return

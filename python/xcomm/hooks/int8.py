@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from .. import _C
 from ._common import (
+    IssueOrder,
     ResidualCheckpoint,
     StepCounter,
+    mark_issued,
     allreduce_mean,
     check_floating,
     check_start_iter,
@@ -75,6 +77,7 @@ class Int8State:
         self.feedback = _C.ErrorFeedback()
         self.steps = StepCounter()
         self.residuals = ResidualCheckpoint(self.model)
+        self.order = IssueOrder()
 
     def state_dict(self) -> dict:
         return {
@@ -105,9 +108,7 @@ def int8_compress_hook(
         state.codec,
         group_size(state.process_group),
     )
-    view = state.residuals.view(
-        bucket, state.feedback.store if state.error_feedback else None
-    )
+    view = state.residuals.view(bucket, state.feedback.store if state.error_feedback else None)
     key, flat = view.key, view.tensor
     acc = state.feedback.compensate(key, flat) if state.error_feedback else flat
     shard = codec.shard_elems(flat.numel(), world)
@@ -122,21 +123,45 @@ def int8_compress_hook(
         alltoall_bytes(packed.numel(), world) + allgather_bytes(shard_bytes, world),
     )
     received = torch.empty_like(packed)
-    fut = dist.all_to_all_single(
-        received, packed, group=group, async_op=True
-    ).get_future()
-
     gathered = torch.empty(world * shard_bytes, dtype=torch.uint8)
+    ready, issued = state.order.next_turn()
+
+    def exchange(f: torch.futures.Future) -> torch.futures.Future:
+        return dist.all_to_all_single(received, packed, group=group, async_op=True).get_future()
 
     def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:
-        mean_shard = codec.reduce_shards(received, shard).div_(world)
-        mine = codec.pack(mean_shard)
-        return dist.all_gather_into_tensor(
-            gathered, mine, group=group, async_op=True
-        ).get_future()
+        try:
+            mean_shard = codec.reduce_shards(received, shard).div_(world)
+            work = dist.all_gather_into_tensor(
+                gathered, codec.pack(mean_shard), group=group, async_op=True
+            )
+        except BaseException as e:
+            mark_issued(issued, e)
+            raise
+        mark_issued(issued)
+        return work.get_future()
+
+    first = then_collective(ready, exchange, buffer.device)
+    first.add_done_callback(lambda f: _release_on_failure(f, issued))
 
     def unpack(f: torch.futures.Future) -> torch.Tensor:
         codec.unpack_all(gathered, shard, flat)
         return view.write_back()
 
-    return then_collective(fut, reduce_and_gather, buffer.device).then(unpack)
+    return then_collective(first, reduce_and_gather, buffer.device).then(unpack)
+
+
+def _release_on_failure(f: torch.futures.Future, issued: torch.futures.Future) -> None:
+    """Passes a failed first step on to the next bucket's turn instead of hanging it."""
+    try:
+        f.value()
+    except BaseException as e:  # noqa: BLE001 - handed to the next turn
+        mark_issued(issued, e)
+
+
+def _issue_failed(f: torch.futures.Future, issued: torch.futures.Future) -> None:
+    """Releases the next bucket's turn when this bucket's first step failed."""
+    try:
+        f.value()
+    except BaseException as e:  # noqa: BLE001 - the failure goes to the next turn too
+        mark_issued(issued, e)

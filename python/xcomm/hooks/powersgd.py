@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ._common import IssueOrder, mark_issued
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
@@ -224,6 +225,7 @@ class PowerSGDState:
         # Per bucket index: weak references to the parameters of its current
         # layout, to notice cheaply when DDP rebuilds the bucket.
         self._bucket_params: dict[int, list[weakref.ref]] = {}
+        self._order = IssueOrder()
 
     # -- torch's configuration attributes (read-only: the codec holds them) --
     matrix_approximation_rank = property(lambda self: self._config["matrix_approximation_rank"])
@@ -458,7 +460,12 @@ def powersgd_hook(
     # backend's thread) and starts the next; nothing waits.
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
+    # The second allreduce is issued from a callback; taking turns keeps the
+    # order of collectives the same on every rank (see IssueOrder).
+    ready, issued = state._order.next_turn()
+
     def fail(exc: BaseException) -> None:
+        mark_issued(issued, exc)
         codec.abort_step(index)
         result.set_exception(exc)
 
@@ -475,9 +482,12 @@ def powersgd_hook(
         try:
             q = codec.reduce_p(index, summed_wire, world_size)
             if q.numel() == 0:  # nothing compressed in this bucket
+                mark_issued(issued)
                 on_q(q)
                 return
-            _allreduce(group, q).add_done_callback(lambda fut: _then(fut, on_q))
+            fut = _allreduce(group, q)
+            mark_issued(issued)
+            fut.add_done_callback(lambda fut: _then(fut, on_q))
         except BaseException as exc:  # noqa: BLE001
             fail(exc)
 
@@ -489,8 +499,15 @@ def powersgd_hook(
             return
         fn(value)
 
-    if wire.numel() == 0:
-        on_wire(wire)
-    else:
-        _allreduce(group, wire).add_done_callback(lambda fut: _then(fut, on_wire))
+    def start(turn: torch.futures.Future) -> None:
+        try:
+            turn.value()  # an earlier bucket's failure fails this one too
+            if wire.numel() == 0:
+                on_wire(wire)
+            else:
+                _allreduce(group, wire).add_done_callback(lambda fut: _then(fut, on_wire))
+        except BaseException as exc:  # noqa: BLE001
+            fail(exc)
+
+    ready.add_done_callback(start)
     return result

@@ -80,9 +80,7 @@ class TopKState:
             raise ValueError(
                 f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}"
             )
-        self.codec = _C.TopKCodec(
-            self.approximate, self.error_feedback, 4096, self.seed
-        )
+        self.codec = _C.TopKCodec(self.approximate, self.error_feedback, 4096, self.seed)
         self.steps = StepCounter()
         self.residuals = ResidualCheckpoint(self.model)
 
@@ -109,9 +107,7 @@ class TopKState:
         self.stats.load_dict(d["stats"])
 
 
-def topk_hook(
-    state: TopKState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the top-k entries of every rank's (gradient + residual)."""
     buffer = bucket.buffer()
     check_floating("topk_hook", buffer)
@@ -123,9 +119,7 @@ def topk_hook(
 
     world = group_size(state.process_group)
     k = _C.TopKCodec.k_for(buffer.numel(), density)
-    view = state.residuals.view(
-        bucket, state.codec.set_feedback if state.error_feedback else None
-    )
+    view = state.residuals.view(bucket, state.codec.set_feedback if state.error_feedback else None)
     packed = state.codec.encode(view.key, view.tensor, k)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
@@ -203,15 +197,11 @@ def randomk_hook(
     state.steps.after_bucket(bucket)
 
     world = group_size(state.process_group)
-    view = state.residuals.view(
-        bucket, state.codec.set_feedback if state.error_feedback else None
-    )
+    view = state.residuals.view(bucket, state.codec.set_feedback if state.error_feedback else None)
     key = view.key
     positions = state.codec.positions(key, step, buffer.numel(), state.density)
     values = state.codec.encode(key, view.tensor, positions)
-    state.stats.record(
-        allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world)
-    )
+    state.stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world))
     fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
 
     def decode(f: torch.futures.Future) -> torch.Tensor:

@@ -1,0 +1,189 @@
+"""xcomm's PowerSGD hook against torch's ``powerSGD_hook``.
+
+Reference: torch's own hook with the same configuration, inputs and seed
+(results equal to float tolerance: the arithmetic is the same, the summation
+order differs), and an uninterrupted run for checkpoint-and-resume (bitwise).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_harness import RankContext, run_ranks
+
+xcomm = pytest.importorskip("xcomm")
+from xcomm import hooks  # noqa: E402
+
+STEPS = 8
+
+
+class Net(torch.nn.Module):
+    """Matrices of several shapes (some repeated, for batching), a conv, biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.fc1 = torch.nn.Linear(8 * 6 * 6, 64)
+        self.fc2 = torch.nn.Linear(64, 64)
+        self.fc3 = torch.nn.Linear(64, 64)
+        self.out = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv(x)).flatten(1)
+        x = torch.relu(self.fc1(x))
+        x = torch.relu(self.fc2(x))
+        x = torch.relu(self.fc3(x))
+        return self.out(x)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def train(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _config(rank: int, batched: bool) -> dict[str, Any]:
+    return dict(
+        matrix_approximation_rank=rank,
+        start_powerSGD_iter=2,
+        min_compression_rate=2,
+        use_error_feedback=True,
+        warm_start=True,
+        random_seed=7,
+        batch_tensors_with_same_shape=batched,
+    )
+
+
+def _against_torch(ctx: RankContext, rank: int, batched: bool) -> dict[str, Any]:
+    results = {}
+    for impl in ("torch", "xcomm"):
+        # One bucket: torch's hook issues collectives from future callbacks,
+        # which with several buckets can reach ranks in different orders.
+        model = DDP(make_model())
+        if impl == "torch":
+            state = torch_psgd.PowerSGDState(process_group=None, **_config(rank, batched))
+            model.register_comm_hook(state, torch_psgd.powerSGD_hook)
+        else:
+            state = hooks.PowerSGDState(process_group=None, **_config(rank, batched))
+            model.register_comm_hook(state, hooks.powersgd_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        train(model, opt, ctx.rank, range(STEPS))
+        results[impl] = flat_params(model)
+        results[impl + "_rate"] = state.compression_stats()[0]
+    return results
+
+
+@pytest.mark.parametrize("rank,batched", [(1, False), (2, True), (4, False)])
+def test_matches_torch_powersgd_hook(rank: int, batched: bool) -> None:
+    out = run_ranks(_against_torch, 2, rank, batched)
+    for r in out:
+        torch.testing.assert_close(r["xcomm"], r["torch"], rtol=1e-4, atol=1e-5)
+        assert r["xcomm_rate"] == pytest.approx(r["torch_rate"])
+    # every rank holds bitwise the same parameters
+    for r in out[1:]:
+        assert torch.equal(r["xcomm"], out[0]["xcomm"])
+    # and compression really happened: the parameters moved away from start
+    assert not torch.equal(out[0]["xcomm"], flat_params(make_model()))
+
+
+def _resume(ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def fresh() -> tuple[DDP, torch.optim.Optimizer, Any]:
+        model = DDP(make_model(), bucket_cap_mb=0.05)
+        state = hooks.PowerSGDState(process_group=None, **_config(2, False))
+        model.register_comm_hook(state, hooks.powersgd_hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
+
+    model, opt, state = fresh()
+    train(model, opt, ctx.rank, range(5))
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    )
+    train(model, opt, ctx.rank, range(5, 10))
+    uninterrupted = flat_params(model)
+
+    model2, opt2, state2 = fresh()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    state2.load_state_dict(saved["hook"])
+    train(model2, opt2, ctx.rank, range(5, 10))
+    return uninterrupted, flat_params(model2)
+
+
+def test_checkpoint_and_resume_is_bitwise_identical() -> None:
+    for uninterrupted, resumed in run_ranks(_resume, 2):
+        assert torch.equal(uninterrupted, resumed)
+
+
+def _stats(ctx: RankContext) -> dict[str, Any]:
+    model = DDP(make_model())
+    state = hooks.PowerSGDState(process_group=None, **_config(1, False))
+    model.register_comm_hook(state, hooks.powersgd_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train(model, opt, ctx.rank, range(4))
+    return state.stats.as_dict()
+
+
+def test_compression_statistics_count_bytes_on_the_wire() -> None:
+    stats = run_ranks(_stats, 2)[0]
+    n = sum(p.numel() for p in make_model().parameters())
+    # 4 steps of fp32 buckets were handed to the hook ...
+    assert stats["bytes_before"] > 0 and stats["calls"] >= 4
+    # ... and the last 2 steps went out as rank-1 factors: far fewer bytes.
+    assert stats["ratio"] > 1.5
+    # a ring allreduce of the fp32 gradients moves 2 (n-1)/n bytes per byte
+    assert stats["bytes_before"] == pytest.approx(4 * n * 4 * 2 * (2 - 1) / 2, rel=0.01)
+    assert stats["bytes_on_wire"] < stats["bytes_before"] / 1.5
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"matrix_approximation_rank": 0}, "matrix_approximation_rank"),
+        ({"start_powerSGD_iter": 1}, "start_powerSGD_iter"),
+        ({"min_compression_rate": -1}, "min_compression_rate"),
+        ({"orthogonalization_epsilon": float("inf")}, "orthogonalization_epsilon"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        hooks.PowerSGDState(process_group=None, **kwargs)
+
+
+def _int_bucket(ctx: RankContext) -> str:
+    model = DDP(torch.nn.Linear(4, 4).to(torch.float64))
+    state = hooks.PowerSGDState(process_group=None, start_powerSGD_iter=2)
+    model.register_comm_hook(state, hooks.powersgd_hook)
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()  # float64 works
+    return "ok"
+
+
+def test_float64_buckets_work() -> None:
+    assert run_ranks(_int_bucket, 2) == ["ok", "ok"]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])
+_ = dist  # imported for the harness' ranks
