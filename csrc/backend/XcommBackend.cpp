@@ -1,6 +1,7 @@
 #include "backend/XcommBackend.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/InputChecks.hpp"
 #include "backend/StoreCpuBackend.hpp"
@@ -45,6 +46,16 @@ XcommBackend::XcommBackend(int rank, int size, c10::intrusive_ptr<XcommOptions> 
                 "xcomm: the transport backend's rank/size (", t ? t->getRank() : -1, "/",
                 t ? t->getSize() : -1, ") differ from the group's (", rank, "/", size, ")");
   }
+  const auto& compression = options_->compression;
+  if (compression.method != Compression::kNone) {
+    compressed_ = std::make_unique<CompressedAllreduce>(compression, size);
+    if (compressed_->needsOwnTransport()) {
+      TORCH_CHECK_VALUE(transports_.cpuCompressed, "xcomm: ", compressionName(compression.method),
+                        " allreduce compression needs a second CPU transport for its own "
+                        "collectives; build the group through init_process_group/new_group");
+      compressQueue_ = std::make_unique<OpQueue>("xcomm compressed allreduce");
+    }
+  }
   init();
 }
 
@@ -57,24 +68,31 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
                     " is out of range for a group of size ", size);
   Transports transports;
   transports.cpu = c10::make_intrusive<StoreCpuBackend>(store, rank, size, options->timeout);
+  if (options->compression.method == Compression::kInt8) {
+    transports.cpuCompressed = c10::make_intrusive<StoreCpuBackend>(
+        c10::make_intrusive<c10d::PrefixStore>("xcomm/int8", store), rank, size, options->timeout);
+  }
   return c10::make_intrusive<XcommBackend>(rank, size, std::move(options), std::move(transports));
 }
 
 void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
-  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+  for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
     if (t) t->setTimeout(timeout);
   }
 }
 
 void XcommBackend::shutdown() {
-  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+  if (compressQueue_) {
+    compressQueue_->shutdown();
+  }
+  for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
     if (t) t->shutdown();
   }
 }
 
 void XcommBackend::abort() {
-  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+  for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
     if (t) t->abort();
   }
 }
@@ -126,6 +144,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   auto& transport = transportFor(tensors[0], op);
+  if (compressed_ && compressed_->applies(tensors, opts)) {
+    return compressedAllreduce(tensors[0], opts);
+  }
   TensorStaging staging;
   auto staged = staging.inOut(tensors);
   c10d::AllreduceOptions innerOpts = opts;
@@ -136,6 +157,31 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   }
   auto work = transport.allreduce(staged, innerOpts);
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
+    at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
+  if (!compressed_->needsOwnTransport()) {
+    std::function<void()> finalize;
+    auto inner = compressed_->startCast(transportFor(tensor, "all_reduce"), tensor, opts, finalize);
+    return c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::ALLREDUCE, std::move(inner),
+                                              std::move(finalize), listValue({tensor}),
+                                              tensorListType());
+  }
+  auto work =
+      c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, "xcomm:int8_all_reduce",
+                                      listValue({tensor}), tensorListType());
+  auto* algorithm = compressed_.get();
+  auto transport = transports_.cpuCompressed;
+  compressQueue_->push([work, algorithm, transport, tensor, opts] {
+    try {
+      algorithm->runInt8(*transport, tensor, opts);
+      work->markSucceeded();
+    } catch (...) {
+      work->markFailed(std::current_exception());
+    }
+  });
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(

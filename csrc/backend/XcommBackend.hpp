@@ -5,12 +5,15 @@
 // for the tensors' device: Gloo for CPU tensors and NCCL for CUDA tensors when
 // created from Python, or xcomm's own StoreCpuBackend in a C++-only program.
 #include <chrono>
+#include <memory>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
+#include "collectives/CompressedAllreduce.hpp"
+#include "schedule/OpQueue.hpp"
 
 namespace xcomm {
 
@@ -20,6 +23,9 @@ class XcommBackend : public c10d::Backend {
   struct Transports {
     c10::intrusive_ptr<c10d::Backend> cpu;
     c10::intrusive_ptr<c10d::Backend> cuda;
+    // A second CPU transport, only for int8-compressed allreduces: their two
+    // collectives run on a worker thread and must not mix with other ops.
+    c10::intrusive_ptr<c10d::Backend> cpuCompressed;
   };
 
   XcommBackend(int rank, int size, c10::intrusive_ptr<XcommOptions> options, Transports transports);
@@ -34,6 +40,8 @@ class XcommBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "xcomm"; }
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
   const Transports& transports() const { return transports_; }
+  // Null when the group compresses nothing.
+  const CompressedAllreduce* compression() const { return compressed_.get(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
   void abort() override;
@@ -97,8 +105,13 @@ class XcommBackend : public c10d::Backend {
                                       const TensorStaging& staging, c10::IValue result,
                                       std::function<void()> extraFinalize = {});
 
+  c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
+                                                     const c10d::AllreduceOptions& opts);
+
   c10::intrusive_ptr<XcommOptions> options_;
   Transports transports_;
+  std::unique_ptr<CompressedAllreduce> compressed_;
+  std::unique_ptr<OpQueue> compressQueue_;  // declared last: stops before the rest goes
 };
 
 }  // namespace xcomm

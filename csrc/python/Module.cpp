@@ -51,15 +51,39 @@ PYBIND11_MODULE(_C, m) {
   py::class_<xcomm::XcommBackend, c10d::Backend, c10::intrusive_ptr<xcomm::XcommBackend>>(
       m, "XcommBackend")
       .def(py::init([](int rank, int size, std::chrono::milliseconds timeout, const py::object& cpu,
-                       const py::object& cuda) {
-             xcomm::XcommBackend::Transports transports{backendOrNull(cpu), backendOrNull(cuda)};
-             return c10::make_intrusive<xcomm::XcommBackend>(
-                 rank, size, xcomm::XcommOptions::create(timeout), std::move(transports));
+                       const py::object& cuda, const std::string& compression,
+                       int64_t compressionMinBytes, int64_t int8ChunkElems,
+                       const py::object& cpuCompressed) {
+             xcomm::XcommBackend::Transports transports{backendOrNull(cpu), backendOrNull(cuda),
+                                                        backendOrNull(cpuCompressed)};
+             auto options = xcomm::XcommOptions::create(timeout);
+             options->compression.method = xcomm::parseCompression(compression);
+             options->compression.minBytes = compressionMinBytes;
+             options->compression.int8ChunkElems = int8ChunkElems;
+             options->compression.validate();
+             return c10::make_intrusive<xcomm::XcommBackend>(rank, size, std::move(options),
+                                                             std::move(transports));
            }),
            py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("cpu_transport"),
-           py::arg("cuda_transport"),
+           py::arg("cuda_transport"), py::arg("compression") = "none",
+           py::arg("compression_min_bytes") = 64 * 1024, py::arg("int8_chunk_elems") = 1024,
+           py::arg("cpu_compression_transport") = py::none(),
            R"(Builds the backend over transport backends made in Python
-(a ProcessGroupGloo for CPU tensors, a ProcessGroupNCCL for CUDA tensors).)")
+(a ProcessGroupGloo for CPU tensors, a ProcessGroupNCCL for CUDA tensors, and
+for int8 allreduce compression a second ProcessGroupGloo of its own).)")
+      .def_property_readonly(
+          "compression_stats",
+          [](const xcomm::XcommBackend& b) {
+            py::dict d;
+            const auto* c = b.compression();
+            d["method"] = c ? xcomm::compressionName(c->config().method) : "none";
+            d["calls"] = c ? c->counters().calls.load() : 0;
+            d["bytes_before"] = c ? c->counters().bytesIn.load() : 0;
+            d["bytes_on_wire"] = c ? c->counters().bytesOnWire.load() : 0;
+            return d;
+          },
+          "Compressed allreduces of this group: calls, bytes a ring allreduce would have "
+          "sent per rank, bytes sent per rank.")
       .def_static(
           "create_with_store",
           [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -20,8 +20,10 @@ from .options import Options
 __all__ = ["create_backend"]
 
 
-def _gloo_transport(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    return dist.ProcessGroupGloo(dist.PrefixStore("xcomm/gloo", store), rank, size, timeout)
+def _gloo_transport(
+    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, prefix: str = "xcomm/gloo"
+) -> Any:
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
 
 
 def _nccl_transport(
@@ -56,10 +58,22 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
     store = dist_backend_opts.store
     rank = dist_backend_opts.group_rank
     size = dist_backend_opts.group_size
+    compression = pg_options.compression or "none"
+    # int8 runs two collectives back to back on a worker thread: they get a
+    # Gloo of their own, so their order never mixes with the caller's ops.
+    compression_transport = (
+        _gloo_transport(store, rank, size, timeout, "xcomm/gloo-int8")
+        if compression == "int8"
+        else None
+    )
     return _C.XcommBackend(
         rank,
         size,
         timeout,
         _gloo_transport(store, rank, size, timeout),
         _nccl_transport(store, rank, size, timeout, str(dist_backend_opts.group_id)),
+        compression=compression,
+        compression_min_bytes=pg_options.compression_min_bytes,
+        int8_chunk_elems=pg_options.int8_chunk_elems,
+        cpu_compression_transport=compression_transport,
     )

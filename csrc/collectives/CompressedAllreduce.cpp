@@ -1,0 +1,111 @@
+#include "collectives/CompressedAllreduce.hpp"
+
+#include <c10/util/Exception.h>
+
+namespace xcomm {
+namespace {
+
+bool isMean(const c10d::AllreduceOptions& opts) {
+  return opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+}
+
+// Bytes one rank sends in a ring allreduce of `bytes`.
+int64_t ringBytes(int64_t bytes, int size) {
+  return size > 1 ? 2 * (size - 1) * bytes / size : 0;
+}
+
+}  // namespace
+
+Compression parseCompression(const std::string& name) {
+  if (name.empty() || name == "none") return Compression::kNone;
+  if (name == "fp16") return Compression::kFp16;
+  if (name == "bf16") return Compression::kBf16;
+  if (name == "int8") return Compression::kInt8;
+  TORCH_CHECK_VALUE(false, "xcomm: unknown allreduce compression '", name,
+                    "'; choose one of none, fp16, bf16, int8");
+}
+
+const char* compressionName(Compression c) {
+  switch (c) {
+    case Compression::kNone:
+      return "none";
+    case Compression::kFp16:
+      return "fp16";
+    case Compression::kBf16:
+      return "bf16";
+    case Compression::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
+void CompressionConfig::validate() const {
+  TORCH_CHECK_VALUE(minBytes >= 0, "xcomm: compression_min_bytes must be >= 0, got ", minBytes);
+  TORCH_CHECK_VALUE(int8ChunkElems > 0, "xcomm: int8_chunk_elems must be > 0, got ",
+                    int8ChunkElems);
+}
+
+CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
+    : config_(config), size_(size), int8_(config.int8ChunkElems) {
+  config_.validate();
+}
+
+bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
+                                  const c10d::AllreduceOptions& opts) const {
+  if (config_.method == Compression::kNone || tensors.size() != 1 || size_ < 2) {
+    return false;
+  }
+  const auto& t = tensors[0];
+  const auto op = opts.reduceOp.op_;
+  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
+         (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
+         t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;
+}
+
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
+                                                              const at::Tensor& tensor,
+                                                              const c10d::AllreduceOptions& opts,
+                                                              std::function<void()>& finalize) {
+  const auto low = config_.method == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+  at::Tensor scaled = isMean(opts) ? tensor.div(size_) : tensor;
+  std::vector<at::Tensor> wire{scaled.to(low).contiguous()};
+  c10d::AllreduceOptions sumOpts = opts;
+  sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  auto work = transport.allreduce(wire, sumOpts);
+  counters_.calls++;
+  counters_.bytesIn += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_.bytesOnWire += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
+  finalize = [tensor, low = wire[0]]() mutable { tensor.copy_(low); };
+  return work;
+}
+
+void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,
+                                  const c10d::AllreduceOptions& opts) {
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  const int64_t shard = int8_.shardElems(flat.numel(), size_);
+  at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
+  at::Tensor received = at::empty_like(packed);
+  std::vector<int64_t> even;  // equal splits
+  c10d::AllToAllOptions a2a;
+  a2a.timeout = opts.timeout;
+  transport.alltoall_base(received, packed, even, even, a2a)->wait();
+
+  at::Tensor reduced = int8_.reduceShards(received, shard);  // float32 sum, rank order
+  if (isMean(opts)) {
+    reduced.div_(size_);
+  }
+  at::Tensor mine = int8_.pack(reduced);
+  at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
+  c10d::AllgatherOptions ag;
+  ag.timeout = opts.timeout;
+  transport._allgather_base(gathered, mine, ag)->wait();
+  int8_.unpackAll(gathered, shard, flat);
+  if (!tensor.is_contiguous()) {
+    tensor.copy_(flat.view(tensor.sizes()));
+  }
+  counters_.calls++;
+  counters_.bytesIn += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_.bytesOnWire += (size_ - 1) * (packed.size(1) + mine.numel());
+}
+
+}  // namespace xcomm

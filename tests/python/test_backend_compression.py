@@ -1,0 +1,185 @@
+"""Allreduce compression inside the backend: ``xcomm.Options(compression=...)``.
+
+References:
+- fp16/bf16: Gloo's allreduce of the same tensors cast down (the same
+  arithmetic), so results must be bitwise equal;
+- int8: the same codec (``xcomm._C.Int8Codec``) driven from Python over the
+  Gloo reference group (alltoall, reduce, allgather): bitwise equal; and the
+  exact mean (math), within the documented quantization bound;
+- everything that is not compressed (small, integer, MAX, lists): Gloo, bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import RankContext, make_input, run_ranks
+
+xcomm = pytest.importorskip("xcomm")
+pytestmark = pytest.mark.skipif(
+    not __import__("dist_harness").IS_XCOMM, reason="xcomm-only feature"
+)
+
+CHUNK = 256
+
+
+def _group(method: str, min_bytes: int = 1024) -> dist.ProcessGroup:
+    opts = xcomm.Options(
+        compression=method, compression_min_bytes=min_bytes, int8_chunk_elems=CHUNK
+    )
+    return dist.new_group(backend="xcomm", pg_options=opts)
+
+
+def _int8_reference(x: torch.Tensor, ref: dist.ProcessGroup, mean: bool) -> torch.Tensor:
+    """The int8 allreduce spelled out in Python over Gloo."""
+    world = dist.get_world_size(ref)
+    codec = xcomm._C.Int8Codec(CHUNK)
+    flat = x.reshape(-1).clone()
+    shard = codec.shard_elems(flat.numel(), world)
+    packed = codec.pack_shards(flat, world)
+    received = torch.empty_like(packed)
+    dist.all_to_all_single(received, packed, group=ref)
+    reduced = codec.reduce_shards(received, shard)
+    if mean:
+        reduced.div_(world)
+    mine = codec.pack(reduced)
+    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8)
+    dist.all_gather_into_tensor(gathered, mine, group=ref)
+    codec.unpack_all(gathered, shard, flat)
+    return flat.view_as(x)
+
+
+def _rank_compressed(ctx: RankContext, method: str) -> dict[str, Any]:
+    group = _group(method)
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64):
+        for shape in ((5000,), (33, 77), (1,)):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                x = make_input(ctx, dtype, shape, salt=len(out))
+                got = x.clone()
+                dist.all_reduce(got, op=op, group=group)
+                exact = x.clone()
+                dist.all_reduce(exact, group=ctx.ref)
+                if op == dist.ReduceOp.AVG:
+                    exact /= ctx.world_size
+                compressed = x.numel() * x.element_size() >= 1024
+                if not compressed:
+                    ref = x.clone()
+                    dist.all_reduce(ref, op=op, group=ctx.ref)
+                elif method in ("fp16", "bf16"):
+                    low = torch.float16 if method == "fp16" else torch.bfloat16
+                    scaled = x / ctx.world_size if op == dist.ReduceOp.AVG else x
+                    wire = scaled.to(low)
+                    dist.all_reduce(wire, group=ctx.ref)
+                    ref = wire.to(dtype)
+                else:
+                    ref = _int8_reference(x, ctx.ref, op == dist.ReduceOp.AVG)
+                out[(str(dtype), shape, str(op))] = (got, ref, exact, compressed)
+    out["stats"] = group._get_backend(torch.device("cpu")).compression_stats
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("method", ["fp16", "bf16", "int8"])
+def test_compressed_allreduce_matches_reference(method: str, world_size: int) -> None:
+    per_rank = run_ranks(_rank_compressed, world_size, method)
+    first = per_rank[0]
+    for key in [k for k in first if k != "stats"]:
+        got0 = first[key][0]
+        for r, results in enumerate(per_rank):
+            got, ref, exact, compressed = results[key]
+            assert torch.equal(got, ref), f"{method} {key} rank {r}: differs from the reference"
+            assert torch.equal(got, got0), f"{method} {key}: ranks disagree"
+            scale = exact.abs().max().item()
+            bound = {"fp16": 2e-3, "bf16": 1.6e-2, "int8": 2.5 / 127}[method]
+            if compressed:
+                assert (got - exact).abs().max().item() <= bound * scale + 1e-12, key
+    stats = first["stats"]
+    assert stats["method"] == method and stats["calls"] == 8  # 2 dtypes x 2 shapes x 2 ops
+    ratio = stats["bytes_before"] / stats["bytes_on_wire"]
+    if method == "int8":
+        assert ratio > 3.0  # float32 and float64 inputs: 4x to 8x
+    else:
+        assert 2.0 <= ratio <= 4.0 + 1e-9
+
+
+def _rank_passthrough(ctx: RankContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """What is not compressed is reduced exactly, as Gloo does."""
+    group = _group("int8", min_bytes=0)
+    pairs = []
+    cases = [
+        (torch.int64, dist.ReduceOp.SUM),
+        (torch.float32, dist.ReduceOp.MAX),
+        (torch.float32, dist.ReduceOp.PRODUCT),
+        (torch.float16, dist.ReduceOp.SUM),
+        (torch.int32, dist.ReduceOp.BXOR),
+    ]
+    for dtype, op in cases:
+        x = make_input(ctx, dtype, (3000,))
+        got, ref = x.clone(), x.clone()
+        dist.all_reduce(got, op=op, group=group)
+        dist.all_reduce(ref, op=op, group=ctx.ref)
+        pairs.append((got, ref))
+    # a list of tensors (coalesced) is not compressed either
+    xs = [make_input(ctx, torch.float32, (2000,), salt=s) for s in range(3)]
+    got = [x.clone() for x in xs]
+    ref = [x.clone() for x in xs]
+    dist.all_reduce_coalesced(got, group=group)
+    dist.all_reduce_coalesced(ref, group=ctx.ref)
+    pairs += list(zip(got, ref))
+    return pairs
+
+
+def test_uncompressed_cases_are_exact() -> None:
+    for pairs in run_ranks(_rank_passthrough, 2):
+        for got, ref in pairs:
+            assert torch.equal(got, ref)
+
+
+def _rank_async_interleaved(ctx: RankContext) -> list[str]:
+    """int8 allreduces run on a worker thread over their own transport: many in
+    flight, interleaved with broadcasts and uncompressed allreduces on the same
+    group, all complete with the right values, waited in reverse order."""
+    group = _group("int8")
+    works, checks = [], []
+    for i in range(30):
+        t = torch.full((4096,), float(ctx.rank + i))
+        works.append(dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=True))
+        checks.append((t, (ctx.world_size - 1) / 2 + i, 0.02 * (i + ctx.world_size)))
+        b = torch.full((16,), float(ctx.rank))
+        works.append(dist.broadcast(b, src=i % ctx.world_size, group=group, async_op=True))
+        checks.append((b, float(i % ctx.world_size), 0.0))
+    problems = []
+    for w in reversed(works):
+        w.wait()
+    for t, expected, tol in checks:
+        if (t - expected).abs().max().item() > tol:
+            problems.append(f"expected {expected}, got {t[:3].tolist()}")
+    fut = dist.all_reduce(torch.ones(8192), group=group, async_op=True).get_future()
+    value = fut.wait()[0]
+    if not torch.allclose(value, torch.full((8192,), float(ctx.world_size)), rtol=0.01):
+        problems.append(f"future value {value[:3]}")
+    return problems
+
+
+def test_many_int8_allreduces_in_flight_interleaved() -> None:
+    for problems in run_ranks(_rank_async_interleaved, 3):
+        assert problems == []
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"compression": "zip"}, ValueError, "compression"),
+        ({"compression": "int8", "int8_chunk_elems": 0}, ValueError, "int8_chunk_elems"),
+        ({"compression": "fp16", "compression_min_bytes": -1}, ValueError, "min_bytes"),
+        ({"compression": "fp16", "compression_min_bytes": 1.5}, TypeError, "min_bytes"),
+    ],
+)
+def test_bad_options_are_clear_errors(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        xcomm.Options(**kwargs)
