@@ -7,6 +7,10 @@ Subcommands:
     and alltoall over several backends side by side.
 ``report``
     Re-prints / re-plots a stored ``collectives.json``.
+``convergence``
+    Final test accuracy of every reduction on the digits task (does accuracy hold?).
+``codecs``
+    Encode+decode time of xcomm's codecs against plain torch ops and torch's hooks.
 
 Examples::
 
@@ -146,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_collectives(sub)
     _add_report(sub)
+    for name, (_module, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=f"{help_text} (see: python -m xcomm.bench {name} --help)")
     return parser
 
 
@@ -215,8 +221,21 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Subcommands that parse their own arguments: name -> (module, help).
+_DELEGATED = {
+    "convergence": ("convergence", "accuracy of every reduction on the digits task"),
+    "codecs": ("codecs", "encode+decode cost of xcomm's codecs against plain torch ops"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        module = importlib.import_module(f".{_DELEGATED[argv[0]][0]}", __package__)
+        return module.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "collectives":
         return _cmd_collectives(args)

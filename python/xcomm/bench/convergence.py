@@ -1,0 +1,167 @@
+"""Does accuracy hold? Every reduction trains the same model on the same data.
+
+``python -m xcomm.bench convergence`` trains scikit-learn's digits with DDP on
+2 local ranks over xcomm, once per reduction (uncompressed, each of xcomm's
+hooks, compression inside the backend, and torch's own hooks for reference),
+with the same seed, batches and number of steps. It prints a table of final
+test accuracy, its difference from the uncompressed run in percentage points,
+and bytes on the wire per step; writes ``convergence.{json,md,png}`` (the
+PNG: test accuracy against step for every reduction).
+
+Example::
+
+    python -m xcomm.bench convergence --steps 600 --out bench-results/convergence
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RUNS", "Run", "run_all", "main"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One reduction: an xcomm hook, a torch hook, or backend compression."""
+
+    label: str
+    compression: str = "none"
+    hook: str = "none"
+    backend_compression: str | None = None
+
+
+RUNS: list[Run] = [
+    Run("uncompressed"),
+    Run("xcomm fp16 hook", compression="fp16"),
+    Run("xcomm bf16 hook", compression="bf16"),
+    Run("xcomm int8 hook", compression="int8"),
+    Run("xcomm top-k 5% hook", compression="topk"),
+    Run("xcomm random-k 5% hook", compression="randomk"),
+    Run("xcomm PowerSGD r4 hook", compression="powersgd"),
+    Run("xcomm backend fp16", backend_compression="fp16"),
+    Run("xcomm backend int8", backend_compression="int8"),
+    Run("torch fp16_compress_hook", hook="fp16"),
+    Run("torch powerSGD_hook r4", hook="powersgd"),
+]
+
+
+def _rank(rank: int, world: int, run: Run, steps: int, init: str, out: str) -> None:
+    import xcomm  # noqa: F401 - registers the backend in the spawned process
+
+    from .digits import DigitsConfig, train_digits
+
+    torch.set_num_threads(1)
+    opts = xcomm.Options(
+        timeout=datetime.timedelta(seconds=120), compression=run.backend_compression
+    )
+    dist.init_process_group("xcomm", init_method=init, rank=rank, world_size=world, pg_options=opts)
+    try:
+        cfg = DigitsConfig(
+            compression=run.compression,
+            hook=run.hook,
+            backend_compression=run.backend_compression,
+            steps=steps,
+            log_every=max(1, steps // 20),
+            log=lambda _line: None,
+        )
+        result = train_digits(rank, world, cfg)
+        if rank == 0:
+            Path(out).write_text(json.dumps(asdict(result)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(run: Run, steps: int, world: int = 2) -> dict:
+    """Trains once with ``run``'s reduction; returns rank 0's DigitsResult as a dict."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        mp.spawn(_rank, args=(world, run, steps, init, out), nprocs=world)
+        return json.loads(Path(out).read_text())
+
+
+def run_all(runs: list[Run], steps: int, progress: bool = True) -> list[dict]:
+    """Every run in turn, with a progress bar; rows for :func:`format_markdown`."""
+    from tqdm import tqdm
+
+    rows = []
+    for run in tqdm(runs, desc="convergence", disable=not progress, unit="run"):
+        rows.append({"run": asdict(run), **run_one(run, steps)})
+    return rows
+
+
+def format_markdown(rows: list[dict], steps: int) -> str:
+    base = rows[0]
+    lines = [
+        f"| reduction | final test accuracy ({steps} steps) | vs uncompressed | "
+        "wire KiB/step/rank | bytes ratio | time/step ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        delta = 100 * (r["final_accuracy"] - base["final_accuracy"])
+        ratio = base["wire_bytes_per_step"] / max(r["wire_bytes_per_step"], 1e-9)
+        lines.append(
+            f"| {r['run']['label']} | {100 * r['final_accuracy']:.2f}% | {delta:+.2f} pp | "
+            f"{r['wire_bytes_per_step'] / 1024:.1f} | {ratio:.1f}x | {r['mean_step_ms']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for r in rows:
+        steps = [h[0] for h in r["history"]]
+        acc = [100 * h[2] for h in r["history"]]
+        style = "-" if r["run"]["label"] == "uncompressed" else "--"
+        ax.plot(steps, acc, style, label=r["run"]["label"], linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_ylim(80, 100)
+    ax.set_title("digits, DDP on 2 ranks over xcomm: accuracy per reduction")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m xcomm.bench convergence", description=__doc__)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--out", default="bench-results/convergence")
+    p.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    runs = RUNS if not args.only else [r for r in RUNS if r.label in args.only.split(",")]
+    rows = run_all(runs, args.steps, progress=not args.no_progress)
+    table = format_markdown(rows, args.steps)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "convergence.json").write_text(json.dumps(rows, indent=1))
+    (out / "convergence.md").write_text(table + "\n")
+    plot(rows, out / "convergence.png")
+    print(f"wrote {out}/convergence.{{json,md,png}}")
+    return 0
