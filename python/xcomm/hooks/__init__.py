@@ -8,9 +8,9 @@ Each method has a state class and a hook; register them with
 
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .int8 import Int8State, int8_compress_hook
+from .powersgd import PowerSGDState, powersgd_hook
 from .sparse import RandomKState, TopKState, randomk_hook, topk_hook
 from .stats import CompressionStats
-from .powersgd import PowerSGDState, powersgd_hook
 
 __all__ = [
     "CastState",

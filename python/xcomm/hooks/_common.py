@@ -13,6 +13,11 @@ from .stats import CompressionStats, allreduce_bytes
 logger = logging.getLogger(__name__)
 
 
+#: ``all_gather_into_tensor`` under its newer name where torch has it (2.13+
+#: warns that the old name is deprecated).
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 def group_size(process_group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(process_group)
 

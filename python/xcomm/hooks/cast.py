@@ -60,15 +60,11 @@ def _cast_hook(
     return fut.then(decompress)
 
 
-def fp16_cast_hook(
-    state: CastState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def fp16_cast_hook(state: CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket with an allreduce in float16 (2x fewer bytes than fp32)."""
     return _cast_hook(state, bucket, torch.float16, "fp16_cast_hook")
 
 
-def bf16_cast_hook(
-    state: CastState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def bf16_cast_hook(state: CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket with an allreduce in bfloat16 (fp32's range, 8-bit mantissa)."""
     return _cast_hook(state, bucket, torch.bfloat16, "bf16_cast_hook")

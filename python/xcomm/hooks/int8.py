@@ -27,11 +27,12 @@ from ._common import (
     IssueOrder,
     ResidualCheckpoint,
     StepCounter,
-    mark_issued,
+    all_gather_single,
     allreduce_mean,
     check_floating,
     check_start_iter,
     group_size,
+    mark_issued,
     then_collective,
 )
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
@@ -132,9 +133,7 @@ def int8_compress_hook(
     def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:
         try:
             mean_shard = codec.reduce_shards(received, shard).div_(world)
-            work = dist.all_gather_into_tensor(
-                gathered, codec.pack(mean_shard), group=group, async_op=True
-            )
+            work = all_gather_single(gathered, codec.pack(mean_shard), group=group, async_op=True)
         except BaseException as e:
             mark_issued(issued, e)
             raise

@@ -178,7 +178,9 @@ class PowerSGDState:
         seed = _as_int("random_seed", random_seed)
         if not 0 <= seed < 2**32:
             raise ValueError(f"PowerSGDState: random_seed must be in [0, 2**32); got {seed}")
-        frequency = _as_int("compression_stats_logging_frequency", compression_stats_logging_frequency)
+        frequency = _as_int(
+            "compression_stats_logging_frequency", compression_stats_logging_frequency
+        )
 
         logger.info(
             "PowerSGD config: matrix_approximation_rank = %s; start_powerSGD_iter = %s; "

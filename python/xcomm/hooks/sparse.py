@@ -24,6 +24,7 @@ from .. import _C
 from ._common import (
     ResidualCheckpoint,
     StepCounter,
+    all_gather_single,
     allreduce_mean,
     check_density,
     check_floating,
@@ -125,9 +126,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
     gathered = torch.empty(world * packed.numel(), dtype=torch.uint8)
-    fut = dist.all_gather_into_tensor(
-        gathered, packed, group=state.process_group, async_op=True
-    ).get_future()
+    fut = all_gather_single(gathered, packed, group=state.process_group, async_op=True).get_future()
 
     def decode(f: torch.futures.Future) -> torch.Tensor:
         state.codec.decode(gathered, k, view.tensor, float(world))
