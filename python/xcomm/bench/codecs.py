@@ -161,17 +161,25 @@ def measure(numel: int, world: int, reps: int) -> list[dict]:
     }
     rows = []
     for method, impls in methods.items():
-        times: dict[str, list[float]] = {name: [] for name in impls}
+        wall: dict[str, list[float]] = {name: [] for name in impls}
+        cpu: dict[str, list[float]] = {name: [] for name in impls}
         for fn in impls.values():
             fn()  # warm-up: allocations, first touch
         for _ in range(reps):
             for name, fn in impls.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
-                times[name].append(time.perf_counter() - t0)
-        for name, ts in times.items():
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        for name in impls:
             rows.append(
-                {"numel": numel, "method": method, "impl": name, "ms": 1000 * statistics.median(ts)}
+                {
+                    "numel": numel,
+                    "method": method,
+                    "impl": name,
+                    "ms": 1000 * statistics.median(wall[name]),
+                    "cpu_ms": 1000 * statistics.median(cpu[name]),
+                }
             )
     return rows
 
@@ -183,24 +191,30 @@ def _parse_size(text: str) -> int:
 
 
 def format_markdown(rows: list[dict]) -> str:
+    """Wall time (what a step waits) and CPU time (the work, all threads)."""
     lines = [
-        "| method | elements | torch ops ms | xcomm ms | torch / xcomm |",
-        "|---|---:|---:|---:|---:|",
+        "| method | elements | torch ops ms | xcomm ms | torch / xcomm | "
+        "torch ops CPU ms | xcomm CPU ms | torch / xcomm (CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    by_key: dict[tuple[str, int], dict[str, float]] = {}
+    by_key: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
-        by_key.setdefault((r["method"], r["numel"]), {})[r["impl"]] = r["ms"]
+        by_key.setdefault((r["method"], r["numel"]), {})[r["impl"]] = r
     for (method, numel), impls in by_key.items():
         base = next(v for i, v in impls.items() if i.startswith("torch"))
-        for impl, ms in impls.items():
-            if impl.startswith("torch"):
-                continue
+        others = {i: v for i, v in impls.items() if not i.startswith("torch")}
+        if not others:
             lines.append(
-                f"| {method} ({impl.removeprefix('xcomm').strip() or 'xcomm'}) | {numel:,} | "
-                f"{base:.2f} | {ms:.2f} | {base / ms:.1f}x |"
+                f"| {method} | {numel:,} | {base['ms']:.2f} | (same ops) | 1.0x | "
+                f"{base['cpu_ms']:.2f} | (same ops) | 1.0x |"
             )
-        if all(i.startswith("torch") for i in impls):
-            lines.append(f"| {method} | {numel:,} | {base:.2f} | (same ops) | 1.0x |")
+        for impl, r in others.items():
+            name = impl.removeprefix("xcomm").strip() or "xcomm"
+            lines.append(
+                f"| {method} ({name}) | {numel:,} | {base['ms']:.2f} | {r['ms']:.2f} | "
+                f"{base['ms'] / r['ms']:.1f}x | {base['cpu_ms']:.2f} | {r['cpu_ms']:.2f} | "
+                f"{base['cpu_ms'] / max(r['cpu_ms'], 1e-9):.1f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -210,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2, help="ranks whose payloads decode sums")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default="bench-results/codecs")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     rows: list[dict] = []
