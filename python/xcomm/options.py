@@ -17,6 +17,9 @@ class Options:
             ``None`` uses the ``timeout`` given to ``init_process_group`` /
             ``new_group`` (30 minutes unless set). When both are given, this
             one wins.
+        shm: Run CPU collectives through shared memory when every rank of
+            the group is on one host (see ``xcomm.shm``). ``False``, or the
+            environment variable ``XCOMM_SHM=0``, keeps them on Gloo.
 
     Example::
 
@@ -27,8 +30,11 @@ class Options:
     """
 
     timeout: datetime.timedelta | None = None
+    shm: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shm, bool):
+            raise TypeError(f"xcomm.Options: shm must be a bool, got {type(self.shm).__name__}")
         if self.timeout is not None:
             if not isinstance(self.timeout, datetime.timedelta):
                 raise TypeError(

@@ -1,0 +1,45 @@
+// Python bindings of the shared-memory transport: xcomm._C.ShmCpuBackend.
+#include <pybind11/chrono.h>
+
+#include "backend/ShmCpuBackend.hpp"
+#include "python/Bindings.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+void bindShm(py::module_& m) {
+  py::class_<xcomm::ShmCpuBackend, c10d::Backend, c10::intrusive_ptr<xcomm::ShmCpuBackend>>(
+      m, "ShmCpuBackend")
+      .def_static(
+          "try_create",
+          [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+             std::chrono::milliseconds timeout, const c10::intrusive_ptr<c10d::Backend>& fallback,
+             size_t slotBytes, int spinMicros, size_t smallAllreduceBytes) {
+            xcomm::ShmCpuBackend::Config config;
+            config.transport.slotBytes = slotBytes;
+            config.transport.spinMicros = spinMicros;
+            config.smallAllreduceBytes = smallAllreduceBytes;
+            std::string whyNot;
+            c10::intrusive_ptr<xcomm::ShmCpuBackend> backend;
+            {
+              // Waits on the store for the other ranks: let other threads run.
+              py::gil_scoped_release noGil;
+              backend = xcomm::ShmCpuBackend::tryCreate(store, rank, size, timeout, fallback,
+                                                        config, &whyNot);
+            }
+            return py::make_tuple(backend ? py::cast(backend) : py::none(), whyNot);
+          },
+          py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+          py::arg("fallback"), py::arg("slot_bytes") = size_t(2) << 20, py::arg("spin_us") = -1,
+          py::arg("small_allreduce_bytes") = size_t(256) << 10,
+          R"(Collective over ``store``: ``(backend, "")`` on every rank, or
+``(None, reason)`` on every rank when the shared-memory segment could not be
+set up (the group then uses ``fallback`` alone).)")
+      .def_property_readonly("shm_ops", &xcomm::ShmCpuBackend::shmOps,
+                             "How many collectives ran over shared memory.");
+}
+
+}  // namespace
+
+XCOMM_REGISTER_BINDINGS(shm, bindShm);
