@@ -2,6 +2,7 @@
 #include <pybind11/chrono.h>
 
 #include "backend/ShmCpuBackend.hpp"
+#include "backend/XcommBackend.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -38,6 +39,19 @@ void bindShm(py::module_& m) {
 set up (the group then uses ``fallback`` alone).)")
       .def_property_readonly("shm_ops", &xcomm::ShmCpuBackend::shmOps,
                              "How many collectives ran over shared memory.");
+
+  m.def(
+      "shm_ops_of",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> int64_t {
+        const auto* xcomm = dynamic_cast<const xcomm::XcommBackend*>(backend.get());
+        const auto* shm =
+            xcomm ? dynamic_cast<const xcomm::ShmCpuBackend*>(xcomm->transports().cpu.get())
+                  : nullptr;
+        return shm ? static_cast<int64_t>(shm->shmOps()) : -1;
+      },
+      py::arg("backend"),
+      "Collectives an xcomm backend ran over shared memory; -1 when its CPU transport is not "
+      "shared memory.");
 }
 
 }  // namespace

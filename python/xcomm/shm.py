@@ -43,7 +43,14 @@ import torch.distributed as dist
 
 from . import _C
 
-__all__ = ["host_identity", "enabled", "maybe_shm_transport", "is_active", "DEFAULT_SLOT_BYTES"]
+__all__ = [
+    "host_identity",
+    "enabled",
+    "maybe_shm_transport",
+    "is_active",
+    "ops_run",
+    "DEFAULT_SLOT_BYTES",
+]
 
 _log = logging.getLogger("xcomm.shm")
 
@@ -135,3 +142,10 @@ def is_active(group: dist.ProcessGroup | None = None) -> bool:
     pg = group if group is not None else dist.group.WORLD
     backend = pg._get_backend(torch.device("cpu"))
     return getattr(backend, "cpu_transport_name", "") == "xcomm-shm"
+
+
+def ops_run(group: dist.ProcessGroup | None = None) -> int:
+    """How many collectives ``group`` ran over shared memory (-1: it does not
+    use shared memory)."""
+    pg = group if group is not None else dist.group.WORLD
+    return int(_C.shm_ops_of(pg._get_backend(torch.device("cpu"))))
