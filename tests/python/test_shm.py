@@ -201,7 +201,7 @@ def test_all_reduce_matches_gloo(world_size: int) -> None:
     results = run_ranks(_rank_all_reduce, world_size, env=SMALL_SLOTS, timeout=120)
     assert_no_mismatches([r[0] for r in results])
     _assert_ranks_agree([r[1] for r in results])
-    assert all(r[2] > 300 for r in results), f"too few ops ran over shared memory: {results[0][2]}"
+    assert all(r[2] >= 250 for r in results), f"too few ops ran over shared memory: {results[0][2]}"
     assert not _shm_files()
 
 
