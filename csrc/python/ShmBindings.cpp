@@ -32,7 +32,7 @@ void bindShm(py::module_& m) {
             return py::make_tuple(backend ? py::cast(backend) : py::none(), whyNot);
           },
           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-          py::arg("fallback"), py::arg("slot_bytes") = size_t(2) << 20, py::arg("spin_us") = -1,
+          py::arg("fallback"), py::arg("slot_bytes") = size_t(1) << 20, py::arg("spin_us") = -1,
           py::arg("small_allreduce_bytes") = size_t(256) << 10,
           R"(Collective over ``store``: ``(backend, "")`` on every rank, or
 ``(None, reason)`` on every rank when the shared-memory segment could not be

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -38,6 +39,7 @@ static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_al
 
 constexpr size_t kPage = 4096;
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);  // recheck deadline / peers
+constexpr int kPureSpinMicros = 20;
 
 size_t roundUp(size_t n, size_t to) {
   return (n + to - 1) / to * to;
@@ -206,9 +208,10 @@ std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
   }
   const int spin = config.spinMicros >= 0
                        ? config.spinMicros
-                       // More ranks than cores: a spinning rank takes the core
-                       // a peer needs, so sleep almost at once.
-                       : (size > static_cast<int>(std::thread::hardware_concurrency()) ? 2 : 50);
+                       // Polling (with yields) beats a futex wake-up, which
+                       // costs tens of microseconds on a busy VM; with more
+                       // ranks than cores, sleep sooner.
+                       : (size > static_cast<int>(std::thread::hardware_concurrency()) ? 50 : 300);
   return std::unique_ptr<ShmTransport>(
       new ShmTransport(rank, size, slotBytes, spin, mapping.release(), mapBytes));
 }
@@ -284,11 +287,20 @@ void ShmTransport::waitFor(int peer, uint32_t target,
   auto& ctl = control(peer);
   if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
   using Clock = std::chrono::steady_clock;
-  const auto spinUntil = Clock::now() + std::chrono::microseconds(spinMicros_);
+  // Spin on the word for a few microseconds, then keep polling but yield the
+  // core between polls (a descheduled peer may need it), then sleep.
+  const auto start = Clock::now();
+  const auto pureUntil = start + std::chrono::microseconds(std::min(spinMicros_, kPureSpinMicros));
+  const auto spinUntil = start + std::chrono::microseconds(spinMicros_);
   for (int i = 0;; ++i) {
     if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
-    cpuRelax();
-    if ((i & 63) == 63 && Clock::now() >= spinUntil) break;
+    if ((i & 63) != 63) {
+      cpuRelax();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= spinUntil) break;
+    if (now >= pureUntil) sched_yield();
   }
   auto nextLivenessCheck = Clock::now() + kSleepSlice;
   while (true) {

@@ -25,7 +25,7 @@ namespace xcomm {
 class ShmTransport {
  public:
   struct Config {
-    size_t slotBytes = 2 << 20;  // bytes per rank per buffer
+    size_t slotBytes = 1 << 20;  // bytes per rank per buffer
     int spinMicros = -1;         // spin before sleeping; -1: pick from the core count
   };
 

@@ -17,7 +17,7 @@ cannot set up the segment, every rank keeps Gloo alone.
 
 Switches: ``xcomm.Options(shm=False)`` or the environment variable
 ``XCOMM_SHM=0`` turn it off. Tuning (read on rank 0, shared with the group):
-``XCOMM_SHM_SLOT_BYTES`` (bytes per rank per buffer, default 2 MiB) and
+``XCOMM_SHM_SLOT_BYTES`` (bytes per rank per buffer, default 1 MiB) and
 ``XCOMM_SHM_SMALL_BYTES`` (largest allreduce taking the one-barrier path,
 default 256 KiB); ``XCOMM_SHM_SPIN_US`` (per rank) sets how long a waiting
 rank spins before it sleeps on a futex.
@@ -54,7 +54,7 @@ __all__ = [
 
 _log = logging.getLogger("xcomm.shm")
 
-DEFAULT_SLOT_BYTES = 2 << 20
+DEFAULT_SLOT_BYTES = 1 << 20
 DEFAULT_SMALL_BYTES = 256 << 10
 
 

@@ -262,7 +262,7 @@ def test_mismatched_sizes_raise_on_every_rank_and_group_recovers() -> None:
 
 
 def _rank_fault(ctx: RankContext, victim: int, how: str) -> dict[str, Any] | None:
-    t = torch.ones(1 << 20)  # 4 MiB: two chunks of the default slots
+    t = torch.ones(1 << 20)  # 4 MiB: four chunks of the default slots
     for _ in range(3):
         dist.all_reduce(t)
     if ctx.rank == victim:
