@@ -44,16 +44,57 @@ c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreate(
                                             config);
 }
 
+c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreateHierarchical(
+    const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
+    int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback,
+    c10::intrusive_ptr<c10d::Backend> leaders, Config config, std::string* whyNot) {
+  TORCH_CHECK(fallback, "xcomm shm: a fallback backend is required");
+  TORCH_CHECK((localRank == 0) == static_cast<bool>(leaders),
+              "xcomm shm: the leaders' backend is needed on local rank 0 and only there");
+  auto transport = ShmTransport::create(localStore, localRank, localSize, config.transport, whyNot);
+  if (!transport) return {};
+  return c10::make_intrusive<ShmCpuBackend>(std::move(transport), rank, size, std::move(fallback),
+                                            std::move(leaders), timeout, config);
+}
+
 ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport,
                              c10::intrusive_ptr<c10d::Backend> fallback,
                              std::chrono::milliseconds timeout, Config config)
-    : Backend(transport->rank(), transport->size()),
+    : ShmCpuBackend(std::move(transport), -1, -1, std::move(fallback), {}, timeout, config) {}
+
+ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size,
+                             c10::intrusive_ptr<c10d::Backend> fallback,
+                             c10::intrusive_ptr<c10d::Backend> leaders,
+                             std::chrono::milliseconds timeout, Config config)
+    : Backend(rank < 0 ? transport->rank() : rank, size < 0 ? transport->size() : size),
       transport_(std::move(transport)),
       fallback_(std::move(fallback)),
+      leaders_(std::move(leaders)),
+      hierarchical_(transport_->size() != size_),
       timeoutMs_(timeout.count()),
       config_(config) {
   TORCH_CHECK(fallback_->getRank() == rank_ && fallback_->getSize() == size_,
               "xcomm shm: the fallback backend's rank/size differ from the group's");
+}
+
+void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point deadline) {
+  if (!hierarchical_) {
+    shm::allreduce(*transport_, tensor, op, deadline, config_.smallAllreduceBytes);
+    return;
+  }
+  // AVG: sum everywhere, divide once by the group size at the end.
+  const RedOp partial = op == RedOp::AVG ? RedOp::SUM : op;
+  shm::allreduce(*transport_, tensor, partial, deadline, config_.smallAllreduceBytes);
+  if (leaders_) {
+    std::vector<at::Tensor> one{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp(partial);
+    opts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::max(deadline - Clock::now(), Clock::duration(std::chrono::milliseconds(1))));
+    leaders_->allreduce(one, opts)->wait();
+  }
+  shm::broadcast(*transport_, tensor, /*root=*/0, deadline);
+  if (op == RedOp::AVG) tensor.div_(size_);
 }
 
 ShmCpuBackend::~ShmCpuBackend() {
@@ -63,16 +104,19 @@ ShmCpuBackend::~ShmCpuBackend() {
 void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_ = timeout.count();
   fallback_->setTimeout(timeout);
+  if (leaders_) leaders_->setTimeout(timeout);
 }
 
 void ShmCpuBackend::shutdown() {
   queue_.shutdown();
   fallback_->shutdown();
+  if (leaders_) leaders_->shutdown();
 }
 
 void ShmCpuBackend::abort() {
   queue_.shutdown();
   fallback_->abort();
+  if (leaders_) leaders_->abort();
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const char* title,
@@ -115,7 +159,7 @@ bool ShmCpuBackend::reducible(const std::vector<at::Tensor>& tensors, RedOp op) 
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                         const c10d::BroadcastOptions& opts) {
-  if (!plainCpu(tensors)) return fallback_->broadcast(tensors, opts);
+  if (!flat() || !plainCpu(tensors)) return fallback_->broadcast(tensors, opts);
   const int root = static_cast<int>(opts.rootRank);
   return submit(c10d::OpType::BROADCAST, "xcomm:shm:broadcast", tensors, opts.asyncOp, opts.timeout,
                 [this, tensors, root](Clock::time_point deadline) mutable {
@@ -129,8 +173,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce(std::vector<at::Tensor>&
   if (!reducible(tensors, op)) return fallback_->allreduce(tensors, opts);
   return submit(c10d::OpType::ALLREDUCE, "xcomm:shm:all_reduce", tensors, opts.asyncOp,
                 opts.timeout, [this, tensors, op](Clock::time_point deadline) mutable {
-                  for (auto& t : tensors)
-                    shm::allreduce(*transport_, t, op, deadline, config_.smallAllreduceBytes);
+                  for (auto& t : tensors) allreduceOne(t, op, deadline);
                 });
 }
 
@@ -141,8 +184,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce_coalesced(
   return submit(c10d::OpType::ALLREDUCE_COALESCED, "xcomm:shm:all_reduce_coalesced", tensors,
                 opts.asyncOp, opts.timeout,
                 [this, tensors, op](Clock::time_point deadline) mutable {
-                  for (auto& t : tensors)
-                    shm::allreduce(*transport_, t, op, deadline, config_.smallAllreduceBytes);
+                  for (auto& t : tensors) allreduceOne(t, op, deadline);
                 });
 }
 
@@ -150,7 +192,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   auto flatOutputs = flatten(outputs);
-  if (!plainCpu(inputs) || !plainCpu(flatOutputs)) {
+  if (!flat() || !plainCpu(inputs) || !plainCpu(flatOutputs)) {
     return fallback_->allgather(outputs, inputs, opts);
   }
   return submit(c10d::OpType::ALLGATHER, "xcomm:shm:all_gather", flatOutputs, opts.asyncOp,
@@ -162,7 +204,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                               const c10d::AllgatherOptions& opts) {
-  if (!plainCpu({output, input})) return fallback_->_allgather_base(output, input, opts);
+  if (!flat() || !plainCpu({output, input})) {
+    return fallback_->_allgather_base(output, input, opts);
+  }
   std::vector<std::vector<at::Tensor>> outputs{slicesPerRank(output, size_, input.numel())};
   std::vector<at::Tensor> inputs{input};
   return allgather(outputs, inputs, opts);
@@ -171,7 +215,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (!plainCpu(outputs) || !plainCpu(inputs)) {
+  if (!flat() || !plainCpu(outputs) || !plainCpu(inputs)) {
     return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   std::vector<std::vector<at::Tensor>> lists;
@@ -190,7 +234,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto op = opts.reduceOp.op_;
-  if (!reducible(outputs, op) || !plainCpu(flatten(inputs))) {
+  if (!flat() || !reducible(outputs, op) || !plainCpu(flatten(inputs))) {
     return fallback_->reduce_scatter(outputs, inputs, opts);
   }
   return submit(c10d::OpType::REDUCE_SCATTER, "xcomm:shm:reduce_scatter", outputs, opts.asyncOp,
@@ -202,7 +246,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  if (!reducible({output, input}, opts.reduceOp.op_)) {
+  if (!flat() || !reducible({output, input}, opts.reduceOp.op_)) {
     return fallback_->_reduce_scatter_base(output, input, opts);
   }
   std::vector<at::Tensor> outputs{output};
@@ -214,7 +258,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto op = opts.reduceOp.op_;
-  if (!reducible(outputs, op) || !plainCpu(inputs)) {
+  if (!flat() || !reducible(outputs, op) || !plainCpu(inputs)) {
     return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   std::vector<std::vector<at::Tensor>> lists;
@@ -230,6 +274,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions& opts) {
+  if (!flat()) return fallback_->barrier(opts);
   return submit(c10d::OpType::BARRIER, "xcomm:shm:barrier", {}, opts.asyncOp, opts.timeout,
                 [this](Clock::time_point deadline) { shm::barrier(*transport_, deadline); });
 }

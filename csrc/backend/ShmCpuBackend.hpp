@@ -7,6 +7,14 @@
 // which saves two thread hand-offs. Everything else, and dtypes without a
 // shared-memory kernel, goes to the fallback backend (Gloo), so the group
 // keeps every op Gloo has.
+//
+// Hierarchical mode, for a group spanning hosts with several ranks per host:
+// the transport then covers this host's ranks only, and allreduce runs as a
+// shared-memory allreduce inside the host, an allreduce among one leader per
+// host (local rank 0) through the `leaders` backend (Gloo), and a
+// shared-memory broadcast from the leader. Only the leaders' traffic crosses
+// hosts: N bytes per host instead of a flat ring's 2(p-1)/p N per rank.
+// Every other op goes to the fallback over the whole group.
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -34,8 +42,20 @@ class ShmCpuBackend : public c10d::Backend {
                                                      c10::intrusive_ptr<c10d::Backend> fallback,
                                                      Config config, std::string* whyNot = nullptr);
 
+  // Hierarchical: `transport` spans this host's ranks, `rank`/`size` are the
+  // group's; `leaders` (an allreduce among local rank 0 of every host) is set
+  // on local rank 0 only. Collective over this host's ranks.
+  static c10::intrusive_ptr<ShmCpuBackend> tryCreateHierarchical(
+      const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
+      int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback,
+      c10::intrusive_ptr<c10d::Backend> leaders, Config config, std::string* whyNot = nullptr);
+
   ShmCpuBackend(std::unique_ptr<ShmTransport> transport, c10::intrusive_ptr<c10d::Backend> fallback,
                 std::chrono::milliseconds timeout, Config config);
+  ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size,
+                c10::intrusive_ptr<c10d::Backend> fallback,
+                c10::intrusive_ptr<c10d::Backend> leaders, std::chrono::milliseconds timeout,
+                Config config);
   ~ShmCpuBackend() override;
 
   const std::string getBackendName() const override { return "xcomm-shm"; }
@@ -92,6 +112,8 @@ class ShmCpuBackend : public c10d::Backend {
 
   // How many ops ran over shared memory (for tests and stats).
   uint64_t shmOps() const { return shmOps_.load(); }
+  // True when the group spans hosts (see above).
+  bool hierarchical() const { return hierarchical_; }
 
  private:
   // Runs `body` in issue order and returns the work that reports it.
@@ -100,9 +122,15 @@ class ShmCpuBackend : public c10d::Backend {
       std::chrono::milliseconds timeout,
       std::function<void(std::chrono::steady_clock::time_point)> body);
   bool reducible(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) const;
+  // Whether the data-movement ops (all but allreduce) run over shared memory.
+  bool flat() const { return !hierarchical_; }
+  void allreduceOne(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+                    std::chrono::steady_clock::time_point deadline);
 
   std::unique_ptr<ShmTransport> transport_;
   c10::intrusive_ptr<c10d::Backend> fallback_;
+  c10::intrusive_ptr<c10d::Backend> leaders_;  // hierarchical, local rank 0 only
+  bool hierarchical_ = false;
   std::atomic<int64_t> timeoutMs_;
   Config config_;
   std::mutex submitMutex_;

@@ -37,6 +37,38 @@ void bindShm(py::module_& m) {
           R"(Collective over ``store``: ``(backend, "")`` on every rank, or
 ``(None, reason)`` on every rank when the shared-memory segment could not be
 set up (the group then uses ``fallback`` alone).)")
+      .def_static(
+          "try_create_hierarchical",
+          [](const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize,
+             int rank, int size, std::chrono::milliseconds timeout,
+             const c10::intrusive_ptr<c10d::Backend>& fallback, const py::object& leaders,
+             size_t slotBytes, int spinMicros, size_t smallAllreduceBytes) {
+            xcomm::ShmCpuBackend::Config config;
+            config.transport.slotBytes = slotBytes;
+            config.transport.spinMicros = spinMicros;
+            config.smallAllreduceBytes = smallAllreduceBytes;
+            c10::intrusive_ptr<c10d::Backend> leaderBackend;
+            if (!leaders.is_none())
+              leaderBackend = leaders.cast<c10::intrusive_ptr<c10d::Backend>>();
+            std::string whyNot;
+            c10::intrusive_ptr<xcomm::ShmCpuBackend> backend;
+            {
+              py::gil_scoped_release noGil;
+              backend = xcomm::ShmCpuBackend::tryCreateHierarchical(
+                  localStore, localRank, localSize, rank, size, timeout, fallback,
+                  std::move(leaderBackend), config, &whyNot);
+            }
+            return py::make_tuple(backend ? py::cast(backend) : py::none(), whyNot);
+          },
+          py::arg("local_store"), py::arg("local_rank"), py::arg("local_size"), py::arg("rank"),
+          py::arg("size"), py::arg("timeout"), py::arg("fallback"), py::arg("leaders"),
+          py::arg("slot_bytes") = size_t(1) << 20, py::arg("spin_us") = -1,
+          py::arg("small_allreduce_bytes") = size_t(256) << 10,
+          R"(Hierarchical allreduce for a group spanning hosts: collective over this
+host's ranks (``local_store``); ``leaders`` is a backend over local rank 0 of
+every host, given on local rank 0 only. Returns ``(backend, "")`` or
+``(None, reason)``.)")
+      .def_property_readonly("hierarchical", &xcomm::ShmCpuBackend::hierarchical)
       .def_property_readonly("shm_ops", &xcomm::ShmCpuBackend::shmOps,
                              "How many collectives ran over shared memory.");
 

@@ -20,7 +20,9 @@ Switches: ``xcomm.Options(shm=False)`` or the environment variable
 ``XCOMM_SHM_SLOT_BYTES`` (bytes per rank per buffer, default 1 MiB) and
 ``XCOMM_SHM_SMALL_BYTES`` (largest allreduce taking the one-barrier path,
 default 256 KiB); ``XCOMM_SHM_SPIN_US`` (per rank) sets how long a waiting
-rank spins before it sleeps on a futex.
+rank spins before it sleeps on a futex. ``XCOMM_SHM_HIERARCHICAL=0`` keeps
+groups that span hosts on flat Gloo; ``XCOMM_SHM_HOST_TAG`` is mixed into
+the host identity (ranks with different tags count as different hosts).
 
 Example::
 
@@ -80,6 +82,8 @@ def host_identity() -> str:
         socket.gethostname(),
         _read("/proc/sys/kernel/random/boot_id"),
         *(f"{k}:{_ns(k)}" for k in ("net", "ipc", "mnt", "pid")),
+        # Splits one machine into logical hosts (tests of the hierarchical path).
+        os.environ.get("XCOMM_SHM_HOST_TAG", ""),
     ]
     return "|".join(parts)
 
@@ -91,10 +95,9 @@ def enabled(shm_option: bool) -> bool:
     return bool(shm_option) and env not in ("0", "false", "off", "no")
 
 
-def _all_same_host(store: dist.Store, rank: int, size: int) -> bool:
+def _host_identities(store: dist.Store, rank: int, size: int) -> list[str]:
     store.set(f"host/{rank}", host_identity())
-    ids = {store.get(f"host/{r}").decode() for r in range(size)}
-    return len(ids) == 1
+    return [store.get(f"host/{r}").decode() for r in range(size)]
 
 
 def _group_config(store: dist.Store, rank: int) -> tuple[int, int]:
@@ -108,6 +111,12 @@ def _group_config(store: dist.Store, rank: int) -> tuple[int, int]:
     return int(slot_s), int(small_s)
 
 
+def hierarchical_enabled() -> bool:
+    """``XCOMM_SHM_HIERARCHICAL=0`` keeps groups that span hosts on flat Gloo."""
+    env = os.environ.get("XCOMM_SHM_HIERARCHICAL", "1").strip().lower()
+    return env not in ("0", "false", "off", "no")
+
+
 def maybe_shm_transport(
     store: dist.Store,
     rank: int,
@@ -117,21 +126,58 @@ def maybe_shm_transport(
     shm_option: bool = True,
 ) -> Any:
     """The CPU transport of a group: a ``ShmCpuBackend`` wrapping ``gloo``
-    when every member is on this host and the segment can be set up, else
-    ``gloo`` itself. Collective over the group's ``store`` (all ranks call it
-    with the same ``shm_option``)."""
+    when the segment(s) can be set up, else ``gloo`` itself. Collective over
+    the group's ``store`` (all ranks call it with the same ``shm_option``).
+
+    * every member on this host: all CPU collectives that have a
+      shared-memory algorithm use it;
+    * members on several hosts, some host with several: hierarchical
+      allreduce (shared memory inside each host, Gloo among one leader per
+      host, shared-memory broadcast back); other ops stay on Gloo;
+    * one rank per host: Gloo alone.
+    """
     if size < 2 or not enabled(shm_option):
         return gloo
     shm_store = dist.PrefixStore("xcomm/shm", store)
-    if not _all_same_host(shm_store, rank, size):
-        return gloo
+    ids = _host_identities(shm_store, rank, size)
+    hosts = list(dict.fromkeys(ids))  # in order of first appearance: the same on every rank
     slot, small = _group_config(shm_store, rank)
     spin = int(os.environ.get("XCOMM_SHM_SPIN_US", "-1"))
-    backend, why_not = _C.ShmCpuBackend.try_create(
-        shm_store, rank, size, timeout, gloo, slot, spin, small
+    if len(hosts) == 1:
+        backend, why_not = _C.ShmCpuBackend.try_create(
+            shm_store, rank, size, timeout, gloo, slot, spin, small
+        )
+        if backend is None:
+            _log.warning("xcomm: shared memory unavailable (%s); this group uses gloo", why_not)
+            return gloo
+        return backend
+    if len(hosts) == size or not hierarchical_enabled():
+        return gloo
+    local = [r for r in range(size) if ids[r] == ids[rank]]
+    host = hosts.index(ids[rank])
+    local_rank = local.index(rank)
+    leaders = None
+    if local_rank == 0:
+        leaders = dist.ProcessGroupGloo(
+            dist.PrefixStore("xcomm/leaders", store), host, len(hosts), timeout
+        )
+    backend, why_not = _C.ShmCpuBackend.try_create_hierarchical(
+        dist.PrefixStore(f"xcomm/shm/host{host}", store),
+        local_rank,
+        len(local),
+        rank,
+        size,
+        timeout,
+        gloo,
+        leaders,
+        slot,
+        spin,
+        small,
     )
-    if backend is None:
-        _log.warning("xcomm: shared memory unavailable (%s); this group uses gloo", why_not)
+    # Every host must take the same path, or allreduce would deadlock.
+    shm_store.set(f"hierarchical/{rank}", "1" if backend is not None else "0")
+    if not all(shm_store.get(f"hierarchical/{r}") == b"1" for r in range(size)):
+        _log.warning("xcomm: shared memory unavailable on some host (%s); this group uses gloo", why_not)
         return gloo
     return backend
 

@@ -320,3 +320,49 @@ def test_dead_or_stalled_peer_raises_within_timeout(
         assert ("died" if how == "sigkill" else "timed out") in r["first"]["error"], r
         assert r["files"] == [], r
     assert not _shm_files()
+
+
+def _rank_hierarchical(ctx: RankContext) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    import xcomm.shm  # noqa: PLC0415
+
+    chk = Mismatches(ctx)
+    # Two logical hosts on this machine: ranks {0, 1} and {2, 3} (ws4), or
+    # {0, 1} and {2} (ws3).
+    os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank // 2}"
+    group = dist.new_group(backend="xcomm")
+    backend = group._get_backend(torch.device("cpu"))
+    info = {"transport": backend.cpu_transport_name, "shm_ops": xcomm.shm.ops_run(group)}
+    digests: dict[str, str] = {}
+    for dtype in ALL_DTYPES:
+        for name, op in BASIC_OPS.items():
+            for n in (0, 1, 61, 1000):
+                label = f"hierarchical all_reduce {dtype_name(dtype)} {name} n={n}"
+                x = make_input(ctx, dtype, (n,), small=name == "PRODUCT")
+                ref = x.clone()
+                try:
+                    dist.all_reduce(ref, op=op, group=ctx.ref)
+                except Exception:  # noqa: BLE001 - rejected by gloo: skip
+                    continue
+                with chk.case(label):
+                    dist.all_reduce(x, op=op, group=group)
+                    _same(chk, label, x, ref)
+                    digests[label] = _digest(x)
+    # Ops other than allreduce go to gloo over the whole group.
+    with chk.case("hierarchical broadcast"):
+        b = torch.full((5,), float(ctx.rank))
+        dist.broadcast(b, 2, group=group)
+        _same(chk, "hierarchical broadcast", b, torch.full((5,), 2.0))
+    info["shm_ops_after"] = xcomm.shm.ops_run(group)
+    return chk.items, digests, info
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(3, id="ws3"), pytest.param(4, id="ws4")])
+def test_hierarchical_all_reduce_matches_gloo(world_size: int) -> None:
+    """A group spanning two (logical) hosts: shm inside each, gloo between the
+    leaders, shm broadcast back; same results as gloo, same bits everywhere."""
+    results = run_ranks(_rank_hierarchical, world_size, env=SMALL_SLOTS, timeout=120)
+    assert_no_mismatches([r[0] for r in results])
+    _assert_ranks_agree([r[1] for r in results])
+    for r in results:
+        assert r[2]["transport"] == "xcomm-shm", r[2]
+        assert r[2]["shm_ops_after"] > 200, r[2]
