@@ -3,11 +3,11 @@
 Whether a group qualifies is decided per process group, from a host identity
 every member publishes through the group's store, never from launcher
 environment variables (``LOCAL_WORLD_SIZE`` says nothing about sub-groups).
-The identity is the hostname, the kernel boot id and the inodes of the
-network, IPC, mount and PID namespaces: two network namespaces on one machine
-(an emulated cluster's "nodes") count as different hosts, and ranks must
-share ``/dev/shm`` (mount namespace) and see each other's pids (PID namespace,
-used to detect a dead peer).
+The identity is the hostname, the kernel boot id, the inodes of the network,
+IPC and PID namespaces and the device/inode of ``/dev/shm``: two network
+namespaces on one machine (an emulated cluster's "nodes") count as different
+hosts, and ranks must share the ``/dev/shm`` filesystem and see each other's
+pids (PID namespace, used to detect a dead peer).
 
 When every member has the same identity, the group's CPU transport becomes a
 ``ShmCpuBackend`` over one shared segment: allreduce, broadcast, allgather,
@@ -46,12 +46,12 @@ import torch.distributed as dist
 from . import _C
 
 __all__ = [
-    "host_identity",
-    "enabled",
-    "maybe_shm_transport",
-    "is_active",
-    "ops_run",
     "DEFAULT_SLOT_BYTES",
+    "enabled",
+    "host_identity",
+    "is_active",
+    "maybe_shm_transport",
+    "ops_run",
 ]
 
 _log = logging.getLogger("xcomm.shm")
@@ -75,13 +75,24 @@ def _ns(kind: str) -> str:
         return "?"
 
 
+def _shm_mount() -> str:
+    """The tmpfs behind /dev/shm (not the mount namespace: ``ip netns exec``
+    gives every process its own mount namespace over the same /dev/shm)."""
+    try:
+        st = os.stat("/dev/shm")
+        return f"shm:{st.st_dev}:{st.st_ino}"
+    except OSError:
+        return "shm:?"
+
+
 def host_identity() -> str:
     """This process's host identity: equal strings mean shared memory works
     between the two processes (same kernel, ``/dev/shm`` and pid space)."""
     parts = [
         socket.gethostname(),
         _read("/proc/sys/kernel/random/boot_id"),
-        *(f"{k}:{_ns(k)}" for k in ("net", "ipc", "mnt", "pid")),
+        *(f"{k}:{_ns(k)}" for k in ("net", "ipc", "pid")),
+        _shm_mount(),
         # Splits one machine into logical hosts (tests of the hierarchical path).
         os.environ.get("XCOMM_SHM_HOST_TAG", ""),
     ]
@@ -177,7 +188,9 @@ def maybe_shm_transport(
     # Every host must take the same path, or allreduce would deadlock.
     shm_store.set(f"hierarchical/{rank}", "1" if backend is not None else "0")
     if not all(shm_store.get(f"hierarchical/{r}") == b"1" for r in range(size)):
-        _log.warning("xcomm: shared memory unavailable on some host (%s); this group uses gloo", why_not)
+        _log.warning(
+            "xcomm: shared memory unavailable on some host (%s); this group uses gloo", why_not
+        )
         return gloo
     return backend
 

@@ -31,7 +31,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import (
     ALL_DTYPES,
     BASIC_OPS,
@@ -72,7 +71,7 @@ def _same(chk: Mismatches, label: str, got: torch.Tensor, ref: torch.Tensor) -> 
 
 
 def _check_active(chk: Mismatches) -> None:
-    import xcomm.shm  # noqa: PLC0415
+    import xcomm.shm
 
     if not xcomm.shm.is_active():
         chk.fail("setup", "the default xcomm group does not use shared memory")
@@ -81,7 +80,7 @@ def _check_active(chk: Mismatches) -> None:
 
 
 def _rank_all_reduce(ctx: RankContext) -> tuple[list[str], dict[str, str], int]:
-    import xcomm.shm  # noqa: PLC0415
+    import xcomm.shm
 
     chk = Mismatches(ctx)
     _check_active(chk)
@@ -106,7 +105,7 @@ def _rank_all_reduce(ctx: RankContext) -> tuple[list[str], dict[str, str], int]:
                 except Exception:  # noqa: BLE001 - gloo rejects it: xcomm must too
                     try:
                         dist.all_reduce(x.clone(), op=op)
-                    except Exception:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001, S112 - rejected by both: nothing to compare
                         continue
                     chk.fail(label, "gloo rejects this op but xcomm accepted it")
                     continue
@@ -144,7 +143,11 @@ def _rank_data_movement(ctx: RankContext) -> tuple[list[str], dict[str, str]]:
             for root in range(ws):
                 label = f"broadcast {base} root={root}"
                 with chk.case(label):
-                    x = make_input(ctx, dtype, (n,)) if dtype != torch.complex64 else torch.full((n,), complex(rank, -rank))
+                    x = (
+                        make_input(ctx, dtype, (n,))
+                        if dtype != torch.complex64
+                        else torch.full((n,), complex(rank, -rank))
+                    )
                     ref = x.clone()
                     dist.broadcast(ref, root, group=ctx.ref)
                     dist.broadcast(x, root)
@@ -152,7 +155,11 @@ def _rank_data_movement(ctx: RankContext) -> tuple[list[str], dict[str, str]]:
                     digests[label] = _digest(x)
             label = f"all_gather {base}"
             with chk.case(label):
-                x = make_input(ctx, dtype, (n,)) if dtype != torch.complex64 else torch.full((n,), complex(rank, 1))
+                x = (
+                    make_input(ctx, dtype, (n,))
+                    if dtype != torch.complex64
+                    else torch.full((n,), complex(rank, 1))
+                )
                 ref = [torch.empty_like(x) for _ in range(ws)]
                 got = [torch.empty_like(x) for _ in range(ws)]
                 dist.all_gather(ref, x, group=ctx.ref)
@@ -167,14 +174,17 @@ def _rank_data_movement(ctx: RankContext) -> tuple[list[str], dict[str, str]]:
                 continue
             for name, op in BASIC_OPS.items():
                 label = f"reduce_scatter {base} {name}"
-                ins = [make_input(ctx, dtype, (n,), salt=10 + r, small=name == "PRODUCT") for r in range(ws)]
+                ins = [
+                    make_input(ctx, dtype, (n,), salt=10 + r, small=name == "PRODUCT")
+                    for r in range(ws)
+                ]
                 ref = torch.empty(n, dtype=dtype)
                 try:
                     dist.reduce_scatter(ref, [t.clone() for t in ins], op=op, group=ctx.ref)
                 except Exception:  # noqa: BLE001 - gloo rejects it: xcomm must too
                     try:
                         dist.reduce_scatter(torch.empty(n, dtype=dtype), ins, op=op)
-                    except Exception:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001, S112 - rejected by both: nothing to compare
                         continue
                     chk.fail(label, "gloo rejects this op but xcomm accepted it")
                     continue
@@ -213,8 +223,8 @@ def test_broadcast_all_gather_reduce_scatter_match_gloo(world_size: int) -> None
 
 
 def _rank_switches(ctx: RankContext) -> dict[str, Any]:
-    import xcomm  # noqa: PLC0415
-    import xcomm.shm  # noqa: PLC0415
+    import xcomm
+    import xcomm.shm
 
     off = dist.new_group(backend="xcomm", pg_options=xcomm.Options(shm=False))
     sub = dist.new_group(ranks=[0, 1], backend="xcomm") if ctx.world_size > 2 else None
@@ -323,7 +333,7 @@ def test_dead_or_stalled_peer_raises_within_timeout(
 
 
 def _rank_hierarchical(ctx: RankContext) -> tuple[list[str], dict[str, str], dict[str, Any]]:
-    import xcomm.shm  # noqa: PLC0415
+    import xcomm.shm
 
     chk = Mismatches(ctx)
     # Two logical hosts on this machine: ranks {0, 1} and {2, 3} (ws4), or
@@ -341,7 +351,7 @@ def _rank_hierarchical(ctx: RankContext) -> tuple[list[str], dict[str, str], dic
                 ref = x.clone()
                 try:
                     dist.all_reduce(ref, op=op, group=ctx.ref)
-                except Exception:  # noqa: BLE001 - rejected by gloo: skip
+                except Exception:  # noqa: BLE001, S112 - rejected by gloo: skip
                     continue
                 with chk.case(label):
                     dist.all_reduce(x, op=op, group=group)
