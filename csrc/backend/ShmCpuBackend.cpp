@@ -24,6 +24,14 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
   return flat;
 }
 
+// Whether `whole` is `size` pieces shaped like `piece`, concatenated along
+// dim 0: the only layout Gloo accepts for the flat allgather/reduce_scatter.
+// Anything else goes to Gloo, which raises its own error.
+bool concatOf(const at::Tensor& whole, const at::Tensor& piece, int size) {
+  if (whole.dim() == 0 || piece.dim() == 0 || whole.size(0) != piece.size(0) * size) return false;
+  return whole.sizes().slice(1) == piece.sizes().slice(1);
+}
+
 bool plainCpu(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) {
     if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous()) return false;
@@ -204,7 +212,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                               const c10d::AllgatherOptions& opts) {
-  if (!flat() || !plainCpu({output, input})) {
+  if (!flat() || !plainCpu({output, input}) || !concatOf(output, input, size_)) {
     return fallback_->_allgather_base(output, input, opts);
   }
   std::vector<std::vector<at::Tensor>> outputs{slicesPerRank(output, size_, input.numel())};
@@ -215,7 +223,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  if (!flat() || !plainCpu(outputs) || !plainCpu(inputs)) {
+  bool concat = true;
+  for (size_t i = 0; i < inputs.size() && i < outputs.size(); ++i) {
+    concat = concat && concatOf(outputs[i], inputs[i], size_);
+  }
+  if (!flat() || !concat || !plainCpu(outputs) || !plainCpu(inputs)) {
     return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
   std::vector<std::vector<at::Tensor>> lists;
@@ -246,7 +258,8 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  if (!flat() || !reducible({output, input}, opts.reduceOp.op_)) {
+  if (!flat() || !reducible({output, input}, opts.reduceOp.op_) ||
+      !concatOf(input, output, size_)) {
     return fallback_->_reduce_scatter_base(output, input, opts);
   }
   std::vector<at::Tensor> outputs{output};
@@ -258,7 +271,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto op = opts.reduceOp.op_;
-  if (!flat() || !reducible(outputs, op) || !plainCpu(inputs)) {
+  bool concat = true;
+  for (size_t i = 0; i < inputs.size() && i < outputs.size(); ++i) {
+    concat = concat && concatOf(inputs[i], outputs[i], size_);
+  }
+  if (!flat() || !concat || !reducible(outputs, op) || !plainCpu(inputs)) {
     return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
   std::vector<std::vector<at::Tensor>> lists;

@@ -16,7 +16,8 @@ void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at:
   const size_t totalBytes = input.numel() * input.element_size();
   const uint8_t* in = detail::bytes(input);
   transport.publishDescriptor(
-      detail::describe(detail::OpCode::kAllgather, input.scalar_type(), 0, 0), totalBytes);
+      deadline, name, detail::describe(detail::OpCode::kAllgather, input.scalar_type(), 0, 0),
+      totalBytes);
   size_t offset = 0;
   bool first = true;
   do {

@@ -2,9 +2,10 @@
 //
 // Small messages: every rank copies its input into its slot once, one
 // barrier, then every rank reduces all slots (in rank order) into its output.
-// Large messages, chunk by chunk: copy in, barrier, rank r reduces slice r of
-// the chunk over all slots into its own slot (reduce-scatter), barrier, every
-// rank copies all reduced slices out (allgather). Double-buffered slots make
+// Large messages, chunk by chunk: copy in (all but one's own slice), barrier,
+// rank r reduces slice r of the chunk over all ranks into its tensor and
+// publishes it in its slot (reduce-scatter), barrier, every rank copies the
+// other reduced slices out (allgather). Double-buffered slots make
 // a trailing barrier unnecessary.
 #include <cstring>
 
@@ -62,7 +63,8 @@ void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline d
   const size_t totalBytes = static_cast<size_t>(numel * elem);
   uint8_t* data = detail::bytes(tensor);
   transport.publishDescriptor(
-      detail::describe(detail::OpCode::kAllreduce, dtype, static_cast<int>(op), 0), totalBytes);
+      deadline, name, detail::describe(detail::OpCode::kAllreduce, dtype, static_cast<int>(op), 0),
+      totalBytes);
   std::vector<const void*> srcs(size);
 
   if (totalBytes <= std::min(smallBytes, transport.slotBytes())) {
@@ -82,17 +84,25 @@ void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline d
     const int64_t length = std::min(chunkElems, numel - offset);
     uint8_t* chunk = data + offset * elem;
     const int parity = transport.nextParity();
-    std::memcpy(transport.slot(rank, parity), chunk, length * elem);
+    uint8_t* mine = transport.slot(rank, parity);
+    const auto [begin, count] = part(length, size, rank);
+    // Copy in all but my own slice: only I reduce it, from my tensor.
+    std::memcpy(mine, chunk, begin * elem);
+    std::memcpy(mine + (begin + count) * elem, chunk + (begin + count) * elem,
+                (length - begin - count) * elem);
     transport.barrier(deadline, name);
     if (first) transport.checkDescriptors(name);
     first = false;
-    // Reduce-scatter: my slice of the chunk, from every slot, into my slot.
-    const auto [begin, count] = part(length, size, rank);
-    for (int r = 0; r < size; ++r) srcs[r] = transport.slot(r, parity) + begin * elem;
-    reduceBuffers(transport.slot(rank, parity) + begin * elem, srcs.data(), size, count, dtype, op);
-    transport.barrier(deadline, name);
-    // Allgather: every reduced slice, from its owner's slot.
+    // Reduce-scatter: my slice of the chunk, from every rank, in rank order.
     for (int r = 0; r < size; ++r) {
+      srcs[r] = (r == rank ? chunk : transport.slot(r, parity)) + begin * elem;
+    }
+    reduceBuffers(chunk + begin * elem, srcs.data(), size, count, dtype, op);
+    std::memcpy(mine + begin * elem, chunk + begin * elem, count * elem);
+    transport.barrier(deadline, name);
+    // Allgather: every other reduced slice, from its owner's slot.
+    for (int r = 0; r < size; ++r) {
+      if (r == rank) continue;
       const auto [b, c] = part(length, size, r);
       std::memcpy(chunk + b * elem, transport.slot(r, parity) + b * elem, c * elem);
     }

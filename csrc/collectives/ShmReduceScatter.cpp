@@ -19,6 +19,7 @@ void reduceScatter(ShmTransport& transport, at::Tensor& output,
   const int64_t elem = output.element_size();
   const int64_t numel = output.numel();
   transport.publishDescriptor(
+      deadline, name,
       detail::describe(detail::OpCode::kReduceScatter, dtype, static_cast<int>(op), 0),
       numel * elem);
   const int64_t chunkElems =

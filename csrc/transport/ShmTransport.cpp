@@ -239,25 +239,50 @@ uint8_t* ShmTransport::slot(int rank, int parity) const {
          (static_cast<size_t>(rank) * 2 + parity) * slotBytes_;
 }
 
-void ShmTransport::publishDescriptor(uint64_t what, uint64_t bytes) {
+void ShmTransport::throwIfBroken(const char* op) const {
+  if (!brokenBy_.empty()) {
+    C10_THROW_ERROR(DistBackendError,
+                    std::string("xcomm shm: ") + op +
+                        ": the group is broken by an earlier failure: " + brokenBy_);
+  }
+}
+
+void ShmTransport::prepareWrite(std::chrono::steady_clock::time_point deadline, const char* op) {
+  throwIfBroken(op);
+  if (allReached_ == arrivals_) return;
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) waitFor(r, arrivals_, deadline, op);
+  }
+  allReached_ = arrivals_;
+}
+
+void ShmTransport::publishDescriptor(std::chrono::steady_clock::time_point deadline, const char* op,
+                                     uint64_t what, uint64_t bytes) {
+  prepareWrite(deadline, op);
   auto& me = control(rank_);
   const uint32_t next = (arrivals_ + 1) & 1;
   me.what[next] = what;
   me.bytes[next] = bytes;
 }
 
-void ShmTransport::checkDescriptors(const char* op) const {
+void ShmTransport::checkAgainst(int peer, const char* op) const {
   const auto& me = control(rank_);
+  const auto& other = control(peer);
   const uint32_t i = arrivals_ & 1;
-  for (int r = 0; r < size_; ++r) {
-    const auto& peer = control(r);
-    // Every rank sees the same descriptors, so every rank raises (and the
-    // barrier counts stay in step).
-    TORCH_CHECK_VALUE(peer.what[i] == me.what[i] && peer.bytes[i] == me.bytes[i], "xcomm shm: ", op,
-                      ": the ranks called different collectives or passed different sizes (rank ",
-                      rank_, ": ", me.bytes[i], " bytes, rank ", r, ": ", peer.bytes[i],
-                      " bytes); every rank must issue the same collectives in the same order");
-  }
+  // Every rank sees the same descriptors, so every rank raises (and the
+  // barrier counts stay in step).
+  TORCH_CHECK_VALUE(other.what[i] == me.what[i] && other.bytes[i] == me.bytes[i], "xcomm shm: ", op,
+                    ": the ranks called different collectives or passed different sizes (rank ",
+                    rank_, ": ", me.bytes[i], " bytes, rank ", peer, ": ", other.bytes[i],
+                    " bytes); every rank must issue the same collectives in the same order");
+}
+
+void ShmTransport::checkDescriptors(const char* op) const {
+  for (int r = 0; r < size_; ++r) checkAgainst(r, op);
+}
+
+void ShmTransport::checkDescriptorOf(int root, const char* op) const {
+  checkAgainst(root, op);
 }
 
 void ShmTransport::fail(std::string message) {
@@ -265,21 +290,29 @@ void ShmTransport::fail(std::string message) {
   C10_THROW_ERROR(DistBackendError, message);
 }
 
-void ShmTransport::barrier(std::chrono::steady_clock::time_point deadline, const char* op) {
-  if (!brokenBy_.empty()) {
-    C10_THROW_ERROR(DistBackendError,
-                    std::string("xcomm shm: ") + op +
-                        ": the group is broken by an earlier failure: " + brokenBy_);
-  }
+void ShmTransport::arrive() {
   const uint32_t target = ++arrivals_;
   auto& me = control(rank_);
   // seq_cst store then load of `sleepers`, against the sleeper's increment
   // then load of `arrived`: one of the two sides sees the other.
   me.arrived.store(target, std::memory_order_seq_cst);
   if (me.sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&me.arrived);
+}
+
+void ShmTransport::barrier(std::chrono::steady_clock::time_point deadline, const char* op) {
+  throwIfBroken(op);
+  arrive();
   for (int r = 0; r < size_; ++r) {
-    if (r != rank_) waitFor(r, target, deadline, op);
+    if (r != rank_) waitFor(r, arrivals_, deadline, op);
   }
+  allReached_ = arrivals_;
+}
+
+void ShmTransport::arriveAndWaitForRoot(int root, std::chrono::steady_clock::time_point deadline,
+                                        const char* op) {
+  throwIfBroken(op);
+  arrive();
+  if (rank_ != root) waitFor(root, arrivals_, deadline, op);
 }
 
 void ShmTransport::waitFor(int peer, uint32_t target,

@@ -48,14 +48,27 @@ class ShmTransport {
   // The parity of the next use of the slots (alternates per use).
   int nextParity() { return parity_ ^= 1; }
 
-  // What the caller is about to do, for checkDescriptors.
-  void publishDescriptor(uint64_t what, uint64_t bytes);
+  // Before this rank writes shared state (its slot, its descriptor) for its
+  // next barrier k: waits until every rank reached barrier k-1, i.e. has
+  // finished reading what was written for barrier k-2 (same parity). A no-op
+  // after a full barrier; needed after a one-sided wait (waitForRoot).
+  void prepareWrite(std::chrono::steady_clock::time_point deadline, const char* op);
+
+  // What the caller is about to do, for checkDescriptors (calls prepareWrite).
+  void publishDescriptor(std::chrono::steady_clock::time_point deadline, const char* op,
+                         uint64_t what, uint64_t bytes);
   // After a barrier: raises on every rank if the ranks disagree on the op.
   void checkDescriptors(const char* op) const;
+  // After waitForRoot: raises if this rank disagrees with `root`.
+  void checkDescriptorOf(int root, const char* op) const;
 
   // Arrive and wait until every rank arrived, or raise at `deadline` or when
   // a peer died. `op` names the collective in errors.
   void barrier(std::chrono::steady_clock::time_point deadline, const char* op);
+  // Arrive; a rank other than `root` then waits for `root` only, and `root`
+  // does not wait (one-to-all ops: the readers need only the root's data).
+  void arriveAndWaitForRoot(int root, std::chrono::steady_clock::time_point deadline,
+                            const char* op);
 
   // The error that broke this transport, or empty. Once a wait failed the
   // ranks are out of step, so every later op raises this at once.
@@ -75,7 +88,12 @@ class ShmTransport {
   int spinMicros_;
   void* base_;
   size_t mapBytes_;
-  uint32_t arrivals_ = 0;  // barriers this rank has arrived at
+  void arrive();
+  void throwIfBroken(const char* op) const;
+  void checkAgainst(int peer, const char* op) const;
+
+  uint32_t arrivals_ = 0;    // barriers this rank has arrived at
+  uint32_t allReached_ = 0;  // a barrier count every rank is known to have reached
   int parity_ = 1;
   std::string brokenBy_;
 };
