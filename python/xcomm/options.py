@@ -33,6 +33,9 @@ class Options:
             (latency, not bandwidth, bounds them).
         int8_chunk_elems: Elements per int8 scale; smaller is more precise
             and costs ``4 / int8_chunk_elems`` bytes per element more.
+        shm: Run CPU collectives through shared memory when every rank of
+            the group is on one host (see ``xcomm.shm``). ``False``, or the
+            environment variable ``XCOMM_SHM=0``, keeps them on Gloo.
 
     Example::
 
@@ -48,8 +51,11 @@ class Options:
     compression: str | None = None
     compression_min_bytes: int = 64 * 1024
     int8_chunk_elems: int = 1024
+    shm: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shm, bool):
+            raise TypeError(f"xcomm.Options: shm must be a bool, got {type(self.shm).__name__}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"xcomm.Options: compression must be one of {', '.join(map(repr, COMPRESSIONS))}, "
