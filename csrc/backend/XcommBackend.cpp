@@ -6,6 +6,7 @@
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/ReduceKernels.hpp"
+#include "schedule/Stats.hpp"
 
 namespace xcomm {
 namespace {
@@ -104,8 +105,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
     };
   }
   auto resultType = result.type();
-  return c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
-                                            std::move(result), std::move(resultType));
+  const uint64_t bytes = payloadBytes(result);
+  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
+                                                 std::move(result), std::move(resultType));
+  recordOnCompletion(work, c10d::opTypeToString(type), bytes);  // xcomm.stats() and the timeline
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& tensors,
