@@ -7,6 +7,9 @@ Subcommands:
     and alltoall over several backends side by side.
 ``report``
     Re-prints / re-plots a stored ``collectives.json``.
+``overlap``
+    GradientBucketer vs reducing after backward on emulated slow links
+    (:mod:`xcomm.bench.overlap`).
 
 Examples::
 
@@ -217,6 +220,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["overlap"]:  # its own parser: xcomm.bench.overlap
+        from . import overlap
+
+        return overlap.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "collectives":
         return _cmd_collectives(args)
