@@ -60,6 +60,7 @@ from torch import nn
 
 from . import trace
 from .opstats import record_op
+from .scheduler import ChunkScheduler
 
 __all__ = ["BucketView", "GradientBucketer"]
 
@@ -124,6 +125,7 @@ class _Bucket:
     # Per-iteration state, reset by _reset_iteration.
     pending: int = 0
     ready_us: int = 0
+    landed_us: int = 0
     future: torch.futures.Future | None = None
     ready_params: set[int] = field(default_factory=set)
 
@@ -143,6 +145,14 @@ class GradientBucketer:
             needed by :meth:`step` (optimizer overlap).
         sync_module_states: broadcast the module's parameters and buffers from
             the group's rank 0 at attach time, as DDP does, so all ranks start equal.
+        schedule: ``"immediate"``: each bucket's allreduce starts, asynchronously,
+            as soon as it and all earlier buckets are full. ``"fifo"`` /
+            ``"priority"``: buckets are cut into chunks of ``chunk_mb`` and sent
+            one at a time by a :class:`xcomm.scheduler.ChunkScheduler`, in
+            bucket order or with the layers nearest the input first (which
+            shortens the wait before the next forward can start when the link
+            lags behind backward). Not combinable with ``compression``.
+        chunk_mb: chunk size of ``"fifo"``/``"priority"`` (default: ``bucket_cap_mb``).
 
     Raises:
         ValueError: a non-positive or non-finite ``bucket_cap_mb``; a module
@@ -158,6 +168,8 @@ class GradientBucketer:
         compression: tuple[CompressionHook, Any] | None = None,
         optimizer_factory: OptimizerFactory | None = None,
         sync_module_states: bool = True,
+        schedule: str = "immediate",
+        chunk_mb: float | None = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
@@ -180,6 +192,26 @@ class GradientBucketer:
             raise ValueError(
                 "xcomm.GradientBucketer: compression must be a (hook, state) pair, e.g. "
                 "(xcomm.hooks.fp16_cast_hook, xcomm.hooks.CastState())"
+            )
+        if schedule not in ("immediate", "fifo", "priority"):
+            raise ValueError(
+                f"xcomm.GradientBucketer: schedule must be 'immediate', 'fifo' or 'priority', got {schedule!r}"
+            )
+        if schedule != "immediate" and compression is not None:
+            raise ValueError(
+                f"xcomm.GradientBucketer: schedule={schedule!r} sends raw chunks; it cannot be "
+                "combined with compression (use schedule='immediate')"
+            )
+        if chunk_mb is None:
+            chunk_mb = bucket_cap_mb
+        if (
+            isinstance(chunk_mb, bool)
+            or not isinstance(chunk_mb, (int, float))
+            or not math.isfinite(chunk_mb)
+            or chunk_mb <= 0
+        ):
+            raise ValueError(
+                f"xcomm.GradientBucketer: chunk_mb must be a finite number > 0, got {chunk_mb!r}"
             )
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
@@ -217,6 +249,20 @@ class GradientBucketer:
                 for t in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(t.data, src=src, group=process_group)
         self._has_optimizers = optimizer_factory is not None
+        self.schedule = schedule
+        self._first_param_bucket = self._slot[id(params[0])][0]
+        self._n_params = len(params)
+        self.last_timing: dict[str, float] = {}
+        self._scheduler: ChunkScheduler | None = None
+        if schedule != "immediate":
+            self._scheduler = ChunkScheduler(
+                [b.buffer for b in self.buckets],
+                int(chunk_mb * 1024 * 1024),
+                schedule == "priority",
+                process_group,
+                self._on_chunks_landed,
+                self._on_scheduler_error,
+            )
         self._sync = True
         self._lock = threading.Lock()
         self._reset_iteration()
@@ -262,10 +308,12 @@ class GradientBucketer:
         self._next_launch = 0
         self._grads_seen = 0
         self._callback_error: BaseException | None = None
+        self._backward_end_us = 0
         for b in self.buckets:
             b.pending = len(b.params)
             b.ready_us = 0
-            b.future = None
+            b.landed_us = 0
+            b.future = torch.futures.Future() if self.schedule != "immediate" else None
             b.ready_params = set()
 
     @contextlib.contextmanager
@@ -290,6 +338,8 @@ class GradientBucketer:
                 )
             bucket.ready_params.add(id(p))
             self._grads_seen += 1
+            if self._grads_seen == self._n_params:
+                self._backward_end_us = trace.now_us()
         grad = p.grad
         view = bucket.buffer.narrow(0, offset, p.numel())
         with torch.autograd.profiler.record_function("xcomm::bucketer::copy_in"):
@@ -304,6 +354,10 @@ class GradientBucketer:
             bucket.pending -= 1
             if bucket.pending == 0:
                 bucket.ready_us = trace.now_us()
+                if self._scheduler is not None:
+                    self._scheduler.mark_ready(bucket.index)
+            if self._scheduler is not None:
+                return  # the scheduler picks the order
             while (
                 self._next_launch < len(self.buckets)
                 and self.buckets[self._next_launch].pending == 0
@@ -353,6 +407,7 @@ class GradientBucketer:
 
         def land(f: torch.futures.Future) -> None:
             landed_us = trace.now_us()
+            bucket.landed_us = landed_us
             failed = True
             try:
                 value = f.value()
@@ -392,6 +447,40 @@ class GradientBucketer:
             fut = rf._call_end_callbacks_on_future(fut)
         bucket.future = fut.then(land)
 
+    def _on_chunks_landed(self, index: int) -> None:
+        """Scheduler thread: all chunks of bucket ``index`` are reduced in its buffer."""
+        bucket = self.buckets[index]
+        bucket.landed_us = trace.now_us()
+        try:
+            with torch.autograd.profiler.record_function(
+                f"xcomm::bucket{index}::decode"
+            ):
+                for p, off in zip(bucket.params, bucket.offsets):
+                    p.grad.copy_(bucket.buffer.narrow(0, off, p.numel()).view_as(p))
+            trace.add_span(
+                f"bucket {index} decode",
+                "decode",
+                TRACK_DECODE,
+                bucket.landed_us,
+                trace.now_us(),
+            )
+            nbytes = bucket.buffer.nbytes
+            record_op(
+                f"bucket_allreduce[{self.schedule}]",
+                nbytes,
+                nbytes,
+                0.0,
+                (bucket.landed_us - bucket.ready_us) * 1e-6,
+            )
+            bucket.future.set_result(bucket.buffer)
+        except BaseException as e:  # noqa: BLE001
+            bucket.future.set_exception(e)
+
+    def _on_scheduler_error(self, error: BaseException) -> None:
+        for b in self.buckets:
+            if b.future is not None and not b.future.done():
+                b.future.set_exception(error)
+
     # ---------------------------------------------------------------- finish
 
     def _check_complete(self, what: str) -> None:
@@ -408,7 +497,11 @@ class GradientBucketer:
         ]
         if missing:
             # Let launched reductions finish, so no collective is left half-issued here.
+            if self._scheduler is not None:
+                self._scheduler.abort()
             for b in self.buckets:
+                if self._scheduler is not None:
+                    continue
                 if b.future is not None:
                     with contextlib.suppress(Exception):
                         b.future.wait()
@@ -445,8 +538,15 @@ class GradientBucketer:
     def _finish(self, what: str, step: bool) -> None:
         self._check_complete(what)
         try:
-            for b in self.buckets:
-                assert b.future is not None
+            # Buckets are handled in the order they land: whichever is done
+            # first, else the one expected next (index order; reversed under
+            # priority scheduling, which sends the last buckets first).
+            expected = list(self.buckets)
+            if self.schedule == "priority":
+                expected.reverse()
+            while expected:
+                b = next((x for x in expected if x.future.done()), expected[0])
+                expected.remove(b)
                 b.future.wait()
                 if step and b.optimizer is not None:
                     t0 = trace.now_us()
@@ -461,7 +561,18 @@ class GradientBucketer:
                         t0,
                         trace.now_us(),
                     )
+            first = self._first_param_bucket
+            self.last_timing = {
+                "backward_end_us": self._backward_end_us,
+                "first_layer_landed_us": first.landed_us,
+                "all_landed_us": max(b.landed_us for b in self.buckets),
+                # How long the next forward's first layer waits after backward ended.
+                "forward_wait_s": max(0, first.landed_us - self._backward_end_us)
+                * 1e-6,
+            }
         finally:
+            if self._scheduler is not None:
+                self._scheduler.join()
             self._reset_iteration()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

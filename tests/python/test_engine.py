@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import xcomm
+import xcomm.scheduler
 from dist_harness import Mismatches, RankContext, assert_no_mismatches, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -95,6 +96,12 @@ def _train(
         bucketer = xcomm.GradientBucketer(
             model, bucket_cap_mb=0.002, optimizer_factory=_sgd
         )
+    elif mode in ("bucketer-fifo", "bucketer-priority"):  # chunked, scheduler thread
+        bucketer = xcomm.GradientBucketer(
+            model, bucket_cap_mb=0.002, schedule=mode.split("-")[1], chunk_mb=0.0005
+        )
+        assert len(bucketer._scheduler.chunks) > len(bucketer.buckets)
+        opt = _sgd(model.parameters())
     elif mode == "bucketer-fp16":
         bucketer = xcomm.GradientBucketer(
             model, bucket_cap_mb=0.002, compression=(fp16_cast_hook, CastState())
@@ -162,6 +169,8 @@ def test_bucketer_identical_to_unbucketed_and_ddp() -> None:
         ("bucketer", "unbucketed"),
         ("bucketer", "ddp"),
         ("bucketer-step", "unbucketed"),
+        ("bucketer-fifo", "unbucketed"),
+        ("bucketer-priority", "unbucketed"),
     ]
     assert_no_mismatches(run_ranks(_rank_identical, 2, pairs, timeout=120))
 
@@ -188,6 +197,54 @@ def _rank_compression_differs(ctx: RankContext) -> bool:
 
 def test_bucketer_compression_is_applied() -> None:
     assert all(run_ranks(_rank_compression_differs, 2))
+
+
+def _rank_priority_order(ctx: RankContext, priority: bool) -> dict[str, Any]:
+    # Three buckets of 10, 6 and 4 elements in chunks of 4 (16 bytes):
+    # chunks 0-2 | 3-4 | 5. All buckets are marked ready before the thread
+    # may run, so after the first chunk (sent before anything is known about
+    # the other ranks) every chunk is known to be ready everywhere.
+    sizes = (10, 6, 4)
+    buffers = [
+        torch.randn(n, generator=ctx.generator(salt=i), dtype=torch.float32)
+        for i, n in enumerate(sizes)
+    ]
+    expected = [b.clone() for b in buffers]
+    for e in expected:
+        dist.all_reduce(e, group=ctx.ref)
+    landed: list[int] = []
+    errors: list[BaseException] = []
+    sched = xcomm.scheduler.ChunkScheduler(
+        buffers, 16, priority, None, landed.append, errors.append
+    )
+    with sched._cv:  # re-entrant: holds the thread back until all are marked
+        for b in range(len(sizes)):
+            sched.mark_ready(b)
+    sched.join()
+    return {
+        "order": sched.order,
+        "landed": landed,
+        "errors": [repr(e) for e in errors],
+        "equal": all(torch.equal(a, b) for a, b in zip(buffers, expected, strict=True)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("priority", "order", "landed"),
+    [(False, [0, 1, 2, 3, 4, 5], [0, 1, 2]), (True, [0, 5, 3, 4, 1, 2], [2, 1, 0])],
+)
+def test_chunk_scheduler_order_and_results(
+    priority: bool, order: list[int], landed: list[int]
+) -> None:
+    """FIFO sends chunks in order; priority sends the last bucket (the first layers) first.
+
+    Either way the reduced buffers equal gloo's allreduce of the same buffers.
+    """
+    for r in run_ranks(_rank_priority_order, 2, priority):
+        assert r["errors"] == []
+        assert r["order"] == order
+        assert r["landed"] == landed
+        assert r["equal"]
 
 
 # --------------------------------------------------------------------- errors
