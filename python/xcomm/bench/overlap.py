@@ -14,6 +14,12 @@ step (forward, backward, gradient averaging, SGD step) in each mode:
 ``engine``
     :class:`xcomm.GradientBucketer`: buckets are reduced while backward still
     runs, and each bucket's optimizer steps as soon as it lands;
+``engine_fifo`` / ``engine_priority``
+    the engine with buckets cut into ``--chunk-mb`` chunks sent one at a time
+    by :class:`xcomm.scheduler.ChunkScheduler`, in FIFO order or with the
+    layers nearest the input first. Besides the step time, each reports the
+    *forward wait*: from the end of backward until the first layer's
+    gradients are reduced (when the next forward pass could start);
 ``compute_only`` / ``comm_only``
     the step without communication, and the bucket allreduces alone: the two
     things being overlapped.
@@ -26,6 +32,7 @@ It reports the median step time of each mode and ``engine / after_backward``
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -36,7 +43,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODES = ("after_backward", "after_backward_flat", "engine", "compute_only", "comm_only")
+MODES = (
+    "after_backward",
+    "after_backward_flat",
+    "engine",
+    "engine_fifo",
+    "engine_priority",
+    "compute_only",
+    "comm_only",
+)
+TRACED = ("after_backward", "engine", "engine_fifo", "engine_priority")
 
 
 @dataclasses.dataclass
@@ -47,6 +63,7 @@ class OverlapConfig:
     layers: int = 6
     batch: int = 512
     bucket_cap_mb: float = 2.0
+    chunk_mb: float = 0.5
     steps: int = 8
     warmup: int = 2
     threads: int = 1
@@ -122,6 +139,20 @@ def run_rank(cfg: OverlapConfig) -> int:
         optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3),
     )
     buckets = bucketer.buckets
+    # The scheduled engines train their own copies (one bucketer per module).
+    scheduled = {}
+    for mode in ("fifo", "priority"):
+        m = copy.deepcopy(model)
+        scheduled[f"engine_{mode}"] = (
+            m,
+            xcomm.GradientBucketer(
+                m,
+                bucket_cap_mb=cfg.bucket_cap_mb,
+                optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                schedule=mode,
+                chunk_mb=cfg.chunk_mb,
+            ),
+        )
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(cfg.batch, cfg.hidden, generator=g)
     y = torch.randint(0, 10, (cfg.batch,), generator=g)
@@ -178,6 +209,17 @@ def run_rank(cfg: OverlapConfig) -> int:
         if mode == "engine":
             forward_backward()
             bucketer.step()
+        elif mode in scheduled:
+            m, b = scheduled[mode]
+            b.zero_grad()
+            t1 = trace.now_us()
+            loss = nn.functional.cross_entropy(m(x), y)
+            compute_span("forward", t1)
+            t1 = trace.now_us()
+            loss.backward()
+            compute_span("backward", t1)
+            b.step()
+            forward_wait[mode].append(b.last_timing["forward_wait_s"])
         elif mode == "comm_only":
             reduce_buckets()
         else:
@@ -195,9 +237,9 @@ def run_rank(cfg: OverlapConfig) -> int:
     with bucketer.no_sync():
         nn.functional.cross_entropy(model(x), y).backward()
     times: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {
-        m: [] for m in MODES
-    }  # CPU seconds of this process, all threads
+    # CPU seconds of this process (all threads) per step.
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    forward_wait: dict[str, list[float]] = {m: [] for m in scheduled}
     iterator: Any = range(cfg.warmup + cfg.steps)
     if rank == 0:
         try:
@@ -210,11 +252,11 @@ def run_rank(cfg: OverlapConfig) -> int:
     for i in iterator:
         for mode in MODES:
             last = i == cfg.warmup + cfg.steps - 1
-            if last and mode in ("after_backward", "engine"):
+            if last and mode in TRACED:
                 xcomm.enable_timeline()
                 start = trace.now_us()
             dt = step(mode)
-            if last and mode in ("after_backward", "engine"):
+            if last and mode in TRACED:
                 traced_steps[mode] = (start, trace.now_us())
                 xcomm.save_timeline(
                     Path(cfg.out) / f"overlap_trace_{mode}_rank{rank}.json", pid=rank
@@ -229,6 +271,7 @@ def run_rank(cfg: OverlapConfig) -> int:
         "grad_bytes": sum(p.numel() * 4 for p in model.parameters()),
         "buckets": len(buckets),
         "times": times,
+        "forward_wait_s": {m: v[cfg.warmup :] for m, v in forward_wait.items()},
         "cpu_s": {m: statistics.median(v[cfg.warmup :]) for m, v in cpu.items()},
         "traced_steps": traced_steps,
         "stats": xcomm.stats(),
@@ -236,6 +279,8 @@ def run_rank(cfg: OverlapConfig) -> int:
     with open(Path(cfg.out) / f"overlap_rank{rank}.json", "w") as f:
         json.dump(result, f)
     bucketer.detach()
+    for _, b in scheduled.values():
+        b.detach()
     dist.destroy_process_group()
     return 0
 
@@ -250,8 +295,19 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     for mode in MODES:
         per_step = [max(r["times"][mode][i] for r in results) for i in range(n)]
         med[mode] = statistics.median(per_step)
+    n_fw = len(results[0]["forward_wait_s"]["engine_fifo"])
+    fw = {
+        mode: statistics.median(
+            max(r["forward_wait_s"][mode][i] for r in results) for i in range(n_fw)
+        )
+        for mode in ("engine_fifo", "engine_priority")
+    }
     return {
         "median_step_s": med,
+        "median_forward_wait_s": fw,
+        "forward_wait_priority_vs_fifo": fw["engine_priority"] / fw["engine_fifo"]
+        if fw["engine_fifo"]
+        else float("nan"),
         "engine_vs_after_backward": med["engine"] / med["after_backward"],
         "engine_vs_after_backward_flat": med["engine"] / med["after_backward_flat"],
         "comm_over_compute": med["comm_only"] / med["compute_only"],
@@ -264,15 +320,18 @@ def plot_timeline(
     summary: dict[str, Any],
     title: str,
 ) -> Path:
-    """Two panels (after_backward, engine) of rank 0's spans, one row per track."""
+    """One panel per traced mode of rank 0's spans, one row per track.
+
+    The backend's own op track is left out (it repeats the transfers; it is in the JSON).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = [m for m in ("after_backward", "engine") if m in rank0_traces]
+    modes = [m for m in TRACED if m in rank0_traces]
     fig, axes = plt.subplots(
-        len(modes), 1, figsize=(11, 2.2 + 1.6 * len(modes)), squeeze=False
+        len(modes), 1, figsize=(11, 1.2 + 2.0 * len(modes)), squeeze=False
     )
     colors = {
         "compute": "tab:blue",
@@ -290,7 +349,11 @@ def plot_timeline(
             for e in events
             if e.get("name") == "thread_name"
         }
-        spans = [e for e in events if e["ph"] == "X" and e["name"] != "BARRIER"]
+        spans = [
+            e
+            for e in events
+            if e["ph"] == "X" and tracks.get(e["tid"]) != "xcomm backend ops"
+        ]
         starts = [e["ts"] for e in spans if e["name"] == "forward"]
         if not starts:
             continue
@@ -356,7 +419,7 @@ def launch(cfg: OverlapConfig) -> int:
     )
     traces = {
         m: json.loads((out / f"overlap_trace_{m}_rank0.json").read_text())
-        for m in ("after_backward", "engine")
+        for m in TRACED
     }
     png = plot_timeline(out, traces, summary, title)
     report = {
@@ -377,6 +440,11 @@ def launch(cfg: OverlapConfig) -> int:
         f"engine / after_backward_flat = {summary['engine_vs_after_backward_flat']:.3f}"
     )
     print(f"comm_only / compute_only     = {summary['comm_over_compute']:.2f}")
+    fw = summary["median_forward_wait_s"]
+    print(
+        f"forward wait (backward end -> first layer reduced): fifo {fw['engine_fifo'] * 1e3:.1f} ms, "
+        f"priority {fw['engine_priority'] * 1e3:.1f} ms, ratio {summary['forward_wait_priority_vs_fifo']:.3f}"
+    )
     print(f"timeline: {png}")
     return 0
 
