@@ -7,7 +7,8 @@ forward waits for the whole backlog. :class:`ChunkScheduler` instead
 
 - splits every bucket into chunks of at most ``chunk_bytes``, so a
   large bucket cannot hold the link for long;
-- sends, one chunk at a time from its own thread, the ready chunk of highest
+- sends, from its own thread and with at most ``max_in_flight`` chunks on the
+  wire (packing the next while the previous is in transfer), the ready chunk of highest
   priority: the highest bucket index, i.e. the layers closest to the input,
   which the next forward needs first (``priority=True``), or the lowest
   chunk index (``priority=False``: FIFO, the baseline).
@@ -19,14 +20,18 @@ from information every rank shares: each chunk travels with a small
 summed by the same allreduce. After chunk ``k`` lands, every rank knows
 exactly which chunks were ready on **all** ranks, and picks the next chunk
 from those; when none is, it takes the lowest unsent chunk (waiting for it
-locally). The decision is a function of reduced values only, hence identical
-everywhere, and the data itself is reduced exactly as one allreduce would.
+locally). Completions are consumed at fixed points of the loop (when
+``max_in_flight`` chunks are out), so the information behind each choice, and
+hence the choice, is identical everywhere; the data itself is reduced exactly
+as one allreduce would.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +55,10 @@ class ChunkScheduler:
         on_bucket_landed: ``f(bucket_index)`` once all of a bucket's chunks are
             reduced (runs on the scheduler's thread).
         on_error: ``f(exception)`` when a transfer fails (the thread then stops).
+        max_in_flight: chunks on the wire at once (>= 1). With 2, chunk ``i+1``
+            is chosen and packed while chunk ``i`` is still in transfer, so the
+            link never idles between chunks; the choice then uses the
+            readiness known one chunk earlier.
     """
 
     def __init__(
@@ -60,11 +69,17 @@ class ChunkScheduler:
         process_group: dist.ProcessGroup | None,
         on_bucket_landed: Callable[[int], None],
         on_error: Callable[[BaseException], None],
+        max_in_flight: int = 2,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(
                 f"xcomm.ChunkScheduler: chunk_bytes must be > 0, got {chunk_bytes}"
             )
+        if max_in_flight < 1:
+            raise ValueError(
+                f"xcomm.ChunkScheduler: max_in_flight must be >= 1, got {max_in_flight}"
+            )
+        self.max_in_flight = max_in_flight
         self.buffers = list(buffers)
         self.priority = priority
         self.process_group = process_group
@@ -129,8 +144,36 @@ class ChunkScheduler:
         left = [0] * len(self.buffers)
         for b, _, _ in self.chunks:
             left[b] += 1
+        # (chunk, work, message, issued_us); at most max_in_flight of them.
+        in_flight: collections.deque[tuple[int, Any, torch.Tensor, int]] = (
+            collections.deque()
+        )
+
+        def complete_oldest() -> None:
+            nonlocal everywhere
+            c, work, message, t1 = in_flight.popleft()
+            work.wait()
+            t2 = trace.now_us()
+            b, start, length = self.chunks[c]
+            self.buffers[b].narrow(0, start, length).copy_(message.narrow(0, 0, length))
+            counts = message.narrow(0, length, n).tolist()
+            everywhere = [count > self.world - 0.5 for count in counts]
+            trace.add_span(
+                f"bucket {b} chunk {c}",
+                "transfer",
+                TRACK_CHUNKS,
+                t1,
+                t2,
+                {"bytes": length * message.element_size(), "priority": self.priority},
+            )
+            left[b] -= 1
+            if left[b] == 0:
+                self._on_bucket_landed(b)
+
         try:
             for _ in range(n):
+                # The choice depends only on results completed so far, and the
+                # loop completes them at the same points on every rank.
                 c = self._next_chunk(sent, everywhere)
                 b, start, length = self.chunks[c]
                 with self._cv:
@@ -143,32 +186,18 @@ class ChunkScheduler:
                         for j in range(n)
                     ]
                 src = self.buffers[b].narrow(0, start, length)
-                t0 = trace.now_us()
+                # Packing this chunk overlaps the transfer of the one in flight.
                 message = torch.cat(
                     [src, torch.tensor(ready_here, dtype=src.dtype, device=src.device)]
                 )
                 t1 = trace.now_us()
-                dist.all_reduce(message, group=self.process_group)
-                t2 = trace.now_us()
-                src.copy_(message.narrow(0, 0, length))
-                counts = message.narrow(0, length, n).tolist()
-                everywhere = [count > self.world - 0.5 for count in counts]
+                work = dist.all_reduce(message, group=self.process_group, async_op=True)
+                in_flight.append((c, work, message, t1))
                 sent[c] = True
                 self.order.append(c)
-                trace.add_span(
-                    f"bucket {b} chunk {c}",
-                    "transfer",
-                    TRACK_CHUNKS,
-                    t1,
-                    t2,
-                    {
-                        "bytes": src.nbytes,
-                        "pack_us": t1 - t0,
-                        "priority": self.priority,
-                    },
-                )
-                left[b] -= 1
-                if left[b] == 0:
-                    self._on_bucket_landed(b)
+                if len(in_flight) >= self.max_in_flight:
+                    complete_oldest()
+            while in_flight:
+                complete_oldest()
         except BaseException as e:  # noqa: BLE001 - handed to the waiting step
             self._on_error(e)

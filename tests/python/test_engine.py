@@ -199,7 +199,9 @@ def test_bucketer_compression_is_applied() -> None:
     assert all(run_ranks(_rank_compression_differs, 2))
 
 
-def _rank_priority_order(ctx: RankContext, priority: bool) -> dict[str, Any]:
+def _rank_priority_order(
+    ctx: RankContext, priority: bool, depth: int
+) -> dict[str, Any]:
     # Three buckets of 10, 6 and 4 elements in chunks of 4 (16 bytes):
     # chunks 0-2 | 3-4 | 5. All buckets are marked ready before the thread
     # may run, so after the first chunk (sent before anything is known about
@@ -215,7 +217,7 @@ def _rank_priority_order(ctx: RankContext, priority: bool) -> dict[str, Any]:
     landed: list[int] = []
     errors: list[BaseException] = []
     sched = xcomm.scheduler.ChunkScheduler(
-        buffers, 16, priority, None, landed.append, errors.append
+        buffers, 16, priority, None, landed.append, errors.append, max_in_flight=depth
     )
     with sched._cv:  # re-entrant: holds the thread back until all are marked
         for b in range(len(sizes)):
@@ -230,17 +232,25 @@ def _rank_priority_order(ctx: RankContext, priority: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("priority", "order", "landed"),
-    [(False, [0, 1, 2, 3, 4, 5], [0, 1, 2]), (True, [0, 5, 3, 4, 1, 2], [2, 1, 0])],
+    ("priority", "depth", "order", "landed"),
+    [
+        (False, 1, [0, 1, 2, 3, 4, 5], [0, 1, 2]),
+        (False, 2, [0, 1, 2, 3, 4, 5], [0, 1, 2]),
+        # After chunk 0 lands, all chunks are known ready everywhere: the last bucket goes first.
+        (True, 1, [0, 5, 3, 4, 1, 2], [2, 1, 0]),
+        # Two in flight: chunks 0 and 1 are chosen before anything is known.
+        (True, 2, [0, 1, 5, 3, 4, 2], [2, 1, 0]),
+    ],
 )
 def test_chunk_scheduler_order_and_results(
-    priority: bool, order: list[int], landed: list[int]
+    priority: bool, depth: int, order: list[int], landed: list[int]
 ) -> None:
     """FIFO sends chunks in order; priority sends the last bucket (the first layers) first.
 
-    Either way the reduced buffers equal gloo's allreduce of the same buffers.
+    Either way the reduced buffers equal gloo's allreduce of the same buffers,
+    and every rank sends the same order.
     """
-    for r in run_ranks(_rank_priority_order, 2, priority):
+    for r in run_ranks(_rank_priority_order, 2, priority, depth):
         assert r["errors"] == []
         assert r["order"] == order
         assert r["landed"] == landed
