@@ -447,7 +447,7 @@ class GradientBucketer:
             fut = rf._call_end_callbacks_on_future(fut)
         bucket.future = fut.then(land)
 
-    def _on_chunks_landed(self, index: int) -> None:
+    def _on_chunks_landed(self, index: int, first_issue_us: int) -> None:
         """Scheduler thread: all chunks of bucket ``index`` are reduced in its buffer."""
         bucket = self.buckets[index]
         bucket.landed_us = trace.now_us()
@@ -469,8 +469,8 @@ class GradientBucketer:
                 f"bucket_allreduce[{self.schedule}]",
                 nbytes,
                 nbytes,
-                0.0,
-                (bucket.landed_us - bucket.ready_us) * 1e-6,
+                max(0, first_issue_us - bucket.ready_us) * 1e-6,
+                (bucket.landed_us - first_issue_us) * 1e-6,
             )
             bucket.future.set_result(bucket.buffer)
         except BaseException as e:  # noqa: BLE001

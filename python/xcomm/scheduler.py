@@ -52,8 +52,9 @@ class ChunkScheduler:
         priority: highest bucket index first among the chunks ready on all
             ranks; ``False`` for FIFO.
         process_group: the group of the allreduces.
-        on_bucket_landed: ``f(bucket_index)`` once all of a bucket's chunks are
-            reduced (runs on the scheduler's thread).
+        on_bucket_landed: ``f(bucket_index, first_issue_us)`` once all of a
+            bucket's chunks are reduced (runs on the scheduler's thread);
+            ``first_issue_us`` is when its first chunk went on the wire.
         on_error: ``f(exception)`` when a transfer fails (the thread then stops).
         max_in_flight: chunks on the wire at once (>= 1). With 2, chunk ``i+1``
             is chosen and packed while chunk ``i`` is still in transfer, so the
@@ -67,7 +68,7 @@ class ChunkScheduler:
         chunk_bytes: int,
         priority: bool,
         process_group: dist.ProcessGroup | None,
-        on_bucket_landed: Callable[[int], None],
+        on_bucket_landed: Callable[[int, int], None],
         on_error: Callable[[BaseException], None],
         max_in_flight: int = 2,
     ) -> None:
@@ -142,6 +143,7 @@ class ChunkScheduler:
         sent = [False] * n
         everywhere = [False] * n
         left = [0] * len(self.buffers)
+        first_issue_us = [0] * len(self.buffers)
         for b, _, _ in self.chunks:
             left[b] += 1
         # (chunk, work, message, issued_us); at most max_in_flight of them.
@@ -168,7 +170,7 @@ class ChunkScheduler:
             )
             left[b] -= 1
             if left[b] == 0:
-                self._on_bucket_landed(b)
+                self._on_bucket_landed(b, first_issue_us[b])
 
         try:
             for _ in range(n):
@@ -191,6 +193,8 @@ class ChunkScheduler:
                     [src, torch.tensor(ready_here, dtype=src.dtype, device=src.device)]
                 )
                 t1 = trace.now_us()
+                if not first_issue_us[b]:
+                    first_issue_us[b] = t1
                 work = dist.all_reduce(message, group=self.process_group, async_op=True)
                 in_flight.append((c, work, message, t1))
                 sent[c] = True

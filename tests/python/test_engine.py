@@ -217,7 +217,13 @@ def _rank_priority_order(
     landed: list[int] = []
     errors: list[BaseException] = []
     sched = xcomm.scheduler.ChunkScheduler(
-        buffers, 16, priority, None, landed.append, errors.append, max_in_flight=depth
+        buffers,
+        16,
+        priority,
+        None,
+        lambda b, _issued_us: landed.append(b),
+        errors.append,
+        max_in_flight=depth,
     )
     with sched._cv:  # re-entrant: holds the thread back until all are marked
         for b in range(len(sizes)):
