@@ -68,19 +68,31 @@ void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
+void XcommBackend::setFusionThreshold(size_t bytes) {
+  flushFused();
+  fusion_ = bytes > 0 ? std::make_shared<FusionBuffer>(bytes) : nullptr;
+}
+
+void XcommBackend::flushFused() {
+  if (fusion_) fusion_->flush();
+}
+
 void XcommBackend::shutdown() {
+  flushFused();
   for (const auto& t : {transports_.cpu, transports_.cuda}) {
     if (t) t->shutdown();
   }
 }
 
 void XcommBackend::abort() {
+  flushFused();
   for (const auto& t : {transports_.cpu, transports_.cuda}) {
     if (t) t->abort();
   }
 }
 
-c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op) {
+c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op, bool flushFused) {
+  if (flushFused) this->flushFused();
   const bool cuda = t.device().is_cuda();
   const auto& transport = cuda ? transports_.cuda : transports_.cpu;
   TORCH_CHECK_VALUE(transport, "xcomm.", op, ": this process group has no ",
@@ -129,7 +141,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   constexpr const char* op = "all_reduce";
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  auto& transport = transportFor(tensors[0], op);
+  auto& transport = transportFor(tensors[0], op, /*flushFused=*/false);
   TensorStaging staging;
   auto staged = staging.inOut(tensors);
   c10d::AllreduceOptions innerOpts = opts;
@@ -138,6 +150,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
     for (auto& t : staged) t.mul_(factor);  // in place: the op overwrites it anyway
     innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   }
+  if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
+    return fusion_->enqueue(transports_.cpu, rank_, staged[0], innerOpts, staging.copyBack(),
+                            listValue(tensors));
+  }
+  flushFused();
   auto work = transport.allreduce(staged, innerOpts);
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors));
 }
@@ -456,6 +473,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
+  flushFused();
   const bool useCuda =
       !transports_.cpu || (opts.device && opts.device->is_cuda() && transports_.cuda);
   auto& transport = useCuda ? *transports_.cuda : *transports_.cpu;

@@ -11,6 +11,7 @@
 
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
+#include "schedule/FusionBuffer.hpp"
 
 namespace xcomm {
 
@@ -35,6 +36,10 @@ class XcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
   const Transports& transports() const { return transports_; }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // Fuses small async CPU allreduces into one transfer up to this many bytes
+  // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off.
+  void setFusionThreshold(size_t bytes);
+  size_t fusionThreshold() const { return fusion_ ? fusion_->thresholdBytes() : 0; }
   void shutdown() override;
   void abort() override;
 
@@ -90,7 +95,10 @@ class XcommBackend : public c10d::Backend {
       const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
  private:
-  c10d::Backend& transportFor(const at::Tensor& t, const char* op);
+  // Every op but a fusable allreduce first sends what fusion holds, so
+  // collectives keep their issue order.
+  c10d::Backend& transportFor(const at::Tensor& t, const char* op, bool flushFused = true);
+  void flushFused();
   // Whether the transport for `t` implements PREMUL_SUM itself (NCCL does).
   bool transportHasPremul(const at::Tensor& t) const;
   c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
@@ -99,6 +107,7 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<XcommOptions> options_;
   Transports transports_;
+  std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
 };
 
 }  // namespace xcomm

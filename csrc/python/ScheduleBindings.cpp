@@ -2,6 +2,7 @@
 // (xcomm._C). The Python faces are xcomm.stats and xcomm.trace.
 #include <torch/csrc/utils/pybind.h>
 
+#include "backend/XcommBackend.hpp"
 #include "python/Bindings.hpp"
 #include "schedule/Stats.hpp"
 #include "schedule/Timeline.hpp"
@@ -40,6 +41,21 @@ void bindSchedule(py::module_& m) {
       py::arg("op"), py::arg("bytes_in"), py::arg("bytes_on_wire"), py::arg("time_queued_s"),
       py::arg("time_on_wire_s"), py::arg("failed") = false,
       py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "set_fusion_threshold",
+      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend, size_t bytes) {
+        backend->setFusionThreshold(bytes);
+      },
+      py::arg("backend"), py::arg("bytes"),
+      "Fuses small async CPU allreduces of this backend into transfers of up to `bytes` "
+      "(0: off).");
+  m.def(
+      "fusion_threshold",
+      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend) {
+        return backend->fusionThreshold();
+      },
+      py::arg("backend"));
 
   m.def("timeline_now_us", &xcomm::Timeline::nowUs,
         "Microseconds on the timeline's clock (CLOCK_MONOTONIC).");

@@ -56,10 +56,13 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
     store = dist_backend_opts.store
     rank = dist_backend_opts.group_rank
     size = dist_backend_opts.group_size
-    return _C.XcommBackend(
+    backend = _C.XcommBackend(
         rank,
         size,
         timeout,
         _gloo_transport(store, rank, size, timeout),
         _nccl_transport(store, rank, size, timeout, str(dist_backend_opts.group_id)),
     )
+    if pg_options.fusion_threshold_bytes:
+        _C.set_fusion_threshold(backend, pg_options.fusion_threshold_bytes)
+    return backend
