@@ -10,6 +10,8 @@ Subcommands:
 ``overlap``
     GradientBucketer vs reducing after backward on emulated slow links
     (:mod:`xcomm.bench.overlap`).
+``fusion``
+    many small async allreduces, fused vs not (:mod:`xcomm.bench.fusion`).
 
 Examples::
 
@@ -225,6 +227,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import overlap
 
         return overlap.main(argv[1:])
+    if argv[:1] == ["fusion"]:  # its own parser: xcomm.bench.fusion
+        from . import fusion
+
+        return fusion.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.cmd == "collectives":
         return _cmd_collectives(args)
