@@ -14,6 +14,12 @@ op name the table holds
   ops handed to the transport at once);
 - ``time_on_wire_s``: total time from the start of the transfer to its completion.
 
+Op names: the backend's op types (``ALLREDUCE``, ``BROADCAST``, ...; one call
+per collective), ``ALLREDUCE_FUSED`` (one call per fused transfer when
+``Options(fusion_threshold_bytes=...)`` is on; the held ops are counted only
+there), and the bucketer's ``bucket_allreduce``,
+``bucket_allreduce[<hook name>]`` and ``bucket_allreduce[fifo|priority]``.
+
 The registry is process-wide and thread-safe (a C++ mutex); :func:`reset_stats`
 clears it.
 
