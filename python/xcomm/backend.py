@@ -70,7 +70,7 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         if compression == "int8"
         else None
     )
-    return _C.XcommBackend(
+    backend = _C.XcommBackend(
         rank,
         size,
         timeout,
@@ -81,3 +81,6 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         int8_chunk_elems=pg_options.int8_chunk_elems,
         cpu_compression_transport=compression_transport,
     )
+    if pg_options.fusion_threshold_bytes:
+        _C.set_fusion_threshold(backend, pg_options.fusion_threshold_bytes)
+    return backend

@@ -84,6 +84,8 @@ def _rank_compressed(ctx: RankContext, method: str) -> dict[str, Any]:
                 dist.all_reduce(absum, group=ctx.ref)
                 out[(str(dtype), shape, str(op))] = (got, ref, exact, compressed, absum)
     out["stats"] = group._get_backend(torch.device("cpu")).compression_stats
+    entry = xcomm.stats().get(f"ALLREDUCE_{method.upper()}")
+    out["opstats"] = None if entry is None else (entry["calls"], entry["compression_ratio"])
     return out
 
 
@@ -92,7 +94,7 @@ def _rank_compressed(ctx: RankContext, method: str) -> dict[str, Any]:
 def test_compressed_allreduce_matches_reference(method: str, world_size: int) -> None:
     per_rank = run_ranks(_rank_compressed, world_size, method)
     first = per_rank[0]
-    for key in [k for k in first if k != "stats"]:
+    for key in [k for k in first if k not in ("stats", "opstats")]:
         got0 = first[key][0]
         for r, results in enumerate(per_rank):
             got, ref, exact, compressed, absum = results[key]
@@ -115,6 +117,9 @@ def test_compressed_allreduce_matches_reference(method: str, world_size: int) ->
                 assert (got - exact).abs().max().item() <= bound * scale + 1e-12, key
     stats = first["stats"]
     assert stats["method"] == method and stats["calls"] == 8  # 2 dtypes x 2 shapes x 2 ops
+    # xcomm.stats() lists them under their own name, with their payload ratio
+    calls, payload_ratio = first["opstats"]
+    assert calls == 8 and payload_ratio > (3.0 if method == "int8" else 1.9)
     ratio = stats["bytes_before"] / stats["bytes_on_wire"]
     if method == "int8":
         assert ratio > 3.0  # float32 and float64 inputs: 4x to 8x
