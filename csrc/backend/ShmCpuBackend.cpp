@@ -134,6 +134,7 @@ void ShmCpuBackend::shutdown() {
 }
 
 void ShmCpuBackend::abort() {
+  transport_->requestAbort();  // a wait in progress fails within one sleep slice
   queue_.shutdown();
   fallback_->abort();
   if (leaders_) leaders_->abort();

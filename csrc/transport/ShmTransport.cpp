@@ -344,6 +344,9 @@ void ShmTransport::waitFor(int peer, uint32_t target,
     }
     ctl.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
+    if (aborted_.load()) {
+      fail(std::string("xcomm shm: ") + op + " was aborted (the process group was aborted)");
+    }
     const auto now = Clock::now();
     if (now >= deadline) {
       fail(std::string("xcomm shm: ") + op + " timed out waiting for rank " + std::to_string(peer) +
