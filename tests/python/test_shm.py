@@ -379,7 +379,7 @@ def test_hierarchical_all_reduce_matches_gloo(world_size: int) -> None:
 
 
 def _rank_unavailable(ctx: RankContext) -> dict[str, Any]:
-    import xcomm.shm  # noqa: PLC0415
+    import xcomm.shm
 
     t = torch.arange(10, dtype=torch.float32) + ctx.rank
     dist.all_reduce(t)
