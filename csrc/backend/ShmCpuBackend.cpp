@@ -119,6 +119,7 @@ void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point
 
 ShmCpuBackend::~ShmCpuBackend() {
   queue_.shutdown();
+  completions_.waitWorkComplete();  // every queued work gets its completion
 }
 
 void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
@@ -155,23 +156,40 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const ch
     work = c10::make_intrusive<FuturelessWork>(rank_, type, title, std::move(result),
                                                tensorListType());
   }
-  auto run = [this, work, body = std::move(body), limit] {
+  // `complete` finishes the work: inline on the caller's thread, or, from the
+  // worker, on the completion pool. Future callbacks run where the future is
+  // completed, and some block on another collective of this group (torch's
+  // powerSGD_hook waits inside its callbacks): on the worker they would wait
+  // for the worker itself.
+  auto run = [this, work, body = std::move(body), limit](bool onWorker) {
+    std::exception_ptr error;
     try {
       body(Clock::now() + limit);
       shmOps_++;
-      work->markSucceeded();
     } catch (...) {
-      work->markFailed(std::current_exception());
+      error = std::current_exception();
+    }
+    auto complete = [work, error] {
+      if (error) {
+        work->markFailed(error);
+      } else {
+        work->markSucceeded();
+      }
+    };
+    if (onWorker) {
+      completions_.run(std::move(complete));
+    } else {
+      complete();
     }
   };
   std::lock_guard<std::mutex> lock(submitMutex_);
   if (!asyncOp && pending_.load() == 0) {
-    run();  // nothing queued or running: the order is kept
+    run(false);  // nothing queued or running: the order is kept
     return work;
   }
   pending_++;
   queue_.push([this, run = std::move(run)] {
-    run();
+    run(true);
     pending_--;
   });
   return work;

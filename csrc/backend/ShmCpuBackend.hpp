@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 
+#include <c10/core/thread_pool.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "schedule/OpQueue.hpp"
@@ -136,6 +137,10 @@ class ShmCpuBackend : public c10d::Backend {
   std::mutex submitMutex_;
   std::atomic<int> pending_{0};  // queued or running on the worker
   std::atomic<uint64_t> shmOps_{0};
+  // Completes the worker's works (runs their future callbacks), so a callback
+  // that waits for another collective never blocks the worker. Declared
+  // before queue_: it outlives the worker that feeds it.
+  c10::ThreadPool completions_{4};
   OpQueue queue_{"xcomm shm queue"};
 };
 
