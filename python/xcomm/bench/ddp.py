@@ -16,7 +16,10 @@ train with DDP and measure:
   transmitted per timed step (payload plus TCP/IP headers and ACKs), read
   from ``/sys/class/net/<if>/statistics/tx_bytes``, mean over ranks;
 * **speedup**: ``time(none) / time(reduction)``, for the same model and rate,
-  measured by the same processes in the same run.
+  measured by the same processes in the same run;
+* **CPU/step**: CPU time of a rank's process (all its threads) per step,
+  mean over ranks, p50 over steps: what a step costs when a core is free,
+  whatever else runs on the host.
 
 Reductions: ``none`` (DDP's own allreduce), xcomm's hooks ``fp16``,
 ``int8``, ``topk``, ``powersgd`` (:mod:`xcomm.hooks`) and torch's built-ins
@@ -346,6 +349,7 @@ class DDPResult:
     link_tx_per_step: float
     speedup: float
     final_loss: float
+    cpu_ms: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (a JSON/CSV row)."""
@@ -432,6 +436,7 @@ class _Runner:
         self.gen = torch.Generator().manual_seed(100 + rank)
         self.batch = spec.batch
         self.times: list[float] = []
+        self.cpu: list[float] = []
         self.accounted = 0.0
         self.tx = 0
         self.loss = math.nan
@@ -496,24 +501,26 @@ class _Runner:
             return _allreduce_bytes(self.grad_bytes / 2, self.world)
         return 0.0
 
-    def step(self) -> float:
+    def step(self) -> tuple[float, float]:
+        """One training step: (wall seconds, CPU seconds of all this process's threads)."""
         x, y = self.batch(self.gen)
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         self.optimizer.zero_grad(set_to_none=False)
         loss = self.loss_fn(self.model(x), y)
         loss.backward()
         self.optimizer.step()
-        dt = time.perf_counter() - t0
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
         self.loss = float(loss.detach())
-        return dt
+        return dt, dc
 
     def run(self, steps: int, timed: bool, ifname: str | None) -> None:
         tx0 = _tx_bytes(ifname)
         acc0 = self._accounted_total()
         for _ in range(steps):
-            dt = self.step()
+            dt, dc = self.step()
             if timed:
                 self.times.append(dt)
+                self.cpu.append(dc)
         if timed:
             self.accounted += self._accounted_total() - acc0 + steps * self._per_step_formula()
             self.tx += _tx_bytes(ifname) - tx0
@@ -576,6 +583,9 @@ def run_model(
     world = dist.get_world_size(coord)
     times = torch.tensor([done[r].times for r in reductions], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=coord)
+    cpu = torch.tensor([done[r].cpu for r in reductions], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=coord)
+    cpu /= world
     sums = torch.tensor(
         [[done[r].accounted, float(done[r].tx)] for r in reductions], dtype=torch.float64
     )
@@ -603,6 +613,7 @@ def run_model(
                 link_tx_per_step=float(sums[i, 1]) / len(t) if ifname else math.nan,
                 speedup=math.nan,
                 final_loss=done[r].loss,
+                cpu_ms=statistics.median(cpu[i].tolist()) * 1e3,
             )
         )
     assert base is not None
@@ -796,7 +807,7 @@ def _mb(x: float) -> str:
 def _rows(results: Sequence[DDPResult]) -> tuple[list[str], list[list[str]]]:
     header = [
         "model", "params", "rate", "reduction", "time/step ms (p50)", "p25-p75",
-        "MB/step (accounted)", "link tx MB/step (measured)", "speedup vs none",
+        "CPU ms/step", "MB/step (accounted)", "link tx MB/step (measured)", "speedup vs none",
     ]  # fmt: skip
     rows = [
         [
@@ -806,6 +817,7 @@ def _rows(results: Sequence[DDPResult]) -> tuple[list[str], list[list[str]]]:
             r.reduction,
             f"{r.time_ms:.1f}",
             f"{r.time_ms_p25:.0f}-{r.time_ms_p75:.0f}",
+            "-" if math.isnan(r.cpu_ms) else f"{r.cpu_ms:.0f}",
             _mb(r.bytes_per_step),
             _mb(r.link_tx_per_step),
             f"{r.speedup:.2f}",
