@@ -42,16 +42,6 @@ CHUNK = 1024
 DENSITY = 0.01
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up: allocations, first-touch
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
-
-
 # -- plain torch versions of the same codecs (the baseline) ------------------
 
 
@@ -138,36 +128,59 @@ def xcomm_randomk(
 
 
 def measure(numel: int, world: int, reps: int) -> list[dict]:
-    """Rows (method, implementation, ms) for one bucket size."""
+    """Rows (method, implementation, ms) for one bucket size.
+
+    The implementations of a method are timed round-robin (one call of each
+    per repetition), so a busy machine slows them alike and the ratio holds.
+    """
     gen = torch.Generator().manual_seed(0)
     flat = torch.randn(numel, generator=gen)
     out = torch.empty_like(flat)
     k = max(1, math.ceil(DENSITY * numel))
-    rows = []
-
-    def add(method: str, impl: str, fn: Callable[[], object]) -> None:
-        rows.append({"numel": numel, "method": method, "impl": impl, "ms": _median_ms(fn, reps)})
-
-    residual = torch.zeros_like(flat)
-    add("int8", "torch ops", lambda: torch_int8(flat, residual, world, out))
-    codec, fb = _C.Int8Codec(CHUNK), _C.ErrorFeedback()
-    add("int8", "xcomm", lambda: xcomm_int8(codec, fb, flat, world, out))
-
-    residual = torch.zeros_like(flat)
-    add("top-k 1%", "torch ops", lambda: torch_topk(flat, residual, k, world, out))
+    residuals = [torch.zeros_like(flat) for _ in range(3)]
+    int8, feedback = _C.Int8Codec(CHUNK), _C.ErrorFeedback()
     exact = _C.TopKCodec(False, True, 4096, 0)
-    add("top-k 1%", "xcomm exact", lambda: xcomm_topk(exact, flat, k, world, out))
     approx = _C.TopKCodec(True, True, 4096, 0)
-    add("top-k 1%", "xcomm approximate", lambda: xcomm_topk(approx, flat, k, world, out))
-
-    residual = torch.zeros_like(flat)
-    add("random-k 1%", "torch ops",
-        lambda: torch_randomk(flat, residual, k, world, out, gen))  # fmt: skip
-    rk = _C.RandomKCodec(0, True)
-    step = iter(range(10**9))
-    add("random-k 1%", "xcomm", lambda: xcomm_randomk(rk, flat, next(step), world, out))
-
-    add("fp16", "torch ops (= both hooks)", lambda: torch_fp16(flat, out, world))
+    randk = _C.RandomKCodec(0, True)
+    steps = iter(range(10**9))
+    methods: dict[str, dict[str, Callable[[], object]]] = {
+        "int8": {
+            "torch ops": lambda: torch_int8(flat, residuals[0], world, out),
+            "xcomm": lambda: xcomm_int8(int8, feedback, flat, world, out),
+        },
+        "top-k 1%": {
+            "torch ops": lambda: torch_topk(flat, residuals[1], k, world, out),
+            "xcomm exact": lambda: xcomm_topk(exact, flat, k, world, out),
+            "xcomm approximate": lambda: xcomm_topk(approx, flat, k, world, out),
+        },
+        "random-k 1%": {
+            "torch ops": lambda: torch_randomk(flat, residuals[2], k, world, out, gen),
+            "xcomm": lambda: xcomm_randomk(randk, flat, next(steps), world, out),
+        },
+        "fp16": {"torch ops (= both hooks)": lambda: torch_fp16(flat, out, world)},
+    }
+    rows = []
+    for method, impls in methods.items():
+        wall: dict[str, list[float]] = {name: [] for name in impls}
+        cpu: dict[str, list[float]] = {name: [] for name in impls}
+        for fn in impls.values():
+            fn()  # warm-up: allocations, first touch
+        for _ in range(reps):
+            for name, fn in impls.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        for name in impls:
+            rows.append(
+                {
+                    "numel": numel,
+                    "method": method,
+                    "impl": name,
+                    "ms": 1000 * statistics.median(wall[name]),
+                    "cpu_ms": 1000 * statistics.median(cpu[name]),
+                }
+            )
     return rows
 
 
@@ -178,24 +191,30 @@ def _parse_size(text: str) -> int:
 
 
 def format_markdown(rows: list[dict]) -> str:
+    """Wall time (what a step waits) and CPU time (the work, all threads)."""
     lines = [
-        "| method | elements | torch ops ms | xcomm ms | torch / xcomm |",
-        "|---|---:|---:|---:|---:|",
+        "| method | elements | torch ops ms | xcomm ms | torch / xcomm | "
+        "torch ops CPU ms | xcomm CPU ms | torch / xcomm (CPU) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    by_key: dict[tuple[str, int], dict[str, float]] = {}
+    by_key: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
-        by_key.setdefault((r["method"], r["numel"]), {})[r["impl"]] = r["ms"]
+        by_key.setdefault((r["method"], r["numel"]), {})[r["impl"]] = r
     for (method, numel), impls in by_key.items():
         base = next(v for i, v in impls.items() if i.startswith("torch"))
-        for impl, ms in impls.items():
-            if impl.startswith("torch"):
-                continue
+        others = {i: v for i, v in impls.items() if not i.startswith("torch")}
+        if not others:
             lines.append(
-                f"| {method} ({impl.removeprefix('xcomm').strip() or 'xcomm'}) | {numel:,} | "
-                f"{base:.2f} | {ms:.2f} | {base / ms:.1f}x |"
+                f"| {method} | {numel:,} | {base['ms']:.2f} | (same ops) | 1.0x | "
+                f"{base['cpu_ms']:.2f} | (same ops) | 1.0x |"
             )
-        if all(i.startswith("torch") for i in impls):
-            lines.append(f"| {method} | {numel:,} | {base:.2f} | (same ops) | 1.0x |")
+        for impl, r in others.items():
+            name = impl.removeprefix("xcomm").strip() or "xcomm"
+            lines.append(
+                f"| {method} ({name}) | {numel:,} | {base['ms']:.2f} | {r['ms']:.2f} | "
+                f"{base['ms'] / r['ms']:.1f}x | {base['cpu_ms']:.2f} | {r['cpu_ms']:.2f} | "
+                f"{base['cpu_ms'] / max(r['cpu_ms'], 1e-9):.1f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -205,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=2, help="ranks whose payloads decode sums")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default="bench-results/codecs")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     rows: list[dict] = []

@@ -13,7 +13,8 @@ every bucket, then waits for all of them, as DDP does.
 
 Reported: the median over ``--steps`` steps once compression runs (after
 ``start_powerSGD_iter`` = 2 plain steps and one compressed warm-up step,
-which allocates the state), and xcomm / torch.
+which allocates the state), and xcomm / torch, in wall time and in CPU time
+of the whole process; the two hooks take turns step by step.
 """
 
 from __future__ import annotations
@@ -106,24 +107,32 @@ def ddp_buckets(shapes: Sequence[tuple[int, ...]], bucket_mb: float) -> list[Buc
     ]
 
 
-def time_hook(
-    hook: Callable[[Any, Any], torch.futures.Future],
-    state: Any,
+def time_hooks(
+    runs: dict[str, tuple[Callable[[Any, Any], torch.futures.Future], Any]],
     buckets: Sequence[Bucket],
     grads: Sequence[torch.Tensor],
     steps: int,
     warmup: int,
-) -> list[float]:
-    times = []
+) -> dict[str, dict[str, list[float]]]:
+    """Per implementation, the wall and CPU seconds of each timed step.
+
+    The implementations take turns step by step, so load from elsewhere on
+    the machine slows them alike. CPU time (``time.process_time``, every
+    thread of the process, the callbacks' threads included) is the work
+    itself and hardly depends on that load; wall time is what a step waits.
+    """
+    times: dict[str, dict[str, list[float]]] = {n: {"wall": [], "cpu": []} for n in runs}
     for step in range(warmup + steps):
-        for b, g in zip(buckets, grads):
-            b.buffer().copy_(g)
-        start = time.perf_counter()
-        futures = [hook(state, b) for b in buckets]
-        for f in futures:
-            f.wait()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+        for name, (hook, state) in runs.items():
+            for b, g in zip(buckets, grads):
+                b.buffer().copy_(g)
+            wall, cpu = time.perf_counter(), time.process_time()
+            futures = [hook(state, b) for b in buckets]
+            for f in futures:
+                f.wait()
+            if step >= warmup:
+                times[name]["wall"].append(time.perf_counter() - wall)
+                times[name]["cpu"].append(time.process_time() - cpu)
     return times
 
 
@@ -142,28 +151,31 @@ def measure(model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0) 
         "buckets": len(buckets),
     }
     runs = {
-        "torch": lambda: time_hook(
-            torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(None, **config),
-            buckets, grads, steps, warmup,
-        ),
-        "xcomm": lambda: time_hook(
-            powersgd_hook, PowerSGDState(None, **config), buckets, grads, steps, warmup
-        ),
-    }  # fmt: skip
-    for name, run in runs.items():
-        result[name] = statistics.median(run()) * 1e3
+        "torch": (torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(None, **config)),
+        "xcomm": (powersgd_hook, PowerSGDState(None, **config)),
+    }
+    for name, t in time_hooks(runs, buckets, grads, steps, warmup).items():
+        result[name] = statistics.median(t["wall"]) * 1e3
+        result[name + "_cpu"] = statistics.median(t["cpu"]) * 1e3
     result["ratio"] = result["xcomm"] / result["torch"]
+    result["cpu_ratio"] = result["xcomm_cpu"] / result["torch_cpu"]
     return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xcomm.bench.powersgd_compute", description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    parser = argparse.ArgumentParser(
+        prog="python -m xcomm.bench.powersgd_compute", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
+    )
     parser.add_argument("--ranks", default="1,2,4", help="matrix_approximation_rank values")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--backend", default="xcomm", help="process group backend (world size 1)")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
+    )
     args = parser.parse_args(argv)  # fmt: skip
 
     import xcomm  # noqa: F401, PLC0415 - registers the backend
@@ -180,7 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"world size 1 ({args.backend}), {args.bucket_mb:g} MiB buckets, "
                 f"median of {args.steps} steps"
             )
-            header = f"{'model':10} {'params':>7} {'buckets':>7} {'rank':>4} {'torch ms':>9} {'xcomm ms':>9} {'xcomm/torch':>11}"
+            header = (
+                f"{'model':10} {'params':>7} {'buckets':>7} {'rank':>4} {'torch ms':>9} "
+                f"{'xcomm ms':>9} {'xcomm/torch':>11} {'torch cpu':>9} {'xcomm cpu':>9} "
+                f"{'cpu ratio':>9}"
+            )
             print(header)
             print("-" * len(header))
             for model in args.models.split(","):
@@ -188,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r = measure(model, rank, args.steps, args.bucket_mb)
                     print(
                         f"{r['model']:10} {r['params'] / 1e6:6.1f}M {r['buckets']:7d} {r['rank']:4d} "
-                        f"{r['torch']:9.2f} {r['xcomm']:9.2f} {r['ratio']:11.2f}",
+                        f"{r['torch']:9.2f} {r['xcomm']:9.2f} {r['ratio']:11.2f} "
+                        f"{r['torch_cpu']:9.2f} {r['xcomm_cpu']:9.2f} {r['cpu_ratio']:9.2f}",
                         flush=True,
                     )
         finally:
