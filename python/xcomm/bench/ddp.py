@@ -136,7 +136,7 @@ def build_model(name: str, *, smoke: bool = False, batch_size: int | None = None
     * ``cnn``: 3 conv(3x3)+ReLU+maxpool blocks (32, 64, 128 channels) on
       3x32x32 images, then 2048 -> 512 -> 10; 1.15M parameters, batch 16.
     * ``transformer``: vocabulary 4096, d_model 256, 4 heads, 2 layers,
-      sequence 32; 3.2M parameters, batch 8 sequences.
+      sequence 32; 3.7M parameters, batch 8 sequences.
     """
     if name == "mlp":
         dims = [32, 64, 64, 10] if smoke else [784, 2048, 2048, 2048, 2048, 2048, 1000]
@@ -850,6 +850,7 @@ def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     from ..cluster.netns import parse_rate
 
@@ -869,6 +870,7 @@ def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
         ax.set_xlabel("link rate (Gbit/s)")
         params = next(r.params for r in results if r.model == model)
         ax.set_title(f"{model} ({params / 1e6:.1f}M params)")
@@ -881,6 +883,12 @@ def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def load_results(path: str | Path) -> tuple[list[DDPResult], dict[str, Any]]:
+    """Reads a ``ddp.json`` back: (results, metadata)."""
+    data = json.loads(Path(path).read_text())
+    return [DDPResult(**r) for r in data["results"]], data["meta"]
 
 
 def write_reports(
