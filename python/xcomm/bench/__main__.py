@@ -219,11 +219,25 @@ def _cmd_ddp(args: argparse.Namespace) -> int:
         return 2
     if args.launcher == "env":
         return run_rank(cfg, args.rate_label)
+    from ..cluster import ClusterError, ClusterInterrupted, ClusterPermissionError
+
     try:
         return launch(cfg, timeout=args.timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ClusterPermissionError as e:
+        print(f"error: {e} (or use --nodes 0 for loopback)", file=sys.stderr)
+        return 77
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ClusterInterrupted as e:
+        print(f"xcomm.bench ddp: {e}; ranks stopped, cluster torn down", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("xcomm.bench ddp: interrupted; ranks stopped, cluster torn down", file=sys.stderr)
+        return 130
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
