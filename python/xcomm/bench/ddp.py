@@ -489,8 +489,9 @@ class _Runner:
         if self.reduction in ("fp16", "int8", "topk", "powersgd"):
             return float(s.stats.bytes_on_wire)
         if self.reduction == "torch-powersgd":
-            # Elements sent once compressing (P, Q and the uncompressed tensors,
-            # each in an allreduce); plain steps are counted by _plain_steps.
+            # Elements torch's hook sent while compressing (P, Q and the
+            # uncompressed tensors, each in an allreduce), float32. Timed steps
+            # all compress: the warm-up covers the plain ones.
             return _allreduce_bytes(4 * s.total_numel_after_compression, self.world)
         return 0.0
 
