@@ -1,5 +1,7 @@
 #include "backend/XcommBackend.hpp"
 
+#include <cctype>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -7,6 +9,7 @@
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/ReduceKernels.hpp"
+#include "schedule/Stats.hpp"
 
 namespace xcomm {
 namespace {
@@ -82,7 +85,17 @@ void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
+void XcommBackend::setFusionThreshold(size_t bytes) {
+  flushFused();
+  fusion_ = bytes > 0 ? std::make_shared<FusionBuffer>(bytes) : nullptr;
+}
+
+void XcommBackend::flushFused() {
+  if (fusion_) fusion_->flush();
+}
+
 void XcommBackend::shutdown() {
+  flushFused();
   if (compressQueue_) {
     compressQueue_->shutdown();
   }
@@ -92,12 +105,14 @@ void XcommBackend::shutdown() {
 }
 
 void XcommBackend::abort() {
+  flushFused();
   for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
     if (t) t->abort();
   }
 }
 
-c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op) {
+c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op, bool flushFused) {
+  if (flushFused) this->flushFused();
   const bool cuda = t.device().is_cuda();
   const auto& transport = cuda ? transports_.cuda : transports_.cpu;
   TORCH_CHECK_VALUE(transport, "xcomm.", op, ": this process group has no ",
@@ -122,8 +137,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
     };
   }
   auto resultType = result.type();
-  return c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
-                                            std::move(result), std::move(resultType));
+  const uint64_t bytes = payloadBytes(result);
+  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
+                                                 std::move(result), std::move(resultType));
+  recordOnCompletion(work, c10d::opTypeToString(type), bytes);  // xcomm.stats() and the timeline
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -143,8 +161,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   constexpr const char* op = "all_reduce";
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  auto& transport = transportFor(tensors[0], op);
+  auto& transport = transportFor(tensors[0], op, /*flushFused=*/false);
   if (compressed_ && compressed_->applies(tensors, opts)) {
+    flushFused();  // held ops go first: every rank issues in program order
     return compressedAllreduce(tensors[0], opts);
   }
   TensorStaging staging;
@@ -155,18 +174,32 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
     for (auto& t : staged) t.mul_(factor);  // in place: the op overwrites it anyway
     innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   }
+  if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
+    return fusion_->enqueue(transports_.cpu, rank_, staged[0], innerOpts, staging.copyBack(),
+                            listValue(tensors));
+  }
+  flushFused();
   auto work = transport.allreduce(staged, innerOpts);
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors));
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
     at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
+  // e.g. ALLREDUCE_INT8 in xcomm.stats(): its own row, with its payload ratio.
+  std::string statsName = "ALLREDUCE_";
+  for (const char* c = compressionName(compressed_->config().method); *c; ++c) {
+    statsName += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+  }
+  const uint64_t bytesIn = tensor.numel() * tensor.element_size();
+  const uint64_t bytesOnWire = compressed_->payloadBytes(tensor);
   if (!compressed_->needsOwnTransport()) {
     std::function<void()> finalize;
     auto inner = compressed_->startCast(transportFor(tensor, "all_reduce"), tensor, opts, finalize);
-    return c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::ALLREDUCE, std::move(inner),
-                                              std::move(finalize), listValue({tensor}),
-                                              tensorListType());
+    auto work = c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::ALLREDUCE, std::move(inner),
+                                                   std::move(finalize), listValue({tensor}),
+                                                   tensorListType());
+    recordOnCompletion(work, statsName, bytesIn, bytesOnWire);
+    return work;
   }
   auto work =
       c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, "xcomm:int8_all_reduce",
@@ -181,6 +214,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
       work->markFailed(std::current_exception());
     }
   });
+  recordOnCompletion(work, statsName, bytesIn, bytesOnWire);
   return work;
 }
 
@@ -498,6 +532,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
+  flushFused();
   const bool useCuda =
       !transports_.cpu || (opts.device && opts.device->is_cuda() && transports_.cuda);
   auto& transport = useCuda ? *transports_.cuda : *transports_.cpu;

@@ -13,6 +13,7 @@
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
 #include "collectives/CompressedAllreduce.hpp"
+#include "schedule/FusionBuffer.hpp"
 #include "schedule/OpQueue.hpp"
 
 namespace xcomm {
@@ -43,6 +44,10 @@ class XcommBackend : public c10d::Backend {
   // Null when the group compresses nothing.
   const CompressedAllreduce* compression() const { return compressed_.get(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // Fuses small async CPU allreduces into one transfer up to this many bytes
+  // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off.
+  void setFusionThreshold(size_t bytes);
+  size_t fusionThreshold() const { return fusion_ ? fusion_->thresholdBytes() : 0; }
   void shutdown() override;
   void abort() override;
 
@@ -98,7 +103,10 @@ class XcommBackend : public c10d::Backend {
       const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
  private:
-  c10d::Backend& transportFor(const at::Tensor& t, const char* op);
+  // Every op but a fusable allreduce first sends what fusion holds, so
+  // collectives keep their issue order.
+  c10d::Backend& transportFor(const at::Tensor& t, const char* op, bool flushFused = true);
+  void flushFused();
   // Whether the transport for `t` implements PREMUL_SUM itself (NCCL does).
   bool transportHasPremul(const at::Tensor& t) const;
   c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
@@ -110,6 +118,7 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<XcommOptions> options_;
   Transports transports_;
+  std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   std::unique_ptr<CompressedAllreduce> compressed_;
   std::unique_ptr<OpQueue> compressQueue_;  // declared last: stops before the rest goes
 };

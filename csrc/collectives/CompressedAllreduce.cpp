@@ -62,6 +62,13 @@ bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
          t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;
 }
 
+int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor) const {
+  if (config_.method == Compression::kInt8) {
+    return size_ * int8_.packedBytes(int8_.shardElems(tensor.numel(), size_));
+  }
+  return tensor.numel() * 2;  // fp16 / bf16
+}
+
 c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
                                                               const at::Tensor& tensor,
                                                               const c10d::AllreduceOptions& opts,

@@ -60,6 +60,8 @@ class CompressedAllreduce {
   // Whether this allreduce is compressed.
   bool applies(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) const;
   bool needsOwnTransport() const { return config_.method == Compression::kInt8; }
+  // The compressed payload of `tensor` (what xcomm.stats() counts as on the wire).
+  int64_t payloadBytes(const at::Tensor& tensor) const;
 
   // Cast methods: issues the low-precision SUM on `transport` and returns its
   // work; `finalize` (run once the work succeeded) writes the result into `tensor`.

@@ -8,9 +8,23 @@ Importing xcomm registers the backend::
 """
 
 from ._registration import register
+from .bucketer import GradientBucketer
+from .opstats import reset_stats, stats
 from .options import Options
+from .trace import disable_timeline, enable_timeline, save_timeline, timeline_json
 
-__all__ = ["Options", "register", "__version__"]
+__all__ = [
+    "GradientBucketer",
+    "Options",
+    "__version__",
+    "disable_timeline",
+    "enable_timeline",
+    "register",
+    "reset_stats",
+    "save_timeline",
+    "stats",
+    "timeline_json",
+]
 __version__ = "0.1.0"
 
 register()

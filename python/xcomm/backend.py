@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, shm
 from .options import Options
 
 __all__ = ["create_backend"]
@@ -58,6 +58,10 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
     store = dist_backend_opts.store
     rank = dist_backend_opts.group_rank
     size = dist_backend_opts.group_size
+    # Gloo, wrapped in the shared-memory transport when the whole group is on one host.
+    cpu = shm.maybe_shm_transport(
+        store, rank, size, timeout, _gloo_transport(store, rank, size, timeout), pg_options.shm
+    )
     compression = pg_options.compression or "none"
     # int8 runs two collectives back to back on a worker thread: they get a
     # Gloo of their own, so their order never mixes with the caller's ops.
@@ -66,14 +70,17 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         if compression == "int8"
         else None
     )
-    return _C.XcommBackend(
+    backend = _C.XcommBackend(
         rank,
         size,
         timeout,
-        _gloo_transport(store, rank, size, timeout),
+        cpu,
         _nccl_transport(store, rank, size, timeout, str(dist_backend_opts.group_id)),
         compression=compression,
         compression_min_bytes=pg_options.compression_min_bytes,
         int8_chunk_elems=pg_options.int8_chunk_elems,
         cpu_compression_transport=compression_transport,
     )
+    if pg_options.fusion_threshold_bytes:
+        _C.set_fusion_threshold(backend, pg_options.fusion_threshold_bytes)
+    return backend

@@ -33,6 +33,15 @@ class Options:
             (latency, not bandwidth, bounds them).
         int8_chunk_elems: Elements per int8 scale; smaller is more precise
             and costs ``4 / int8_chunk_elems`` bytes per element more.
+        shm: Run CPU collectives through shared memory when every rank of
+            the group is on one host (see ``xcomm.shm``). ``False``, or the
+            environment variable ``XCOMM_SHM=0``, keeps them on Gloo.
+        fusion_threshold_bytes: When > 0, small async CPU allreduces issued
+            back to back are held and sent as one flat allreduce of up to this
+            many bytes (Horovod-style tensor fusion; identical results). Held
+            ops go out when the next would pass the threshold, when any other
+            op is issued, or as soon as any held op's result is asked for
+            (``wait()``, ``get_future()``, ``is_completed()``). 0 (default): off.
 
     Example::
 
@@ -48,8 +57,23 @@ class Options:
     compression: str | None = None
     compression_min_bytes: int = 64 * 1024
     int8_chunk_elems: int = 1024
+    shm: bool = True
+    fusion_threshold_bytes: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.fusion_threshold_bytes, bool) or not isinstance(
+            self.fusion_threshold_bytes, int
+        ):
+            raise TypeError(
+                "xcomm.Options: fusion_threshold_bytes must be an int, got "
+                f"{type(self.fusion_threshold_bytes).__name__}"
+            )
+        if self.fusion_threshold_bytes < 0:
+            raise ValueError(
+                f"xcomm.Options: fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
+            )
+        if not isinstance(self.shm, bool):
+            raise TypeError(f"xcomm.Options: shm must be a bool, got {type(self.shm).__name__}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"xcomm.Options: compression must be one of {', '.join(map(repr, COMPRESSIONS))}, "

@@ -14,6 +14,11 @@ Subcommands:
     Final test accuracy of every reduction on the digits task (does accuracy hold?).
 ``codecs``
     Encode+decode time of xcomm's codecs against plain torch ops and torch's hooks.
+``overlap``
+    GradientBucketer vs reducing after backward on emulated slow links
+    (:mod:`xcomm.bench.overlap`).
+``fusion``
+    many small async allreduces, fused vs not (:mod:`xcomm.bench.fusion`).
 
 Examples::
 
@@ -337,6 +342,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
 _DELEGATED = {
     "convergence": ("convergence", "accuracy of every reduction on the digits task"),
     "codecs": ("codecs", "encode+decode cost of xcomm's codecs against plain torch ops"),
+    "overlap": ("overlap", "GradientBucketer vs reducing after backward on emulated slow links"),
+    "fusion": ("fusion", "many small async allreduces, fused vs not"),
 }
 
 

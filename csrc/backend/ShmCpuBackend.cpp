@@ -1,0 +1,344 @@
+#include "backend/ShmCpuBackend.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "backend/XcommWork.hpp"
+#include "collectives/ShmCollectives.hpp"
+
+namespace xcomm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using RedOp = c10d::ReduceOp::RedOpType;
+
+// `n`-element slices of flat `t`, one per rank.
+std::vector<at::Tensor> slicesPerRank(const at::Tensor& t, int size, int64_t n) {
+  std::vector<at::Tensor> slices;
+  for (int r = 0; r < size; ++r) slices.push_back(t.view({-1}).narrow(0, r * n, n));
+  return slices;
+}
+
+std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> flat;
+  for (const auto& list : lists) flat.insert(flat.end(), list.begin(), list.end());
+  return flat;
+}
+
+// Whether `whole` is `size` pieces shaped like `piece`, concatenated along
+// dim 0: the only layout Gloo accepts for the flat allgather/reduce_scatter.
+// Anything else goes to Gloo, which raises its own error.
+bool concatOf(const at::Tensor& whole, const at::Tensor& piece, int size) {
+  if (whole.dim() == 0 || piece.dim() == 0 || whole.size(0) != piece.size(0) * size) return false;
+  return whole.sizes().slice(1) == piece.sizes().slice(1);
+}
+
+bool plainCpu(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous()) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreate(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback, Config config,
+    std::string* whyNot) {
+  TORCH_CHECK(fallback, "xcomm shm: a fallback backend is required");
+  auto transport = ShmTransport::create(store, rank, size, config.transport, whyNot);
+  if (!transport) return {};
+  return c10::make_intrusive<ShmCpuBackend>(std::move(transport), std::move(fallback), timeout,
+                                            config);
+}
+
+c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreateHierarchical(
+    const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
+    int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback,
+    c10::intrusive_ptr<c10d::Backend> leaders, Config config, std::string* whyNot) {
+  TORCH_CHECK(fallback, "xcomm shm: a fallback backend is required");
+  TORCH_CHECK((localRank == 0) == static_cast<bool>(leaders),
+              "xcomm shm: the leaders' backend is needed on local rank 0 and only there");
+  auto transport = ShmTransport::create(localStore, localRank, localSize, config.transport, whyNot);
+  if (!transport) return {};
+  return c10::make_intrusive<ShmCpuBackend>(std::move(transport), rank, size, std::move(fallback),
+                                            std::move(leaders), timeout, config);
+}
+
+ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport,
+                             c10::intrusive_ptr<c10d::Backend> fallback,
+                             std::chrono::milliseconds timeout, Config config)
+    : ShmCpuBackend(std::move(transport), -1, -1, std::move(fallback), {}, timeout, config) {}
+
+ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size,
+                             c10::intrusive_ptr<c10d::Backend> fallback,
+                             c10::intrusive_ptr<c10d::Backend> leaders,
+                             std::chrono::milliseconds timeout, Config config)
+    : Backend(rank < 0 ? transport->rank() : rank, size < 0 ? transport->size() : size),
+      transport_(std::move(transport)),
+      fallback_(std::move(fallback)),
+      leaders_(std::move(leaders)),
+      hierarchical_(transport_->size() != size_),
+      timeoutMs_(timeout.count()),
+      config_(config) {
+  TORCH_CHECK(fallback_->getRank() == rank_ && fallback_->getSize() == size_,
+              "xcomm shm: the fallback backend's rank/size differ from the group's");
+}
+
+void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point deadline) {
+  if (!hierarchical_) {
+    shm::allreduce(*transport_, tensor, op, deadline, config_.smallAllreduceBytes);
+    return;
+  }
+  // AVG: sum everywhere, divide once by the group size at the end.
+  const RedOp partial = op == RedOp::AVG ? RedOp::SUM : op;
+  shm::allreduce(*transport_, tensor, partial, deadline, config_.smallAllreduceBytes);
+  if (leaders_) {
+    std::vector<at::Tensor> one{tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp(partial);
+    opts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::max(deadline - Clock::now(), Clock::duration(std::chrono::milliseconds(1))));
+    leaders_->allreduce(one, opts)->wait();
+  }
+  shm::broadcast(*transport_, tensor, /*root=*/0, deadline);
+  if (op == RedOp::AVG) tensor.div_(size_);
+}
+
+ShmCpuBackend::~ShmCpuBackend() {
+  queue_.shutdown();
+}
+
+void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeoutMs_ = timeout.count();
+  fallback_->setTimeout(timeout);
+  if (leaders_) leaders_->setTimeout(timeout);
+}
+
+void ShmCpuBackend::shutdown() {
+  queue_.shutdown();
+  fallback_->shutdown();
+  if (leaders_) leaders_->shutdown();
+}
+
+void ShmCpuBackend::abort() {
+  queue_.shutdown();
+  fallback_->abort();
+  if (leaders_) leaders_->abort();
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const char* title,
+                                                     std::vector<at::Tensor> outputs, bool asyncOp,
+                                                     std::chrono::milliseconds timeout,
+                                                     std::function<void(Clock::time_point)> body) {
+  const auto limit =
+      timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
+  auto work = c10::make_intrusive<FutureWork>(rank_, type, title, c10::IValue(std::move(outputs)),
+                                              tensorListType());
+  auto run = [this, work, body = std::move(body), limit] {
+    try {
+      body(Clock::now() + limit);
+      shmOps_++;
+      work->markSucceeded();
+    } catch (...) {
+      work->markFailed(std::current_exception());
+    }
+  };
+  std::lock_guard<std::mutex> lock(submitMutex_);
+  if (!asyncOp && pending_.load() == 0) {
+    run();  // nothing queued or running: the order is kept
+    return work;
+  }
+  pending_++;
+  queue_.push([this, run = std::move(run)] {
+    run();
+    pending_--;
+  });
+  return work;
+}
+
+bool ShmCpuBackend::reducible(const std::vector<at::Tensor>& tensors, RedOp op) const {
+  if (!plainCpu(tensors)) return false;
+  for (const auto& t : tensors) {
+    if (!shm::supports(t.scalar_type(), op)) return false;
+  }
+  return true;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                        const c10d::BroadcastOptions& opts) {
+  if (!flat() || !plainCpu(tensors)) return fallback_->broadcast(tensors, opts);
+  const int root = static_cast<int>(opts.rootRank);
+  return submit(c10d::OpType::BROADCAST, "xcomm:shm:broadcast", tensors, opts.asyncOp, opts.timeout,
+                [this, tensors, root](Clock::time_point deadline) mutable {
+                  for (auto& t : tensors) shm::broadcast(*transport_, t, root, deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::AllreduceOptions& opts) {
+  const auto op = opts.reduceOp.op_;
+  if (!reducible(tensors, op)) return fallback_->allreduce(tensors, opts);
+  return submit(c10d::OpType::ALLREDUCE, "xcomm:shm:all_reduce", tensors, opts.asyncOp,
+                opts.timeout, [this, tensors, op](Clock::time_point deadline) mutable {
+                  for (auto& t : tensors) allreduceOne(t, op, deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const auto op = opts.reduceOp.op_;
+  if (!reducible(tensors, op)) return fallback_->allreduce_coalesced(tensors, opts);
+  return submit(c10d::OpType::ALLREDUCE_COALESCED, "xcomm:shm:all_reduce_coalesced", tensors,
+                opts.asyncOp, opts.timeout,
+                [this, tensors, op](Clock::time_point deadline) mutable {
+                  for (auto& t : tensors) allreduceOne(t, op, deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  auto flatOutputs = flatten(outputs);
+  if (!flat() || !plainCpu(inputs) || !plainCpu(flatOutputs)) {
+    return fallback_->allgather(outputs, inputs, opts);
+  }
+  return submit(c10d::OpType::ALLGATHER, "xcomm:shm:all_gather", flatOutputs, opts.asyncOp,
+                opts.timeout, [this, outputs, inputs](Clock::time_point deadline) mutable {
+                  for (size_t i = 0; i < inputs.size(); ++i)
+                    shm::allgather(*transport_, inputs[i], outputs[i], deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                              const c10d::AllgatherOptions& opts) {
+  if (!flat() || !plainCpu({output, input}) || !concatOf(output, input, size_)) {
+    return fallback_->_allgather_base(output, input, opts);
+  }
+  std::vector<std::vector<at::Tensor>> outputs{slicesPerRank(output, size_, input.numel())};
+  std::vector<at::Tensor> inputs{input};
+  return allgather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  bool concat = true;
+  for (size_t i = 0; i < inputs.size() && i < outputs.size(); ++i) {
+    concat = concat && concatOf(outputs[i], inputs[i], size_);
+  }
+  if (!flat() || !concat || !plainCpu(outputs) || !plainCpu(inputs)) {
+    return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  std::vector<std::vector<at::Tensor>> lists;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    lists.push_back(slicesPerRank(outputs[i], size_, inputs[i].numel()));
+  }
+  return submit(c10d::OpType::COALESCED, "xcomm:shm:all_gather_into_tensor_coalesced", outputs,
+                opts.asyncOp, opts.timeout,
+                [this, lists, inputs](Clock::time_point deadline) mutable {
+                  for (size_t i = 0; i < inputs.size(); ++i)
+                    shm::allgather(*transport_, inputs[i], lists[i], deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto op = opts.reduceOp.op_;
+  if (!flat() || !reducible(outputs, op) || !plainCpu(flatten(inputs))) {
+    return fallback_->reduce_scatter(outputs, inputs, opts);
+  }
+  return submit(c10d::OpType::REDUCE_SCATTER, "xcomm:shm:reduce_scatter", outputs, opts.asyncOp,
+                opts.timeout, [this, outputs, inputs, op](Clock::time_point deadline) mutable {
+                  for (size_t i = 0; i < outputs.size(); ++i)
+                    shm::reduceScatter(*transport_, outputs[i], inputs[i], op, deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  if (!flat() || !reducible({output, input}, opts.reduceOp.op_) ||
+      !concatOf(input, output, size_)) {
+    return fallback_->_reduce_scatter_base(output, input, opts);
+  }
+  std::vector<at::Tensor> outputs{output};
+  std::vector<std::vector<at::Tensor>> inputs{slicesPerRank(input, size_, output.numel())};
+  return reduce_scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto op = opts.reduceOp.op_;
+  bool concat = true;
+  for (size_t i = 0; i < inputs.size() && i < outputs.size(); ++i) {
+    concat = concat && concatOf(inputs[i], outputs[i], size_);
+  }
+  if (!flat() || !concat || !reducible(outputs, op) || !plainCpu(inputs)) {
+    return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  std::vector<std::vector<at::Tensor>> lists;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    lists.push_back(slicesPerRank(inputs[i], size_, outputs[i].numel()));
+  }
+  return submit(c10d::OpType::COALESCED, "xcomm:shm:reduce_scatter_tensor_coalesced", outputs,
+                opts.asyncOp, opts.timeout,
+                [this, outputs, lists, op](Clock::time_point deadline) mutable {
+                  for (size_t i = 0; i < outputs.size(); ++i)
+                    shm::reduceScatter(*transport_, outputs[i], lists[i], op, deadline);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions& opts) {
+  if (!flat()) return fallback_->barrier(opts);
+  return submit(c10d::OpType::BARRIER, "xcomm:shm:barrier", {}, opts.asyncOp, opts.timeout,
+                [this](Clock::time_point deadline) { shm::barrier(*transport_, deadline); });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::ReduceOptions& opts) {
+  return fallback_->reduce(tensors, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::GatherOptions& opts) {
+  return fallback_->gather(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                      std::vector<std::vector<at::Tensor>>& inputs,
+                                                      const c10d::ScatterOptions& opts) {
+  return fallback_->scatter(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                            std::vector<int64_t>& outputSplits,
+                                                            std::vector<int64_t>& inputSplits,
+                                                            const c10d::AllToAllOptions& opts) {
+  return fallback_->alltoall_base(output, input, outputSplits, inputSplits, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllToAllOptions& opts) {
+  return fallback_->alltoall(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
+                                                   int tag) {
+  return fallback_->send(tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                                   int tag) {
+  return fallback_->recv(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                            int tag) {
+  return fallback_->recvAnysource(tensors, tag);
+}
+
+}  // namespace xcomm

@@ -1,0 +1,142 @@
+#pragma once
+// ShmCpuBackend: the CPU transport of a group whose ranks all share one host.
+//
+// Allreduce, broadcast, allgather, reduce_scatter (list and flat forms) and
+// barrier run over ShmTransport on a worker thread (in issue order); a call
+// with async_op=False on an idle backend runs on the caller's thread instead,
+// which saves two thread hand-offs. Everything else, and dtypes without a
+// shared-memory kernel, goes to the fallback backend (Gloo), so the group
+// keeps every op Gloo has.
+//
+// Hierarchical mode, for a group spanning hosts with several ranks per host:
+// the transport then covers this host's ranks only, and allreduce runs as a
+// shared-memory allreduce inside the host, an allreduce among one leader per
+// host (local rank 0) through the `leaders` backend (Gloo), and a
+// shared-memory broadcast from the leader. Only the leaders' traffic crosses
+// hosts: N bytes per host instead of a flat ring's 2(p-1)/p N per rank.
+// Every other op goes to the fallback over the whole group.
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "schedule/OpQueue.hpp"
+#include "transport/ShmTransport.hpp"
+
+namespace xcomm {
+
+class ShmCpuBackend : public c10d::Backend {
+ public:
+  struct Config {
+    ShmTransport::Config transport;
+    size_t smallAllreduceBytes = 256 << 10;
+  };
+
+  // Collective over `store`: null on every rank when the segment cannot be
+  // set up (then the caller keeps using `fallback` alone); `whyNot` says why.
+  static c10::intrusive_ptr<ShmCpuBackend> tryCreate(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     int rank, int size,
+                                                     std::chrono::milliseconds timeout,
+                                                     c10::intrusive_ptr<c10d::Backend> fallback,
+                                                     Config config, std::string* whyNot = nullptr);
+
+  // Hierarchical: `transport` spans this host's ranks, `rank`/`size` are the
+  // group's; `leaders` (an allreduce among local rank 0 of every host) is set
+  // on local rank 0 only. Collective over this host's ranks.
+  static c10::intrusive_ptr<ShmCpuBackend> tryCreateHierarchical(
+      const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
+      int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback,
+      c10::intrusive_ptr<c10d::Backend> leaders, Config config, std::string* whyNot = nullptr);
+
+  ShmCpuBackend(std::unique_ptr<ShmTransport> transport, c10::intrusive_ptr<c10d::Backend> fallback,
+                std::chrono::milliseconds timeout, Config config);
+  ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size,
+                c10::intrusive_ptr<c10d::Backend> fallback,
+                c10::intrusive_ptr<c10d::Backend> leaders, std::chrono::milliseconds timeout,
+                Config config);
+  ~ShmCpuBackend() override;
+
+  const std::string getBackendName() const override { return "xcomm-shm"; }
+  const c10::intrusive_ptr<c10d::Backend>& fallback() const { return fallback_; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void shutdown() override;
+  void abort() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Delegated to the fallback backend as they are.
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  // How many ops ran over shared memory (for tests and stats).
+  uint64_t shmOps() const { return shmOps_.load(); }
+  // True when the group spans hosts (see above).
+  bool hierarchical() const { return hierarchical_; }
+
+ private:
+  // Runs `body` in issue order and returns the work that reports it.
+  c10::intrusive_ptr<c10d::Work> submit(
+      c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, bool asyncOp,
+      std::chrono::milliseconds timeout,
+      std::function<void(std::chrono::steady_clock::time_point)> body);
+  bool reducible(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) const;
+  // Whether the data-movement ops (all but allreduce) run over shared memory.
+  bool flat() const { return !hierarchical_; }
+  void allreduceOne(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+                    std::chrono::steady_clock::time_point deadline);
+
+  std::unique_ptr<ShmTransport> transport_;
+  c10::intrusive_ptr<c10d::Backend> fallback_;
+  c10::intrusive_ptr<c10d::Backend> leaders_;  // hierarchical, local rank 0 only
+  bool hierarchical_ = false;
+  std::atomic<int64_t> timeoutMs_;
+  Config config_;
+  std::mutex submitMutex_;
+  std::atomic<int> pending_{0};  // queued or running on the worker
+  std::atomic<uint64_t> shmOps_{0};
+  OpQueue queue_{"xcomm shm queue"};
+};
+
+}  // namespace xcomm

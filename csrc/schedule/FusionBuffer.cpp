@@ -1,0 +1,191 @@
+#include "schedule/FusionBuffer.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "schedule/Stats.hpp"
+#include "schedule/Timeline.hpp"
+
+namespace xcomm {
+namespace {
+
+bool elementwise(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR:
+      return true;
+    default:
+      return false;  // AVG and PREMUL_SUM are left to the unfused path
+  }
+}
+
+}  // namespace
+
+FusedWork::FusedWork(int rank, std::weak_ptr<FusionBuffer> buffer, c10::IValue result,
+                     std::function<void()> finalize)
+    : Work(rank, c10d::OpType::ALLREDUCE),
+      buffer_(std::move(buffer)),
+      result_(std::move(result)),
+      finalize_(std::move(finalize)),
+      future_(
+          c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+}
+
+void FusedWork::flushBuffer() {
+  if (auto buffer = buffer_.lock()) buffer->flush();
+}
+
+bool FusedWork::isCompleted() {
+  flushBuffer();  // polling for the result is asking for it
+  return future_->completed();
+}
+
+bool FusedWork::isSuccess() const {
+  return future_->completed() && !future_->hasError();
+}
+
+std::exception_ptr FusedWork::exception() const {
+  return future_->completed() && future_->hasError() ? future_->exception_ptr() : nullptr;
+}
+
+std::vector<at::Tensor> FusedWork::result() {
+  return result_.isTensorList() ? result_.toTensorVector() : std::vector<at::Tensor>{};
+}
+
+void FusedWork::synchronize() {
+  flushBuffer();
+}
+
+bool FusedWork::wait(std::chrono::milliseconds /*timeout*/) {
+  // The transport's own timeout bounds the transfer: a dead peer fails it.
+  flushBuffer();
+  future_->wait();
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> FusedWork::getFuture() {
+  flushBuffer();  // DDP hooks chain on the future at once: never hold them
+  return future_;
+}
+
+void FusedWork::complete(std::exception_ptr error) {
+  if (!error && finalize_) {
+    try {
+      finalize_();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (error) {
+    future_->setError(error);
+    finish(error);
+    return;
+  }
+  future_->markCompleted(result_);
+  finish();
+}
+
+bool FusionBuffer::accepts(const at::Tensor& tensor, const c10d::AllreduceOptions& opts) const {
+  return thresholdBytes_ > 0 && tensor.device().is_cpu() && tensor.layout() == at::kStrided &&
+         tensor.is_contiguous() && tensor.nbytes() < thresholdBytes_ &&
+         elementwise(opts.reduceOp) && !opts.sparseIndices.has_value();
+}
+
+c10::intrusive_ptr<c10d::Work> FusionBuffer::enqueue(
+    const c10::intrusive_ptr<c10d::Backend>& transport, int rank, at::Tensor tensor,
+    const c10d::AllreduceOptions& opts, std::function<void()> finalize, c10::IValue result) {
+  TORCH_CHECK(accepts(tensor, opts), "xcomm: internal error: a tensor fusion cannot hold");
+  std::function<void()> attach;
+  c10::intrusive_ptr<FusedWork> work;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const bool joins = !held_.empty() && tensor.scalar_type() == held_[0].tensor.scalar_type() &&
+                       opts.reduceOp.op_ == opts_.reduceOp.op_ && opts.timeout == opts_.timeout &&
+                       transport.get() == transport_.get() &&
+                       heldBytes_ + tensor.nbytes() <= thresholdBytes_;
+    if (!joins) attach = flushLocked();
+    if (held_.empty()) {
+      transport_ = transport;
+      opts_ = opts;
+    }
+    work = c10::make_intrusive<FusedWork>(rank, weak_from_this(), std::move(result),
+                                          std::move(finalize));
+    heldBytes_ += tensor.nbytes();
+    held_.push_back({std::move(tensor), work});
+  }
+  if (attach) attach();
+  return work;
+}
+
+void FusionBuffer::flush() {
+  std::function<void()> attach;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    attach = flushLocked();
+  }
+  if (attach) attach();
+}
+
+std::function<void()> FusionBuffer::flushLocked() {
+  if (held_.empty()) return {};
+  auto held = std::make_shared<std::vector<Held>>(std::move(held_));
+  held_.clear();
+  const size_t bytes = heldBytes_;
+  heldBytes_ = 0;
+
+  std::vector<at::Tensor> flat;
+  if (held->size() == 1) {
+    flat.push_back((*held)[0].tensor);  // nothing to fuse: in place
+  } else {
+    std::vector<at::Tensor> pieces;
+    pieces.reserve(held->size());
+    for (const auto& h : *held) pieces.push_back(h.tensor.reshape({-1}));
+    flat.push_back(at::cat(pieces));
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    // Issued under the lock: fused transfers leave in program order.
+    future = transport_->allreduce(flat, opts_)->getFuture();
+  } catch (...) {
+    const auto error = std::current_exception();
+    return [held, error] {
+      for (auto& h : *held) h.work->complete(error);
+    };
+  }
+  const int64_t startUs = Timeline::nowUs();
+  return [=] {
+    future->addCallback([held, flat, bytes, startUs](c10::ivalue::Future& done) {
+      std::exception_ptr error = done.hasError() ? done.exception_ptr() : nullptr;
+      if (!error && held->size() > 1) {
+        try {
+          int64_t offset = 0;
+          for (auto& h : *held) {
+            const int64_t n = h.tensor.numel();
+            h.tensor.view({-1}).copy_(flat[0].narrow(0, offset, n));
+            offset += n;
+          }
+        } catch (...) {
+          error = std::current_exception();
+        }
+      }
+      const int64_t endUs = Timeline::nowUs();
+      StatsRegistry::global().record("ALLREDUCE_FUSED", bytes, bytes, 0.0, (endUs - startUs) * 1e-6,
+                                     error != nullptr);
+      Timeline::global().add(
+          TraceSpan{"ALLREDUCE_FUSED",
+                    "transfer",
+                    "xcomm backend ops",
+                    startUs,
+                    endUs - startUs,
+                    {{"bytes", std::to_string(bytes)}, {"ops", std::to_string(held->size())}}});
+      for (auto& h : *held) h.work->complete(error);
+    });
+  };
+}
+
+}  // namespace xcomm

@@ -1,0 +1,364 @@
+#include "transport/ShmTransport.hpp"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+namespace xcomm {
+
+struct alignas(64) ShmTransport::RankControl {
+  std::atomic<uint32_t> arrived;   // barriers passed by this rank: the futex word
+  std::atomic<uint32_t> sleepers;  // peers asleep on `arrived`: wake only if any
+  int32_t pid;
+  uint64_t startTime;  // with pid: tells a reused pid from the original process
+  // Descriptor of the op, by the parity of the barrier that checks it: a
+  // fast rank writes the next op's while slow ones still check this one's.
+  uint64_t what[2];
+  uint64_t bytes[2];
+};
+
+namespace {
+
+static_assert(sizeof(std::atomic<uint32_t>) == 4 && std::atomic<uint32_t>::is_always_lock_free,
+              "the futex word must be a plain 32-bit integer");
+
+constexpr size_t kPage = 4096;
+constexpr auto kSleepSlice = std::chrono::milliseconds(50);  // recheck deadline / peers
+constexpr int kPureSpinMicros = 20;
+
+size_t roundUp(size_t n, size_t to) {
+  return (n + to - 1) / to * to;
+}
+
+std::string errnoText(int err) {
+  return std::string(std::strerror(err));
+}
+
+std::string randomName() {
+  std::random_device rd;
+  std::ostringstream name;
+  name << "/xcomm-shm-" << std::hex;
+  for (int i = 0; i < 4; ++i) name << rd();  // 128 bits from the OS entropy source
+  return name.str();
+}
+
+// Field 22 of /proc/<pid>/stat (start time in clock ticks), and the state
+// letter; 0 / '?' when the process does not exist.
+std::pair<uint64_t, char> processStat(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  if (close == std::string::npos) return {0, '?'};
+  std::istringstream fields(text.substr(close + 2));
+  char state = '?';
+  fields >> state;
+  std::string field;
+  for (int i = 4; i <= 21 && fields >> field; ++i) {
+  }
+  uint64_t start = 0;
+  fields >> start;
+  return {start, state};
+}
+
+bool processAlive(int pid, uint64_t startTime) {
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  const auto [start, state] = processStat(pid);
+  // A zombie, or a new process that reuses the pid, is not the peer.
+  return state != '?' && state != 'Z' && state != 'X' && start == startTime;
+}
+
+long futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  // Not FUTEX_PRIVATE: the word lives in memory shared between processes.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr,
+                 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Reached `target`, with wrap-around of the 32-bit counter.
+inline bool reached(uint32_t value, uint32_t target) {
+  return static_cast<int32_t>(value - target) >= 0;
+}
+
+std::vector<uint8_t> bytesOf(const std::string& s) {
+  return {s.begin(), s.end()};
+}
+
+std::string stringOf(const std::vector<uint8_t>& v) {
+  return {v.begin(), v.end()};
+}
+
+// Unmaps on scope exit unless released.
+struct Mapping {
+  void* base = MAP_FAILED;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (base != MAP_FAILED) ::munmap(base, bytes);
+  }
+  void* release() {
+    void* b = base;
+    base = MAP_FAILED;
+    return b;
+  }
+};
+
+// Maps the segment: creates it when `create` (rank 0), else opens it.
+// Returns an error text, or empty on success.
+std::string mapSegment(const std::string& name, bool create, size_t bytes, Mapping& mapping) {
+  const int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
+                        : ::shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) return "shm_open(" + name + ") failed: " + errnoText(errno);
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  if (create) {
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      return "ftruncate failed: " + errnoText(errno);
+    }
+    // Reserve the pages now: a full /dev/shm must fail here, not SIGBUS later.
+    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
+      return "posix_fallocate of " + std::to_string(bytes) + " bytes failed: " + errnoText(err);
+    }
+  } else {
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+      return "the segment has an unexpected size";
+    }
+  }
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) return "mmap failed: " + errnoText(errno);
+  mapping.base = base;
+  mapping.bytes = bytes;
+  return {};
+}
+
+}  // namespace
+
+std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   int rank, int size, Config config,
+                                                   std::string* whyNot) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "xcomm shm: bad rank ", rank, " of ", size);
+  TORCH_CHECK(config.slotBytes >= 64, "xcomm shm: slotBytes must be at least 64");
+  // reduce_scatter puts one piece per rank in a slot: at least 64 bytes each.
+  const size_t slotBytes = roundUp(std::max<size_t>(config.slotBytes, 64 * size), 64);
+  const size_t controlBytes = roundUp(sizeof(RankControl) * size, kPage);
+  const size_t mapBytes = controlBytes + roundUp(slotBytes * 2 * size, kPage);
+
+  std::string error;
+  std::string name;
+  Mapping mapping;
+  if (rank == 0) {
+    name = randomName();
+    error = mapSegment(name, /*create=*/true, mapBytes, mapping);
+    store->set("name", bytesOf(error.empty() ? name : std::string()));
+  } else {
+    name = stringOf(store->get("name"));
+    error = name.empty() ? "rank 0 could not create the segment"
+                         : mapSegment(name, /*create=*/false, mapBytes, mapping);
+  }
+  if (error.empty()) {
+    auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(mapping.base) +
+                                               sizeof(RankControl) * rank);
+    ctl->pid = static_cast<int32_t>(::getpid());
+    ctl->startTime = processStat(::getpid()).first;
+  }
+  // Every rank reports; all agree on the outcome, so no rank is left alone on
+  // a path the others do not take.
+  store->set("status/" + std::to_string(rank), bytesOf(error.empty() ? "ok" : error));
+  std::string firstError;
+  for (int r = 0; r < size; ++r) {
+    const auto status = stringOf(store->get("status/" + std::to_string(r)));
+    if (status != "ok" && firstError.empty())
+      firstError = "rank " + std::to_string(r) + ": " + status;
+  }
+  // Every rank has mapped it (or given up): the name is no longer needed.
+  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  if (!firstError.empty()) {
+    if (whyNot) *whyNot = firstError;
+    return nullptr;
+  }
+  const int spin = config.spinMicros >= 0
+                       ? config.spinMicros
+                       // Polling (with yields) beats a futex wake-up, which
+                       // costs tens of microseconds on a busy VM; with more
+                       // ranks than cores, sleep sooner.
+                       : (size > static_cast<int>(std::thread::hardware_concurrency()) ? 50 : 300);
+  return std::unique_ptr<ShmTransport>(
+      new ShmTransport(rank, size, slotBytes, spin, mapping.release(), mapBytes));
+}
+
+ShmTransport::ShmTransport(int rank, int size, size_t slotBytes, int spinMicros, void* base,
+                           size_t mapBytes)
+    : rank_(rank),
+      size_(size),
+      slotBytes_(slotBytes),
+      spinMicros_(spinMicros),
+      base_(base),
+      mapBytes_(mapBytes) {}
+
+ShmTransport::~ShmTransport() {
+  ::munmap(base_, mapBytes_);
+}
+
+ShmTransport::RankControl& ShmTransport::control(int rank) const {
+  return reinterpret_cast<RankControl*>(base_)[rank];
+}
+
+uint8_t* ShmTransport::slot(int rank, int parity) const {
+  const size_t controlBytes = roundUp(sizeof(RankControl) * size_, kPage);
+  return static_cast<uint8_t*>(base_) + controlBytes +
+         (static_cast<size_t>(rank) * 2 + parity) * slotBytes_;
+}
+
+void ShmTransport::throwIfBroken(const char* op) const {
+  if (!brokenBy_.empty()) {
+    C10_THROW_ERROR(DistBackendError,
+                    std::string("xcomm shm: ") + op +
+                        ": the group is broken by an earlier failure: " + brokenBy_);
+  }
+}
+
+void ShmTransport::prepareWrite(std::chrono::steady_clock::time_point deadline, const char* op) {
+  throwIfBroken(op);
+  if (allReached_ == arrivals_) return;
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) waitFor(r, arrivals_, deadline, op);
+  }
+  allReached_ = arrivals_;
+}
+
+void ShmTransport::publishDescriptor(std::chrono::steady_clock::time_point deadline, const char* op,
+                                     uint64_t what, uint64_t bytes) {
+  prepareWrite(deadline, op);
+  auto& me = control(rank_);
+  const uint32_t next = (arrivals_ + 1) & 1;
+  me.what[next] = what;
+  me.bytes[next] = bytes;
+}
+
+void ShmTransport::checkAgainst(int peer, const char* op) const {
+  const auto& me = control(rank_);
+  const auto& other = control(peer);
+  const uint32_t i = arrivals_ & 1;
+  // Every rank sees the same descriptors, so every rank raises (and the
+  // barrier counts stay in step).
+  TORCH_CHECK_VALUE(other.what[i] == me.what[i] && other.bytes[i] == me.bytes[i], "xcomm shm: ", op,
+                    ": the ranks called different collectives or passed different sizes (rank ",
+                    rank_, ": ", me.bytes[i], " bytes, rank ", peer, ": ", other.bytes[i],
+                    " bytes); every rank must issue the same collectives in the same order");
+}
+
+void ShmTransport::checkDescriptors(const char* op) const {
+  for (int r = 0; r < size_; ++r) checkAgainst(r, op);
+}
+
+void ShmTransport::checkDescriptorOf(int root, const char* op) const {
+  checkAgainst(root, op);
+}
+
+void ShmTransport::fail(std::string message) {
+  brokenBy_ = message;
+  C10_THROW_ERROR(DistBackendError, message);
+}
+
+void ShmTransport::arrive() {
+  const uint32_t target = ++arrivals_;
+  auto& me = control(rank_);
+  // seq_cst store then load of `sleepers`, against the sleeper's increment
+  // then load of `arrived`: one of the two sides sees the other.
+  me.arrived.store(target, std::memory_order_seq_cst);
+  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(&me.arrived);
+}
+
+void ShmTransport::barrier(std::chrono::steady_clock::time_point deadline, const char* op) {
+  throwIfBroken(op);
+  arrive();
+  for (int r = 0; r < size_; ++r) {
+    if (r != rank_) waitFor(r, arrivals_, deadline, op);
+  }
+  allReached_ = arrivals_;
+}
+
+void ShmTransport::arriveAndWaitForRoot(int root, std::chrono::steady_clock::time_point deadline,
+                                        const char* op) {
+  throwIfBroken(op);
+  arrive();
+  if (rank_ != root) waitFor(root, arrivals_, deadline, op);
+}
+
+void ShmTransport::waitFor(int peer, uint32_t target,
+                           std::chrono::steady_clock::time_point deadline, const char* op) {
+  auto& ctl = control(peer);
+  if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
+  using Clock = std::chrono::steady_clock;
+  // Spin on the word for a few microseconds, then keep polling but yield the
+  // core between polls (a descheduled peer may need it), then sleep.
+  const auto start = Clock::now();
+  const auto pureUntil = start + std::chrono::microseconds(std::min(spinMicros_, kPureSpinMicros));
+  const auto spinUntil = start + std::chrono::microseconds(spinMicros_);
+  for (int i = 0;; ++i) {
+    if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
+    if ((i & 63) != 63) {
+      cpuRelax();
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= spinUntil) break;
+    if (now >= pureUntil) sched_yield();
+  }
+  auto nextLivenessCheck = Clock::now() + kSleepSlice;
+  while (true) {
+    ctl.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = ctl.arrived.load(std::memory_order_seq_cst);
+    if (!reached(seen, target)) {
+      futexWait(&ctl.arrived, seen, kSleepSlice);
+    }
+    ctl.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      fail(std::string("xcomm shm: ") + op + " timed out waiting for rank " + std::to_string(peer) +
+           " (pid " + std::to_string(ctl.pid) +
+           "); it has not reached the collective. Raise the process group's timeout if it is "
+           "merely slow.");
+    }
+    if (now >= nextLivenessCheck) {
+      nextLivenessCheck = now + kSleepSlice;
+      if (!processAlive(ctl.pid, ctl.startTime)) {
+        fail(std::string("xcomm shm: ") + op + " failed: rank " + std::to_string(peer) + " (pid " +
+             std::to_string(ctl.pid) + ") died");
+      }
+    }
+  }
+}
+
+}  // namespace xcomm

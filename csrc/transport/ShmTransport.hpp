@@ -1,0 +1,101 @@
+#pragma once
+// ShmTransport: one POSIX shared-memory segment per process group, mapped by
+// every rank of the group (all on one host).
+//
+// Layout: a control line per rank (its arrival counter, which doubles as a
+// futex word, its pid and an op descriptor), then two data slots per rank
+// (double buffering: a slot is rewritten only after a barrier that every
+// reader of its previous contents has passed, so no trailing barrier).
+//
+// Safety: the segment is created O_EXCL with mode 0600 under a random name
+// that only the group's store knows, and unlinked as soon as every rank has
+// mapped it, so nothing is left in /dev/shm even if a rank is SIGKILLed.
+// Waiting spins briefly, then sleeps on a futex; it fails at the op's
+// deadline, or as soon as a peer process is found dead.
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace xcomm {
+
+class ShmTransport {
+ public:
+  struct Config {
+    size_t slotBytes = 1 << 20;  // bytes per rank per buffer
+    int spinMicros = -1;         // spin before sleeping; -1: pick from the core count
+  };
+
+  // Collective over `store` (every rank calls it). Returns null on every
+  // rank when any rank could not create or map the segment; `whyNot` then
+  // says why (on the rank that failed).
+  static std::unique_ptr<ShmTransport> create(const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size, Config config,
+                                              std::string* whyNot = nullptr);
+  ~ShmTransport();
+  ShmTransport(const ShmTransport&) = delete;
+  ShmTransport& operator=(const ShmTransport&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  size_t slotBytes() const { return slotBytes_; }
+
+  // The buffer of `rank` with parity `parity` (0 or 1).
+  uint8_t* slot(int rank, int parity) const;
+  // The parity of the next use of the slots (alternates per use).
+  int nextParity() { return parity_ ^= 1; }
+
+  // Before this rank writes shared state (its slot, its descriptor) for its
+  // next barrier k: waits until every rank reached barrier k-1, i.e. has
+  // finished reading what was written for barrier k-2 (same parity). A no-op
+  // after a full barrier; needed after a one-sided wait (waitForRoot).
+  void prepareWrite(std::chrono::steady_clock::time_point deadline, const char* op);
+
+  // What the caller is about to do, for checkDescriptors (calls prepareWrite).
+  void publishDescriptor(std::chrono::steady_clock::time_point deadline, const char* op,
+                         uint64_t what, uint64_t bytes);
+  // After a barrier: raises on every rank if the ranks disagree on the op.
+  void checkDescriptors(const char* op) const;
+  // After waitForRoot: raises if this rank disagrees with `root`.
+  void checkDescriptorOf(int root, const char* op) const;
+
+  // Arrive and wait until every rank arrived, or raise at `deadline` or when
+  // a peer died. `op` names the collective in errors.
+  void barrier(std::chrono::steady_clock::time_point deadline, const char* op);
+  // Arrive; a rank other than `root` then waits for `root` only, and `root`
+  // does not wait (one-to-all ops: the readers need only the root's data).
+  void arriveAndWaitForRoot(int root, std::chrono::steady_clock::time_point deadline,
+                            const char* op);
+
+  // The error that broke this transport, or empty. Once a wait failed the
+  // ranks are out of step, so every later op raises this at once.
+  const std::string& brokenBy() const { return brokenBy_; }
+
+ private:
+  struct alignas(64) RankControl;
+  ShmTransport(int rank, int size, size_t slotBytes, int spinMicros, void* base, size_t mapBytes);
+  RankControl& control(int rank) const;
+  void waitFor(int peer, uint32_t target, std::chrono::steady_clock::time_point deadline,
+               const char* op);
+  [[noreturn]] void fail(std::string message);
+
+  int rank_;
+  int size_;
+  size_t slotBytes_;
+  int spinMicros_;
+  void* base_;
+  size_t mapBytes_;
+  void arrive();
+  void throwIfBroken(const char* op) const;
+  void checkAgainst(int peer, const char* op) const;
+
+  uint32_t arrivals_ = 0;    // barriers this rank has arrived at
+  uint32_t allReached_ = 0;  // a barrier count every rank is known to have reached
+  int parity_ = 1;
+  std::string brokenBy_;
+};
+
+}  // namespace xcomm

@@ -1,0 +1,196 @@
+// The shared-memory transport and its kernels, with ranks as threads of this
+// process over one HashStore (the segment and futex protocol are the same as
+// between processes).
+#include <dirent.h>
+
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "collectives/ReduceKernels.hpp"
+#include "collectives/ShmCollectives.hpp"
+#include "collectives/VectorReduce.hpp"
+#include "transport/ShmTransport.hpp"
+
+// After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
+#include <catch2/catch.hpp>
+
+using RedOp = c10d::ReduceOp::RedOpType;
+
+namespace {
+
+std::vector<std::string> shmFiles() {
+  std::vector<std::string> names;
+  if (DIR* dir = opendir("/dev/shm")) {
+    while (dirent* e = readdir(dir)) {
+      const std::string name = e->d_name;
+      if (name.rfind("xcomm-shm-", 0) == 0) names.push_back(name);
+    }
+    closedir(dir);
+  }
+  return names;
+}
+
+at::Tensor input(at::ScalarType dtype, int64_t n, int seed, bool small) {
+  at::manual_seed(seed);
+  if (dtype == at::kBool) return at::randint(0, 2, {n}).to(at::kBool);
+  if (at::isFloatingType(dtype)) {
+    auto t = at::randn({n}, at::kDouble);
+    if (small) t = 0.5 + t.abs().clamp_max(2.0) / 2;
+    return t.to(dtype);
+  }
+  return at::randint(dtype == at::kByte ? 0 : -100, 100, {n}, at::kLong).to(dtype);
+}
+
+// Runs fn(rank, transport) on `size` threads, each with its own transport.
+void onRanks(int size, size_t slotBytes, const std::function<void(int, xcomm::ShmTransport&)>& fn) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  std::vector<std::exception_ptr> errors(size);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < size; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        xcomm::ShmTransport::Config config;
+        config.slotBytes = slotBytes;
+        std::string whyNot;
+        auto transport = xcomm::ShmTransport::create(store, r, size, config, &whyNot);
+        TORCH_CHECK(transport, "no transport: ", whyNot);
+        fn(r, *transport);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+xcomm::shm::Deadline in(std::chrono::milliseconds ms) {
+  return std::chrono::steady_clock::now() + ms;
+}
+
+}  // namespace
+
+TEST_CASE("reduceBuffers folds sources in order like reduceInto, for every dtype and op",
+          "[shm][reduce]") {
+  const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf,  at::kBFloat16,
+                                              at::kChar,  at::kByte,   at::kShort, at::kInt,
+                                              at::kLong,  at::kBool};
+  const std::vector<RedOp> ops = {RedOp::SUM,  RedOp::PRODUCT, RedOp::MIN, RedOp::MAX,
+                                  RedOp::BAND, RedOp::BOR,     RedOp::BXOR};
+  for (auto dtype : dtypes) {
+    for (auto op : ops) {
+      if (!xcomm::reduceOpSupports(op, dtype)) continue;
+      for (int n = 1; n <= 4; ++n) {
+        for (int64_t count : {0, 1, 1023, 1025, 3001}) {
+          INFO("dtype " << c10::toString(dtype) << " op " << xcomm::reduceOpName(op) << " n " << n
+                        << " count " << count);
+          std::vector<at::Tensor> srcs;
+          std::vector<const void*> ptrs;
+          for (int k = 0; k < n; ++k) {
+            srcs.push_back(input(dtype, count, 7 * k + 1, op == RedOp::PRODUCT));
+            ptrs.push_back(srcs.back().data_ptr());
+          }
+          // Reference: ATen's ops in the same order; 16-bit floats in float32,
+          // rounded once (what reduceBuffers promises).
+          const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+          auto expected = half ? srcs[0].to(at::kFloat) : srcs[0].clone();
+          for (int k = 1; k < n; ++k) {
+            auto x = half ? srcs[k].to(at::kFloat) : srcs[k];
+            xcomm::reduceInto(expected, x, op);
+          }
+          expected = expected.to(dtype);
+          auto got = at::empty({count}, at::TensorOptions().dtype(dtype));
+          xcomm::reduceBuffers(got.data_ptr(), ptrs.data(), n, count, dtype, op);
+          CHECK(at::equal(got, expected));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("reduceBuffers may write into one of its sources", "[shm][reduce]") {
+  auto a = at::arange(3000, at::kFloat);
+  auto b = at::ones({3000}, at::kFloat);
+  const void* srcs[] = {a.data_ptr(), b.data_ptr()};
+  xcomm::reduceBuffers(b.data_ptr(), srcs, 2, 3000, at::kFloat, RedOp::SUM);
+  CHECK(at::equal(b, at::arange(3000, at::kFloat) + 1));
+}
+
+TEST_CASE("shm collectives give every rank the exact result, across chunks", "[shm]") {
+  for (int size : {2, 3, 4}) {
+    for (int64_t n : {0, 1, 17, 1000}) {
+      INFO("size " << size << " n " << n);
+      std::vector<at::Tensor> results(size);
+      // 256-byte slots: 1000 int32 elements span many chunks.
+      onRanks(size, 256, [&](int rank, xcomm::ShmTransport& t) {
+        auto x = at::arange(n, at::kInt) * (rank + 1);
+        xcomm::shm::allreduce(t, x, RedOp::SUM, in(std::chrono::seconds(20)), /*smallBytes=*/64);
+        results[rank] = x;
+
+        auto b = rank == size - 1 ? at::arange(n, at::kLong) : at::zeros({n}, at::kLong);
+        xcomm::shm::broadcast(t, b, size - 1, in(std::chrono::seconds(20)));
+        TORCH_CHECK(at::equal(b, at::arange(n, at::kLong)), "broadcast wrong on rank ", rank);
+
+        std::vector<at::Tensor> outs;
+        for (int r = 0; r < size; ++r) outs.push_back(at::empty({n}, at::kShort));
+        xcomm::shm::allgather(t, at::full({n}, rank, at::kShort), outs,
+                              in(std::chrono::seconds(20)));
+        for (int r = 0; r < size; ++r) {
+          TORCH_CHECK(at::equal(outs[r], at::full({n}, r, at::kShort)), "allgather wrong");
+        }
+
+        std::vector<at::Tensor> ins;
+        for (int r = 0; r < size; ++r) ins.push_back(at::full({n}, 10 * r + rank, at::kLong));
+        auto out = at::empty({n}, at::kLong);
+        xcomm::shm::reduceScatter(t, out, ins, RedOp::MAX, in(std::chrono::seconds(20)));
+        TORCH_CHECK(at::equal(out, at::full({n}, 10 * rank + size - 1, at::kLong)),
+                    "reduce_scatter wrong on rank ", rank);
+        xcomm::shm::barrier(t, in(std::chrono::seconds(20)));
+      });
+      const int factor = size * (size + 1) / 2;
+      for (const auto& r : results) CHECK(at::equal(r, at::arange(n, at::kInt) * factor));
+    }
+  }
+  CHECK(shmFiles().empty());  // unlinked once every rank had mapped it
+}
+
+TEST_CASE("a missing peer times out at the deadline, then the transport stays broken", "[shm]") {
+  onRanks(2, 4096, [](int rank, xcomm::ShmTransport& t) {
+    if (rank == 1) return;  // never arrives
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(xcomm::shm::barrier(t, in(std::chrono::milliseconds(200))),
+                      Catch::Contains("timed out waiting for rank 1"));
+    const auto waited = std::chrono::steady_clock::now() - start;
+    CHECK(waited >= std::chrono::milliseconds(200));
+    CHECK(waited < std::chrono::seconds(5));
+    CHECK_FALSE(t.brokenBy().empty());
+    CHECK_THROWS_WITH(xcomm::shm::barrier(t, in(std::chrono::seconds(10))),
+                      Catch::Contains("broken by an earlier failure"));
+  });
+}
+
+TEST_CASE("ranks that disagree on the op raise on every rank and stay in step", "[shm]") {
+  // Catch's assertions are not thread-safe: the ranks record, the test checks.
+  std::vector<std::string> errors(2);
+  std::vector<at::Tensor> after(2);
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    auto x = at::ones({rank == 0 ? 4 : 8}, at::kFloat);
+    try {
+      xcomm::shm::allreduce(t, x, RedOp::SUM, in(std::chrono::seconds(20)));
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+    after[rank] = at::ones({5}, at::kFloat);
+    xcomm::shm::allreduce(t, after[rank], RedOp::SUM, in(std::chrono::seconds(20)));
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_THAT(errors[r], Catch::Contains("different sizes"));
+    CHECK(at::equal(after[r], at::full({5}, 2.0f)));
+  }
+}

@@ -1,0 +1,378 @@
+"""The shared-memory transport (``xcomm.shm``) against gloo and under faults.
+
+Reference: gloo (``ctx.ref``, same ranks, same deterministic inputs).
+
+* Results are compared bitwise for integer and bool dtypes and, at 2 ranks,
+  for every dtype (the two-term reduction has one order); at 3 and 4 ranks
+  floating point is compared within summation-order tolerance
+  (``dist_harness.tolerances``).
+* Every rank must hold bitwise the same result as every other rank (digests
+  of the outputs are compared across ranks in the parent).
+* Sizes cover empty, one element, odd sizes, and messages spanning many
+  chunks: the groups under test use tiny slots (``XCOMM_SHM_SLOT_BYTES``) so
+  the chunked paths run at small sizes; one case per run uses the default
+  slots with multi-MiB messages.
+* World sizes 2 to 4: 4 ranks on this 2-core machine exercise the futex
+  sleep path (ranks outnumber cores).
+* Faults: a rank SIGKILLed mid-collective makes every survivor raise well
+  within the timeout; a stalled (SIGSTOPped) rank makes them raise at the
+  timeout; nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_harness import (
+    ALL_DTYPES,
+    BASIC_OPS,
+    IS_XCOMM,
+    Mismatches,
+    RankContext,
+    assert_no_mismatches,
+    dtype_name,
+    make_input,
+    run_ranks,
+)
+
+pytestmark = pytest.mark.skipif(not IS_XCOMM, reason="tests xcomm's shared-memory transport")
+
+#: Tiny slots so that sizes of a few hundred elements span many chunks and the
+#: one-barrier allreduce path covers only the smallest messages.
+SMALL_SLOTS = {"XCOMM_SHM_SLOT_BYTES": "256", "XCOMM_SHM_SMALL_BYTES": "96"}
+SIZES = (0, 1, 5, 61, 1000)
+WORLD_SIZES = [pytest.param(2, id="ws2"), pytest.param(3, id="ws3"), pytest.param(4, id="ws4")]
+
+
+def _shm_files() -> list[str]:
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("xcomm-shm-"))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _same(chk: Mismatches, label: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Bitwise at 2 ranks and for integers/bool, else summation tolerance."""
+    if chk.ctx.world_size == 2 or not ref.is_floating_point():
+        if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(got, ref):
+            diff = (got != ref).nonzero().flatten()[:4].tolist() if got.shape == ref.shape else []
+            chk.fail(label, f"not bitwise equal to gloo (first differing indices {diff})")
+    else:
+        chk.compare(label, got, ref)
+
+
+def _check_active(chk: Mismatches) -> None:
+    import xcomm.shm
+
+    if not xcomm.shm.is_active():
+        chk.fail("setup", "the default xcomm group does not use shared memory")
+    if _shm_files():
+        chk.fail("setup", f"segments still linked in /dev/shm after init: {_shm_files()}")
+
+
+def _rank_all_reduce(ctx: RankContext) -> tuple[list[str], dict[str, str], int]:
+    import xcomm.shm
+
+    chk = Mismatches(ctx)
+    _check_active(chk)
+    digests: dict[str, str] = {}
+    ops: dict[str, Any] = dict(BASIC_OPS)
+    ops["PREMUL_SUM"] = None
+    for dtype in ALL_DTYPES:
+        for name, op in ops.items():
+            if name == "PREMUL_SUM" and not dtype.is_floating_point:
+                continue
+            for n in SIZES:
+                label = f"all_reduce {dtype_name(dtype)} {name} n={n}"
+                x = make_input(ctx, dtype, (n,), small=name == "PRODUCT")
+                ref = x.clone()
+                if name == "PREMUL_SUM":
+                    ref = ref * 0.5
+                    ref_op, op = dist.ReduceOp.SUM, dist._make_nccl_premul_sum(0.5)
+                else:
+                    ref_op = op
+                try:
+                    dist.all_reduce(ref, op=ref_op, group=ctx.ref)
+                except Exception:  # noqa: BLE001 - gloo rejects it: xcomm must too
+                    try:
+                        dist.all_reduce(x.clone(), op=op)
+                    except Exception:  # noqa: BLE001, S112 - rejected by both: nothing to compare
+                        continue
+                    chk.fail(label, "gloo rejects this op but xcomm accepted it")
+                    continue
+                with chk.case(label):
+                    got = x.clone()
+                    dist.all_reduce(got, op=op)
+                    _same(chk, label, got, ref)
+                    digests[label] = _digest(got)
+
+    # The default slots (2 MiB): one-barrier path, one chunk, many chunks.
+    os.environ.pop("XCOMM_SHM_SLOT_BYTES", None)
+    os.environ.pop("XCOMM_SHM_SMALL_BYTES", None)
+    group = dist.new_group(backend="xcomm")
+    for n in (1 << 14, 1 << 17, (3 << 20) + 7):
+        for dtype in (torch.float32, torch.int32):
+            label = f"all_reduce default slots {dtype_name(dtype)} SUM n={n}"
+            x = make_input(ctx, dtype, (n,), salt=3)
+            ref = x.clone()
+            dist.all_reduce(ref, group=ctx.ref)
+            with chk.case(label):
+                dist.all_reduce(x, group=group)
+                _same(chk, label, x, ref)
+                digests[label] = _digest(x)
+    return chk.items, digests, xcomm.shm.ops_run()
+
+
+def _rank_data_movement(ctx: RankContext) -> tuple[list[str], dict[str, str]]:
+    chk = Mismatches(ctx)
+    _check_active(chk)
+    ws, rank = ctx.world_size, ctx.rank
+    digests: dict[str, str] = {}
+    for dtype in (*ALL_DTYPES, torch.complex64):
+        for n in SIZES:
+            base = f"{dtype_name(dtype)} n={n}"
+            for root in range(ws):
+                label = f"broadcast {base} root={root}"
+                with chk.case(label):
+                    x = (
+                        make_input(ctx, dtype, (n,))
+                        if dtype != torch.complex64
+                        else torch.full((n,), complex(rank, -rank))
+                    )
+                    ref = x.clone()
+                    dist.broadcast(ref, root, group=ctx.ref)
+                    dist.broadcast(x, root)
+                    _same(chk, label, x, ref)
+                    digests[label] = _digest(x)
+            label = f"all_gather {base}"
+            with chk.case(label):
+                x = (
+                    make_input(ctx, dtype, (n,))
+                    if dtype != torch.complex64
+                    else torch.full((n,), complex(rank, 1))
+                )
+                ref = [torch.empty_like(x) for _ in range(ws)]
+                got = [torch.empty_like(x) for _ in range(ws)]
+                dist.all_gather(ref, x, group=ctx.ref)
+                dist.all_gather(got, x)
+                for r in range(ws):
+                    _same(chk, f"{label} [{r}]", got[r], ref[r])
+                flat = torch.empty(ws * n, dtype=dtype)
+                dist.all_gather_into_tensor(flat, x)
+                _same(chk, f"{label} into_tensor", flat, torch.cat(ref))
+                digests[label] = _digest(flat)
+            if dtype == torch.complex64:
+                continue
+            for name, op in BASIC_OPS.items():
+                label = f"reduce_scatter {base} {name}"
+                ins = [
+                    make_input(ctx, dtype, (n,), salt=10 + r, small=name == "PRODUCT")
+                    for r in range(ws)
+                ]
+                ref = torch.empty(n, dtype=dtype)
+                try:
+                    dist.reduce_scatter(ref, [t.clone() for t in ins], op=op, group=ctx.ref)
+                except Exception:  # noqa: BLE001 - gloo rejects it: xcomm must too
+                    try:
+                        dist.reduce_scatter(torch.empty(n, dtype=dtype), ins, op=op)
+                    except Exception:  # noqa: BLE001, S112 - rejected by both: nothing to compare
+                        continue
+                    chk.fail(label, "gloo rejects this op but xcomm accepted it")
+                    continue
+                with chk.case(label):
+                    got = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter(got, ins, op=op)
+                    _same(chk, label, got, ref)
+                    flat_out = torch.empty(n, dtype=dtype)
+                    dist.reduce_scatter_tensor(flat_out, torch.cat(ins), op=op)
+                    _same(chk, label + " tensor", flat_out, ref)
+    with chk.case("barrier"):
+        dist.barrier()
+    return chk.items, digests
+
+
+def _assert_ranks_agree(digests: list[dict[str, str]]) -> None:
+    differ = [k for k in digests[0] if any(d.get(k) != digests[0][k] for d in digests[1:])]
+    assert not differ, f"ranks hold different bits for: {differ[:10]}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_reduce_matches_gloo(world_size: int) -> None:
+    """Every dtype x reduce op x size (empty to many chunks), incl. PREMUL_SUM."""
+    results = run_ranks(_rank_all_reduce, world_size, env=SMALL_SLOTS, timeout=120)
+    assert_no_mismatches([r[0] for r in results])
+    _assert_ranks_agree([r[1] for r in results])
+    assert all(r[2] >= 250 for r in results), f"too few ops ran over shared memory: {results[0][2]}"
+    assert not _shm_files()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_broadcast_all_gather_reduce_scatter_match_gloo(world_size: int) -> None:
+    results = run_ranks(_rank_data_movement, world_size, env=SMALL_SLOTS, timeout=120)
+    assert_no_mismatches([r[0] for r in results])
+    _assert_ranks_agree([r[1] for r in results])
+
+
+def _rank_switches(ctx: RankContext) -> dict[str, Any]:
+    import xcomm
+    import xcomm.shm
+
+    off = dist.new_group(backend="xcomm", pg_options=xcomm.Options(shm=False))
+    sub = dist.new_group(ranks=[0, 1], backend="xcomm") if ctx.world_size > 2 else None
+    x = torch.arange(10, dtype=torch.float32) + ctx.rank
+    y = x.clone()
+    dist.all_reduce(x)
+    dist.all_reduce(y, group=off)
+    return {
+        "default": xcomm.shm.is_active(),
+        "off": xcomm.shm.is_active(off),
+        "sub": xcomm.shm.is_active(sub) if sub is not None and ctx.rank < 2 else None,
+        "equal": torch.equal(x, y),
+    }
+
+
+def test_switches_and_subgroups() -> None:
+    """On by default; Options(shm=False) and XCOMM_SHM=0 turn it off; a
+    sub-group of ranks on this host gets its own segment."""
+    res = run_ranks(_rank_switches, 3)
+    assert all(r["default"] and not r["off"] and r["equal"] for r in res), res
+    assert res[0]["sub"] and res[1]["sub"], res
+    res = run_ranks(_rank_switches, 2, env={"XCOMM_SHM": "0"})
+    assert not any(r["default"] or r["off"] for r in res), res
+
+
+def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    t = torch.ones(10 + 10 * ctx.rank)
+    try:
+        dist.all_reduce(t)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001
+        out["raised"] = f"{type(e).__name__}: {e}"
+    t = torch.ones(7)
+    dist.all_reduce(t)  # the group is still in step
+    out["after"] = t.tolist()
+    return out
+
+
+def test_mismatched_sizes_raise_on_every_rank_and_group_recovers() -> None:
+    res = run_ranks(_rank_mismatch, 2)
+    for r in res:
+        assert r["raised"] and "different sizes" in r["raised"], res
+        assert r["after"] == [2.0] * 7, res
+
+
+def _rank_fault(ctx: RankContext, victim: int, how: str) -> dict[str, Any] | None:
+    t = torch.ones(1 << 20)  # 4 MiB: four chunks of the default slots
+    for _ in range(3):
+        dist.all_reduce(t)
+    if ctx.rank == victim:
+        work = dist.all_reduce(t, async_op=True)  # noqa: F841 - die while it runs
+        os.kill(os.getpid(), signal.SIGKILL if how == "sigkill" else signal.SIGSTOP)
+        time.sleep(3600)
+    result: dict[str, Any] = {}
+    for attempt in ("first", "second"):
+        t0 = time.monotonic()
+        try:
+            for _ in range(50):
+                dist.all_reduce(t)
+            result[attempt] = {"raised": False, "elapsed": time.monotonic() - t0}
+        except Exception as e:  # noqa: BLE001
+            result[attempt] = {
+                "raised": True,
+                "elapsed": time.monotonic() - t0,
+                "error": f"{type(e).__name__}: {e}",
+            }
+    result["files"] = _shm_files()
+    return result
+
+
+@pytest.mark.parametrize(
+    ("world_size", "victim", "how", "pg_timeout_s", "bound_s"),
+    [
+        pytest.param(3, 1, "sigkill", 20.0, 5.0, id="ws3-sigkill"),
+        pytest.param(2, 0, "sigstop", 2.0, 10.0, id="ws2-sigstop"),
+    ],
+)
+def test_dead_or_stalled_peer_raises_within_timeout(
+    world_size: int, victim: int, how: str, pg_timeout_s: float, bound_s: float
+) -> None:
+    """SIGKILL: survivors notice the dead pid long before the (20 s) timeout.
+    SIGSTOP: the peer is alive but stuck; survivors raise at the 2 s timeout.
+    Either way nothing is left in /dev/shm."""
+    res = run_ranks(
+        _rank_fault,
+        world_size,
+        victim,
+        how,
+        pg_timeout=datetime.timedelta(seconds=pg_timeout_s),
+        use_pg_options=True,
+        may_die=[victim],
+        timeout=60,
+    )
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        assert r is not None
+        for attempt in ("first", "second"):
+            info = r[attempt]
+            assert info["raised"], (rank, attempt, r)
+            assert info["elapsed"] < bound_s, (rank, attempt, r)
+        assert ("died" if how == "sigkill" else "timed out") in r["first"]["error"], r
+        assert r["files"] == [], r
+    assert not _shm_files()
+
+
+def _rank_hierarchical(ctx: RankContext) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+    import xcomm.shm
+
+    chk = Mismatches(ctx)
+    # Two logical hosts on this machine: ranks {0, 1} and {2, 3} (ws4), or
+    # {0, 1} and {2} (ws3).
+    os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank // 2}"
+    group = dist.new_group(backend="xcomm")
+    backend = group._get_backend(torch.device("cpu"))
+    info = {"transport": backend.cpu_transport_name, "shm_ops": xcomm.shm.ops_run(group)}
+    digests: dict[str, str] = {}
+    for dtype in ALL_DTYPES:
+        for name, op in BASIC_OPS.items():
+            for n in (0, 1, 61, 1000):
+                label = f"hierarchical all_reduce {dtype_name(dtype)} {name} n={n}"
+                x = make_input(ctx, dtype, (n,), small=name == "PRODUCT")
+                ref = x.clone()
+                try:
+                    dist.all_reduce(ref, op=op, group=ctx.ref)
+                except Exception:  # noqa: BLE001, S112 - rejected by gloo: skip
+                    continue
+                with chk.case(label):
+                    dist.all_reduce(x, op=op, group=group)
+                    _same(chk, label, x, ref)
+                    digests[label] = _digest(x)
+    # Ops other than allreduce go to gloo over the whole group.
+    with chk.case("hierarchical broadcast"):
+        b = torch.full((5,), float(ctx.rank))
+        dist.broadcast(b, 2, group=group)
+        _same(chk, "hierarchical broadcast", b, torch.full((5,), 2.0))
+    info["shm_ops_after"] = xcomm.shm.ops_run(group)
+    return chk.items, digests, info
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(3, id="ws3"), pytest.param(4, id="ws4")])
+def test_hierarchical_all_reduce_matches_gloo(world_size: int) -> None:
+    """A group spanning two (logical) hosts: shm inside each, gloo between the
+    leaders, shm broadcast back; same results as gloo, same bits everywhere."""
+    results = run_ranks(_rank_hierarchical, world_size, env=SMALL_SLOTS, timeout=120)
+    assert_no_mismatches([r[0] for r in results])
+    _assert_ranks_agree([r[1] for r in results])
+    for r in results:
+        assert r[2]["transport"] == "xcomm-shm", r[2]
+        assert r[2]["shm_ops_after"] > 200, r[2]
