@@ -36,7 +36,9 @@ processes on the host hits all of them alike.
 
 Each link rate gets its own emulated cluster (``nodes`` network namespaces,
 veth + bridge + tbf, needs root; see :mod:`xcomm.cluster`); ``nodes=0``
-runs the ranks on loopback (``--smoke`` does so with tiny models, for tests).
+runs the ranks on loopback (``--smoke`` does so with tiny models, for tests),
+with xcomm's shared-memory path off unless ``XCOMM_SHM`` is set (torch's
+``powerSGD_hook`` currently times out on it).
 
 Example::
 
@@ -599,7 +601,7 @@ def run_model(
         p50 = statistics.median(t) * 1e3
         if r == "none":
             base = p50
-        q = statistics.quantiles(t, n=4) if len(t) >= 2 else [t[0], t[0], t[0]]
+        q = statistics.quantiles(t, n=4, method="inclusive") if len(t) >= 2 else [t[0]] * 3
         rows.append(
             DDPResult(
                 model=spec.name,
@@ -710,6 +712,11 @@ def _run_local(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
                 "LOCAL_RANK": str(rank),
                 "LOCAL_WORLD_SIZE": str(cfg.world_size),
                 "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                # Loopback puts both ranks on one host, where xcomm would use
+                # shared memory, on which torch's powerSGD_hook currently times
+                # out; the emulated cluster's nodes are separate hosts anyway.
+                # Set XCOMM_SHM=1 to measure the shared-memory path.
+                "XCOMM_SHM": os.environ.get("XCOMM_SHM", "0"),
             }
             procs.append(
                 subprocess.Popen(_rank_command(cfg, rate), env=env, stdin=subprocess.DEVNULL)
