@@ -11,12 +11,24 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using RedOp = c10d::ReduceOp::RedOpType;
 
-// `n`-element slices of flat `t`, one per rank.
-std::vector<at::Tensor> slicesPerRank(const at::Tensor& t, int size, int64_t n) {
-  std::vector<at::Tensor> slices;
-  for (int r = 0; r < size; ++r) slices.push_back(t.view({-1}).narrow(0, r * n, n));
-  return slices;
+// The pieces of `whole` along dim 0, one per rank, shaped like `piece` (what
+// Gloo's future holds for the flat allgather). concatOf(whole, piece) holds.
+std::vector<at::Tensor> piecesPerRank(const at::Tensor& whole, const at::Tensor& piece, int size) {
+  const int64_t rows = piece.size(0);
+  std::vector<at::Tensor> pieces;
+  for (int r = 0; r < size; ++r) pieces.push_back(whole.narrow(0, r * rows, rows));
+  return pieces;
 }
+
+// Gloo's reduce_scatter works have no future; xcomm's behave the same so
+// that code moving between the two sees the same API.
+class FuturelessWork : public FutureWork {
+ public:
+  using FutureWork::FutureWork;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    TORCH_CHECK(false, "Work::getFuture not implemented.");
+  }
+};
 
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> flat;
@@ -122,6 +134,7 @@ void ShmCpuBackend::shutdown() {
 }
 
 void ShmCpuBackend::abort() {
+  transport_->requestAbort();  // a wait in progress fails within one sleep slice
   queue_.shutdown();
   fallback_->abort();
   if (leaders_) leaders_->abort();
@@ -130,11 +143,18 @@ void ShmCpuBackend::abort() {
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const char* title,
                                                      std::vector<at::Tensor> outputs, bool asyncOp,
                                                      std::chrono::milliseconds timeout,
-                                                     std::function<void(Clock::time_point)> body) {
+                                                     std::function<void(Clock::time_point)> body,
+                                                     bool withFuture) {
   const auto limit =
       timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
-  auto work = c10::make_intrusive<FutureWork>(rank_, type, title, c10::IValue(std::move(outputs)),
-                                              tensorListType());
+  c10::IValue result(std::move(outputs));
+  c10::intrusive_ptr<FutureWork> work;
+  if (withFuture) {
+    work = c10::make_intrusive<FutureWork>(rank_, type, title, std::move(result), tensorListType());
+  } else {
+    work = c10::make_intrusive<FuturelessWork>(rank_, type, title, std::move(result),
+                                               tensorListType());
+  }
   auto run = [this, work, body = std::move(body), limit] {
     try {
       body(Clock::now() + limit);
@@ -215,7 +235,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output
   if (!flat() || !plainCpu({output, input}) || !concatOf(output, input, size_)) {
     return fallback_->_allgather_base(output, input, opts);
   }
-  std::vector<std::vector<at::Tensor>> outputs{slicesPerRank(output, size_, input.numel())};
+  std::vector<std::vector<at::Tensor>> outputs{piecesPerRank(output, input, size_)};
   std::vector<at::Tensor> inputs{input};
   return allgather(outputs, inputs, opts);
 }
@@ -232,7 +252,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
   }
   std::vector<std::vector<at::Tensor>> lists;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    lists.push_back(slicesPerRank(outputs[i], size_, inputs[i].numel()));
+    lists.push_back(piecesPerRank(outputs[i], inputs[i], size_));
   }
   return submit(c10d::OpType::COALESCED, "xcomm:shm:all_gather_into_tensor_coalesced", outputs,
                 opts.asyncOp, opts.timeout,
@@ -249,11 +269,13 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
   if (!flat() || !reducible(outputs, op) || !plainCpu(flatten(inputs))) {
     return fallback_->reduce_scatter(outputs, inputs, opts);
   }
-  return submit(c10d::OpType::REDUCE_SCATTER, "xcomm:shm:reduce_scatter", outputs, opts.asyncOp,
-                opts.timeout, [this, outputs, inputs, op](Clock::time_point deadline) mutable {
-                  for (size_t i = 0; i < outputs.size(); ++i)
-                    shm::reduceScatter(*transport_, outputs[i], inputs[i], op, deadline);
-                });
+  return submit(
+      c10d::OpType::REDUCE_SCATTER, "xcomm:shm:reduce_scatter", outputs, opts.asyncOp, opts.timeout,
+      [this, outputs, inputs, op](Clock::time_point deadline) mutable {
+        for (size_t i = 0; i < outputs.size(); ++i)
+          shm::reduceScatter(*transport_, outputs[i], inputs[i], op, deadline);
+      },
+      /*withFuture=*/false);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
@@ -263,7 +285,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
     return fallback_->_reduce_scatter_base(output, input, opts);
   }
   std::vector<at::Tensor> outputs{output};
-  std::vector<std::vector<at::Tensor>> inputs{slicesPerRank(input, size_, output.numel())};
+  std::vector<std::vector<at::Tensor>> inputs{piecesPerRank(input, output, size_)};
   return reduce_scatter(outputs, inputs, opts);
 }
 
@@ -280,14 +302,16 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
   }
   std::vector<std::vector<at::Tensor>> lists;
   for (size_t i = 0; i < outputs.size(); ++i) {
-    lists.push_back(slicesPerRank(inputs[i], size_, outputs[i].numel()));
+    lists.push_back(piecesPerRank(inputs[i], outputs[i], size_));
   }
-  return submit(c10d::OpType::COALESCED, "xcomm:shm:reduce_scatter_tensor_coalesced", outputs,
-                opts.asyncOp, opts.timeout,
-                [this, outputs, lists, op](Clock::time_point deadline) mutable {
-                  for (size_t i = 0; i < outputs.size(); ++i)
-                    shm::reduceScatter(*transport_, outputs[i], lists[i], op, deadline);
-                });
+  return submit(
+      c10d::OpType::COALESCED, "xcomm:shm:reduce_scatter_tensor_coalesced", outputs, opts.asyncOp,
+      opts.timeout,
+      [this, outputs, lists, op](Clock::time_point deadline) mutable {
+        for (size_t i = 0; i < outputs.size(); ++i)
+          shm::reduceScatter(*transport_, outputs[i], lists[i], op, deadline);
+      },
+      /*withFuture=*/false);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -120,7 +120,7 @@ class ShmCpuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> submit(
       c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, bool asyncOp,
       std::chrono::milliseconds timeout,
-      std::function<void(std::chrono::steady_clock::time_point)> body);
+      std::function<void(std::chrono::steady_clock::time_point)> body, bool withFuture = true);
   bool reducible(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) const;
   // Whether the data-movement ops (all but allreduce) run over shared memory.
   bool flat() const { return !hierarchical_; }

@@ -176,8 +176,19 @@ std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
   std::string error;
   std::string name;
   Mapping mapping;
+  // Rank 0 removes the name once every rank reported, or when anything here
+  // throws (a peer that never shows up makes the store time out).
+  struct UnlinkOnExit {
+    std::string name;
+    void now() {
+      if (!name.empty()) ::shm_unlink(name.c_str());
+      name.clear();
+    }
+    ~UnlinkOnExit() { now(); }
+  } unlinker;
   if (rank == 0) {
     name = randomName();
+    unlinker.name = name;
     error = mapSegment(name, /*create=*/true, mapBytes, mapping);
     store->set("name", bytesOf(error.empty() ? name : std::string()));
   } else {
@@ -201,7 +212,7 @@ std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
       firstError = "rank " + std::to_string(r) + ": " + status;
   }
   // Every rank has mapped it (or given up): the name is no longer needed.
-  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  unlinker.now();
   if (!firstError.empty()) {
     if (whyNot) *whyNot = firstError;
     return nullptr;
@@ -344,6 +355,9 @@ void ShmTransport::waitFor(int peer, uint32_t target,
     }
     ctl.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
+    if (aborted_.load()) {
+      fail(std::string("xcomm shm: ") + op + " was aborted (the process group was aborted)");
+    }
     const auto now = Clock::now();
     if (now >= deadline) {
       fail(std::string("xcomm shm: ") + op + " timed out waiting for rank " + std::to_string(peer) +

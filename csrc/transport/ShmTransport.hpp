@@ -70,6 +70,10 @@ class ShmTransport {
   void arriveAndWaitForRoot(int root, std::chrono::steady_clock::time_point deadline,
                             const char* op);
 
+  // Makes waits in progress (on any thread) and later ones fail at once
+  // (Backend::abort); the ranks are out of step afterwards.
+  void requestAbort() { aborted_.store(true); }
+
   // The error that broke this transport, or empty. Once a wait failed the
   // ranks are out of step, so every later op raises this at once.
   const std::string& brokenBy() const { return brokenBy_; }
@@ -96,6 +100,7 @@ class ShmTransport {
   uint32_t allReached_ = 0;  // a barrier count every rank is known to have reached
   int parity_ = 1;
   std::string brokenBy_;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace xcomm

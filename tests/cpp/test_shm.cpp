@@ -194,3 +194,27 @@ TEST_CASE("ranks that disagree on the op raise on every rank and stay in step", 
     CHECK(at::equal(after[r], at::full({5}, 2.0f)));
   }
 }
+
+TEST_CASE("requestAbort makes a wait in progress fail at once", "[shm]") {
+  std::string error;
+  std::chrono::steady_clock::duration waited{};
+  std::atomic<xcomm::ShmTransport*> rank0{nullptr};
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    if (rank == 1) {  // never arrives; aborts rank 0's wait instead
+      while (!rank0.load()) std::this_thread::yield();
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      rank0.load()->requestAbort();
+      return;
+    }
+    rank0 = &t;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      xcomm::shm::barrier(t, in(std::chrono::seconds(60)));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    waited = std::chrono::steady_clock::now() - start;
+  });
+  CHECK_THAT(error, Catch::Contains("aborted"));
+  CHECK(waited < std::chrono::seconds(5));
+}

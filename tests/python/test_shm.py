@@ -376,3 +376,21 @@ def test_hierarchical_all_reduce_matches_gloo(world_size: int) -> None:
     for r in results:
         assert r[2]["transport"] == "xcomm-shm", r[2]
         assert r[2]["shm_ops_after"] > 200, r[2]
+
+
+def _rank_unavailable(ctx: RankContext) -> dict[str, Any]:
+    import xcomm.shm
+
+    t = torch.arange(10, dtype=torch.float32) + ctx.rank
+    dist.all_reduce(t)
+    return {"active": xcomm.shm.is_active(), "sum": t.tolist(), "files": _shm_files()}
+
+
+def test_falls_back_to_gloo_when_the_segment_cannot_be_made() -> None:
+    """A segment /dev/shm cannot hold (1 TiB slots): every rank keeps Gloo,
+    results stay right, and nothing is left in /dev/shm."""
+    res = run_ranks(_rank_unavailable, 2, env={"XCOMM_SHM_SLOT_BYTES": str(1 << 40)})
+    expected = [2.0 * i + 1 for i in range(10)]
+    for r in res:
+        assert not r["active"] and r["sum"] == expected and r["files"] == [], res
+    assert not _shm_files()
