@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -210,7 +211,9 @@ def test_tiny_sweep_writes_reports_and_is_correct(tmp_path: Path) -> None:
         "--timeout",
         "100",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path, check=False
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "xcomm/gloo" in proc.stdout and "check" in proc.stdout
     for name in ("collectives.csv", "collectives.json", "collectives.md", "collectives.png"):
@@ -235,3 +238,145 @@ def test_tiny_sweep_writes_reports_and_is_correct(tmp_path: Path) -> None:
     ms, _ = report.load_json(out / "collectives.json")
     md = report.format_markdown(ms, baseline="gloo", ops=["allreduce"])
     assert md.count("\n") == 1 + len(sizes) and "FAIL" not in md
+
+
+# ----------------------------------------------------------------- DDP benchmark
+
+
+def _ddp_args(*extra: str):
+    from xcomm.bench.__main__ import ddp_config_from_args
+
+    return ddp_config_from_args(build_parser().parse_args(["ddp", *extra]))
+
+
+def test_ddp_config_round_trip_and_checks() -> None:
+    from xcomm.bench.ddp import DDPBenchConfig
+
+    cfg = DDPBenchConfig(
+        models=["mlp", "cnn"],
+        reductions=["powersgd", "torch-powersgd"],
+        rates=["0.5gbit", "2gbit"],
+        nodes=2,
+        steps=5,
+        rounds=3,
+        interleave=False,
+        powersgd_rank=2,
+        topk_density=0.05,
+        backend="gloo",
+        threads=1,
+        out=None,
+        plot=False,
+        progress=False,
+        label="x y",
+    )
+    assert _ddp_args(*cfg.to_argv()) == cfg
+    assert cfg.ordered_reductions == ["none", "powersgd", "torch-powersgd"]
+    smoke = _ddp_args("--smoke")
+    assert (smoke.nodes, smoke.world_size, smoke.steps, smoke.smoke) == (0, 2, 2, True)
+    with pytest.raises(ValueError, match="warmup must be >= 3"):
+        DDPBenchConfig(warmup=2).validate()
+    with pytest.raises(ValueError, match="unknown reductions"):
+        DDPBenchConfig(reductions=["fp8"]).validate()
+    with pytest.raises(ValueError, match=r"0\.1-10 Gbit/s"):
+        DDPBenchConfig(rates=["40gbit"]).validate()
+
+
+def test_ddp_models_have_the_documented_sizes() -> None:
+    from xcomm.bench.ddp import build_model
+
+    sizes = {}
+    for name in ("mlp", "cnn", "transformer"):
+        spec = build_model(name)
+        model = spec.build()
+        x, y = spec.batch(torch.Generator().manual_seed(0))
+        assert model(x).shape[0] == y.shape[0]
+        sizes[name] = sum(p.numel() for p in model.parameters())
+    assert 19e6 < sizes["mlp"] < 21e6
+    assert 1e6 < sizes["cnn"] < 1.3e6
+    assert 2.5e6 < sizes["transformer"] < 4e6
+
+
+@pytest.mark.slow
+def test_ddp_smoke_runs_every_reduction_and_counts_bytes(tmp_path: Path) -> None:
+    """Loopback, tiny MLP, 2 ranks: every reduction trains, and the byte counts
+    agree with the formulas (fp16 halves them, both PowerSGDs send the same)."""
+    from xcomm.bench.ddp import REDUCTIONS
+
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "xcomm.bench", "ddp", "--smoke", "--models", "mlp"]
+    cmd += ["--out", str(out), "--no-progress", "--timeout", "120"]
+    # Both ranks are on one host, where xcomm would take its shared-memory
+    # path; torch's powerSGD_hook times out on it (its compressed step, found
+    # while writing this benchmark; reported). The benchmark keeps it off on
+    # loopback by default; say so explicitly: this test is about the
+    # benchmark, not the transport.
+    env = {**os.environ, "XCOMM_SHM": "0"}
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path, check=False, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("ddp.csv", "ddp.json", "ddp.md"):
+        assert (out / name).stat().st_size > 0, name
+    rows = {r["reduction"]: r for r in json.loads((out / "ddp.json").read_text())["results"]}
+    assert list(rows) == list(REDUCTIONS)
+    b = {k: float(r["bytes_per_step"]) for k, r in rows.items()}
+    params = int(rows["none"]["params"])
+    assert b["none"] == pytest.approx(4 * params)  # ring allreduce, 2 ranks: 2 (n-1)/n = 1
+    assert b["fp16"] == pytest.approx(b["none"] / 2)
+    assert b["torch-fp16"] == pytest.approx(b["none"] / 2)
+    assert b["powersgd"] == pytest.approx(b["torch-powersgd"])
+    assert b["powersgd"] < b["none"] / 2
+    assert b["int8"] < b["fp16"] and b["topk"] < b["int8"]
+    assert float(rows["none"]["speedup"]) == 1.0
+    for r in rows.values():
+        assert r["steps"] == 2 and float(r["time_ms"]) > 0 and math.isfinite(r["final_loss"])
+        assert float(r["speedup"]) == pytest.approx(
+            float(rows["none"]["time_ms"]) / float(r["time_ms"])
+        )
+
+
+def test_ddp_speedup_plot_is_small(tmp_path: Path) -> None:
+    from xcomm.bench.ddp import DDPResult, plot_speedup
+
+    results = [
+        DDPResult(m, 1000, rate, red, 4, t, t, t, 1.0, 1.0, 10.0 / t, 0.0)
+        for m in ("mlp", "cnn")
+        for rate in ("0.1gbit", "1gbit", "10gbit")
+        for red, t in (("none", 10.0), ("powersgd", 2.0), ("torch-powersgd", 4.0))
+    ]
+    path = plot_speedup(tmp_path / "ddp.png", results, title="t")
+    assert 0 < path.stat().st_size < 200_000
+
+
+def _have_netns_privileges() -> bool:
+    from xcomm.cluster import ClusterError, ClusterPermissionError, check_privileges
+
+    try:
+        check_privileges()
+    except (ClusterPermissionError, ClusterError):
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _have_netns_privileges(),
+    reason="needs root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 for the emulated cluster",
+)
+def test_ddp_in_emulated_cluster_measures_link_bytes(tmp_path: Path) -> None:
+    """2 emulated nodes at 1 Gbit/s: the veth counters see at least the payload
+    the reduction accounts for, and fp16 puts fewer bytes on the link."""
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "xcomm.bench", "ddp", "--smoke", "--nodes", "2"]
+    cmd += ["--rates", "1gbit", "--models", "mlp", "--reductions", "none,fp16", "--steps", "3"]
+    cmd += ["--out", str(out), "--no-progress", "--no-plot", "--timeout", "120"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {r["reduction"]: r for r in json.loads((out / "ddp.json").read_text())["results"]}
+    assert {r["rate"] for r in rows.values()} == {"1gbit"}
+    none, fp16 = rows["none"], rows["fp16"]
+    assert none["link_tx_per_step"] >= none["bytes_per_step"] > 0
+    assert fp16["link_tx_per_step"] >= fp16["bytes_per_step"] > 0
+    assert fp16["link_tx_per_step"] < none["link_tx_per_step"]

@@ -7,6 +7,7 @@ left behind: no namespace, no link in the root namespace, no rank process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -78,13 +79,72 @@ def _procs_with(marker: str) -> list[int]:
     return pids
 
 
+def _netns_inode(name: str) -> int:
+    return os.stat(f"/run/netns/{name}").st_ino
+
+
+def _live_netns_inodes() -> set[int]:
+    """Inodes of every network namespace a process is in or holds open, or that is mounted.
+
+    A namespace that is no longer named (``ip netns list``) can still be alive,
+    with its veth links and qdiscs, while a process sits in it or holds it open.
+    """
+    inodes: set[int] = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        links = [d / "ns" / "net"]
+        try:
+            links += list((d / "fd").iterdir())
+        except OSError:
+            pass
+        for link in links:
+            try:
+                target = os.readlink(link)
+            except OSError:
+                continue
+            if target.startswith("net:["):
+                inodes.add(int(target[5:-1]))
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/run/netns"):
+            with contextlib.suppress(OSError):
+                inodes.add(_netns_inode(name))
+    return inodes
+
+
 @pytest.fixture
-def no_leftovers() -> Iterator[None]:
-    """Asserts that the test left the host's namespaces, links and qdiscs as it found them."""
+def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Asserts that the test left the host as it found it.
+
+    Checked: no namespace of this process's clusters is named any more, and
+    none is alive (no process in it, no open handle on it: a deleted but
+    still referenced namespace keeps its links and qdiscs); the root
+    namespace's links and qdiscs are unchanged. Namespaces of other users of
+    the box (other test runs, benchmarks) are left out of the comparison.
+    """
+    from xcomm.cluster import emulated
+
+    created: dict[str, int] = {}
+    real_build = emulated.EmulatedCluster._build
+
+    def recording_build(self: EmulatedCluster) -> None:
+        try:
+            real_build(self)
+        finally:
+            for name in self._created:
+                with contextlib.suppress(OSError):
+                    created[name] = _netns_inode(name)
+
+    monkeypatch.setattr(emulated.EmulatedCluster, "_build", recording_build)
+    mine = f"xc{os.getpid()}-"
     before = _state()
     yield
     after = _state()
-    assert after[0] == before[0], f"namespaces left behind: {sorted(after[0] - before[0])}"
+    left = sorted(n for n in after[0] - before[0] if n.startswith(mine) or n in created)
+    assert not left, f"namespaces left behind: {left}"
+    alive = _live_netns_inodes()
+    still = sorted(name for name, ino in created.items() if ino in alive)
+    assert not still, f"deleted namespaces still alive (a process or handle holds them): {still}"
     assert after[1] == before[1], (
         f"links changed in the root namespace: {sorted(after[1] ^ before[1])}"
     )
@@ -129,9 +189,8 @@ def test_privilege_refusal_message() -> None:
 def test_privilege_refusal_in_context_manager(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns_mod, "effective_capabilities", lambda: 0)
     before = netns_mod.list_netns() if shutil.which("ip") else []
-    with pytest.raises(ClusterPermissionError, match="needs root"):
-        with EmulatedCluster(nodes=2):
-            pytest.fail("the body must not run without privileges")
+    with pytest.raises(ClusterPermissionError, match="needs root"), EmulatedCluster(nodes=2):
+        pytest.fail("the body must not run without privileges")
     if shutil.which("ip"):
         assert netns_mod.list_netns() == before
 
@@ -175,6 +234,7 @@ def test_cli_refuses_without_capabilities(no_leftovers: None) -> None:
         text=True,
         timeout=60,
         cwd=REPO,
+        check=False,
     )
     assert proc.returncode == 77, proc.stderr
     assert "needs root" in proc.stderr and "CAP_NET_ADMIN" in proc.stderr
@@ -254,11 +314,10 @@ def test_failed_command_tears_down(no_leftovers: None) -> None:
 @needs_root
 def test_exception_in_body_tears_down(no_leftovers: None) -> None:
     marker = f"sleep 31{uuid.uuid4().int % 10000:04d}"
-    with pytest.raises(RuntimeError, match="boom"):
-        with EmulatedCluster(nodes=2, rate="1gbit") as c:
-            c.popen(0, ["sh", "-c", marker])
-            c.popen(1, ["sh", "-c", marker])
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), EmulatedCluster(nodes=2, rate="1gbit") as c:
+        c.popen(0, ["sh", "-c", marker])
+        c.popen(1, ["sh", "-c", marker])
+        raise RuntimeError("boom")
     assert _procs_with(marker) == []
 
 
@@ -286,9 +345,8 @@ def test_partial_build_failure_tears_down(
         raise ClusterError("simulated tc failure")
 
     monkeypatch.setattr(emulated, "tc", broken_tc)
-    with pytest.raises(ClusterError, match="simulated"):
-        with EmulatedCluster(nodes=3, rate="1gbit"):
-            pytest.fail("unreachable")
+    with pytest.raises(ClusterError, match="simulated"), EmulatedCluster(nodes=3, rate="1gbit"):
+        pytest.fail("unreachable")
 
 
 @needs_root
@@ -323,7 +381,17 @@ def test_interrupted_cli_run_tears_down(no_leftovers: None, sig: signal.Signals)
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "ranks did not start"
             time.sleep(0.1)
-        assert any(n.startswith(prefix) for n in netns_mod.list_netns())
+        names = [n for n in netns_mod.list_netns() if n.startswith(prefix)]
+        assert len(names) == 3, names  # the bridge's and the 2 nodes'
+        inodes = {_netns_inode(n) for n in names}
+        node0 = next(n for n in names if n.endswith("-n0"))
+        qdisc = subprocess.run(
+            ["tc", "-n", node0, "qdisc", "show", "dev", "veth-n0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert "tbf" in qdisc and "rate 1Gbit" in qdisc, qdisc  # what must go away
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -333,6 +401,7 @@ def test_interrupted_cli_run_tears_down(no_leftovers: None, sig: signal.Signals)
     assert proc.returncode == 128 + sig, err.decode()
     assert b"torn down" in err
     assert not [n for n in netns_mod.list_netns() if n.startswith(prefix)]
+    assert not inodes & _live_netns_inodes(), "a deleted namespace is still alive"
     assert _procs_with(marker) == []
 
 

@@ -5,6 +5,9 @@ Subcommands:
 ``collectives``
     nccl-tests-style sweep of allreduce, broadcast, allgather, reduce_scatter
     and alltoall over several backends side by side.
+``ddp``
+    End-to-end DDP time and bytes per step for several models and gradient
+    reductions (xcomm's hooks, torch's), across link rates of an emulated cluster.
 ``report``
     Re-prints / re-plots a stored ``collectives.json``.
 ``convergence``
@@ -24,6 +27,9 @@ Examples::
     # 2 emulated nodes at 1 Gbit/s, 1 rank each (root):
     python -m xcomm.bench collectives --nodes 2 --nproc 2 --rate 1gbit --max-bytes 64M
     python -m xcomm.bench report bench-results/loopback/collectives.json --markdown
+    # DDP over 2 emulated nodes at 0.1, 1 and 10 Gbit/s (root):
+    python -m xcomm.bench ddp --rates 0.1gbit,1gbit,10gbit --out bench-results/ddp
+    python -m xcomm.bench ddp --smoke   # loopback, tiny models, a few seconds
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from .metrics import OPS
 
 if TYPE_CHECKING:
     from .collectives import SweepConfig
+    from .ddp import DDPBenchConfig
 
 MiB = 1 << 20
 
@@ -134,6 +141,110 @@ def _add_collectives(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     )
 
 
+def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from .ddp import MODELS, REDUCTIONS
+
+    p = sub.add_parser(
+        "ddp",
+        help="end-to-end DDP time/bytes per step per model, reduction and link rate",
+        description="DDP training steps on synthetic data for each model and gradient "
+        "reduction, one emulated cluster per link rate (root), or loopback with --nodes 0. "
+        "Reports p50 time/step, bytes/step and the speedup over uncompressed DDP in the same run.",
+    )
+    a = p.add_argument
+    a("--models", default=",".join(MODELS), help=f"comma-separated (default {','.join(MODELS)})")
+    a(
+        "--reductions",
+        default=",".join(REDUCTIONS),
+        help=f"comma-separated (default {','.join(REDUCTIONS)}); 'none' is always run",
+    )
+    a("--rates", default="0.1gbit,1gbit,10gbit", help="link rates (default 0.1gbit,1gbit,10gbit)")
+    a("--nodes", type=int, default=None, help="emulated nodes (default 2; 0 = loopback, no root)")
+    a("--ranks-per-node", type=int, default=1, help="ranks per node (default 1; loopback: 2)")
+    a("--steps", type=int, default=None, help="timed steps per measurement (default 8; smoke 2)")
+    a("--warmup", type=int, default=3, help="untimed steps first, >= 3 (default 3)")
+    a("--rounds", type=int, default=2, help="rounds the timed steps are interleaved in (default 2)")
+    a("--no-interleave", action="store_true", help="run each reduction's steps in one block")
+    a("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank, both hooks (default 4)")
+    a("--topk-density", type=float, default=0.01, help="top-k density (default 0.01)")
+    a("--backend", default="xcomm", help="process-group backend DDP uses (default xcomm)")
+    a("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket size (default 25)")
+    a("--threads", type=int, default=None, help="torch threads per rank (default cores/ranks)")
+    a("--smoke", action="store_true", help="tiny models on loopback, 2 timed steps (for tests)")
+    a("--out", default="bench-results/ddp", help="folder for ddp.{csv,json,md,png}")
+    a("--no-out", action="store_true", help="write no files, only print the table")
+    a("--no-plot", action="store_true", help="skip the PNG")
+    a("--no-progress", action="store_true", help="no progress bar")
+    a("--label", default="", help="free text stored in the JSON")
+    a("--pg-timeout", type=float, default=900.0, help="process group timeout, s (default 900)")
+    a("--timeout", type=float, default=None, help="kill the ranks of a rate after this many s")
+    a("--launcher", choices=("spawn", "env"), default="spawn", help=argparse.SUPPRESS)
+    a("--rate-label", default="loopback", help=argparse.SUPPRESS)
+
+
+def ddp_config_from_args(args: argparse.Namespace) -> DDPBenchConfig:
+    """Builds a validated :class:`~xcomm.bench.ddp.DDPBenchConfig` from parsed arguments."""
+    from .collectives import parse_list
+    from .ddp import DDPBenchConfig
+
+    nodes = args.nodes if args.nodes is not None else (0 if args.smoke else 2)
+    cfg = DDPBenchConfig(
+        models=parse_list(args.models),
+        reductions=parse_list(args.reductions),
+        rates=parse_list(args.rates),
+        nodes=nodes,
+        ranks_per_node=args.ranks_per_node if nodes else max(2, args.ranks_per_node),
+        steps=args.steps if args.steps is not None else (2 if args.smoke else 8),
+        warmup=args.warmup,
+        rounds=args.rounds,
+        interleave=not args.no_interleave,
+        powersgd_rank=args.powersgd_rank,
+        topk_density=args.topk_density,
+        backend=args.backend,
+        bucket_cap_mb=args.bucket_cap_mb,
+        threads=args.threads,
+        smoke=args.smoke,
+        out=None if args.no_out else args.out,
+        plot=not args.no_plot,
+        progress=not args.no_progress,
+        label=args.label,
+        pg_timeout_s=args.pg_timeout,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _cmd_ddp(args: argparse.Namespace) -> int:
+    from .ddp import launch, run_rank
+
+    try:
+        cfg = ddp_config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.launcher == "env":
+        return run_rank(cfg, args.rate_label)
+    from ..cluster import ClusterError, ClusterInterrupted, ClusterPermissionError
+
+    try:
+        return launch(cfg, timeout=args.timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ClusterPermissionError as e:
+        print(f"error: {e} (or use --nodes 0 for loopback)", file=sys.stderr)
+        return 77
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ClusterInterrupted as e:
+        print(f"xcomm.bench ddp: {e}; ranks stopped, cluster torn down", file=sys.stderr)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("xcomm.bench ddp: interrupted; ranks stopped, cluster torn down", file=sys.stderr)
+        return 130
+
+
 def _add_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("report", help="re-print or re-plot a stored collectives.json")
     p.add_argument("json", help="path of a collectives.json")
@@ -154,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m xcomm.bench", description="xcomm benchmarks")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_collectives(sub)
+    _add_ddp(sub)
     _add_report(sub)
     for name, (_module, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=f"{help_text} (see: python -m xcomm.bench {name} --help)")
@@ -246,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "collectives":
         return _cmd_collectives(args)
+    if args.cmd == "ddp":
+        return _cmd_ddp(args)
     return _cmd_report(args)
 
 

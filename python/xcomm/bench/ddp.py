@@ -1,0 +1,927 @@
+"""End-to-end DDP benchmark: time and bytes per step for each gradient reduction.
+
+For every model (an MLP of ~20M parameters, a small CNN, a small
+transformer; synthetic data), every reduction and every link rate, the ranks
+train with DDP and measure:
+
+* **time/step**: wall time of ``zero_grad + forward + backward + optimizer
+  step`` (DDP's backward returns once every bucket is reduced), per step the
+  slowest rank's time, p50 over the timed steps;
+* **bytes/step (accounted)**: the traffic the reduction's collectives put on
+  one rank's link, counted as :mod:`xcomm.hooks.stats` does (a ring
+  allreduce of ``b`` bytes costs ``2 (n-1)/n * b``, an allgather ``(n-1) *
+  b_own``): xcomm's hooks count it themselves; for torch's hooks and plain
+  DDP it is computed the same way from what they send;
+* **link tx/step (measured)**: in the emulated cluster, bytes the node's veth
+  transmitted per timed step (payload plus TCP/IP headers and ACKs), read
+  from ``/sys/class/net/<if>/statistics/tx_bytes``, mean over ranks;
+* **speedup**: ``time(none) / time(reduction)``, for the same model and rate,
+  measured by the same processes in the same run;
+* **CPU/step**: CPU time of a rank's process (all its threads) per step,
+  mean over ranks, p50 over steps: what a step costs when a core is free,
+  whatever else runs on the host.
+
+Reductions: ``none`` (DDP's own allreduce), xcomm's hooks ``fp16``,
+``int8``, ``topk``, ``powersgd`` (:mod:`xcomm.hooks`) and torch's built-ins
+``torch-fp16`` (``default_hooks.fp16_compress_hook``) and ``torch-powersgd``
+(``powerSGD_hook.powerSGD_hook``). Both PowerSGDs use the same rank
+(default 4) and ``start_powerSGD_iter=2``.
+
+Warm-up: the first ``warmup`` steps (default 3: DDP rebuilds its buckets
+after step 1, PowerSGD compresses from step 3 and allocates its state then)
+are not timed. With ``interleave`` (default) every reduction's model is
+built first, and the timed steps run in ``rounds`` rounds, each reduction
+taking its turn for ``steps / rounds`` steps, so a burst of load from other
+processes on the host hits all of them alike.
+
+Each link rate gets its own emulated cluster (``nodes`` network namespaces,
+veth + bridge + tbf, needs root; see :mod:`xcomm.cluster`); ``nodes=0``
+runs the ranks on loopback (``--smoke`` does so with tiny models, for tests),
+with xcomm's shared-memory path off unless ``XCOMM_SHM`` is set (torch's
+``powerSGD_hook`` currently times out on it).
+
+Example::
+
+    python -m xcomm.bench ddp --rates 0.1gbit,1gbit,10gbit --out bench-results/ddp
+    python -m xcomm.bench ddp --models mlp --rates 1gbit --reductions none,powersgd,torch-powersgd
+    python -m xcomm.bench ddp --smoke   # loopback, tiny models, seconds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "MODELS",
+    "REDUCTIONS",
+    "DDPBenchConfig",
+    "DDPResult",
+    "build_model",
+    "format_table",
+    "launch",
+    "plot_speedup",
+    "run_rank",
+]
+
+#: Models, in report order.
+MODELS: tuple[str, ...] = ("mlp", "cnn", "transformer")
+#: Reductions, in report order; ``none`` is the baseline of the speedups.
+REDUCTIONS: tuple[str, ...] = (
+    "none",
+    "fp16",
+    "int8",
+    "topk",
+    "powersgd",
+    "torch-fp16",
+    "torch-powersgd",
+)
+#: Reductions whose steps are compressed only after ``start_iter`` plain steps.
+_START_ITER = 2
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class _TinyLM(torch.nn.Module):
+    """Token embedding + transformer encoder + vocabulary head (a small causal-free LM)."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Parameter(torch.zeros(seq, d_model))
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model, heads, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
+        )
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(self.embed(tokens) + self.pos[: tokens.shape[1]])
+        return self.head(h).flatten(0, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model and its synthetic batch.
+
+    Attributes:
+        name: ``mlp``, ``cnn`` or ``transformer``.
+        build: Returns a fresh module.
+        batch: ``batch(generator) -> (inputs, targets)`` for one rank's step.
+    """
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+
+
+def build_model(name: str, *, smoke: bool = False, batch_size: int | None = None) -> ModelSpec:
+    """The benchmark's models; ``smoke`` shrinks them to a few thousand parameters.
+
+    * ``mlp``: 784 -> 5 x 2048 -> 1000 with ReLU, 20.4M parameters, batch 16.
+    * ``cnn``: 3 conv(3x3)+ReLU+maxpool blocks (32, 64, 128 channels) on
+      3x32x32 images, then 2048 -> 512 -> 10; 1.15M parameters, batch 16.
+    * ``transformer``: vocabulary 4096, d_model 256, 4 heads, 2 layers,
+      sequence 32; 3.7M parameters, batch 8 sequences.
+    """
+    if name == "mlp":
+        dims = [32, 64, 64, 10] if smoke else [784, 2048, 2048, 2048, 2048, 2048, 1000]
+        bs = batch_size or (8 if smoke else 16)
+
+        def build() -> torch.nn.Module:
+            layers: list[torch.nn.Module] = []
+            for i, (a, b) in enumerate(itertools.pairwise(dims)):
+                layers.append(torch.nn.Linear(a, b))
+                if i < len(dims) - 2:
+                    layers.append(torch.nn.ReLU())
+            return torch.nn.Sequential(*layers)
+
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randn(bs, dims[0], generator=g), torch.randint(
+                dims[-1], (bs,), generator=g
+            )
+
+        return ModelSpec(name, build, batch)
+    if name == "cnn":
+        chans = [3, 4, 8, 8] if smoke else [3, 32, 64, 128]
+        hidden = 16 if smoke else 512
+        side = 8 if smoke else 32
+        bs = batch_size or (4 if smoke else 16)
+
+        def build() -> torch.nn.Module:
+            layers: list[torch.nn.Module] = []
+            for a, b in itertools.pairwise(chans):
+                layers += [
+                    torch.nn.Conv2d(a, b, 3, padding=1),
+                    torch.nn.ReLU(),
+                    torch.nn.MaxPool2d(2),
+                ]
+            flat = chans[-1] * (side // 8) ** 2
+            layers += [
+                torch.nn.Flatten(),
+                torch.nn.Linear(flat, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, 10),
+            ]
+            return torch.nn.Sequential(*layers)
+
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randn(bs, 3, side, side, generator=g), torch.randint(
+                10, (bs,), generator=g
+            )
+
+        return ModelSpec(name, build, batch)
+    if name == "transformer":
+        vocab, d, heads, layers_n, seq = (64, 16, 2, 1, 8) if smoke else (4096, 256, 4, 2, 32)
+        bs = batch_size or (2 if smoke else 8)
+
+        def build() -> torch.nn.Module:
+            return _TinyLM(vocab, d, heads, layers_n, seq)
+
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = torch.randint(vocab, (bs, seq), generator=g)
+            return tokens, torch.randint(vocab, (bs * seq,), generator=g)
+
+        return ModelSpec(name, build, batch)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclasses.dataclass
+class DDPBenchConfig:
+    """Everything that defines a DDP benchmark run (also its command line, :meth:`to_argv`).
+
+    Attributes:
+        models: Subset of :data:`MODELS`.
+        reductions: Subset of :data:`REDUCTIONS`; ``none`` is added (it is the baseline).
+        rates: Link rates, one emulated cluster each (e.g. ``["0.1gbit", "1gbit"]``);
+            ignored on loopback (``nodes=0``).
+        nodes: Emulated nodes (0 = loopback, no root needed).
+        ranks_per_node: Ranks per node.
+        steps: Timed steps per (model, reduction, rate).
+        warmup: Untimed steps first (>= 3: bucket rebuild, then PowerSGD's first step).
+        rounds: Rounds the timed steps are split into when interleaving.
+        interleave: Build all reductions' models, then time them round-robin.
+        powersgd_rank: ``matrix_approximation_rank`` of both PowerSGDs.
+        topk_density: Fraction of entries top-k sends.
+        backend: Process-group backend DDP reduces over (``xcomm`` or ``gloo``).
+        bucket_cap_mb: DDP's bucket size.
+        threads: torch threads per rank (default: cores / total ranks, >= 1).
+        smoke: Tiny models (a test's few seconds).
+        out: Folder for ``ddp.{csv,json,md,png}``; ``None`` writes nothing.
+        plot: Write the PNG.
+        progress: tqdm bar on rank 0.
+        label: Free text stored in the JSON.
+        pg_timeout_s: Process-group timeout.
+    """
+
+    models: list[str] = dataclasses.field(default_factory=lambda: list(MODELS))
+    reductions: list[str] = dataclasses.field(default_factory=lambda: list(REDUCTIONS))
+    rates: list[str] = dataclasses.field(default_factory=lambda: ["0.1gbit", "1gbit", "10gbit"])
+    nodes: int = 2
+    ranks_per_node: int = 1
+    steps: int = 8
+    warmup: int = 3
+    rounds: int = 2
+    interleave: bool = True
+    powersgd_rank: int = 4
+    topk_density: float = 0.01
+    backend: str = "xcomm"
+    bucket_cap_mb: float = 25.0
+    threads: int | None = None
+    smoke: bool = False
+    out: str | None = "bench-results/ddp"
+    plot: bool = True
+    progress: bool = True
+    label: str = ""
+    pg_timeout_s: float = 900.0
+
+    def validate(self) -> None:
+        """Raises ValueError with a clear message for an inconsistent config."""
+        bad = [m for m in self.models if m not in MODELS]
+        if bad or not self.models:
+            raise ValueError(f"unknown models {bad}; known: {', '.join(MODELS)}")
+        bad = [r for r in self.reductions if r not in REDUCTIONS]
+        if bad or not self.reductions:
+            raise ValueError(f"unknown reductions {bad}; known: {', '.join(REDUCTIONS)}")
+        if self.warmup < _START_ITER + 1:
+            raise ValueError(
+                f"warmup must be >= {_START_ITER + 1} (DDP rebuilds buckets after step 1, "
+                f"PowerSGD starts at step {_START_ITER + 1}), got {self.warmup}"
+            )
+        if self.steps < 1 or self.rounds < 1:
+            raise ValueError(f"steps and rounds must be >= 1, got {self.steps}, {self.rounds}")
+        if self.nodes < 0 or self.ranks_per_node < 1:
+            raise ValueError("nodes must be >= 0 and ranks_per_node >= 1")
+        if self.world_size < 2:
+            raise ValueError("DDP needs at least 2 ranks (nodes x ranks_per_node)")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank must be >= 1, got {self.powersgd_rank}")
+        if not 0 < self.topk_density <= 1:
+            raise ValueError(f"topk_density must be in (0, 1], got {self.topk_density}")
+        if self.nodes:
+            from ..cluster.netns import parse_rate
+
+            if not self.rates:
+                raise ValueError("give at least one rate for the emulated cluster")
+            for r in self.rates:
+                parse_rate(r)
+
+    @property
+    def world_size(self) -> int:
+        """Total ranks (loopback: ``ranks_per_node``, at least 2)."""
+        return (self.nodes or 1) * self.ranks_per_node
+
+    @property
+    def ordered_reductions(self) -> list[str]:
+        """The reductions to run, ``none`` first, in :data:`REDUCTIONS` order."""
+        wanted = set(self.reductions) | {"none"}
+        return [r for r in REDUCTIONS if r in wanted]
+
+    def to_argv(self) -> list[str]:
+        """The ``ddp`` command-line arguments that rebuild this config."""
+        argv = [
+            "--models", ",".join(self.models),
+            "--reductions", ",".join(self.reductions),
+            "--rates", ",".join(self.rates),
+            "--nodes", str(self.nodes),
+            "--ranks-per-node", str(self.ranks_per_node),
+            "--steps", str(self.steps),
+            "--warmup", str(self.warmup),
+            "--rounds", str(self.rounds),
+            "--powersgd-rank", str(self.powersgd_rank),
+            "--topk-density", repr(self.topk_density),
+            "--backend", self.backend,
+            "--bucket-cap-mb", repr(self.bucket_cap_mb),
+            "--pg-timeout", repr(self.pg_timeout_s),
+        ]  # fmt: skip
+        if not self.interleave:
+            argv.append("--no-interleave")
+        if self.threads is not None:
+            argv += ["--threads", str(self.threads)]
+        if self.smoke:
+            argv.append("--smoke")
+        argv += ["--no-out"] if self.out is None else ["--out", self.out]
+        if not self.plot:
+            argv.append("--no-plot")
+        if not self.progress:
+            argv.append("--no-progress")
+        if self.label:
+            argv += ["--label", self.label]
+        return argv
+
+
+@dataclasses.dataclass(frozen=True)
+class DDPResult:
+    """One (model, rate, reduction) measurement.
+
+    ``time_ms`` is the p50 over timed steps of the slowest rank's step time;
+    ``bytes_per_step`` the accounted link traffic of one rank;
+    ``link_tx_per_step`` the measured veth tx bytes (NaN on loopback);
+    ``speedup`` is ``time_ms(none) / time_ms`` in the same run.
+    """
+
+    model: str
+    params: int
+    rate: str
+    reduction: str
+    steps: int
+    time_ms: float
+    time_ms_p25: float
+    time_ms_p75: float
+    bytes_per_step: float
+    link_tx_per_step: float
+    speedup: float
+    final_loss: float
+    cpu_ms: float = math.nan
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (a JSON/CSV row)."""
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+class _InOrder:
+    """State of :func:`_in_order_hook`: runs ``hook`` on one bucket at a time.
+
+    torch's ``powerSGD_hook`` issues its P and Q allreduces from future
+    callbacks. With several buckets, a callback of bucket i and the hook call
+    of bucket i+1 race, and ranks can issue the collectives in different
+    orders: on Gloo (and xcomm, which delegates to it) that is a collective
+    mismatch and the process aborts ("Received data size doesn't match
+    expected size"); measured here on the ~20M-parameter MLP (4 buckets).
+    Starting bucket i+1's hook once bucket i's future is done keeps the order
+    identical on every rank (xcomm's hooks do the same internally with
+    ``IssueOrder``).
+    """
+
+    def __init__(self, state: Any, hook: Callable[..., torch.futures.Future]) -> None:
+        self.state = state
+        self.hook = hook
+        self.tail: torch.futures.Future | None = None
+
+
+# No annotations: DDP checks a hook's annotations at run time, and this
+# module's are strings (``from __future__ import annotations``).
+def _in_order_hook(wrapper, bucket):  # type: ignore[no-untyped-def]
+    out: torch.futures.Future = torch.futures.Future()
+    prev, wrapper.tail = wrapper.tail, out
+
+    def finish(f: torch.futures.Future) -> None:
+        try:
+            out.set_result(f.value())
+        except Exception as e:  # noqa: BLE001 - handed to DDP through the future
+            out.set_exception(e)
+
+    def start(f: torch.futures.Future | None = None) -> None:
+        try:
+            if f is not None:
+                f.value()  # the previous bucket failed: fail this one too
+            wrapper.hook(wrapper.state, bucket).add_done_callback(finish)
+        except Exception as e:  # noqa: BLE001
+            out.set_exception(e)
+
+    if prev is None:
+        start()
+    else:
+        prev.add_done_callback(start)  # runs at once when prev is already done
+    return out
+
+
+def _allreduce_bytes(nbytes: float, world: int) -> float:
+    return 2 * (world - 1) * nbytes / world
+
+
+class _Runner:
+    """One DDP model with one reduction registered; runs steps and counts bytes."""
+
+    def __init__(
+        self, spec: ModelSpec, reduction: str, cfg: DDPBenchConfig, group: Any, rank: int
+    ) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch.manual_seed(1234)  # same initial weights on every rank, every reduction
+        self.reduction = reduction
+        self.module = spec.build()
+        self.params = sum(p.numel() for p in self.module.parameters())
+        self.grad_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self.model = DDP(
+            self.module,
+            process_group=group,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=True,
+        )
+        self.world = group.size()
+        self.state = self._register(reduction, cfg, group)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.loss_fn = torch.nn.CrossEntropyLoss()
+        self.gen = torch.Generator().manual_seed(100 + rank)
+        self.batch = spec.batch
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.accounted = 0.0
+        self.tx = 0
+        self.loss = math.nan
+
+    def _register(self, reduction: str, cfg: DDPBenchConfig, group: Any) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+
+        from .. import hooks as xhooks
+
+        m = self.model
+        if reduction == "none":
+            return None
+        if reduction == "fp16":
+            state: Any = xhooks.CastState(process_group=group)
+            m.register_comm_hook(state, xhooks.fp16_cast_hook)
+        elif reduction == "int8":
+            state = xhooks.Int8State(process_group=group, start_iter=_START_ITER)
+            m.register_comm_hook(state, xhooks.int8_compress_hook)
+        elif reduction == "topk":
+            state = xhooks.TopKState(
+                process_group=group, density=cfg.topk_density, start_iter=_START_ITER
+            )
+            m.register_comm_hook(state, xhooks.topk_hook)
+        elif reduction == "powersgd":
+            state = xhooks.PowerSGDState(
+                process_group=group,
+                matrix_approximation_rank=cfg.powersgd_rank,
+                start_powerSGD_iter=_START_ITER,
+            )
+            m.register_comm_hook(state, xhooks.powersgd_hook)
+        elif reduction == "torch-fp16":
+            state = group
+            m.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        elif reduction == "torch-powersgd":
+            state = torch_psgd.PowerSGDState(
+                process_group=group,
+                matrix_approximation_rank=cfg.powersgd_rank,
+                start_powerSGD_iter=_START_ITER,
+            )
+            state = _InOrder(state, torch_psgd.powerSGD_hook)
+            m.register_comm_hook(state, _in_order_hook)
+        else:
+            raise ValueError(f"unknown reduction {reduction!r}")
+        return state
+
+    def _accounted_total(self) -> float:
+        """Link bytes the reduction has sent so far, counted as xcomm.hooks.stats does."""
+        s = self.state.state if isinstance(self.state, _InOrder) else self.state
+        if self.reduction in ("fp16", "int8", "topk", "powersgd"):
+            return float(s.stats.bytes_on_wire)
+        if self.reduction == "torch-powersgd":
+            # Elements torch's hook sent while compressing (P, Q and the
+            # uncompressed tensors, each in an allreduce), float32. Timed steps
+            # all compress: the warm-up covers the plain ones.
+            return _allreduce_bytes(4 * s.total_numel_after_compression, self.world)
+        return 0.0
+
+    def _per_step_formula(self) -> float:
+        if self.reduction == "none":
+            return _allreduce_bytes(self.grad_bytes, self.world)
+        if self.reduction == "torch-fp16":
+            return _allreduce_bytes(self.grad_bytes / 2, self.world)
+        return 0.0
+
+    def step(self) -> tuple[float, float]:
+        """One training step: (wall seconds, CPU seconds of all this process's threads)."""
+        x, y = self.batch(self.gen)
+        c0, t0 = time.process_time(), time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        self.loss = float(loss.detach())
+        return dt, dc
+
+    def run(self, steps: int, timed: bool, ifname: str | None) -> None:
+        tx0 = _tx_bytes(ifname)
+        acc0 = self._accounted_total()
+        for _ in range(steps):
+            dt, dc = self.step()
+            if timed:
+                self.times.append(dt)
+                self.cpu.append(dc)
+        if timed:
+            self.accounted += self._accounted_total() - acc0 + steps * self._per_step_formula()
+            self.tx += _tx_bytes(ifname) - tx0
+
+
+def _tx_bytes(ifname: str | None) -> int:
+    if not ifname:
+        return 0
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes", encoding="ascii") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def _split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts) if base + (i < extra) > 0]
+
+
+def _schedule(
+    spec: ModelSpec, cfg: DDPBenchConfig, group: Any, rank: int
+) -> Iterator[tuple[_Runner, int, bool]]:
+    """Yields (runner, steps, timed) blocks in the order they must run (same on every rank)."""
+    reductions = cfg.ordered_reductions
+    if cfg.interleave:
+        runners = [_Runner(spec, r, cfg, group, rank) for r in reductions]
+        for runner in runners:
+            yield runner, cfg.warmup, False
+        for chunk in _split(cfg.steps, cfg.rounds):
+            for runner in runners:
+                yield runner, chunk, True
+    else:
+        for r in reductions:
+            runner = _Runner(spec, r, cfg, group, rank)
+            yield runner, cfg.warmup, False
+            yield runner, cfg.steps, True
+
+
+def run_model(
+    spec: ModelSpec,
+    cfg: DDPBenchConfig,
+    *,
+    rate: str,
+    group: Any,
+    coord: Any,
+    rank: int,
+    bar: Any,
+) -> list[DDPResult]:
+    """Measures every reduction on one model; returns the same results on every rank."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME") if cfg.nodes else None
+    done: dict[str, _Runner] = {}
+    for runner, steps, timed in _schedule(spec, cfg, group, rank):
+        bar.set_postfix_str(f"{spec.name} {runner.reduction}", refresh=True)
+        dist.barrier(group=coord)
+        runner.run(steps, timed, ifname)
+        bar.update(steps)
+        done[runner.reduction] = runner
+    reductions = cfg.ordered_reductions
+    world = dist.get_world_size(coord)
+    times = torch.tensor([done[r].times for r in reductions], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=coord)
+    cpu = torch.tensor([done[r].cpu for r in reductions], dtype=torch.float64)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=coord)
+    cpu /= world
+    sums = torch.tensor(
+        [[done[r].accounted, float(done[r].tx)] for r in reductions], dtype=torch.float64
+    )
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=coord)
+    sums /= world
+    rows = []
+    base = None
+    for i, r in enumerate(reductions):
+        t = sorted(times[i].tolist())
+        p50 = statistics.median(t) * 1e3
+        if r == "none":
+            base = p50
+        q = statistics.quantiles(t, n=4, method="inclusive") if len(t) >= 2 else [t[0]] * 3
+        rows.append(
+            DDPResult(
+                model=spec.name,
+                params=done[r].params,
+                rate=rate,
+                reduction=r,
+                steps=len(t),
+                time_ms=p50,
+                time_ms_p25=q[0] * 1e3,
+                time_ms_p75=q[2] * 1e3,
+                bytes_per_step=float(sums[i, 0]) / len(t),
+                link_tx_per_step=float(sums[i, 1]) / len(t) if ifname else math.nan,
+                speedup=math.nan,
+                final_loss=done[r].loss,
+                cpu_ms=statistics.median(cpu[i].tolist()) * 1e3,
+            )
+        )
+    assert base is not None
+    return [dataclasses.replace(row, speedup=base / row.time_ms) for row in rows]
+
+
+def run_rank(cfg: DDPBenchConfig, rate: str) -> int:
+    """Body of one rank started with the ``env://`` variables set.
+
+    Rank 0 writes ``<out>/ddp-<rate>.json`` (the parent merges them).
+    """
+    from tqdm import tqdm
+
+    import xcomm  # noqa: F401 - registers the "xcomm" backend
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // world))
+    timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
+    dist.init_process_group(
+        "gloo", init_method="env://", rank=rank, world_size=world, timeout=timeout
+    )
+    try:
+        coord = dist.group.WORLD
+        group = dist.new_group(backend=cfg.backend, timeout=timeout)
+        specs = [build_model(m, smoke=cfg.smoke) for m in cfg.models]
+        n_red = len(cfg.ordered_reductions)
+        bar = tqdm(
+            total=len(specs) * n_red * (cfg.warmup + cfg.steps),
+            desc=f"ddp {rate}",
+            unit="step",
+            disable=not cfg.progress or rank != 0,
+            file=sys.stderr,
+            dynamic_ncols=True,
+        )
+        results: list[DDPResult] = []
+        with bar:
+            for spec in specs:
+                results += run_model(
+                    spec, cfg, rate=rate, group=group, coord=coord, rank=rank, bar=bar
+                )
+        if rank == 0 and cfg.out is not None:
+            out = Path(cfg.out)
+            out.mkdir(parents=True, exist_ok=True)
+            part = {"rate": rate, "load": _loadavg(), "results": [r.as_dict() for r in results]}
+            (out / f"ddp-{_slug(rate)}.json").write_text(json.dumps(part, indent=1))
+        if rank == 0 and cfg.out is None:
+            print(format_table(results), flush=True)
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- launching
+
+
+def _slug(rate: str) -> str:
+    return rate.replace(".", "p").replace("/", "_")
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_command(cfg: DDPBenchConfig, rate: str) -> list[str]:
+    return [
+        sys.executable, "-m", "xcomm.bench", "ddp", "--launcher", "env", "--rate-label", rate,
+        *cfg.to_argv(),
+    ]  # fmt: skip
+
+
+def _run_local(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
+    port = _free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    codes: list[int] = []
+    try:
+        for rank in range(cfg.world_size):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(cfg.world_size),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(cfg.world_size),
+                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+                # Loopback puts both ranks on one host, where xcomm would use
+                # shared memory, on which torch's powerSGD_hook currently times
+                # out; the emulated cluster's nodes are separate hosts anyway.
+                # Set XCOMM_SHM=1 to measure the shared-memory path.
+                "XCOMM_SHM": os.environ.get("XCOMM_SHM", "0"),
+            }
+            procs.append(
+                subprocess.Popen(_rank_command(cfg, rate), env=env, stdin=subprocess.DEVNULL)
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in procs:
+            remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
+            try:
+                codes.append(p.wait(timeout=remaining))
+            except subprocess.TimeoutExpired:
+                print(
+                    f"xcomm.bench ddp: ranks still running after {timeout:g}s, killed",
+                    file=sys.stderr,
+                )
+                return 124
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return next((c for c in codes if c != 0), 0)
+
+
+def _run_cluster(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
+    from ..cluster import ClusterTimeoutError, EmulatedCluster
+
+    with EmulatedCluster(cfg.nodes, cfg.ranks_per_node, rate) as cluster:
+        try:
+            results = cluster.run(_rank_command(cfg, rate), timeout=timeout)
+        except ClusterTimeoutError:
+            print(
+                f"xcomm.bench ddp: ranks at {rate} still running after {timeout:g}s, killed",
+                file=sys.stderr,
+            )
+            return 124
+    return next((r.returncode for r in results if r.returncode != 0), 0)
+
+
+def launch(cfg: DDPBenchConfig, *, timeout: float | None = None) -> int:
+    """Runs the benchmark: one set of ranks per rate, then the merged report.
+
+    Returns:
+        0 on success, else the first failing exit status.
+    """
+    cfg.validate()
+    if cfg.out is None and len(cfg.rates) > 1 and cfg.nodes:
+        raise ValueError("several rates need --out (each rate's ranks write their part there)")
+    rates = cfg.rates if cfg.nodes else ["loopback"]
+    meta = _metadata(cfg)
+    for rate in rates:
+        meta["load_before"][rate] = _loadavg()
+        rc = _run_cluster(cfg, rate, timeout) if cfg.nodes else _run_local(cfg, rate, timeout)
+        if rc != 0:
+            print(f"xcomm.bench ddp: ranks at {rate} failed with exit status {rc}", file=sys.stderr)
+            return rc
+    if cfg.out is None:
+        return 0
+    out = Path(cfg.out)
+    results: list[DDPResult] = []
+    for rate in rates:
+        part = json.loads((out / f"ddp-{_slug(rate)}.json").read_text())
+        meta["load_after"][rate] = part.get("load", [])
+        results += [DDPResult(**r) for r in part["results"]]
+    print(format_table(results), flush=True)
+    paths = write_reports(out, results, meta, plot_png=cfg.plot and cfg.nodes > 0)
+    print("wrote " + ", ".join(str(p) for p in paths), flush=True)
+    return 0
+
+
+def _metadata(cfg: DDPBenchConfig) -> dict[str, Any]:
+    from .collectives import _cpu_model
+
+    return {
+        "tool": "python -m xcomm.bench ddp",
+        "argv": cfg.to_argv(),
+        "config": dataclasses.asdict(cfg),
+        "world_size": cfg.world_size,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "kernel": os.uname().release,
+        "torch": torch.__version__,
+        "load_before": {},
+        "load_after": {},
+    }
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _mb(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x / 1e6:.2f}"
+
+
+def _rows(results: Sequence[DDPResult]) -> tuple[list[str], list[list[str]]]:
+    header = [
+        "model", "params", "rate", "reduction", "time/step ms (p50)", "p25-p75",
+        "CPU ms/step", "MB/step (accounted)", "link tx MB/step (measured)", "speedup vs none",
+    ]  # fmt: skip
+    rows = [
+        [
+            r.model,
+            f"{r.params / 1e6:.2f}M",
+            r.rate,
+            r.reduction,
+            f"{r.time_ms:.1f}",
+            f"{r.time_ms_p25:.0f}-{r.time_ms_p75:.0f}",
+            "-" if math.isnan(r.cpu_ms) else f"{r.cpu_ms:.0f}",
+            _mb(r.bytes_per_step),
+            _mb(r.link_tx_per_step),
+            f"{r.speedup:.2f}",
+        ]
+        for r in results
+    ]
+    return header, rows
+
+
+def format_table(results: Sequence[DDPResult]) -> str:
+    """Aligned text table (one row per model, rate, reduction)."""
+    header, rows = _rows(results)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def format_markdown(results: Sequence[DDPResult]) -> str:
+    """The same table in Markdown."""
+    header, rows = _rows(results)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -> Path:
+    """Speedup vs link rate (log x), one panel per model, a line per reduction."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    from ..cluster.netns import parse_rate
+
+    models = [m for m in MODELS if any(r.model == m for r in results)]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for red in REDUCTIONS:
+            pts = sorted(
+                (parse_rate(r.rate) / 1e9, r.speedup)
+                for r in results
+                if r.model == model and r.reduction == red
+            )
+            if not pts:
+                continue
+            style = "--" if red.startswith("torch-") else "-"
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", ms=3, label=red)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log", base=2)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.set_xlabel("link rate (Gbit/s)")
+        params = next(r.params for r in results if r.model == model)
+        ax.set_title(f"{model} ({params / 1e6:.1f}M params)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("speedup vs uncompressed DDP")
+    axes[0][-1].legend(fontsize="x-small")
+    if title:
+        fig.suptitle(title, fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def load_results(path: str | Path) -> tuple[list[DDPResult], dict[str, Any]]:
+    """Reads a ``ddp.json`` back: (results, metadata)."""
+    data = json.loads(Path(path).read_text())
+    return [DDPResult(**r) for r in data["results"]], data["meta"]
+
+
+def write_reports(
+    out: Path, results: Sequence[DDPResult], meta: dict[str, Any], *, plot_png: bool = True
+) -> list[Path]:
+    """Writes ``ddp.csv``, ``ddp.json``, ``ddp.md`` and (``plot_png``) ``ddp.png``."""
+    import csv
+
+    out.mkdir(parents=True, exist_ok=True)
+    fields = [f.name for f in dataclasses.fields(DDPResult)]
+    with open(out / "ddp.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in results:
+            w.writerow(r.as_dict())
+    (out / "ddp.json").write_text(
+        json.dumps({"meta": meta, "results": [r.as_dict() for r in results]}, indent=1)
+    )
+    (out / "ddp.md").write_text(format_markdown(results) + "\n", encoding="utf-8")
+    paths = [out / "ddp.csv", out / "ddp.json", out / "ddp.md"]
+    if plot_png:
+        cfg = meta.get("config", {})
+        title = (
+            f"DDP, {cfg.get('nodes')} emulated nodes x {cfg.get('ranks_per_node')} rank, "
+            f"backend {cfg.get('backend')}, PowerSGD rank {cfg.get('powersgd_rank')}"
+        )
+        paths.append(plot_speedup(out / "ddp.png", results, title=title))
+    return paths
