@@ -118,8 +118,7 @@ void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point
 }
 
 ShmCpuBackend::~ShmCpuBackend() {
-  queue_.shutdown();
-  completions_.waitWorkComplete();  // every queued work gets its completion
+  queue_.shutdown();  // then completions_ runs what is queued and stops
 }
 
 void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {

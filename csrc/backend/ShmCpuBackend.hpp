@@ -20,9 +20,9 @@
 #include <memory>
 #include <mutex>
 
-#include <c10/core/thread_pool.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "schedule/CompletionPool.hpp"
 #include "schedule/OpQueue.hpp"
 #include "transport/ShmTransport.hpp"
 
@@ -140,7 +140,7 @@ class ShmCpuBackend : public c10d::Backend {
   // Completes the worker's works (runs their future callbacks), so a callback
   // that waits for another collective never blocks the worker. Declared
   // before queue_: it outlives the worker that feeds it.
-  c10::ThreadPool completions_{4};
+  CompletionPool completions_;
   OpQueue queue_{"xcomm shm queue"};
 };
 
