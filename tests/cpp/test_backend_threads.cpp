@@ -1,6 +1,7 @@
 // XcommBackend's C++-only path: ranks are threads sharing a HashStore, as a
 // LibTorch program would run them; results are checked against arithmetic.
 #include <functional>
+#include <mutex>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -14,6 +15,28 @@
 
 using Catch::Contains;
 using xcomm::XcommBackend;
+
+// Catch2 v2 is not thread-safe: assertions made on rank threads take a lock.
+std::mutex& catchMutex() {
+  static std::mutex m;
+  return m;
+}
+#define RANK_CHECK(...)                                  \
+  do {                                                   \
+    std::lock_guard<std::mutex> catchLock(catchMutex()); \
+    CHECK(__VA_ARGS__);                                  \
+  } while (0)
+#define RANK_REQUIRE(...)                                \
+  do {                                                   \
+    std::lock_guard<std::mutex> catchLock(catchMutex()); \
+    REQUIRE(__VA_ARGS__);                                \
+  } while (0)
+#define RANK_INFO_CHECK(message, ...)                    \
+  do {                                                   \
+    std::lock_guard<std::mutex> catchLock(catchMutex()); \
+    INFO(message);                                       \
+    CHECK(__VA_ARGS__);                                  \
+  } while (0)
 
 namespace {
 
@@ -85,8 +108,7 @@ TEST_CASE("allreduce on every op matches the arithmetic", "[backend]") {
               break;
           }
         }
-        INFO("size " << size << " op " << int(op));
-        CHECK(at::equal(ts[0], expected));
+        RANK_INFO_CHECK("size " << size << " op " << int(op), at::equal(ts[0], expected));
       }
     });
   }
@@ -99,7 +121,7 @@ TEST_CASE("float AVG and PREMUL_SUM, bitwise identical on every rank", "[backend
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::AVG);
     b.allreduce(avg, opts)->wait();
-    CHECK(at::allclose(avg[0], at::full({4}, 2.0)));
+    RANK_CHECK(at::allclose(avg[0], at::full({4}, 2.0)));
 
     std::vector<at::Tensor> pre{at::rand({64}, at::TensorOptions().dtype(at::kFloat)) + rank};
     opts.reduceOp = xcomm::compat::makePreMulSum(0.5);
@@ -116,9 +138,9 @@ TEST_CASE("non-contiguous tensors are reduced element by element", "[backend]") 
     base.index_put_({at::indexing::Slice(0, at::indexing::None, 2)}, 1.0 + rank);
     std::vector<at::Tensor> ts{base.slice(0, 0, 8, 2)};  // stride 2
     b.allreduce(ts)->wait();
-    CHECK(at::equal(ts[0], at::full({4}, 3.0)));
+    RANK_CHECK(at::equal(ts[0], at::full({4}, 3.0)));
     // The elements between the strided ones are untouched.
-    CHECK(at::equal(base.slice(0, 1, 8, 2), at::zeros({4})));
+    RANK_CHECK(at::equal(base.slice(0, 1, 8, 2), at::zeros({4})));
   });
 }
 
@@ -129,18 +151,18 @@ TEST_CASE("broadcast, allgather, gather and scatter move the right data", "[back
       c10d::BroadcastOptions bo;
       bo.rootRank = root;
       b.broadcast(ts, bo)->wait();
-      CHECK(at::equal(ts[0], rankValues(root, 4, at::kFloat)));
+      RANK_CHECK(at::equal(ts[0], rankValues(root, 4, at::kFloat)));
     }
     std::vector<std::vector<at::Tensor>> outs(1);
     for (int r = 0; r < size; ++r) outs[0].push_back(at::zeros({4}, at::kInt));
     std::vector<at::Tensor> in{rankValues(rank, 4, at::kInt)};
     auto work = b.allgather(outs, in);
     work->wait();
-    for (int r = 0; r < size; ++r) CHECK(at::equal(outs[0][r], rankValues(r, 4, at::kInt)));
+    for (int r = 0; r < size; ++r) RANK_CHECK(at::equal(outs[0][r], rankValues(r, 4, at::kInt)));
 
     at::Tensor flatOut = at::zeros({4 * size}, at::kInt);
     b._allgather_base(flatOut, in[0])->wait();
-    CHECK(at::equal(flatOut.view({size, 4})[size - 1], rankValues(size - 1, 4, at::kInt)));
+    RANK_CHECK(at::equal(flatOut.view({size, 4})[size - 1], rankValues(size - 1, 4, at::kInt)));
 
     std::vector<std::vector<at::Tensor>> gathered;
     if (rank == 1)
@@ -148,7 +170,7 @@ TEST_CASE("broadcast, allgather, gather and scatter move the right data", "[back
     c10d::GatherOptions go;
     go.rootRank = 1;
     b.gather(gathered, in, go)->wait();
-    if (rank == 1) CHECK(at::equal(gathered[0][2], rankValues(2, 4, at::kInt)));
+    if (rank == 1) RANK_CHECK(at::equal(gathered[0][2], rankValues(2, 4, at::kInt)));
 
     std::vector<std::vector<at::Tensor>> toScatter;
     if (rank == 0)
@@ -156,7 +178,7 @@ TEST_CASE("broadcast, allgather, gather and scatter move the right data", "[back
           {rankValues(0, 4, at::kInt), rankValues(1, 4, at::kInt), rankValues(2, 4, at::kInt)}};
     std::vector<at::Tensor> got{at::zeros({4}, at::kInt)};
     b.scatter(got, toScatter)->wait();
-    CHECK(at::equal(got[0], rankValues(rank, 4, at::kInt)));
+    RANK_CHECK(at::equal(got[0], rankValues(rank, 4, at::kInt)));
   });
 }
 
@@ -165,7 +187,7 @@ TEST_CASE("reduce_scatter_tensor and uneven all_to_all_single", "[backend]") {
     auto in = at::arange(6, at::kFloat) * (rank + 1);  // sum over ranks = 3 * arange
     auto out = at::zeros({3});
     b._reduce_scatter_base(out, in)->wait();
-    CHECK(at::equal(out, at::arange(3 * rank, 3 * rank + 3, at::kFloat) * 3));
+    RANK_CHECK(at::equal(out, at::arange(3 * rank, 3 * rank + 3, at::kFloat) * 3));
 
     // rank 0 sends 1 row to rank 0 and 2 rows to rank 1; rank 1 sends 3 and 0.
     std::vector<int64_t> inSplits =
@@ -177,7 +199,7 @@ TEST_CASE("reduce_scatter_tensor and uneven all_to_all_single", "[backend]") {
     b.alltoall_base(a2aOut, a2aIn, outSplits, inSplits)->wait();
     auto expected = rank == 0 ? at::tensor(std::vector<float>{0, 100, 101, 102})
                               : at::tensor(std::vector<float>{1, 2});
-    CHECK(at::equal(a2aOut, expected));
+    RANK_CHECK(at::equal(a2aOut, expected));
   });
 }
 
@@ -188,14 +210,14 @@ TEST_CASE("send/recv in a ring, recv from any source, and the future's value", "
     auto recvWork = b.recv(in, (rank + size - 1) % size, 7);
     b.send(out, (rank + 1) % size, 7)->wait();
     recvWork->wait();
-    CHECK(at::equal(in[0], at::full({3}, double((rank + size - 1) % size))));
+    RANK_CHECK(at::equal(in[0], at::full({3}, double((rank + size - 1) % size))));
 
     if (rank == 0) {
       for (int i = 0; i < size - 1; ++i) {
         std::vector<at::Tensor> any{at::zeros({1})};
         auto w = b.recvAnysource(any, 3);
         w->wait();
-        CHECK(any[0].item<float>() == float(w->sourceRank()));
+        RANK_CHECK(any[0].item<float>() == float(w->sourceRank()));
       }
     } else {
       std::vector<at::Tensor> mine{at::full({1}, double(rank))};
@@ -207,8 +229,8 @@ TEST_CASE("send/recv in a ring, recv from any source, and the future's value", "
     auto fut = work->getFuture();
     fut->wait();
     auto value = fut->value().toTensorVector();
-    REQUIRE(value.size() == 1);
-    CHECK(at::equal(value[0], at::full({2}, double(size))));
+    RANK_REQUIRE(value.size() == 1);
+    RANK_CHECK(at::equal(value[0], at::full({2}, double(size))));
     b.barrier()->wait();
   });
 }
@@ -261,7 +283,7 @@ TEST_CASE("fused small allreduces equal the arithmetic and travel together", "[f
       works[i]->wait();
       auto expected = rankValues(0, held[i][0].numel(), at::kLong);
       for (int r = 1; r < size; ++r) expected += rankValues(r, held[i][0].numel(), at::kLong);
-      CHECK(at::equal(held[i][0], expected));
+      RANK_CHECK(at::equal(held[i][0], expected));
     }
   });
   const auto snap = xcomm::StatsRegistry::global().snapshot();
