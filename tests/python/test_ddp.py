@@ -42,6 +42,11 @@ from dist_harness import Mismatches, RankContext, assert_no_mismatches, run_rank
 STEPS = 20
 #: World size 3 tolerance (summation order of 3 float32 gradients may differ).
 WS3_RTOL, WS3_ATOL = 1e-4, 1e-5
+#: fp16_compress_hook sums float16 values: at 3 ranks the shared-memory path
+#: adds them in float32 and rounds once where Gloo rounds after every add, so
+#: the gradients differ by float16 roundings (2**-11 relative) and, after 20
+#: SGD steps, the parameters by a few 1e-3 at most.
+WS3_TOL_BY_HOOK = {"fp16_compress_hook": (5e-3, 5e-3)}
 HOOKS = ("default", "allreduce_hook", "fp16_compress_hook", "powerSGD_hook")
 
 
@@ -148,12 +153,12 @@ def _rank_ddp(ctx: RankContext, hook: str, exact: bool) -> dict[str, Any]:
                             f"(max |diff| {diff:.3g})",
                         )
                 else:
+                    rtol, atol = WS3_TOL_BY_HOOK.get(hook, (WS3_RTOL, WS3_ATOL))
                     try:
-                        torch.testing.assert_close(a, b, rtol=WS3_RTOL, atol=WS3_ATOL)
+                        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
                     except AssertionError as e:
                         m.fail(
-                            label,
-                            f"tensor {i} {tuple(a.shape)} (rtol={WS3_RTOL}, atol={WS3_ATOL}): {e}",
+                            label, f"tensor {i} {tuple(a.shape)} (rtol={rtol}, atol={atol}): {e}"
                         )
             summaries[model_name] = {
                 "losses": got_losses,
