@@ -45,7 +45,8 @@ void finishReduction(at::Tensor& acc, RedOp op, int worldSize) {
 }
 
 double premulFactor(const c10d::ReduceOp& op) {
-  auto supplement = c10::dynamic_intrusive_pointer_cast<compat::PreMulSumSupplement>(op.supplement_);
+  auto supplement =
+      c10::dynamic_intrusive_pointer_cast<compat::PreMulSumSupplement>(op.supplement_);
   TORCH_CHECK(supplement,
               "xcomm: PREMUL_SUM needs a factor; build the op with "
               "torch.distributed._make_nccl_premul_sum(factor)");
