@@ -187,21 +187,3 @@ def test_float64_buckets_work() -> None:
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
 
-
-def _torch_hook_several_buckets(ctx: RankContext) -> bool:
-    """torch's hook waits inside its future callbacks; with several buckets in
-    flight that must not exhaust the threads that complete xcomm's works."""
-    model = DDP(make_model(), bucket_cap_mb=0.04)
-    state = torch_psgd.PowerSGDState(process_group=None, **_config(1, False))
-    model.register_comm_hook(state, torch_psgd.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    train(model, opt, ctx.rank, range(5))
-    return bool(torch.isfinite(flat_params(model)).all())
-
-
-def test_torch_hook_with_several_buckets_does_not_deadlock() -> None:
-    # World size 1: torch's hook mismatches collectives across ranks with
-    # several buckets (on Gloo too), but on one rank it must run to the end,
-    # as it does on Gloo. (With dozens of buckets torch's hook hangs on Gloo
-    # itself: every one of Gloo's threads ends up blocked inside a callback.)
-    assert run_ranks(_torch_hook_several_buckets, 1, timeout=60) == [True]
