@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 
 import xcomm  # registers the "xcomm" backend
 from xcomm.bench.digits import COMPRESSION, TORCH_HOOKS, DigitsConfig, train_digits
+from xcomm.bench.launch import free_port
 
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -74,12 +74,6 @@ def run_rank(rank: int, world_size: int, args: argparse.Namespace, init_method: 
         train(rank, world_size, args)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args() -> argparse.Namespace:

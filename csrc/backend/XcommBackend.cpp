@@ -1,7 +1,5 @@
 #include "backend/XcommBackend.hpp"
 
-#include <cctype>
-
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -185,11 +183,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
     at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
-  // e.g. ALLREDUCE_INT8 in xcomm.stats(): its own row, with its payload ratio.
-  std::string statsName = "ALLREDUCE_";
-  for (const char* c = compressionName(compressed_->config().method); *c; ++c) {
-    statsName += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
-  }
+  const std::string& statsName = compressed_->statsName();
   const uint64_t bytesIn = tensor.numel() * tensor.element_size();
   const uint64_t bytesOnWire = compressed_->payloadBytes(tensor);
   if (!compressed_->needsOwnTransport()) {

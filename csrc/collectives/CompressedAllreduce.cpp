@@ -1,5 +1,7 @@
 #include "collectives/CompressedAllreduce.hpp"
 
+#include <cctype>
+
 #include <c10/util/Exception.h>
 
 namespace xcomm {
@@ -48,6 +50,10 @@ void CompressionConfig::validate() const {
 CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
     : config_(config), size_(size), int8_(config.int8ChunkElems) {
   config_.validate();
+  statsName_ = "ALLREDUCE_";
+  for (const char* c = compressionName(config_.method); *c; ++c) {
+    statsName_ += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+  }
 }
 
 bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,

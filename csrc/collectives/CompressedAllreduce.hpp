@@ -56,6 +56,8 @@ class CompressedAllreduce {
 
   const CompressionConfig& config() const { return config_; }
   const CompressionCounters& counters() const { return counters_; }
+  // Its row in xcomm.stats(), e.g. ALLREDUCE_INT8.
+  const std::string& statsName() const { return statsName_; }
 
   // Whether this allreduce is compressed.
   bool applies(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) const;
@@ -76,6 +78,7 @@ class CompressedAllreduce {
 
  private:
   CompressionConfig config_;
+  std::string statsName_;
   int size_;
   Int8Codec int8_;
   CompressionCounters counters_;

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .launch import free_port, local_rank_env
 from .metrics import OPS, algbw, busbw, percentile
 from .ops import Case, make_case
 
@@ -518,12 +519,6 @@ def run_rank(cfg: SweepConfig) -> int:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_command(cfg: SweepConfig) -> list[str]:
     return [sys.executable, "-m", "xcomm.bench", "collectives", "--launcher", "env", *cfg.to_argv()]
 
@@ -542,20 +537,11 @@ def launch(cfg: SweepConfig, *, timeout: float | None = None) -> int:
 
 
 def _launch_local(cfg: SweepConfig, timeout: float | None) -> int:
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(cfg.nproc):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(cfg.nproc),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(cfg.nproc),
-                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-            }
+            env = local_rank_env(rank, cfg.nproc, port)
             procs.append(subprocess.Popen(_rank_command(cfg), env=env))
         deadline = None if timeout is None else time.monotonic() + timeout
         codes: list[int] = []

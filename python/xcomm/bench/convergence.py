@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .launch import free_port
 
 __all__ = ["RUNS", "Run", "run_all", "main"]
 
@@ -85,17 +86,11 @@ def _rank(rank: int, world: int, run: Run, steps: int, init: str, out: str) -> N
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_one(run: Run, steps: int, world: int = 2) -> dict:
     """Trains once with ``run``'s reduction; returns rank 0's DigitsResult as a dict."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         mp.spawn(_rank, args=(world, run, steps, init, out), nprocs=world)
         return json.loads(Path(out).read_text())
 

@@ -67,6 +67,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .launch import free_port, local_rank_env
+
 __all__ = [
     "MODELS",
     "REDUCTIONS",
@@ -684,12 +686,6 @@ def _loadavg() -> list[float]:
         return []
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rank_command(cfg: DDPBenchConfig, rate: str) -> list[str]:
     return [
         sys.executable, "-m", "xcomm.bench", "ddp", "--launcher", "env", "--rate-label", rate,
@@ -698,26 +694,17 @@ def _rank_command(cfg: DDPBenchConfig, rate: str) -> list[str]:
 
 
 def _run_local(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     codes: list[int] = []
     try:
         for rank in range(cfg.world_size):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(cfg.world_size),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(cfg.world_size),
-                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-                # Loopback puts both ranks on one host, where xcomm would use
-                # shared memory, on which torch's powerSGD_hook currently times
-                # out; the emulated cluster's nodes are separate hosts anyway.
-                # Set XCOMM_SHM=1 to measure the shared-memory path.
-                "XCOMM_SHM": os.environ.get("XCOMM_SHM", "0"),
-            }
+            env = local_rank_env(rank, cfg.world_size, port)
+            # Loopback puts both ranks on one host, where xcomm would use
+            # shared memory; this benchmark is about the network (the emulated
+            # cluster's nodes are separate hosts anyway). XCOMM_SHM=1 measures
+            # the shared-memory path.
+            env["XCOMM_SHM"] = os.environ.get("XCOMM_SHM", "0")
             procs.append(
                 subprocess.Popen(_rank_command(cfg, rate), env=env, stdin=subprocess.DEVNULL)
             )
