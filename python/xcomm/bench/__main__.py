@@ -129,7 +129,20 @@ def _add_collectives(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     a(
         "--no-interleave",
         action="store_true",
-        help="time each backend's iterations in one block instead of round-robin",
+        help="take each backend's samples in a row instead of round-robin",
+    )
+    a(
+        "--block-bytes",
+        type=_size,
+        default=64 * MiB,
+        help="a sample times clamp(block_bytes / size, 1, max-block) back-to-back ops "
+        "(default 64M)",
+    )
+    a(
+        "--max-block",
+        type=int,
+        default=32,
+        help="most back-to-back ops per sample; 1 times every op on its own (default 32)",
     )
     a("--timeout", type=float, default=None, help="kill the ranks after this many seconds")
     a(
@@ -298,6 +311,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         threads=args.threads,
         label=args.label,
         interleave=not args.no_interleave,
+        block_bytes=args.block_bytes,
+        max_block=args.max_block,
     )
     cfg.validate()
     return cfg

@@ -5,16 +5,21 @@ Each rank creates one process group per benchmarked backend over all ranks
 and backend, in that nesting order so the backends are measured side by side:
 
 1. ``warmup`` untimed iterations per backend;
-2. ``iters`` timed iterations, each timed on its own, the backends taking
-   turns (one iteration each, round-robin, so a burst of load from other
-   processes hits all of them alike; ``interleave=False`` runs each
-   backend's iterations in one block); a measurement's time is the p50 over
-   iterations of the slowest rank's time;
+2. ``iters`` timed samples per backend, the backends taking turns (one
+   sample each, round-robin, so a burst of load from other processes hits
+   all of them alike; ``interleave=False`` takes each backend's samples in
+   one run). A sample is one untimed op (it lines the ranks up on that
+   backend, so no rank's time includes waiting for a peer still busy with
+   another backend), then ``block`` back-to-back ops timed together, as
+   nccl-tests does; its time is the mean per op. A measurement's time is the
+   p50 over samples of the slowest rank's time;
 3. one untimed check iteration per backend on a known pattern; ``correct``
    is true only if the output is exact on every rank.
 
 Iterations scale down with size: ``iters = clamp(iter_bytes // size,
-min_iters, max_iters)`` and ``warmup = clamp(iters // 4, 1, max_warmup)``.
+min_iters, max_iters)``, ``warmup = clamp(iters // 4, 1, max_warmup)`` and
+``block = clamp(block_bytes // size, 1, max_block)`` (``max_block=1`` times
+every op on its own).
 
 Ranks are started by :func:`launch`: on loopback (``nodes=0``) or in an
 emulated cluster (``nodes>=1``, needs root); or by anything that sets the
@@ -128,8 +133,10 @@ class SweepConfig:
         pg_timeout_s: Timeout of the process groups.
         threads: torch intra-op threads per rank (default: cores / ranks per node).
         label: Free text stored in the JSON metadata (e.g. "loopback").
-        interleave: Time the backends round-robin, one iteration each in
-            turn (default), rather than each backend's iterations in a block.
+        interleave: Time the backends round-robin, one sample each in
+            turn (default), rather than each backend's samples in a row.
+        block_bytes / max_block: A sample times ``clamp(block_bytes // size,
+            1, max_block)`` back-to-back ops together.
     """
 
     backends: list[str] = dataclasses.field(default_factory=lambda: default_backends())
@@ -153,6 +160,8 @@ class SweepConfig:
     threads: int | None = None
     label: str = ""
     interleave: bool = True
+    block_bytes: int = 64 * MiB
+    max_block: int = 32
 
     def validate(self) -> None:
         """Raises ValueError with a clear message for an inconsistent config."""
@@ -174,6 +183,11 @@ class SweepConfig:
         if not 1 <= self.min_iters <= self.max_iters:
             raise ValueError(
                 f"need 1 <= min_iters <= max_iters, got {self.min_iters}, {self.max_iters}"
+            )
+        if self.max_block < 1 or self.block_bytes < 1:
+            raise ValueError(
+                f"need max_block >= 1 and block_bytes >= 1, got {self.max_block}, "
+                f"{self.block_bytes}"
             )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
@@ -205,6 +219,8 @@ class SweepConfig:
             "--baseline": self.baseline,
             "--nodes": str(self.nodes),
             "--pg-timeout": repr(self.pg_timeout_s),
+            "--block-bytes": str(self.block_bytes),
+            "--max-block": str(self.max_block),
         }
         argv = [token for pair in options.items() for token in pair]
         if self.out is None:
@@ -230,8 +246,9 @@ class SweepConfig:
 class Measurement:
     """One (backend, op, size) result, as aggregated over ranks.
 
-    Times are microseconds; for each iteration the slowest rank's time counts.
-    Bandwidths are GB/s (1e9 bytes) computed from the p50 time.
+    Times are microseconds per op; for each sample (``block`` back-to-back
+    ops) the slowest rank's time counts. Bandwidths are GB/s (1e9 bytes)
+    computed from the p50 time.
     """
 
     backend: str
@@ -249,6 +266,7 @@ class Measurement:
     algbw_gbps: float
     busbw_gbps: float
     correct: bool
+    block: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON/CSV row)."""
@@ -291,6 +309,17 @@ def iteration_counts(nbytes: int, cfg: SweepConfig) -> tuple[int, int]:
     return warmup, iters
 
 
+def block_ops(nbytes: int, cfg: SweepConfig) -> int:
+    """Back-to-back ops timed together in one sample of a message of ``nbytes``.
+
+    >>> block_ops(4096, SweepConfig(backends=["gloo"]))
+    32
+    >>> block_ops(64 << 20, SweepConfig(backends=["gloo"]))
+    1
+    """
+    return max(1, min(cfg.max_block, cfg.block_bytes // max(1, nbytes)))
+
+
 def _sync_fn(device: str) -> Callable[[], None]:
     if device == "cuda":
         return torch.cuda.synchronize
@@ -306,18 +335,23 @@ class _Target:
     case: Case
     sync: Callable[[], None]
 
-    def timed_run(self) -> float:
-        t0 = time.perf_counter()
+    def timed_block(self, ops: int) -> float:
+        """Seconds per op of ``ops`` back-to-back ops, after one untimed op
+        that lines the ranks up on this backend."""
         self.case.run(self.group)
         self.sync()
-        return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            self.case.run(self.group)
+        self.sync()
+        return (time.perf_counter() - t0) / ops
 
 
 def _measure(
-    targets: list[_Target], coord: Any, warmup: int, iters: int, interleave: bool
+    targets: list[_Target], coord: Any, warmup: int, iters: int, block: int, interleave: bool
 ) -> list[tuple[list[float], bool]]:
     """Times one (op, size) on every backend; returns, per target, the
-    per-iteration seconds of the slowest rank and whether all ranks were right."""
+    per-sample seconds per op of the slowest rank and whether all ranks were right."""
     for t in targets:
         t.case.reset()
         for _ in range(warmup):
@@ -328,12 +362,12 @@ def _measure(
         dist.barrier(group=coord)
         for i in range(iters):
             for j, t in enumerate(targets):
-                times[j, i] = t.timed_run()
+                times[j, i] = t.timed_block(block)
     else:
         for j, t in enumerate(targets):
             dist.barrier(group=coord)
             for i in range(iters):
-                times[j, i] = t.timed_run()
+                times[j, i] = t.timed_block(block)
     oks = torch.zeros(len(targets), dtype=torch.int32)
     for j, t in enumerate(targets):
         t.case.prepare_check()
@@ -389,7 +423,8 @@ def run_sweep(
                 targets = [
                     _Target(s, groups[s], cases[s.device], _sync_fn(s.device)) for s in specs
                 ]
-                measured = _measure(targets, coord, warmup, iters, cfg.interleave)
+                block = block_ops(nbytes, cfg)
+                measured = _measure(targets, coord, warmup, iters, block, cfg.interleave)
                 for t, (times, ok) in zip(targets, measured, strict=True):
                     p50 = percentile(times, 50)
                     results.append(
@@ -409,6 +444,7 @@ def run_sweep(
                             algbw_gbps=algbw(t.case.nbytes, p50),
                             busbw_gbps=busbw(t.case.nbytes, p50, op, world_size),
                             correct=ok,
+                            block=block,
                         )
                     )
                 bar.update(len(specs))
