@@ -66,23 +66,28 @@ c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreate(
 
 c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreateHierarchical(
     const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
-    int size, std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback,
-    c10::intrusive_ptr<c10d::Backend> leaders, Config config, std::string* whyNot) {
+    int size, int hosts, std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> leaders,
+    Config config, std::string* whyNot) {
   TORCH_CHECK(fallback, "xcomm shm: a fallback backend is required");
   TORCH_CHECK((localRank == 0) == static_cast<bool>(leaders),
               "xcomm shm: the leaders' backend is needed on local rank 0 and only there");
+  TORCH_CHECK(hosts >= 1 && (!leaders || leaders->getSize() == hosts),
+              "xcomm shm: the leaders' backend must span one rank per host (", hosts, " hosts)");
+  config.leaderCompression.validate();
   auto transport = ShmTransport::create(localStore, localRank, localSize, config.transport, whyNot);
   if (!transport) return {};
-  return c10::make_intrusive<ShmCpuBackend>(std::move(transport), rank, size, std::move(fallback),
-                                            std::move(leaders), timeout, config);
+  return c10::make_intrusive<ShmCpuBackend>(std::move(transport), rank, size, hosts,
+                                            std::move(fallback), std::move(leaders), timeout,
+                                            config);
 }
 
 ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport,
                              c10::intrusive_ptr<c10d::Backend> fallback,
                              std::chrono::milliseconds timeout, Config config)
-    : ShmCpuBackend(std::move(transport), -1, -1, std::move(fallback), {}, timeout, config) {}
+    : ShmCpuBackend(std::move(transport), -1, -1, 1, std::move(fallback), {}, timeout, config) {}
 
-ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size,
+ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size, int hosts,
                              c10::intrusive_ptr<c10d::Backend> fallback,
                              c10::intrusive_ptr<c10d::Backend> leaders,
                              std::chrono::milliseconds timeout, Config config)
@@ -95,6 +100,9 @@ ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, 
       config_(config) {
   TORCH_CHECK(fallback_->getRank() == rank_ && fallback_->getSize() == size_,
               "xcomm shm: the fallback backend's rank/size differ from the group's");
+  if (hierarchical_ && config_.leaderCompression.method != Compression::kNone) {
+    leaderCompression_ = std::make_unique<CompressedAllreduce>(config_.leaderCompression, hosts);
+  }
 }
 
 void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point deadline) {
@@ -102,19 +110,36 @@ void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point
     shm::allreduce(*transport_, tensor, op, deadline, config_.smallAllreduceBytes);
     return;
   }
-  // AVG: sum everywhere, divide once by the group size at the end.
+  // AVG: sum everywhere, divide once by the group size.
   const RedOp partial = op == RedOp::AVG ? RedOp::SUM : op;
+  c10d::AllreduceOptions leaderOpts;
+  leaderOpts.reduceOp = c10d::ReduceOp(partial);
+  // The same decision on every rank: it depends on the tensor's dtype, size and op only.
+  const bool compress = leaderCompression_ && leaderCompression_->applies({tensor}, leaderOpts);
   shm::allreduce(*transport_, tensor, partial, deadline, config_.smallAllreduceBytes);
   if (leaders_) {
-    std::vector<at::Tensor> one{tensor};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp(partial);
-    opts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+    leaderOpts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::max(deadline - Clock::now(), Clock::duration(std::chrono::milliseconds(1))));
-    leaders_->allreduce(one, opts)->wait();
+    if (!compress) {
+      std::vector<at::Tensor> one{tensor};
+      leaders_->allreduce(one, leaderOpts)->wait();
+    } else {
+      // Divide before compressing: the low-precision sum then cannot overflow
+      // where the mean does not.
+      if (op == RedOp::AVG) tensor.div_(size_);
+      if (leaderCompression_->needsOwnTransport()) {
+        // int8: alltoall + allgather on the leaders' Gloo, which only this
+        // backend's (ordered) ops use.
+        leaderCompression_->runInt8(*leaders_, tensor, leaderOpts);
+      } else {
+        std::function<void()> finalize;
+        leaderCompression_->startCast(*leaders_, tensor, leaderOpts, finalize)->wait();
+        finalize();
+      }
+    }
   }
   shm::broadcast(*transport_, tensor, /*root=*/0, deadline);
-  if (op == RedOp::AVG) tensor.div_(size_);
+  if (op == RedOp::AVG && !compress) tensor.div_(size_);
 }
 
 ShmCpuBackend::~ShmCpuBackend() {

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/InputChecks.hpp"
+#include "backend/ShmCpuBackend.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/ReduceKernels.hpp"
@@ -152,6 +153,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& 
   auto staged = staging.inOut(tensors);
   auto work = transport.broadcast(staged, opts);
   return wrap(std::move(work), c10d::OpType::BROADCAST, staging, listValue(tensors));
+}
+
+const CompressedAllreduce* XcommBackend::compression() const {
+  if (compressed_) return compressed_.get();
+  const auto* shm = dynamic_cast<const ShmCpuBackend*>(transports_.cpu.get());
+  return shm ? shm->leaderCompression() : nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& tensors,

@@ -41,8 +41,9 @@ class XcommBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "xcomm"; }
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
   const Transports& transports() const { return transports_; }
-  // Null when the group compresses nothing.
-  const CompressedAllreduce* compression() const { return compressed_.get(); }
+  // Null when the group compresses nothing. A hierarchical shared-memory CPU
+  // transport compresses only its leaders' step, and reports it here.
+  const CompressedAllreduce* compression() const;
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
   // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off.

@@ -97,8 +97,8 @@ void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline d
     for (int r = 0; r < size; ++r) {
       srcs[r] = (r == rank ? chunk : transport.slot(r, parity)) + begin * elem;
     }
-    reduceBuffers(chunk + begin * elem, srcs.data(), size, count, dtype, op);
-    std::memcpy(mine + begin * elem, chunk + begin * elem, count * elem);
+    // ... into my tensor and, in the same pass, into my slot for the others.
+    reduceBuffers(chunk + begin * elem, srcs.data(), size, count, dtype, op, mine + begin * elem);
     transport.barrier(deadline, name);
     // Allgather: every other reduced slice, from its owner's slot.
     for (int r = 0; r < size; ++r) {

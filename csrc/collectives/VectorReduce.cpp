@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include <c10/util/BFloat16.h>
@@ -70,9 +71,10 @@ inline A combine(A a, A b) {
 }
 
 template <typename T, RedOp Op>
-void reduceTyped(void* dstRaw, const void* const* srcsRaw, int n, int64_t count) {
+void reduceTyped(void* dstRaw, void* copyRaw, const void* const* srcsRaw, int n, int64_t count) {
   using A = typename AccumOf<T, Op>::type;
   auto* dst = static_cast<T*>(dstRaw);
+  auto* copy = static_cast<T*>(copyRaw);
   A acc[kBlock];
   for (int64_t base = 0; base < count; base += kBlock) {
     const int64_t len = std::min(kBlock, count - base);
@@ -84,6 +86,8 @@ void reduceTyped(void* dstRaw, const void* const* srcsRaw, int n, int64_t count)
     }
     T* out = dst + base;
     for (int64_t i = 0; i < len; ++i) out[i] = static_cast<T>(acc[i]);
+    // The block is still in L1: a second copy costs far less than a later pass.
+    if (copy) std::memcpy(copy + base, out, len * sizeof(T));
   }
 }
 
@@ -104,25 +108,25 @@ RedOp boolOp(RedOp op) {
 }
 
 template <typename T>
-void reduceWithOp(void* dst, const void* const* srcs, int n, int64_t count, RedOp op) {
+void reduceWithOp(void* dst, void* copy, const void* const* srcs, int n, int64_t count, RedOp op) {
   switch (op) {
     case RedOp::SUM:
     case RedOp::AVG:
     case RedOp::PREMUL_SUM:
-      return reduceTyped<T, RedOp::SUM>(dst, srcs, n, count);
+      return reduceTyped<T, RedOp::SUM>(dst, copy, srcs, n, count);
     case RedOp::PRODUCT:
-      return reduceTyped<T, RedOp::PRODUCT>(dst, srcs, n, count);
+      return reduceTyped<T, RedOp::PRODUCT>(dst, copy, srcs, n, count);
     case RedOp::MIN:
-      return reduceTyped<T, RedOp::MIN>(dst, srcs, n, count);
+      return reduceTyped<T, RedOp::MIN>(dst, copy, srcs, n, count);
     case RedOp::MAX:
-      return reduceTyped<T, RedOp::MAX>(dst, srcs, n, count);
+      return reduceTyped<T, RedOp::MAX>(dst, copy, srcs, n, count);
     case RedOp::BAND:
     case RedOp::BOR:
     case RedOp::BXOR:
       if constexpr (std::is_integral_v<T>) {
-        if (op == RedOp::BAND) return reduceTyped<T, RedOp::BAND>(dst, srcs, n, count);
-        if (op == RedOp::BOR) return reduceTyped<T, RedOp::BOR>(dst, srcs, n, count);
-        return reduceTyped<T, RedOp::BXOR>(dst, srcs, n, count);
+        if (op == RedOp::BAND) return reduceTyped<T, RedOp::BAND>(dst, copy, srcs, n, count);
+        if (op == RedOp::BOR) return reduceTyped<T, RedOp::BOR>(dst, copy, srcs, n, count);
+        return reduceTyped<T, RedOp::BXOR>(dst, copy, srcs, n, count);
       }
       [[fallthrough]];
     default:
@@ -152,30 +156,30 @@ bool vectorReduceSupports(at::ScalarType dtype) {
 }
 
 void reduceBuffers(void* dst, const void* const* srcs, int n, int64_t count, at::ScalarType dtype,
-                   RedOp op) {
+                   RedOp op, void* copy) {
   TORCH_CHECK(n >= 1, "xcomm shm: a reduction needs at least one source");
   if (count == 0) return;
   switch (dtype) {
     case at::kFloat:
-      return reduceWithOp<float>(dst, srcs, n, count, op);
+      return reduceWithOp<float>(dst, copy, srcs, n, count, op);
     case at::kDouble:
-      return reduceWithOp<double>(dst, srcs, n, count, op);
+      return reduceWithOp<double>(dst, copy, srcs, n, count, op);
     case at::kHalf:
-      return reduceWithOp<c10::Half>(dst, srcs, n, count, op);
+      return reduceWithOp<c10::Half>(dst, copy, srcs, n, count, op);
     case at::kBFloat16:
-      return reduceWithOp<c10::BFloat16>(dst, srcs, n, count, op);
+      return reduceWithOp<c10::BFloat16>(dst, copy, srcs, n, count, op);
     case at::kChar:
-      return reduceWithOp<int8_t>(dst, srcs, n, count, op);
+      return reduceWithOp<int8_t>(dst, copy, srcs, n, count, op);
     case at::kByte:
-      return reduceWithOp<uint8_t>(dst, srcs, n, count, op);
+      return reduceWithOp<uint8_t>(dst, copy, srcs, n, count, op);
     case at::kShort:
-      return reduceWithOp<int16_t>(dst, srcs, n, count, op);
+      return reduceWithOp<int16_t>(dst, copy, srcs, n, count, op);
     case at::kInt:
-      return reduceWithOp<int32_t>(dst, srcs, n, count, op);
+      return reduceWithOp<int32_t>(dst, copy, srcs, n, count, op);
     case at::kLong:
-      return reduceWithOp<int64_t>(dst, srcs, n, count, op);
+      return reduceWithOp<int64_t>(dst, copy, srcs, n, count, op);
     case at::kBool:
-      return reduceWithOp<uint8_t>(dst, srcs, n, count, boolOp(op));
+      return reduceWithOp<uint8_t>(dst, copy, srcs, n, count, boolOp(op));
     default:
       TORCH_CHECK(false, "xcomm shm: dtype ", c10::toString(dtype), " has no reduction kernel");
   }

@@ -21,7 +21,9 @@ bool vectorReduceSupports(at::ScalarType dtype);
 // reduce as SUM (the caller divides / premultiplies). float16 and bfloat16
 // accumulate in float32 and are rounded once. Integer SUM/PRODUCT wrap around
 // as in two's complement; bool SUM is a logical or, PRODUCT a logical and.
+// With `copy`, the result is also written there (block by block, while it is
+// still in cache), which saves a separate pass over dst.
 void reduceBuffers(void* dst, const void* const* srcs, int n, int64_t count, at::ScalarType dtype,
-                   c10d::ReduceOp::RedOpType op);
+                   c10d::ReduceOp::RedOpType op, void* copy = nullptr);
 
 }  // namespace xcomm

@@ -40,13 +40,18 @@ set up (the group then uses ``fallback`` alone).)")
       .def_static(
           "try_create_hierarchical",
           [](const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize,
-             int rank, int size, std::chrono::milliseconds timeout,
+             int rank, int size, int hosts, std::chrono::milliseconds timeout,
              const c10::intrusive_ptr<c10d::Backend>& fallback, const py::object& leaders,
-             size_t slotBytes, int spinMicros, size_t smallAllreduceBytes) {
+             size_t slotBytes, int spinMicros, size_t smallAllreduceBytes,
+             const std::string& leaderCompression, int64_t compressionMinBytes,
+             int64_t int8ChunkElems) {
             xcomm::ShmCpuBackend::Config config;
             config.transport.slotBytes = slotBytes;
             config.transport.spinMicros = spinMicros;
             config.smallAllreduceBytes = smallAllreduceBytes;
+            config.leaderCompression.method = xcomm::parseCompression(leaderCompression);
+            config.leaderCompression.minBytes = compressionMinBytes;
+            config.leaderCompression.int8ChunkElems = int8ChunkElems;
             c10::intrusive_ptr<c10d::Backend> leaderBackend;
             if (!leaders.is_none())
               leaderBackend = leaders.cast<c10::intrusive_ptr<c10d::Backend>>();
@@ -55,19 +60,22 @@ set up (the group then uses ``fallback`` alone).)")
             {
               py::gil_scoped_release noGil;
               backend = xcomm::ShmCpuBackend::tryCreateHierarchical(
-                  localStore, localRank, localSize, rank, size, timeout, fallback,
+                  localStore, localRank, localSize, rank, size, hosts, timeout, fallback,
                   std::move(leaderBackend), config, &whyNot);
             }
             return py::make_tuple(backend ? py::cast(backend) : py::none(), whyNot);
           },
           py::arg("local_store"), py::arg("local_rank"), py::arg("local_size"), py::arg("rank"),
-          py::arg("size"), py::arg("timeout"), py::arg("fallback"), py::arg("leaders"),
-          py::arg("slot_bytes") = size_t(1) << 20, py::arg("spin_us") = -1,
+          py::arg("size"), py::arg("hosts"), py::arg("timeout"), py::arg("fallback"),
+          py::arg("leaders"), py::arg("slot_bytes") = size_t(1) << 20, py::arg("spin_us") = -1,
           py::arg("small_allreduce_bytes") = size_t(256) << 10,
+          py::arg("leader_compression") = "none", py::arg("compression_min_bytes") = 64 << 10,
+          py::arg("int8_chunk_elems") = 1024,
           R"(Hierarchical allreduce for a group spanning hosts: collective over this
 host's ranks (``local_store``); ``leaders`` is a backend over local rank 0 of
-every host, given on local rank 0 only. Returns ``(backend, "")`` or
-``(None, reason)``.)")
+every ``hosts`` host, given on local rank 0 only; ``leader_compression``
+(none, fp16, bf16, int8) compresses the leaders' step only. Returns
+``(backend, "")`` or ``(None, reason)``.)")
       .def_property_readonly("hierarchical", &xcomm::ShmCpuBackend::hierarchical)
       .def_property_readonly("shm_ops", &xcomm::ShmCpuBackend::shmOps,
                              "How many collectives ran over shared memory.");

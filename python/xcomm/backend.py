@@ -58,11 +58,24 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
     store = dist_backend_opts.store
     rank = dist_backend_opts.group_rank
     size = dist_backend_opts.group_size
+    compression = pg_options.compression or "none"
     # Gloo, wrapped in the shared-memory transport when the whole group is on one host.
     cpu = shm.maybe_shm_transport(
-        store, rank, size, timeout, _gloo_transport(store, rank, size, timeout), pg_options.shm
+        store,
+        rank,
+        size,
+        timeout,
+        _gloo_transport(store, rank, size, timeout),
+        pg_options.shm,
+        leader_compression=compression,
+        compression_min_bytes=pg_options.compression_min_bytes,
+        int8_chunk_elems=pg_options.int8_chunk_elems,
     )
-    compression = pg_options.compression or "none"
+    if getattr(cpu, "hierarchical", False):
+        # A group spanning hosts compresses only its leaders' step, inside the
+        # hierarchical allreduce (sums within a host stay exact); the backend
+        # itself then compresses nothing.
+        compression = "none"
     # int8 runs two collectives back to back on a worker thread: they get a
     # Gloo of their own, so their order never mixes with the caller's ops.
     compression_transport = (

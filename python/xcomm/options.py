@@ -29,6 +29,10 @@ class Options:
             tensor under SUM or AVG of at least ``compression_min_bytes``,
             and everything else is reduced exactly. Every rank gets bitwise
             the same result. For error feedback, use :mod:`xcomm.hooks`.
+            In a group whose ranks span hosts with several ranks per host
+            (the hierarchical shared-memory allreduce), only the step
+            between hosts is compressed: sums inside a host stay exact and
+            only the bytes that cross hosts shrink.
         compression_min_bytes: Smaller tensors are reduced uncompressed
             (latency, not bandwidth, bounds them).
         int8_chunk_elems: Elements per int8 scale; smaller is more precise

@@ -135,6 +135,9 @@ def maybe_shm_transport(
     timeout: datetime.timedelta,
     gloo: Any,
     shm_option: bool = True,
+    leader_compression: str = "none",
+    compression_min_bytes: int = 64 << 10,
+    int8_chunk_elems: int = 1024,
 ) -> Any:
     """The CPU transport of a group: a ``ShmCpuBackend`` wrapping ``gloo``
     when the segment(s) can be set up, else ``gloo`` itself. Collective over
@@ -178,12 +181,16 @@ def maybe_shm_transport(
         len(local),
         rank,
         size,
+        len(hosts),
         timeout,
         gloo,
         leaders,
         slot,
         spin,
         small,
+        leader_compression,
+        compression_min_bytes,
+        int8_chunk_elems,
     )
     # Every host must take the same path, or allreduce would deadlock.
     shm_store.set(f"hierarchical/{rank}", "1" if backend is not None else "0")

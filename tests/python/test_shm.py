@@ -378,6 +378,66 @@ def test_hierarchical_all_reduce_matches_gloo(world_size: int) -> None:
         assert r[2]["shm_ops_after"] > 200, r[2]
 
 
+def _rank_hierarchical_compressed(ctx: RankContext, method: str) -> dict[str, Any]:
+    import xcomm
+
+    os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank // 2}"  # hosts {0, 1} and {2, 3}
+    group = dist.new_group(
+        backend="xcomm", pg_options=xcomm.Options(compression=method, compression_min_bytes=64)
+    )
+    backend = group._get_backend(torch.device("cpu"))
+    out: dict[str, Any] = {"transport": backend.cpu_transport_name}
+    for op_name, op in (("SUM", dist.ReduceOp.SUM), ("AVG", dist.ReduceOp.AVG)):
+        for n in (3, 1000, 5000):  # 3 elements: under compression_min_bytes, exact
+            torch.manual_seed(100 + ctx.rank)
+            x = torch.randn(n) * (ctx.rank + 1)
+            parts = [x.clone() for _ in range(ctx.world_size)]
+            dist.all_gather(parts, x, group=ctx.ref)
+            got = x.clone()
+            dist.all_reduce(got, op=op, group=group)
+            out[(op_name, n)] = (got, parts)
+    out["stats"] = backend.compression_stats
+    return out
+
+
+@pytest.mark.parametrize("method", ["fp16", "bf16", "int8"])
+def test_hierarchical_compresses_only_the_leaders_step(method: str) -> None:
+    """Options(compression=...) in a group spanning two hosts: each host sums
+    exactly in float32, only the leaders' allreduce is compressed. fp16/bf16:
+    bitwise the cast of the two host sums added in low precision (what Gloo
+    does); int8: within two quantisations of the exact sum. Every rank holds the
+    same bits; small tensors stay exact."""
+    per_rank = run_ranks(_rank_hierarchical_compressed, 4, method, timeout=120)
+    low = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(method)
+    for key in [k for k in per_rank[0] if isinstance(k, tuple)]:
+        op_name, n = key
+        got, parts = per_rank[0][key]
+        for r in per_rank[1:]:
+            assert torch.equal(r[key][0], got), (key, "ranks differ")
+        hosts = [parts[0] + parts[1], parts[2] + parts[3]]  # exact in float32 (two terms)
+        exact = (hosts[0] + hosts[1]) / (4 if op_name == "AVG" else 1)
+        if n == 3:
+            assert torch.equal(got, exact), key
+        elif low is not None:
+            scaled = [h / 4 if op_name == "AVG" else h for h in hosts]
+            expected = (scaled[0].to(low) + scaled[1].to(low)).float()
+            assert torch.equal(got, expected), key
+        else:
+            bound = 2 * max(h.abs().max().item() for h in hosts) / 127 * 2
+            bound /= 4 if op_name == "AVG" else 1
+            assert (got - exact).abs().max().item() <= bound, key
+            assert not torch.equal(got, exact), (key, "int8 left the sum exact: not compressed?")
+    for rank, r in enumerate(per_rank):
+        assert r["transport"] == "xcomm-shm"
+        stats = r["stats"]
+        assert stats["method"] == method, stats
+        if rank % 2 == 0:  # a leader: 2 ops x 2 sizes over the threshold crossed hosts
+            assert stats["calls"] == 4, stats
+            assert 0 < stats["bytes_on_wire"] * 1.5 < stats["bytes_before"], stats
+        else:  # its bytes never leave the host
+            assert stats["calls"] == 0, stats
+
+
 def _rank_unavailable(ctx: RankContext) -> dict[str, Any]:
     import xcomm.shm
 

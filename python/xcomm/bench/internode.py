@@ -10,8 +10,11 @@ Each node's inter-node traffic is the transmit byte counter of its NIC
 namespace) around the timed iterations; intra-node traffic (loopback, shared
 memory) does not appear there. For a flat ring over p ranks on n nodes every
 rank sends 2(p-1)/p N bytes; the hierarchical allreduce sends only the
-leaders' 2(n-1)/n N per node. Rank 0 prints a table: per size and backend,
-the p50 time and the bytes per allreduce summed over all nodes' NICs.
+leaders' 2(n-1)/n N per node. ``xcomm+fp16`` / ``xcomm+bf16`` /
+``xcomm+int8`` in ``--backends`` is xcomm with ``Options(compression=...)``,
+which compresses only the leaders' step. Rank 0 prints a table: per size and
+backend, the p50 time, the bytes per allreduce summed over all nodes' NICs,
+and both as ratios to the last backend listed (gloo by default).
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1M,16M", help="message sizes (bytes, K/M/G)")
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--backends", default="xcomm,gloo")
+    parser.add_argument(
+        "--backends",
+        default="xcomm,gloo",
+        help="xcomm, xcomm+fp16, xcomm+bf16, xcomm+int8, gloo; ratios are to the last one",
+    )
     args = parser.parse_args()
     import xcomm
     import xcomm.shm
@@ -52,16 +59,22 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
-    groups = {b: dist.new_group(backend=b, timeout=timeout) for b in parse_list(args.backends)}
+    groups = {}
+    for label in parse_list(args.backends):
+        name, _, method = label.partition("+")
+        options = xcomm.Options(compression=method) if method else None
+        groups[label] = dist.new_group(backend=name, timeout=timeout, pg_options=options)
     rows = []
     for size in [parse_size(s) for s in parse_list(args.sizes)]:
         t = torch.ones(size // 4)
         for name, group in groups.items():
+            t.fill_(1.0 / world)
             dist.all_reduce(t, group=group)  # warm-up: connections, first touch
             dist.barrier()
             before = _tx_bytes(ifname)
             times = []
             for _ in range(args.iters):
+                t.fill_(1.0 / world)  # sums stay 1: no overflow in any precision
                 dist.barrier()
                 t0 = time.perf_counter()
                 dist.all_reduce(t, group=group)
@@ -81,9 +94,17 @@ def main() -> None:
             else "gloo"
         )
         print(f"# {world} ranks; xcomm CPU transport: {mode}")
-        print(f"{'size':>10} {'backend':>8} {'time(ms)':>10} {'inter-node MB/allreduce':>24}")
+        base = list(groups)[-1]
+        print(
+            f"{'size':>10} {'backend':>11} {'time(ms)':>10} {'inter-node MB/allreduce':>24} "
+            f"{'time/' + base:>12} {'bytes/' + base:>12}"
+        )
+        ref = {size: (p50, nbytes) for size, name, p50, nbytes in rows if name == base}
         for size, name, p50, nbytes in rows:
-            print(f"{size:>10} {name:>8} {p50 * 1e3:>10.1f} {nbytes / 1e6:>24.2f}")
+            print(
+                f"{size:>10} {name:>11} {p50 * 1e3:>10.1f} {nbytes / 1e6:>24.2f} "
+                f"{p50 / ref[size][0]:>12.2f} {nbytes / max(ref[size][1], 1.0):>12.2f}"
+            )
     dist.destroy_process_group()
 
 
