@@ -14,6 +14,12 @@ constexpr int64_t kLanes = 16;
 // Columns handled per pass of reconstructRows (a tile that stays in L1).
 constexpr int64_t kTile = 512;
 
+// Columns per tile of projectColumns: its rank * kColumnTile accumulators
+// stay in L1 (8 KiB of doubles at rank 4).
+constexpr int64_t kColumnTile = 256;
+// Rows folded per accumulator load/store in projectColumns.
+constexpr int64_t kRowBlock = 8;
+
 template <typename A>
 A sumLanes(A* lane) {
   // Pairwise, in a fixed order.
@@ -74,20 +80,44 @@ template <typename T>
 void projectColumns(const T* mat, int64_t rows, int64_t cols, const T* p, int64_t rank, T* q,
                     int64_t colBegin, int64_t colEnd) {
   using A = Acc<T>;
-  const int64_t width = colEnd - colBegin;
-  // One accumulator per output, summed over rows in order: the column range
-  // a thread owns fixes nothing but which outputs it writes.
-  std::vector<A> acc(static_cast<size_t>(width * rank), A(0));
-  for (int64_t row = 0; row < rows; ++row) {
-    const T* m = mat + row * cols + colBegin;
-    for (int64_t k = 0; k < rank; ++k) {
-      const A pk = A(p[row * rank + k]);
-      A* a = acc.data() + k * width;
-      for (int64_t j = 0; j < width; ++j) a[j] += A(m[j]) * pk;
+  // One accumulator per output, summed over rows in order: neither the column
+  // range a thread owns nor the tiling changes which values an output adds,
+  // or in which order. Tiles of kColumnTile columns keep the rank * tile
+  // accumulators in L1 while every row streams past (with whole rows, 2048
+  // columns at rank 4 is 64 KiB of doubles, re-read from L2 for every row).
+  std::vector<A> acc(static_cast<size_t>(std::min(kColumnTile, colEnd - colBegin) * rank));
+  for (int64_t t0 = colBegin; t0 < colEnd; t0 += kColumnTile) {
+    const int64_t width = std::min(kColumnTile, colEnd - t0);
+    std::fill(acc.begin(), acc.begin() + width * rank, A(0));
+    // Blocks of kRowBlock rows: an accumulator is loaded and stored once per
+    // block instead of once per row; inside, the rows are still added one
+    // after the other, in order.
+    int64_t row = 0;
+    for (; row + kRowBlock <= rows; row += kRowBlock) {
+      const T* m[kRowBlock];
+      for (int64_t r = 0; r < kRowBlock; ++r) m[r] = mat + (row + r) * cols + t0;
+      for (int64_t k = 0; k < rank; ++k) {
+        A pk[kRowBlock];
+        for (int64_t r = 0; r < kRowBlock; ++r) pk[r] = A(p[(row + r) * rank + k]);
+        A* a = acc.data() + k * width;
+        for (int64_t j = 0; j < width; ++j) {
+          A x = a[j];
+          for (int64_t r = 0; r < kRowBlock; ++r) x += A(m[r][j]) * pk[r];
+          a[j] = x;
+        }
+      }
     }
-  }
-  for (int64_t j = 0; j < width; ++j) {
-    for (int64_t k = 0; k < rank; ++k) q[(colBegin + j) * rank + k] = T(acc[k * width + j]);
+    for (; row < rows; ++row) {
+      const T* m = mat + row * cols + t0;
+      for (int64_t k = 0; k < rank; ++k) {
+        const A pk = A(p[row * rank + k]);
+        A* a = acc.data() + k * width;
+        for (int64_t j = 0; j < width; ++j) a[j] += A(m[j]) * pk;
+      }
+    }
+    for (int64_t j = 0; j < width; ++j) {
+      for (int64_t k = 0; k < rank; ++k) q[(t0 + j) * rank + k] = T(acc[k * width + j]);
+    }
   }
 }
 

@@ -127,9 +127,12 @@ def time_hooks(
             for b, g in zip(buckets, grads):
                 b.buffer().copy_(g)
             wall, cpu = time.perf_counter(), time.process_time()
-            futures = [hook(state, b) for b in buckets]
-            for f in futures:
-                f.wait()
+            # One bucket at a time, for both: torch's hook waits inside its
+            # future callbacks, and with several buckets in flight it can
+            # deadlock (on Gloo too); at world size 1 there is no transfer to
+            # overlap anyway.
+            for b in buckets:
+                hook(state, b).wait()
             if step >= warmup:
                 times[name]["wall"].append(time.perf_counter() - wall)
                 times[name]["cpu"].append(time.process_time() - cpu)
