@@ -151,7 +151,12 @@ class GradientBucketer:
             one at a time by a :class:`xcomm.scheduler.ChunkScheduler`, in
             bucket order or with the layers nearest the input first (which
             shortens the wait before the next forward can start when the link
-            lags behind backward). Not combinable with ``compression``.
+            lags behind backward). Not combinable with ``compression`` (a hook's
+            per-bucket state and parameter layout do not map onto chunks); to
+            compress chunks, give ``process_group`` backend-level compression,
+            ``xcomm.Options(compression="fp16" | "bf16" | "int8")``: each chunk
+            is then encoded on the scheduler's thread while the previous one
+            is on the wire (fp16/bf16; int8 encodes on the backend's worker).
         chunk_mb: chunk size of ``"fifo"``/``"priority"`` (default: ``bucket_cap_mb``).
 
     Raises:
@@ -199,8 +204,10 @@ class GradientBucketer:
             )
         if schedule != "immediate" and compression is not None:
             raise ValueError(
-                f"xcomm.GradientBucketer: schedule={schedule!r} sends raw chunks; it cannot be "
-                "combined with compression (use schedule='immediate')"
+                f"xcomm.GradientBucketer: schedule={schedule!r} sends chunks, which a comm "
+                "hook cannot compress (use schedule='immediate', or compress every chunk in "
+                "the backend: a process_group made with "
+                "pg_options=xcomm.Options(compression='fp16'))"
             )
         if chunk_mb is None:
             chunk_mb = bucket_cap_mb

@@ -263,6 +263,54 @@ def test_chunk_scheduler_order_and_results(
         assert r["equal"]
 
 
+def _rank_priority_with_backend_compression(ctx: RankContext) -> dict[str, Any]:
+    """Trains the MLP with the bucketer over an xcomm group that compresses every
+    allreduce to fp16 (``xcomm.Options``): once chunked in priority order, once
+    bucket by bucket, once over an uncompressed group."""
+    torch.manual_seed(0)
+    base = _mlp()
+    fp16 = dist.new_group(
+        backend="xcomm", pg_options=xcomm.Options(compression="fp16", compression_min_bytes=0)
+    )
+    exact = dist.new_group(backend="xcomm")
+    results = {}
+    for name, group, schedule in (
+        ("priority-fp16", fp16, "priority"),
+        ("immediate-fp16", fp16, "immediate"),
+        ("priority-exact", exact, "priority"),
+    ):
+        model = copy.deepcopy(base)
+        bucketer = xcomm.GradientBucketer(
+            model, process_group=group, bucket_cap_mb=0.002, schedule=schedule, chunk_mb=0.0005
+        )
+        opt = _sgd(model.parameters())
+        for step in range(STEPS):
+            x, y = _batch(ctx.rank, step, (8, 12))
+            opt.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            bucketer.synchronize()
+            opt.step()
+        bucketer.detach()
+        results[name] = [p.detach().clone() for p in model.parameters()]
+    results["fp16_calls"] = fp16._get_backend(torch.device("cpu")).compression_stats["calls"]
+    return results
+
+
+def test_priority_chunks_with_backend_compression() -> None:
+    """schedule="priority" over a group with Options(compression="fp16"): every
+    chunk is cast on the scheduler thread while the previous one is on the wire.
+    The cast is elementwise, so the result is bitwise that of compressing whole
+    buckets (schedule="immediate"), and differs from the uncompressed run."""
+    for r in run_ranks(_rank_priority_with_backend_compression, 2):
+        assert r["fp16_calls"] > 0
+        for a, b in zip(r["priority-fp16"], r["immediate-fp16"], strict=True):
+            assert torch.equal(a, b)
+        assert any(
+            not torch.equal(a, b)
+            for a, b in zip(r["priority-fp16"], r["priority-exact"], strict=True)
+        )
+
+
 # --------------------------------------------------------------------- errors
 
 
@@ -297,6 +345,13 @@ def _rank_errors(ctx: RankContext) -> bool:
     )
     _expect(
         TypeError, "must be a torch.nn.Module", lambda: xcomm.GradientBucketer(object())
+    )
+    _expect(
+        ValueError,
+        "a comm hook cannot compress",
+        lambda: xcomm.GradientBucketer(
+            model, schedule="priority", compression=(fp16_cast_hook, CastState())
+        ),
     )
 
     b = xcomm.GradientBucketer(model, bucket_cap_mb=0.001)
