@@ -4,9 +4,10 @@
 // barrier, then every rank reduces all slots (in rank order) into its output.
 // Large messages, chunk by chunk: copy in (all but one's own slice), barrier,
 // rank r reduces slice r of the chunk over all ranks into its tensor and
-// publishes it in its slot (reduce-scatter), barrier, every rank copies the
-// other reduced slices out (allgather). Double-buffered slots make
-// a trailing barrier unnecessary.
+// publishes it in its slot (reduce-scatter), copies the next chunk in (other
+// parity), barrier, copies the other reduced slices out (allgather): one
+// barrier per chunk. Double-buffered slots make a trailing barrier
+// unnecessary.
 #include <cstring>
 
 #include "collectives/ShmCollectives.hpp"
@@ -79,32 +80,55 @@ void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline d
   }
 
   const int64_t chunkElems = static_cast<int64_t>(transport.slotBytes()) / elem;
-  bool first = true;
-  for (int64_t offset = 0; offset < numel; offset += chunkElems) {
-    const int64_t length = std::min(chunkElems, numel - offset);
-    uint8_t* chunk = data + offset * elem;
-    const int parity = transport.nextParity();
-    uint8_t* mine = transport.slot(rank, parity);
-    const auto [begin, count] = part(length, size, rank);
-    // Copy in all but my own slice: only I reduce it, from my tensor.
+  const int64_t chunks = (numel + chunkElems - 1) / chunkElems;
+  // Rank r's slice of a chunk: the same range of the slot for every chunk
+  // (clipped to the chunk's length), so what one chunk's step writes into a
+  // slot never overlaps what a peer may still read there from two chunks ago.
+  auto slice = [&](int r, int64_t length) {
+    const auto [b, c] = part(chunkElems, size, r);
+    const int64_t begin = std::min(b, length);
+    return std::pair<int64_t, int64_t>{begin, std::min(b + c, length) - begin};
+  };
+  auto lengthOf = [&](int64_t k) { return std::min(chunkElems, numel - k * chunkElems); };
+  // Copy in all but my own slice of chunk k (only I reduce that one, from my tensor).
+  auto copyIn = [&](int64_t k, uint8_t* mine) {
+    const int64_t length = lengthOf(k);
+    const uint8_t* chunk = data + k * chunkElems * elem;
+    const auto [begin, count] = slice(rank, length);
     std::memcpy(mine, chunk, begin * elem);
     std::memcpy(mine + (begin + count) * elem, chunk + (begin + count) * elem,
                 (length - begin - count) * elem);
-    transport.barrier(deadline, name);
-    if (first) transport.checkDescriptors(name);
-    first = false;
-    // Reduce-scatter: my slice of the chunk, from every rank, in rank order.
+  };
+  // One barrier per chunk: after reducing chunk k, a rank copies chunk k+1 in
+  // (into the other parity) before it arrives, so the barrier that publishes
+  // the reduced slices of k also publishes the inputs of k+1.
+  int parity = transport.nextParity();
+  copyIn(0, transport.slot(rank, parity));
+  transport.barrier(deadline, name);
+  transport.checkDescriptors(name);
+  for (int64_t k = 0; k < chunks; ++k) {
+    const int64_t length = lengthOf(k);
+    uint8_t* chunk = data + k * chunkElems * elem;
+    uint8_t* mine = transport.slot(rank, parity);
+    const auto [begin, count] = slice(rank, length);
+    // Reduce-scatter: my slice of the chunk, from every rank, in rank order,
+    // into my tensor and, in the same pass, into my slot for the others.
     for (int r = 0; r < size; ++r) {
       srcs[r] = (r == rank ? chunk : transport.slot(r, parity)) + begin * elem;
     }
-    // ... into my tensor and, in the same pass, into my slot for the others.
     reduceBuffers(chunk + begin * elem, srcs.data(), size, count, dtype, op, mine + begin * elem);
+    const int current = parity;
+    if (k + 1 < chunks) {
+      // The other parity's slot was last read (chunk k-1) before the previous barrier.
+      parity = transport.nextParity();
+      copyIn(k + 1, transport.slot(rank, parity));
+    }
     transport.barrier(deadline, name);
-    // Allgather: every other reduced slice, from its owner's slot.
+    // Allgather: every other reduced slice of chunk k, from its owner's slot.
     for (int r = 0; r < size; ++r) {
       if (r == rank) continue;
-      const auto [b, c] = part(length, size, r);
-      std::memcpy(chunk + b * elem, transport.slot(r, parity) + b * elem, c * elem);
+      const auto [b, c] = slice(r, length);
+      std::memcpy(chunk + b * elem, transport.slot(r, current) + b * elem, c * elem);
     }
   }
   finish(tensor, op, size);
