@@ -15,6 +15,13 @@ reduce_scatter and barrier run through shared memory; every other op (and any
 dtype without a kernel) still goes to the Gloo backend it wraps. If any rank
 cannot set up the segment, every rank keeps Gloo alone.
 
+When the members span several hosts and some host has several, allreduce is
+hierarchical: a shared-memory allreduce inside each host, an allreduce among
+one leader per host over Gloo, a shared-memory broadcast back. With
+``xcomm.Options(compression="fp16" | "bf16" | "int8")`` only the leaders'
+step is compressed: the sums inside a host stay exact, the bytes between
+hosts shrink 2x (16-bit) or ~4x (int8) more.
+
 Switches: ``xcomm.Options(shm=False)`` or the environment variable
 ``XCOMM_SHM=0`` turn it off. Tuning (read on rank 0, shared with the group):
 ``XCOMM_SHM_SLOT_BYTES`` (bytes per rank per buffer, default 1 MiB) and
