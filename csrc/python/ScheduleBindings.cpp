@@ -4,6 +4,7 @@
 
 #include "backend/XcommBackend.hpp"
 #include "python/Bindings.hpp"
+#include "schedule/ChunkScheduler.hpp"
 #include "schedule/Stats.hpp"
 #include "schedule/Timeline.hpp"
 
@@ -11,7 +12,76 @@ namespace py = pybind11;
 
 namespace {
 
+// A Python callable kept alive from C++ threads: dropped under the GIL.
+std::shared_ptr<py::function> holdCallable(py::function f) {
+  return std::shared_ptr<py::function>(std::make_unique<py::function>(std::move(f)).release(),
+                                       [](py::function* p) {
+                                         py::gil_scoped_acquire gil;
+                                         std::unique_ptr<py::function> owned(p);
+                                       });
+}
+
+// The scheduler as Python holds it: destroyed with the GIL released, since
+// stopping its thread may wait for a callback that needs the GIL.
+struct PyChunkScheduler {
+  std::unique_ptr<xcomm::ChunkScheduler> impl;
+  ~PyChunkScheduler() {
+    py::gil_scoped_release noGil;
+    impl.reset();
+  }
+};
+
+void bindChunkScheduler(py::module_& m) {
+  py::class_<PyChunkScheduler>(m, "ChunkScheduler")
+      .def(py::init([](std::vector<at::Tensor> buffers, int64_t chunkBytes, bool priority,
+                       const c10::intrusive_ptr<c10d::Backend>& backend, py::function onLanded,
+                       py::function onError, int maxInFlight) {
+             auto landed = holdCallable(std::move(onLanded));
+             auto failed = holdCallable(std::move(onError));
+             auto s = std::make_unique<PyChunkScheduler>();
+             s->impl = std::make_unique<xcomm::ChunkScheduler>(
+                 std::move(buffers), chunkBytes, priority, backend,
+                 [landed](int bucket, int64_t firstIssueUs) {
+                   py::gil_scoped_acquire gil;
+                   (*landed)(bucket, firstIssueUs);
+                 },
+                 [failed](std::exception_ptr error) {
+                   py::gil_scoped_acquire gil;
+                   try {
+                     std::rethrow_exception(error);
+                   } catch (py::error_already_set& e) {
+                     (*failed)(e.value());
+                   } catch (const std::exception& e) {
+                     (*failed)(py::module_::import("builtins").attr("RuntimeError")(e.what()));
+                   }
+                 },
+                 maxInFlight);
+             return s;
+           }),
+           py::arg("buffers"), py::arg("chunk_bytes"), py::arg("priority"), py::arg("backend"),
+           py::arg("on_bucket_landed"), py::arg("on_error"), py::arg("max_in_flight") = 2)
+      .def(
+          "mark_ready",
+          [](PyChunkScheduler& s, const std::vector<int>& buckets) { s.impl->markReady(buckets); },
+          py::arg("buckets"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "join", [](PyChunkScheduler& s) { s.impl->join(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "abort", [](PyChunkScheduler& s) { s.impl->abort(); },
+          py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("chunks",
+                             [](const PyChunkScheduler& s) {
+                               py::list out;
+                               for (const auto& c : s.impl->chunks())
+                                 out.append(py::make_tuple(c.bucket, c.start, c.length));
+                               return out;
+                             })
+      .def_property_readonly("order", [](const PyChunkScheduler& s) { return s.impl->order(); });
+}
+
 void bindSchedule(py::module_& m) {
+  bindChunkScheduler(m);
   m.def(
       "stats_snapshot",
       [] {

@@ -225,9 +225,7 @@ def _rank_priority_order(
         errors.append,
         max_in_flight=depth,
     )
-    with sched._cv:  # re-entrant: holds the thread back until all are marked
-        for b in range(len(sizes)):
-            sched.mark_ready(b)
+    sched.mark_ready(list(range(len(sizes))))  # all at once, before the thread may choose
     sched.join()
     return {
         "order": sched.order,
@@ -309,6 +307,29 @@ def test_priority_chunks_with_backend_compression() -> None:
             not torch.equal(a, b)
             for a, b in zip(r["priority-fp16"], r["priority-exact"], strict=True)
         )
+
+
+def _rank_scheduler_callback_error(ctx: RankContext) -> dict[str, Any]:
+    errors: list[BaseException] = []
+    landed: list[int] = []
+
+    def on_landed(bucket: int, _issued_us: int) -> None:
+        landed.append(bucket)
+        raise ValueError(f"boom in bucket {bucket}")
+
+    buffers = [torch.ones(8), torch.ones(8)]
+    sched = xcomm.scheduler.ChunkScheduler(buffers, 16, False, None, on_landed, errors.append)
+    sched.mark_ready([0, 1])
+    sched.join()
+    return {"landed": landed, "errors": [(type(e).__name__, str(e)) for e in errors]}
+
+
+def test_chunk_scheduler_reports_a_failing_callback_and_stops() -> None:
+    """An exception on the scheduler's thread reaches on_error as the same
+    Python exception, and the thread stops (bucket 1 never lands)."""
+    for r in run_ranks(_rank_scheduler_callback_error, 2):
+        assert r["landed"] == [0]
+        assert r["errors"] == [("ValueError", "boom in bucket 0")]
 
 
 # --------------------------------------------------------------------- errors
