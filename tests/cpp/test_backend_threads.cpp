@@ -8,6 +8,7 @@
 
 #include "backend/XcommBackend.hpp"
 #include "common/TorchCompat.hpp"
+#include "schedule/ChunkScheduler.hpp"
 #include "schedule/Stats.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
@@ -289,4 +290,35 @@ TEST_CASE("fused small allreduces equal the arithmetic and travel together", "[f
   const auto snap = xcomm::StatsRegistry::global().snapshot();
   // One fused transfer per rank (both ranks share the process-wide registry).
   CHECK(snap.at("ALLREDUCE_FUSED").calls - fusedBefore == kSize);
+}
+
+TEST_CASE("the chunk scheduler sends the first layers first, the same order on every rank",
+          "[schedule]") {
+  // Buckets of 10, 6 and 4 floats in chunks of 4: chunks 0-2 | 3-4 | 5. All
+  // are marked ready at once; after chunk 0 lands (one in flight) every chunk
+  // is known ready everywhere, so the last bucket (the first layers) goes next.
+  for (bool priority : {false, true}) {
+    runRanks(2, [priority](XcommBackend& b, int rank, int size) {
+      std::vector<at::Tensor> buffers;
+      std::vector<at::Tensor> expected;
+      for (int64_t n : {10, 6, 4}) {
+        buffers.push_back(rankValues(rank, n, at::kFloat));
+        expected.push_back(rankValues(0, n, at::kFloat) + rankValues(1, n, at::kFloat));
+      }
+      std::vector<int> landed;
+      std::exception_ptr error;
+      auto backend = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&b);
+      xcomm::ChunkScheduler scheduler(
+          buffers, 16, priority, backend, [&](int bucket, int64_t) { landed.push_back(bucket); },
+          [&](std::exception_ptr e) { error = e; }, /*maxInFlight=*/1);
+      scheduler.markReady({0, 1, 2});
+      scheduler.join();
+      RANK_CHECK(!error);
+      RANK_CHECK(scheduler.order() == (priority ? std::vector<int>{0, 5, 3, 4, 1, 2}
+                                                : std::vector<int>{0, 1, 2, 3, 4, 5}));
+      RANK_CHECK(landed == (priority ? std::vector<int>{2, 1, 0} : std::vector<int>{0, 1, 2}));
+      for (size_t i = 0; i < buffers.size(); ++i) RANK_CHECK(at::equal(buffers[i], expected[i]));
+      (void)size;
+    });
+  }
 }
