@@ -9,6 +9,7 @@
 #include "backend/XcommWork.hpp"
 #include "collectives/ReduceKernels.hpp"
 #include "schedule/Stats.hpp"
+#include "schedule/Timeline.hpp"
 
 namespace xcomm {
 namespace {
@@ -110,8 +111,16 @@ void XcommBackend::abort() {
   }
 }
 
+namespace {
+// When the op being issued on this thread started (set by transportFor, read
+// by wrap): its time on the wire counts from there, since a transport may run
+// a small op inline and be done before wrap() sees it.
+thread_local int64_t issueStartUs = 0;
+}  // namespace
+
 c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op, bool flushFused) {
   if (flushFused) this->flushFused();
+  issueStartUs = Timeline::nowUs();
   const bool cuda = t.device().is_cuda();
   const auto& transport = cuda ? transports_.cuda : transports_.cpu;
   TORCH_CHECK_VALUE(transport, "xcomm.", op, ": this process group has no ",
@@ -139,7 +148,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
   const uint64_t bytes = payloadBytes(result);
   auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                                  std::move(result), std::move(resultType));
-  recordOnCompletion(work, c10d::opTypeToString(type), bytes);  // xcomm.stats() and the timeline
+  const int64_t startUs = issueStartUs ? issueStartUs : Timeline::nowUs();
+  issueStartUs = 0;
+  // xcomm.stats() and the timeline.
+  recordOnCompletion(work, c10d::opTypeToString(type), bytes, bytes, startUs);
   return work;
 }
 
@@ -190,6 +202,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
     at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
+  const int64_t startUs = Timeline::nowUs();
   const std::string& statsName = compressed_->statsName();
   const uint64_t bytesIn = tensor.numel() * tensor.element_size();
   const uint64_t bytesOnWire = compressed_->payloadBytes(tensor);
@@ -199,7 +212,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
     auto work = c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::ALLREDUCE, std::move(inner),
                                                    std::move(finalize), listValue({tensor}),
                                                    tensorListType());
-    recordOnCompletion(work, statsName, bytesIn, bytesOnWire);
+    recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
     return work;
   }
   auto work =
@@ -215,7 +228,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
       work->markFailed(std::current_exception());
     }
   });
-  recordOnCompletion(work, statsName, bytesIn, bytesOnWire);
+  recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
   return work;
 }
 

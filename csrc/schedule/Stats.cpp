@@ -54,6 +54,11 @@ void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::s
 
 void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                         uint64_t bytes, uint64_t wireBytes) {
+  recordOnCompletion(work, op, bytes, wireBytes, Timeline::nowUs());
+}
+
+void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
+                        uint64_t bytes, uint64_t wireBytes, int64_t startUs) {
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {
     future = work->getFuture();
@@ -62,7 +67,6 @@ void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::s
     StatsRegistry::global().record(op, bytes, wireBytes, 0.0, 0.0);
     return;
   }
-  const int64_t startUs = Timeline::nowUs();
   future->addCallback([op, bytes, wireBytes, startUs](c10::ivalue::Future& done) {
     const int64_t endUs = Timeline::nowUs();
     const bool failed = done.hasError();

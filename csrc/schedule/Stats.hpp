@@ -48,5 +48,9 @@ void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::s
 // The same for an op that sent `wireBytes` for the `bytes` handed to it (compressed).
 void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                         uint64_t bytes, uint64_t wireBytes);
+// Same, timed from `startUs` (Timeline::nowUs() taken before the op was
+// issued): an op the transport ran inline is complete before it returns.
+void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
+                        uint64_t bytes, uint64_t wireBytes, int64_t startUs);
 
 }  // namespace xcomm
