@@ -44,19 +44,21 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
                              c10::TypePtr resultType)
     : Work(rank, opType), inner_(std::move(inner)), result_(std::move(result)) {
   TORCH_INTERNAL_ASSERT(inner_, "DelegatedWork needs an inner work");
+  try {
+    innerFuture_ = inner_->getFuture();
+  } catch (const c10::Error&) {
+    // Point-to-point works have no future; wait() finalizes them.
+  }
   if (!finalize) {
     return;
   }
   finalize_ = std::make_shared<RunOnce>(std::move(finalize));
-  c10::intrusive_ptr<c10::ivalue::Future> innerFuture;
-  try {
-    innerFuture = inner_->getFuture();
-  } catch (const c10::Error&) {
-    return;  // point-to-point works have no future; wait() finalizes them
+  if (!innerFuture_) {
+    return;
   }
   auto finalizeOnce = finalize_;
   auto value = result_;
-  chained_ = innerFuture->then(
+  chained_ = innerFuture_->then(
       [finalizeOnce, value](c10::ivalue::Future& /*done*/) -> c10::IValue {
         finalizeOnce->run();
         return value;
@@ -65,7 +67,14 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
 }
 
 bool DelegatedWork::isCompleted() {
-  return inner_->isCompleted() && (!chained_ || chained_->completed());
+  // A CPU transport may complete its future a moment before it marks its work
+  // finished (Gloo does): whoever saw the future done must see this work done.
+  // A CUDA future completes at launch, so there only the work itself counts.
+  const bool cpuFuture = innerFuture_ && innerFuture_->devices().empty();
+  if (chained_) {
+    return (cpuFuture || inner_->isCompleted()) && chained_->completed();
+  }
+  return inner_->isCompleted() || (cpuFuture && innerFuture_->completed());
 }
 
 bool DelegatedWork::isSuccess() const {
@@ -131,15 +140,17 @@ FutureWork::FutureWork(int rank, c10d::OpType opType, const char* profilingTitle
       result_(std::move(result)),
       future_(c10::make_intrusive<c10::ivalue::Future>(std::move(resultType))) {}
 
+// The work is marked finished before its future completes: whoever sees the
+// future done (a callback, collect_all) must also see is_completed() true.
 void FutureWork::markSucceeded(int sourceRank) {
   sourceRank_ = sourceRank;
-  future_->markCompleted(result_);
   finish();
+  future_->markCompleted(result_);
 }
 
 void FutureWork::markFailed(std::exception_ptr error) {
-  future_->setError(error);
   finish(error);
+  future_->setError(error);
 }
 
 std::vector<at::Tensor> FutureWork::result() {

@@ -49,8 +49,9 @@ class DelegatedWork : public c10d::Work {
 
  private:
   c10::intrusive_ptr<c10d::Work> inner_;
-  std::shared_ptr<RunOnce> finalize_;                // null when nothing is staged
-  c10::intrusive_ptr<c10::ivalue::Future> chained_;  // inner's future + finalize
+  c10::intrusive_ptr<c10::ivalue::Future> innerFuture_;  // null for point-to-point works
+  std::shared_ptr<RunOnce> finalize_;                    // null when nothing is staged
+  c10::intrusive_ptr<c10::ivalue::Future> chained_;      // inner's future + finalize
   c10::IValue result_;
 };
 
