@@ -111,16 +111,8 @@ void XcommBackend::abort() {
   }
 }
 
-namespace {
-// When the op being issued on this thread started (set by transportFor, read
-// by wrap): its time on the wire counts from there, since a transport may run
-// a small op inline and be done before wrap() sees it.
-thread_local int64_t issueStartUs = 0;
-}  // namespace
-
 c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op, bool flushFused) {
   if (flushFused) this->flushFused();
-  issueStartUs = Timeline::nowUs();
   const bool cuda = t.device().is_cuda();
   const auto& transport = cuda ? transports_.cuda : transports_.cpu;
   TORCH_CHECK_VALUE(transport, "xcomm.", op, ": this process group has no ",
@@ -135,7 +127,7 @@ bool XcommBackend::transportHasPremul(const at::Tensor& t) const {
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
                                                   c10d::OpType type, const TensorStaging& staging,
-                                                  c10::IValue result,
+                                                  c10::IValue result, int64_t issuedUs,
                                                   std::function<void()> extraFinalize) {
   std::function<void()> finalize = staging.copyBack();
   if (extraFinalize) {
@@ -148,10 +140,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
   const uint64_t bytes = payloadBytes(result);
   auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                                  std::move(result), std::move(resultType));
-  const int64_t startUs = issueStartUs ? issueStartUs : Timeline::nowUs();
-  issueStartUs = 0;
-  // xcomm.stats() and the timeline.
-  recordOnCompletion(work, c10d::opTypeToString(type), bytes, bytes, startUs);
+  // xcomm.stats() and the timeline, timed from the issue: a transport may run
+  // a small op inline and be done before it returns.
+  recordOnCompletion(work, c10d::opTypeToString(type), bytes, bytes, issuedUs);
   return work;
 }
 
@@ -161,10 +152,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& 
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
   auto& transport = transportFor(tensors[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto staged = staging.inOut(tensors);
   auto work = transport.broadcast(staged, opts);
-  return wrap(std::move(work), c10d::OpType::BROADCAST, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::BROADCAST, staging, listValue(tensors), issuedUs);
 }
 
 const CompressedAllreduce* XcommBackend::compression() const {
@@ -179,6 +171,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   auto& transport = transportFor(tensors[0], op, /*flushFused=*/false);
+  const int64_t issuedUs = Timeline::nowUs();
   if (compressed_ && compressed_->applies(tensors, opts)) {
     flushFused();  // held ops go first: every rank issues in program order
     return compressedAllreduce(tensors[0], opts);
@@ -197,7 +190,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   }
   flushFused();
   auto work = transport.allreduce(staged, innerOpts);
-  return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
@@ -238,6 +231,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   auto& transport = transportFor(tensors[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto staged = staging.inOut(tensors);
   c10d::AllreduceCoalescedOptions innerOpts = opts;
@@ -247,7 +241,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
     innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   }
   auto work = transport.allreduce_coalesced(staged, innerOpts);
-  return wrap(std::move(work), c10d::OpType::ALLREDUCE_COALESCED, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::ALLREDUCE_COALESCED, staging, listValue(tensors),
+              issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -257,6 +252,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
   checks::rank(op, opts.rootRank, size_, "root");
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   auto& transport = transportFor(tensors[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   c10d::ReduceOptions innerOpts = opts;
   if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
@@ -271,12 +267,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
         for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(scaled[i]);
       };
     }
-    return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors),
+    return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors), issuedUs,
                 std::move(copyToRoot));
   }
   auto staged = staging.inOut(tensors);
   auto work = transport.reduce(staged, innerOpts);
-  return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
@@ -293,11 +289,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
     }
   }
   auto& transport = transportFor(inputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto stagedIn = staging.in(inputs);
   auto stagedOut = staging.out(outputs);
   auto work = transport.allgather(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::ALLGATHER, staging, listOfListsValue(outputs));
+  return wrap(std::move(work), c10d::OpType::ALLGATHER, staging, listOfListsValue(outputs),
+              issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -308,11 +306,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output,
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::allgatherBase(output, input, size_);
   auto& transport = transportFor(input, op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto stagedIn = staging.in(input);
   auto stagedOut = staging.out(output);
   auto work = transport._allgather_base(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::_ALLGATHER_BASE, staging, listValue({output}));
+  return wrap(std::move(work), c10d::OpType::_ALLGATHER_BASE, staging, listValue({output}),
+              issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
@@ -328,11 +328,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
     checks::allgatherBase(outputs[i], inputs[i], size_);
   }
   auto& transport = transportFor(inputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto stagedIn = staging.in(inputs);
   auto stagedOut = staging.out(outputs);
   auto work = transport.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs));
+  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -355,11 +356,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::
                       ") passes a gather list");
   }
   auto& transport = transportFor(inputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto stagedIn = staging.in(inputs);
   auto stagedOut = staging.out(outputs);
   auto work = transport.gather(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::GATHER, staging, listOfListsValue(outputs));
+  return wrap(std::move(work), c10d::OpType::GATHER, staging, listOfListsValue(outputs), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -382,12 +384,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& ou
                       ") passes a scatter list");
   }
   auto& transport = transportFor(outputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   std::vector<std::vector<at::Tensor>> stagedIn;
   for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
   auto stagedOut = staging.out(outputs);
   auto work = transport.scatter(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::SCATTER, staging, listValue(outputs));
+  return wrap(std::move(work), c10d::OpType::SCATTER, staging, listValue(outputs), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
@@ -405,6 +408,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
     }
   }
   auto& transport = transportFor(outputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   c10d::ReduceScatterOptions innerOpts = opts;
   std::vector<std::vector<at::Tensor>> stagedIn;
@@ -416,7 +420,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
   if (lowerPremul) innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto stagedOut = staging.out(outputs);
   auto work = transport.reduce_scatter(stagedOut, stagedIn, innerOpts);
-  return wrap(std::move(work), c10d::OpType::REDUCE_SCATTER, staging, listValue(outputs));
+  return wrap(std::move(work), c10d::OpType::REDUCE_SCATTER, staging, listValue(outputs), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
@@ -428,6 +432,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   checks::reduceOp(op, opts.reduceOp, input.scalar_type());
   checks::reduceScatterBase(output, input, size_);
   auto& transport = transportFor(input, op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   c10d::ReduceScatterOptions innerOpts = opts;
   at::Tensor stagedIn;
@@ -439,7 +444,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   }
   auto stagedOut = staging.out(output);
   auto work = transport._reduce_scatter_base(stagedOut, stagedIn, innerOpts);
-  return wrap(std::move(work), c10d::OpType::_REDUCE_SCATTER_BASE, staging, listValue({output}));
+  return wrap(std::move(work), c10d::OpType::_REDUCE_SCATTER_BASE, staging, listValue({output}),
+              issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
@@ -456,6 +462,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
     checks::reduceScatterBase(outputs[i], inputs[i], size_);
   }
   auto& transport = transportFor(inputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   c10d::ReduceScatterOptions innerOpts = opts;
   std::vector<at::Tensor> stagedIn;
@@ -467,7 +474,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
   }
   auto stagedOut = staging.out(outputs);
   auto work = transport.reduce_scatter_tensor_coalesced(stagedOut, stagedIn, innerOpts);
-  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs));
+  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -481,11 +488,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, a
   checks::splits(op, inputSplits, input, size_, "input");
   checks::splits(op, outputSplits, output, size_, "output");
   auto& transport = transportFor(input, op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto stagedIn = staging.in(input);
   auto stagedOut = staging.out(output);
   auto work = transport.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits, opts);
-  return wrap(std::move(work), c10d::OpType::ALLTOALL_BASE, staging, listValue({output}));
+  return wrap(std::move(work), c10d::OpType::ALLTOALL_BASE, staging, listValue({output}), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -500,11 +508,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& o
       inputs.size(), " inputs and ", outputs.size(), " outputs");
   checks::sameDeviceAndDtype(op, outputs[0], inputs[0], "output", "input");
   auto& transport = transportFor(inputs[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto stagedIn = staging.in(inputs);
   auto stagedOut = staging.out(outputs);
   auto work = transport.alltoall(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::ALLTOALL, staging, listValue(outputs));
+  return wrap(std::move(work), c10d::OpType::ALLTOALL, staging, listValue(outputs), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
@@ -514,10 +523,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
   auto& transport = transportFor(tensors[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto staged = staging.in(tensors);
   auto work = transport.send(staged, dstRank, tag);
-  return wrap(std::move(work), c10d::OpType::SEND, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::SEND, staging, listValue(tensors), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
@@ -527,10 +537,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   auto& transport = transportFor(tensors[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto staged = staging.out(tensors);
   auto work = transport.recv(staged, srcRank, tag);
-  return wrap(std::move(work), c10d::OpType::RECV, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::RECV, staging, listValue(tensors), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tensor>& tensors,
@@ -539,10 +550,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   auto& transport = transportFor(tensors[0], op);
+  const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto staged = staging.out(tensors);
   auto work = transport.recvAnysource(staged, tag);
-  return wrap(std::move(work), c10d::OpType::RECVANYSOURCE, staging, listValue(tensors));
+  return wrap(std::move(work), c10d::OpType::RECVANYSOURCE, staging, listValue(tensors), issuedUs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
@@ -550,8 +562,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions&
   const bool useCuda =
       !transports_.cpu || (opts.device && opts.device->is_cuda() && transports_.cuda);
   auto& transport = useCuda ? *transports_.cuda : *transports_.cpu;
+  const int64_t issuedUs = Timeline::nowUs();
   auto work = transport.barrier(opts);
-  return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}));
+  return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}), issuedUs);
 }
 
 }  // namespace xcomm

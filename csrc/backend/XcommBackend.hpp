@@ -112,7 +112,7 @@ class XcommBackend : public c10d::Backend {
   bool transportHasPremul(const at::Tensor& t) const;
   c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
                                       const TensorStaging& staging, c10::IValue result,
-                                      std::function<void()> extraFinalize = {});
+                                      int64_t issuedUs, std::function<void()> extraFinalize = {});
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);

@@ -48,16 +48,6 @@ uint64_t payloadBytes(const c10::IValue& value) {
 }
 
 void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
-                        uint64_t bytes) {
-  recordOnCompletion(work, op, bytes, bytes);
-}
-
-void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
-                        uint64_t bytes, uint64_t wireBytes) {
-  recordOnCompletion(work, op, bytes, wireBytes, Timeline::nowUs());
-}
-
-void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                         uint64_t bytes, uint64_t wireBytes, int64_t startUs) {
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {

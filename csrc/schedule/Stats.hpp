@@ -40,16 +40,12 @@ class StatsRegistry {
 // Bytes of every tensor in `value` (a tensor, a list, or a list of lists).
 uint64_t payloadBytes(const c10::IValue& value);
 
-// Records `work` in the global stats (and as a span on the global timeline,
-// when enabled) once its future completes. Works without a future
+// Records `work`, which sent `wireBytes` for the `bytes` handed to it (less
+// when compressed), in the global stats (and as a span on the global
+// timeline, when enabled) once its future completes, timed from `startUs`
+// (Timeline::nowUs() taken before the op was issued: a transport may run an
+// op inline and be done before it returns). Works without a future
 // (point-to-point) are counted at issue, with no time.
-void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
-                        uint64_t bytes);
-// The same for an op that sent `wireBytes` for the `bytes` handed to it (compressed).
-void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
-                        uint64_t bytes, uint64_t wireBytes);
-// Same, timed from `startUs` (Timeline::nowUs() taken before the op was
-// issued): an op the transport ran inline is complete before it returns.
 void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                         uint64_t bytes, uint64_t wireBytes, int64_t startUs);
 

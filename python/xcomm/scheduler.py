@@ -42,8 +42,6 @@ from . import _C
 
 __all__ = ["ChunkScheduler"]
 
-TRACK_CHUNKS = "engine 2: transfer"
-
 
 class ChunkScheduler:
     """Sends the chunks of ``buffers`` (one flat tensor per bucket) in priority order.
