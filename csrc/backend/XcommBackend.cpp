@@ -85,9 +85,21 @@ void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
-void XcommBackend::setFusionThreshold(size_t bytes) {
-  flushFused();
-  fusion_ = bytes > 0 ? std::make_shared<FusionBuffer>(bytes) : nullptr;
+void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cycle,
+                                      c10::intrusive_ptr<c10d::Backend> control) {
+  TORCH_CHECK_VALUE(cycle.count() >= 0, "xcomm: the fusion cycle time must be >= 0");
+  TORCH_CHECK_VALUE(cycle.count() == 0 || bytes > 0,
+                    "xcomm: a fusion cycle time needs fusion_threshold_bytes > 0");
+  TORCH_CHECK_VALUE(cycle.count() == 0 || control,
+                    "xcomm: a fusion cycle time needs a control transport");
+  if (fusion_) fusion_->stop();
+  if (bytes == 0) {
+    fusion_ = nullptr;
+  } else if (cycle.count() == 0) {
+    fusion_ = std::make_shared<FusionBuffer>(bytes);
+  } else {
+    fusion_ = std::make_shared<FusionBuffer>(bytes, cycle, std::move(control), options_->timeout);
+  }
 }
 
 void XcommBackend::flushFused() {
@@ -95,7 +107,7 @@ void XcommBackend::flushFused() {
 }
 
 void XcommBackend::shutdown() {
-  flushFused();
+  if (fusion_) fusion_->stop();
   if (compressQueue_) {
     compressQueue_->shutdown();
   }
@@ -105,7 +117,7 @@ void XcommBackend::shutdown() {
 }
 
 void XcommBackend::abort() {
-  flushFused();
+  if (fusion_) fusion_->abort();
   for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
     if (t) t->abort();
   }

@@ -46,9 +46,16 @@ class XcommBackend : public c10d::Backend {
   const CompressedAllreduce* compression() const;
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
-  // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off.
-  void setFusionThreshold(size_t bytes);
+  // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. With a
+  // cycle time > 0, a background thread sends held ops every cycle after
+  // agreeing with the other ranks over `control`, a transport no other op
+  // uses; all ranks must call this together.
+  void setFusionThreshold(size_t bytes, std::chrono::microseconds cycle = {},
+                          c10::intrusive_ptr<c10d::Backend> control = {});
   size_t fusionThreshold() const { return fusion_ ? fusion_->thresholdBytes() : 0; }
+  std::chrono::microseconds fusionCycle() const {
+    return fusion_ ? fusion_->cycle() : std::chrono::microseconds{0};
+  }
   void shutdown() override;
   void abort() override;
 

@@ -114,12 +114,24 @@ void bindSchedule(py::module_& m) {
 
   m.def(
       "set_fusion_threshold",
-      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend, size_t bytes) {
-        backend->setFusionThreshold(bytes);
+      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend, size_t bytes, double cycleMs,
+         const c10::intrusive_ptr<c10d::Backend>& control) {
+        TORCH_CHECK_VALUE(cycleMs >= 0, "xcomm: fusion cycle_ms must be >= 0, got ", cycleMs);
+        backend->setFusionThreshold(
+            bytes, std::chrono::microseconds(static_cast<int64_t>(cycleMs * 1000.0)), control);
       },
-      py::arg("backend"), py::arg("bytes"),
+      py::arg("backend"), py::arg("bytes"), py::arg("cycle_ms") = 0.0,
+      py::arg("control") = c10::intrusive_ptr<c10d::Backend>(),
+      py::call_guard<py::gil_scoped_release>(),
       "Fuses small async CPU allreduces of this backend into transfers of up to `bytes` "
-      "(0: off).");
+      "(0: off). With cycle_ms > 0 a background thread sends them every cycle after agreeing "
+      "with the other ranks over `control` (a ProcessGroupGloo no other op uses).");
+  m.def(
+      "fusion_cycle_ms",
+      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend) {
+        return backend->fusionCycle().count() / 1000.0;
+      },
+      py::arg("backend"));
   m.def(
       "fusion_threshold",
       [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend) {

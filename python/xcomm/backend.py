@@ -95,5 +95,17 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         cpu_compression_transport=compression_transport,
     )
     if pg_options.fusion_threshold_bytes:
-        _C.set_fusion_threshold(backend, pg_options.fusion_threshold_bytes)
+        # A cycle's agreement rounds get a Gloo of their own: their order
+        # never mixes with the ops they schedule.
+        control = (
+            _gloo_transport(store, rank, size, timeout, "xcomm/gloo-fusion")
+            if pg_options.fusion_cycle_ms > 0
+            else None
+        )
+        _C.set_fusion_threshold(
+            backend,
+            pg_options.fusion_threshold_bytes,
+            cycle_ms=float(pg_options.fusion_cycle_ms),
+            control=control,
+        )
     return backend

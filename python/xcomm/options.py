@@ -46,6 +46,16 @@ class Options:
             ops go out when the next would pass the threshold, when any other
             op is issued, or as soon as any held op's result is asked for
             (``wait()``, ``get_future()``, ``is_completed()``). 0 (default): off.
+        fusion_cycle_ms: With fusion on, > 0 sends held ops from a background
+            thread at most this long after the first of them was issued, as
+            Horovod's cycle time, so they travel while the caller computes
+            instead of waiting for it to ask. Each cycle first agrees with
+            the other ranks (an allreduce of one counter over a Gloo group of
+            its own) on how many ops all of them have issued, so every rank
+            fuses the same ops. Held ops also leave at once when the threshold
+            fills, another op is issued, or ``wait()`` is called;
+            ``get_future()`` and ``is_completed()`` do not hurry them. 0
+            (default): no cycle, held ops leave only at those points.
 
     Example::
 
@@ -55,6 +65,7 @@ class Options:
         ...     "xcomm", pg_options=xcomm.Options(timeout=datetime.timedelta(seconds=30)))
         >>> dist.init_process_group(  # doctest: +SKIP
         ...     "xcomm", pg_options=xcomm.Options(compression="int8"))
+        >>> fused = xcomm.Options(fusion_threshold_bytes=1 << 20, fusion_cycle_ms=2.0)
     """
 
     timeout: datetime.timedelta | None = None
@@ -63,6 +74,7 @@ class Options:
     int8_chunk_elems: int = 1024
     shm: bool = True
     fusion_threshold_bytes: int = 0
+    fusion_cycle_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.fusion_threshold_bytes, bool) or not isinstance(
@@ -75,6 +87,21 @@ class Options:
         if self.fusion_threshold_bytes < 0:
             raise ValueError(
                 f"xcomm.Options: fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
+            )
+        if isinstance(self.fusion_cycle_ms, bool) or not isinstance(
+            self.fusion_cycle_ms, (int, float)
+        ):
+            raise TypeError(
+                "xcomm.Options: fusion_cycle_ms must be a number, got "
+                f"{type(self.fusion_cycle_ms).__name__}"
+            )
+        if not self.fusion_cycle_ms >= 0 or self.fusion_cycle_ms == float("inf"):
+            raise ValueError(
+                f"xcomm.Options: fusion_cycle_ms must be >= 0 and finite, got {self.fusion_cycle_ms}"
+            )
+        if self.fusion_cycle_ms > 0 and self.fusion_threshold_bytes == 0:
+            raise ValueError(
+                "xcomm.Options: fusion_cycle_ms needs fusion on: set fusion_threshold_bytes > 0 too"
             )
         if not isinstance(self.shm, bool):
             raise TypeError(f"xcomm.Options: shm must be a bool, got {type(self.shm).__name__}")

@@ -5,7 +5,9 @@
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommBackend.hpp"
 #include "common/TorchCompat.hpp"
 #include "schedule/ChunkScheduler.hpp"
@@ -290,6 +292,61 @@ TEST_CASE("fused small allreduces equal the arithmetic and travel together", "[f
   const auto snap = xcomm::StatsRegistry::global().snapshot();
   // One fused transfer per rank (both ranks share the process-wide registry).
   CHECK(snap.at("ALLREDUCE_FUSED").calls - fusedBefore == kSize);
+}
+
+TEST_CASE("a fusion plan cuts held ops by kind and threshold, from the ops alone", "[fusion]") {
+  std::vector<at::Tensor> tensors{at::zeros({10}), at::zeros({10}), at::zeros({10}, at::kLong),
+                                  at::zeros({30}), at::zeros({30}), at::zeros({1})};
+  c10d::AllreduceOptions sum;
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MAX);
+  std::vector<const c10d::AllreduceOptions*> opts{&sum, &sum, &sum, &sum, &sum, &max};
+  std::vector<std::pair<const at::Tensor*, const c10d::AllreduceOptions*>> ops;
+  for (size_t i = 0; i < tensors.size(); ++i) ops.emplace_back(&tensors[i], opts[i]);
+  // 40+40 float bytes | int64 | 120 float bytes (a second 120 would pass 200) | 120 | MAX
+  const auto groups = xcomm::FusionPlan{}.groups(ops, 200);
+  const std::vector<std::pair<size_t, size_t>> expected{{0, 2}, {2, 3}, {3, 4}, {4, 5}, {5, 6}};
+  CHECK(groups == expected);
+  CHECK(xcomm::FusionPlan{}.groups({}, 200).empty());
+}
+
+TEST_CASE("a fusion cycle sends held ops unasked, the same groups on every rank", "[fusion]") {
+  constexpr int kSize = 2;
+  auto controlStore = c10::make_intrusive<c10d::HashStore>();
+  runRanks(kSize, [&](XcommBackend& b, int rank, int size) {
+    auto control = c10::make_intrusive<xcomm::StoreCpuBackend>(
+        c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
+        std::chrono::seconds(20));
+    b.setFusionThreshold(1024, std::chrono::milliseconds(5), control);
+    // Rank 1 starts late: rank 0's first round waits for it to catch up.
+    if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::vector<std::vector<at::Tensor>> held;
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int64_t n : {3, 17, 40, 1, 9, 2}) {
+      held.push_back({rankValues(rank, n, at::kLong)});
+      works.push_back(b.allreduce(held.back()));
+      if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    }
+    // Nobody waits: isCompleted() does not hurry a cycle, its thread sends.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    bool done = false;
+    while (!done && std::chrono::steady_clock::now() < deadline) {
+      done = true;
+      for (auto& w : works) done = done && w->isCompleted();
+      if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    RANK_CHECK(done);
+    for (size_t i = 0; i < works.size(); ++i) {
+      works[i]->wait();
+      auto expected = rankValues(0, held[i][0].numel(), at::kLong);
+      for (int r = 1; r < size; ++r) expected += rankValues(r, held[i][0].numel(), at::kLong);
+      RANK_CHECK(at::equal(held[i][0], expected));
+    }
+    // Another collective after the held ops: it goes after them everywhere.
+    std::vector<at::Tensor> big{rankValues(rank, 1000, at::kLong)};
+    b.allreduce(big)->wait();
+    RANK_CHECK(at::equal(big[0], rankValues(0, 1000, at::kLong) + rankValues(1, 1000, at::kLong)));
+  });
 }
 
 TEST_CASE("the chunk scheduler sends the first layers first, the same order on every rank",

@@ -8,6 +8,10 @@ whose flush points are known in advance and checks the count.
 from __future__ import annotations
 
 import copy
+import datetime
+import os
+import random
+import time
 from typing import Any
 
 import pytest
@@ -118,3 +122,192 @@ def test_fusion_threshold_option_is_checked() -> None:
         xcomm.Options(fusion_threshold_bytes=-1)
     with pytest.raises(TypeError, match="fusion_threshold_bytes must be an int"):
         xcomm.Options(fusion_threshold_bytes=True)
+
+
+# ------------------------------------------------------------ negotiated cycle
+
+CYCLE_MS = 5.0
+
+
+def _cycle_group(timeout: float | None = None) -> dist.ProcessGroup:
+    return dist.new_group(
+        backend="xcomm",
+        pg_options=xcomm.Options(
+            fusion_threshold_bytes=THRESHOLD,
+            fusion_cycle_ms=CYCLE_MS,
+            timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+        ),
+    )
+
+
+def _rank_cycle_sends_unasked(ctx: RankContext) -> dict[str, Any]:
+    group = _cycle_group()
+    g = ctx.generator()
+    sizes = torch.randint(1, 64, (20,), generator=ctx.generator(rank=0))  # the same on every rank
+    mine = [torch.randn(int(n), generator=g) for n in sizes]
+    refs = [t.clone() for t in mine]
+    xcomm.reset_stats()
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in mine]
+    # Nobody waits: in cycle mode is_completed() does not hurry the held ops,
+    # the background thread must send them on its own.
+    deadline = time.monotonic() + 10.0
+    while not all(w.is_completed() for w in works) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    done_unasked = all(w.is_completed() for w in works)
+    for w in works:
+        w.wait()
+    for t in refs:
+        dist.all_reduce(t, group=ctx.ref)
+    return {
+        "done_unasked": done_unasked,
+        "equal": all(torch.equal(a, b) for a, b in zip(mine, refs)),
+        "fused_calls": xcomm.stats().get("ALLREDUCE_FUSED", {}).get("calls", 0),
+        "cycle_ms": xcomm._C.fusion_cycle_ms(group._get_backend(torch.device("cpu"))),
+    }
+
+
+def test_fusion_cycle_sends_held_ops_without_being_asked() -> None:
+    for r in run_ranks(_rank_cycle_sends_unasked, 2):
+        assert r["done_unasked"], "held ops were not sent within 10 s by the cycle thread"
+        assert r["equal"]
+        assert r["cycle_ms"] == CYCLE_MS
+        assert 1 <= r["fused_calls"] < 20  # the 20 ops were issued in < 1 cycle or few
+
+
+def _rank_cycle_jitter(ctx: RankContext, seed: int) -> dict[str, Any]:
+    """Ops of mixed dtypes, reduce ops and sizes, issued with rank-dependent
+    pauses, so each rank's cycle fires at different points of the sequence;
+    broadcasts and waits in between. The agreement must cut the same groups
+    on every rank, and every result must equal Gloo's."""
+    group = _cycle_group()
+    g = torch.Generator().manual_seed(seed)  # the same plan on every rank
+    jitter = random.Random(seed * 10 + ctx.rank)  # different pauses per rank
+    SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+    mine: list[torch.Tensor] = []
+    refs: list[tuple[torch.Tensor, Any]] = []
+    works = []
+    bcast_ok = True
+    xcomm.reset_stats()
+    xcomm.enable_timeline()
+    for i in range(120):
+        kind = int(torch.randint(0, 10, (1,), generator=g))
+        n = int(torch.randint(1, 300, (1,), generator=g))
+        if kind < 6:
+            # whole numbers: exact in any order of addition (shm at 3 ranks
+            # and Gloo's ring add in different orders)
+            t, op = torch.randint(-999, 999, (n,), generator=g).float() + ctx.rank, SUM
+        elif kind < 8:
+            t, op = torch.randint(-50, 50, (n,), generator=g) * (ctx.rank + 1), MAX
+        elif kind == 8:
+            t, op = torch.randn(n, generator=g, dtype=torch.float64) - ctx.rank, MIN
+        else:
+            b = torch.full((3,), float(ctx.rank + i))
+            dist.broadcast(b, src=i % ctx.world_size, group=group)
+            bcast_ok &= torch.equal(b, torch.full((3,), float(i % ctx.world_size + i)))
+            continue
+        mine.append(t)
+        refs.append((t.clone(), op))
+        works.append(dist.all_reduce(t, op=op, group=group, async_op=True))
+        if jitter.random() < 0.15:
+            time.sleep(jitter.uniform(0, 2 * CYCLE_MS / 1000))
+        if jitter.random() < 0.05:
+            works[jitter.randrange(len(works))].wait()
+    for w in works:
+        w.wait()
+    fused = xcomm.stats().get("ALLREDUCE_FUSED", {}).get("calls", 0)
+    rounds = [
+        e["args"]
+        for e in xcomm.timeline_json(ctx.rank)["traceEvents"]
+        if e.get("name") == "FUSION_ROUND"
+    ]
+    xcomm.disable_timeline()
+    for t, op in refs:
+        dist.all_reduce(t, op=op, group=ctx.ref)
+    return {
+        "equal": [torch.equal(a, b) for a, (b, _) in zip(mine, refs)],
+        "bcast_ok": bcast_ok,
+        "fused_calls": fused,
+        "ops": len(mine),
+        # rounds where this rank had issued more than all ranks had
+        "ahead": sum(int(a["issued"]) > int(a["agreed"]) for a in rounds),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.large_world)])
+def test_fusion_cycle_with_rank_dependent_timing_identical_to_gloo(world_size: int) -> None:
+    for seed in (1, 2):
+        results = run_ranks(_rank_cycle_jitter, world_size, seed)
+        for r in results:
+            assert all(r["equal"]), r["equal"]
+            assert r["bcast_ok"]
+            assert r["fused_calls"] < r["ops"]  # some ops did travel together
+        # The same groups on every rank: as many fused transfers everywhere.
+        assert len({r["fused_calls"] for r in results}) == 1, results
+        # The timing did make ranks enter rounds with different counts.
+        assert sum(r["ahead"] for r in results) > 0, results
+
+
+def _rank_cycle_ddp(ctx: RankContext) -> bool:
+    # DDP chains on each bucket's future and never calls wait(): the cycle
+    # alone must bring the buckets back.
+    group = _cycle_group()
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    out = []
+    for pg in (group, ctx.ref):
+        model = DDP(copy.deepcopy(base), process_group=pg, bucket_cap_mb=0.0001)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(4, 6, generator=ctx.generator(salt=step))
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        out.append([p.detach().clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def test_ddp_over_a_fusion_cycle_group_identical_to_gloo() -> None:
+    assert all(run_ranks(_rank_cycle_ddp, 2))
+
+
+def _rank_cycle_dead_peer(ctx: RankContext) -> dict[str, Any] | None:
+    group = _cycle_group(timeout=5.0)
+    t = torch.ones(8)
+    dist.all_reduce(t, group=group)  # healthy first
+    if ctx.rank == 1:
+        time.sleep(0.3)
+        os._exit(17)  # dies without issuing the held op's peer
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    elapsed = time.monotonic() - t0
+    # Later fused ops fail at once instead of waiting for a round.
+    t1 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+        second = None
+    except Exception as e:  # noqa: BLE001
+        second = f"{type(e).__name__}: {e}"
+    return {"error": error, "elapsed": elapsed, "second": second, "second_s": time.monotonic() - t1}
+
+
+@pytest.mark.slow
+def test_fusion_cycle_dead_peer_raises_within_the_timeout() -> None:
+    results = run_ranks(_rank_cycle_dead_peer, 2, may_die=[1], launcher="subprocess")
+    r = results[0]
+    assert r is not None
+    assert r["error"] is not None and r["elapsed"] < 30.0, r
+    assert r["second"] is not None and r["second_s"] < 30.0, r
+
+
+def test_fusion_cycle_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="fusion_cycle_ms needs fusion on"):
+        xcomm.Options(fusion_cycle_ms=2.0)
+    with pytest.raises(ValueError, match="fusion_cycle_ms must be >= 0"):
+        xcomm.Options(fusion_threshold_bytes=1024, fusion_cycle_ms=-1.0)
+    with pytest.raises(TypeError, match="fusion_cycle_ms must be a number"):
+        xcomm.Options(fusion_threshold_bytes=1024, fusion_cycle_ms="5")
