@@ -202,6 +202,11 @@ def test_bad_arguments() -> None:
         EmulatedCluster(nodes=2, ranks_per_node=0)
     with pytest.raises(ValueError):
         EmulatedCluster(nodes=2, rate="30gbit")
+    for mtu in (50, 70000):
+        with pytest.raises(ValueError, match="mtu must be in 68..65535"):
+            EmulatedCluster(nodes=2, mtu=mtu)
+    # tbf drops packets larger than its bucket: a jumbo MTU widens the default burst.
+    assert EmulatedCluster(nodes=2, rate="100mbit", mtu=65000).tbf.burst_bytes >= 2 * 65000
     c = EmulatedCluster(nodes=2, ranks_per_node=2)
     assert c.world_size == 4
     assert c.rank_env(3)["NODE_RANK"] == "1"
@@ -422,4 +427,15 @@ def test_cleanup_stale_removes_dead_runs(no_leftovers: None) -> None:
 def test_rate_limit_is_roughly_honoured(no_leftovers: None) -> None:
     with EmulatedCluster(nodes=2, rate="200mbit") as c:
         result = measure_goodput(c, seconds=1.5)
+    assert 0.60 <= result.ratio <= 1.05, str(result)
+
+
+@needs_root
+def test_jumbo_mtu_is_set_and_the_rate_still_honoured(no_leftovers: None) -> None:
+    with EmulatedCluster(nodes=2, rate="200mbit", mtu=65000) as c:
+        links = [
+            netns_mod.ip("-o", "link", "show", "dev", n.ifname, netns=n.netns) for n in c.nodes
+        ]
+        result = measure_goodput(c, seconds=1.5)
+    assert all("mtu 65000" in line for line in links), links
     assert 0.60 <= result.ratio <= 1.05, str(result)
