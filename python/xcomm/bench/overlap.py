@@ -68,6 +68,7 @@ class OverlapConfig:
     warmup: int = 2
     threads: int = 1
     tbf_latency_ms: float = 10.0
+    mtu: int = 1500
     out: str = "bench-results/overlap"
     timeout: float = 900.0
 
@@ -157,8 +158,14 @@ def run_rank(cfg: OverlapConfig) -> int:
     x = torch.randn(cfg.batch, cfg.hidden, generator=g)
     y = torch.randint(0, 10, (cfg.batch,), generator=g)
 
+    # Backward duration of the current step (ms), for every mode that runs one.
+    backward_ms: dict[str, float] = {}
+
     def compute_span(name: str, t0: int) -> None:
-        trace.add_span(name, "compute", "compute (training thread)", t0, trace.now_us())
+        t1 = trace.now_us()
+        trace.add_span(name, "compute", "compute (training thread)", t0, t1)
+        if name == "backward":
+            backward_ms["last"] = (t1 - t0) / 1e3
 
     def forward_backward() -> None:
         t0 = trace.now_us()
@@ -231,6 +238,8 @@ def run_rank(cfg: OverlapConfig) -> int:
                 reduce_flat()
             optimizer_steps()
         cpu[mode].append(time.process_time() - c0)
+        if "last" in backward_ms:
+            backward[mode].append(backward_ms.pop("last"))
         return time.perf_counter() - t0
 
     # comm_only needs gradients to exist: one local backward first.
@@ -239,6 +248,7 @@ def run_rank(cfg: OverlapConfig) -> int:
     times: dict[str, list[float]] = {m: [] for m in MODES}
     # CPU seconds of this process (all threads) per step.
     cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    backward: dict[str, list[float]] = {m: [] for m in MODES}
     forward_wait: dict[str, list[float]] = {m: [] for m in scheduled}
     iterator: Any = range(cfg.warmup + cfg.steps)
     if rank == 0:
@@ -273,6 +283,10 @@ def run_rank(cfg: OverlapConfig) -> int:
         "times": times,
         "forward_wait_s": {m: v[cfg.warmup :] for m, v in forward_wait.items()},
         "cpu_s": {m: statistics.median(v[cfg.warmup :]) for m, v in cpu.items()},
+        # median backward pass (ms): how much transfers beside it slow it down
+        "backward_ms": {
+            m: statistics.median(v[cfg.warmup :]) for m, v in backward.items() if v[cfg.warmup :]
+        },
         "traced_steps": traced_steps,
         "stats": xcomm.stats(),
     }
@@ -330,9 +344,7 @@ def plot_timeline(
     import matplotlib.pyplot as plt
 
     modes = [m for m in TRACED if m in rank0_traces]
-    fig, axes = plt.subplots(
-        len(modes), 1, figsize=(11, 1.2 + 2.0 * len(modes)), squeeze=False
-    )
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 1.2 + 2.0 * len(modes)), squeeze=False)
     colors = {
         "compute": "tab:blue",
         "transfer": "tab:orange",
@@ -344,15 +356,9 @@ def plot_timeline(
     for ax, mode in zip(axes[:, 0], modes, strict=True):
         tr = rank0_traces[mode]
         events = tr["traceEvents"]
-        tracks = {
-            e["tid"]: e["args"]["name"]
-            for e in events
-            if e.get("name") == "thread_name"
-        }
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
         spans = [
-            e
-            for e in events
-            if e["ph"] == "X" and tracks.get(e["tid"]) != "xcomm backend ops"
+            e for e in events if e["ph"] == "X" and tracks.get(e["tid"]) != "xcomm backend ops"
         ]
         starts = [e["ts"] for e in spans if e["name"] == "forward"]
         if not starts:
@@ -399,17 +405,14 @@ def launch(cfg: OverlapConfig) -> int:
     env = {"PYTHONPATH": os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "xcomm.bench.overlap", "--worker", *cfg.argv()]
     with EmulatedCluster(
-        cfg.nodes, 1, cfg.rate, latency_ms=cfg.tbf_latency_ms
+        cfg.nodes, 1, cfg.rate, latency_ms=cfg.tbf_latency_ms, mtu=cfg.mtu
     ) as cluster:
         results = cluster.run(cmd, env=env, timeout=cfg.timeout)
     bad = [r for r in results if r.returncode != 0]
     if bad:
         print(f"error: rank(s) {[r.rank for r in bad]} failed", file=sys.stderr)
         return bad[0].returncode or 1
-    per_rank = [
-        json.loads((out / f"overlap_rank{r}.json").read_text())
-        for r in range(cfg.nodes)
-    ]
+    per_rank = [json.loads((out / f"overlap_rank{r}.json").read_text()) for r in range(cfg.nodes)]
     summary = summarize(per_rank)
     r0 = per_rank[0]
     title = (
@@ -417,10 +420,7 @@ def launch(cfg: OverlapConfig) -> int:
         f"({r0['grad_bytes'] / 2**20:.1f} MiB of gradients, {r0['buckets']} buckets of <= {cfg.bucket_cap_mb} MiB), "
         f"batch {cfg.batch}"
     )
-    traces = {
-        m: json.loads((out / f"overlap_trace_{m}_rank0.json").read_text())
-        for m in TRACED
-    }
+    traces = {m: json.loads((out / f"overlap_trace_{m}_rank0.json").read_text()) for m in TRACED}
     png = plot_timeline(out, traces, summary, title)
     report = {
         "config": dataclasses.asdict(cfg),
@@ -430,15 +430,17 @@ def launch(cfg: OverlapConfig) -> int:
     }
     (out / "overlap.json").write_text(json.dumps(report, indent=1))
     print(title)
-    print(f"{'mode':<22}{'median step (ms)':>18}{'rank-0 CPU (ms)':>18}")
+    print(f"{'mode':<22}{'median step (ms)':>18}{'rank-0 CPU (ms)':>18}{'rank-0 backward':>18}")
     for mode, t in summary["median_step_s"].items():
-        print(f"{mode:<22}{t * 1e3:>18.1f}{r0['cpu_s'][mode] * 1e3:>18.1f}")
+        bw = r0["backward_ms"].get(mode)
+        print(
+            f"{mode:<22}{t * 1e3:>18.1f}{r0['cpu_s'][mode] * 1e3:>18.1f}"
+            + (f"{bw:>18.1f}" if bw is not None else f"{'-':>18}")
+        )
     print(
         f"engine / after_backward      = {summary['engine_vs_after_backward']:.3f}  (target <= 0.7)"
     )
-    print(
-        f"engine / after_backward_flat = {summary['engine_vs_after_backward_flat']:.3f}"
-    )
+    print(f"engine / after_backward_flat = {summary['engine_vs_after_backward_flat']:.3f}")
     print(f"comm_only / compute_only     = {summary['comm_over_compute']:.2f}")
     fw = summary["median_forward_wait_s"]
     print(
