@@ -1,29 +1,45 @@
 """Fusion benchmark: many small async allreduces, fused vs not, side by side.
 
-``python -m xcomm.bench fusion`` spawns 2 ranks on loopback. Each builds two
-xcomm groups over the same ranks, one with
-``Options(fusion_threshold_bytes=...)`` and one without, and times, round-robin,
-a burst of ``--ops`` async allreduces of ``--elems`` float32 each followed by
-waiting for all of them (the pattern of per-parameter gradient averaging in a
-hand-written loop). It reports the median burst time of each and their ratio,
-and checks the fused results against the unfused ones.
+``python -m xcomm.bench fusion`` spawns 2 ranks on loopback. Each builds three
+xcomm groups over the same ranks: ``unfused``; ``fused``, with
+``Options(fusion_threshold_bytes=...)`` (held ops leave when the threshold
+fills or a result is asked for); and ``fused_cycle``, which adds
+``fusion_cycle_ms`` (a background thread sends held ops every cycle after
+agreeing with the other rank). Round-robin, it times two patterns of ``--ops``
+async allreduces of ``--elems`` float32 each, then waiting for all of them:
+
+``burst``
+    issued back to back (per-parameter averaging after backward);
+``spread``
+    ``--compute-us`` of busy work before each (per-parameter averaging
+    issued as gradients become ready during backward). Besides the total,
+    it reports the *tail*: from the last issue until every result is in,
+    the part of the communication that compute did not hide.
+
+It reports medians of the slower rank, ratios to ``unfused``, and checks
+that every group's results are identical. ``--rate 100mbit`` runs the two
+ranks on 2 emulated nodes (:mod:`xcomm.cluster`, root) joined by a link of
+that rate instead of loopback.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+PATTERNS = ("burst", "spread")
 
-def _rank(
-    rank: int, world: int, store_path: str, args: argparse.Namespace, out: Any
-) -> None:
+
+def _rank(rank: int, world: int, init_method: str, args: argparse.Namespace, out: Any) -> None:
+    """One rank; rank 0 puts the result dict on ``out`` (anything with ``put``)."""
     import torch
     import torch.distributed as dist
 
@@ -32,7 +48,7 @@ def _rank(
     torch.set_num_threads(1)
     dist.init_process_group(
         "xcomm",
-        init_method=f"file://{store_path}",
+        init_method=init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
@@ -43,29 +59,55 @@ def _rank(
             backend="xcomm",
             pg_options=xcomm.Options(fusion_threshold_bytes=args.threshold),
         ),
+        "fused_cycle": dist.new_group(
+            backend="xcomm",
+            pg_options=xcomm.Options(
+                fusion_threshold_bytes=args.threshold, fusion_cycle_ms=args.cycle_ms
+            ),
+        ),
     }
     g = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(args.elems, generator=g) for _ in range(args.ops)]
-    times: dict[str, list[float]] = {k: [] for k in groups}
-    results: dict[str, list[torch.Tensor]] = {}
+    spin_s = args.compute_us * 1e-6
+
+    def compute() -> None:
+        end = time.perf_counter() + spin_s
+        while time.perf_counter() < end:
+            pass
+
+    keys = [(p, name) for p in PATTERNS for name in groups]
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {k: [] for k in keys}
+    results: dict[tuple[str, str], list[torch.Tensor]] = {}
     for i in range(args.warmup + args.rounds):
-        for name, group in groups.items():
+        for pattern, name in keys:
             ts = [t.clone() for t in inputs]
             dist.barrier()
             t0 = time.perf_counter()
-            works = [dist.all_reduce(t, group=group, async_op=True) for t in ts]
+            works = []
+            for t in ts:
+                if pattern == "spread":
+                    compute()
+                works.append(dist.all_reduce(t, group=groups[name], async_op=True))
+            t_last = time.perf_counter()
             for w in works:
                 w.wait()
-            dt = time.perf_counter() - t0
+            t_end = time.perf_counter()
             if i >= args.warmup:
-                times[name].append(dt)
-            results[name] = ts
-    same = all(torch.equal(a, b) for a, b in zip(results["fused"], results["unfused"]))
+                times[pattern, name].append((t_end - t0, t_end - t_last))
+            results[pattern, name] = ts
+    same = all(
+        torch.equal(a, b) for k in keys for a, b in zip(results[k], results["burst", "unfused"])
+    )
     # Slowest rank per round, from every rank.
-    t = torch.tensor([times["unfused"], times["fused"]], dtype=torch.float64)
+    t = torch.tensor([times[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        out.put({"unfused": t[0].tolist(), "fused": t[1].tolist(), "identical": same})
+        out.put(
+            {
+                "times": {f"{p}/{n}": t[j].tolist() for j, (p, n) in enumerate(keys)},
+                "identical": same,
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -73,51 +115,117 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m xcomm.bench fusion", description=__doc__.split("\n")[0]
     )
-    p.add_argument(
-        "--ops", type=int, default=200, help="allreduces per burst (default 200)"
-    )
-    p.add_argument(
-        "--elems", type=int, default=256, help="float32 elements each (default 256)"
-    )
+    p.add_argument("--ops", type=int, default=200, help="allreduces per burst (default 200)")
+    p.add_argument("--elems", type=int, default=256, help="float32 elements each (default 256)")
     p.add_argument(
         "--threshold",
         type=int,
         default=64 << 10,
         help="fusion threshold, bytes (default 64K)",
     )
+    p.add_argument(
+        "--cycle-ms", type=float, default=1.0, help="fused_cycle's cycle time (default 1 ms)"
+    )
+    p.add_argument(
+        "--compute-us",
+        type=float,
+        default=100.0,
+        help="busy work before each op of the spread pattern, us (default 100)",
+    )
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--rate",
+        default=None,
+        help="run on 2 emulated nodes joined by a link of this rate (e.g. 100mbit; needs root) "
+        "instead of loopback",
+    )
+    p.add_argument("--mtu", type=int, default=65000, help="the emulated link's MTU (with --rate)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # result file of rank 0
     args = p.parse_args(argv)
+    if args.worker is not None:
+        rank = int(os.environ["RANK"])
+        _rank(rank, int(os.environ["WORLD_SIZE"]), "env://", args, _JsonFile(args.worker))
+        return 0
     if min(args.ops, args.elems, args.threshold, args.rounds) < 1:
         print(
             "error: --ops, --elems, --threshold and --rounds must be >= 1",
             file=sys.stderr,
         )
         return 2
+    if args.cycle_ms <= 0 or args.compute_us < 0:
+        print("error: --cycle-ms must be > 0 and --compute-us >= 0", file=sys.stderr)
+        return 2
+    res = _launch_emulated(args, argv or sys.argv[1:]) if args.rate else _launch_loopback(args)
+    if res is None:
+        return 1
+    where = (
+        f"2 emulated nodes at {args.rate} (MTU {args.mtu})" if args.rate else "2 ranks on loopback"
+    )
+    print(
+        f"{where}, {args.ops} async allreduces of {args.elems} float32 "
+        f"({args.elems * 4} B), threshold {args.threshold} B, cycle {args.cycle_ms:g} ms, "
+        f"spread: {args.compute_us:g} us of compute before each op; {args.rounds} rounds, "
+        "median of the slower rank"
+    )
+    print(
+        f"{'pattern':8} {'group':12} {'total ms':>9} {'/unfused':>9} {'tail ms':>9} {'/unfused':>9}"
+    )
+    for pattern in PATTERNS:
+        base = [statistics.median(x) for x in zip(*res["times"][f"{pattern}/unfused"])]
+        for name in ("unfused", "fused", "fused_cycle"):
+            total, tail = (statistics.median(x) for x in zip(*res["times"][f"{pattern}/{name}"]))
+            print(
+                f"{pattern:8} {name:12} {total * 1e3:9.2f} {total / base[0]:9.3f} "
+                f"{tail * 1e3:9.2f} {tail / base[1]:9.3f}"
+            )
+    print(f"results identical: {res['identical']}")
+    return 0 if res["identical"] else 1
+
+
+class _JsonFile:
+    """Where a rank started by the emulated cluster puts its result."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def put(self, value: dict[str, Any]) -> None:
+        with open(self.path, "w") as f:
+            json.dump(value, f)
+
+
+def _launch_loopback(args: argparse.Namespace) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [
-            ctx.Process(target=_rank, args=(r, 2, store, args, out)) for r in range(2)
-        ]
+        init = "file://" + os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank, args=(r, 2, init, args, out)) for r in range(2)]
         for proc in procs:
             proc.start()
         res = out.get(timeout=600)
         for proc in procs:
             proc.join()
-    un, fu = statistics.median(res["unfused"]), statistics.median(res["fused"])
-    print(
-        f"2 ranks on loopback, {args.ops} async allreduces of {args.elems} float32 "
-        f"({args.elems * 4} B), threshold {args.threshold} B, {args.rounds} rounds"
-    )
-    print(
-        f"unfused: {un * 1e3:.2f} ms   fused: {fu * 1e3:.2f} ms   fused/unfused = {fu / un:.3f}"
-    )
-    print(f"results identical: {res['identical']}")
-    return 0 if res["identical"] else 1
+    return res
+
+
+def _launch_emulated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any] | None:
+    from ..cluster import EmulatedCluster
+
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env = {"PYTHONPATH": os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])}
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "xcomm.bench.fusion", *argv, "--worker", result]
+        with EmulatedCluster(2, 1, args.rate, mtu=args.mtu) as cluster:
+            ranks = cluster.run(cmd, env=env, timeout=900)
+        bad = [r.rank for r in ranks if r.returncode != 0]
+        if bad:
+            print(f"error: rank(s) {bad} failed", file=sys.stderr)
+            return None
+        with open(result) as f:
+            return json.load(f)
 
 
 if __name__ == "__main__":
