@@ -380,3 +380,23 @@ def test_ddp_in_emulated_cluster_measures_link_bytes(tmp_path: Path) -> None:
     assert none["link_tx_per_step"] >= none["bytes_per_step"] > 0
     assert fp16["link_tx_per_step"] >= fp16["bytes_per_step"] > 0
     assert fp16["link_tx_per_step"] < none["link_tx_per_step"]
+
+
+def test_fusion_bench_smoke_every_group_and_pattern_identical(tmp_path: Path) -> None:
+    """Loopback, 2 ranks, a few ops: all three groups (unfused, fused on
+    demand, fused with a cycle) in both patterns report times and give
+    results identical to the unfused group (the bench exits 1 otherwise)."""
+    cmd = [sys.executable, "-m", "xcomm.bench", "fusion", "--ops", "12", "--elems", "64"]
+    cmd += ["--threshold", "1024", "--compute-us", "50", "--rounds", "2", "--warmup", "1"]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "results identical: True" in proc.stdout
+    rows = [
+        line.split() for line in proc.stdout.splitlines() if line.startswith(("burst", "spread"))
+    ]
+    assert [(r[0], r[1]) for r in rows] == [
+        (p, g) for p in ("burst", "spread") for g in ("unfused", "fused", "fused_cycle")
+    ]
+    assert all(float(r[2]) > 0 and float(r[4]) >= 0 for r in rows)
