@@ -53,8 +53,7 @@ def _rank_burst(ctx: RankContext) -> dict[str, Any]:
     refs = [t.clone() for t, _ in plan]
     xcomm.reset_stats()
     works = [
-        dist.all_reduce(t, op=op, group=group, async_op=True)
-        for t, (_, op) in zip(mine, plan)
+        dist.all_reduce(t, op=op, group=group, async_op=True) for t, (_, op) in zip(mine, plan)
     ]
     b = torch.full((4,), float(ctx.rank))
     dist.broadcast(b, src=1, group=group)  # flush #5, then the broadcast
