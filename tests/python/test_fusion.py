@@ -31,6 +31,20 @@ def _fused_group() -> dist.ProcessGroup:
     )
 
 
+CYCLE_MS = 5.0
+
+
+def _cycle_group(timeout: float | None = None) -> dist.ProcessGroup:
+    return dist.new_group(
+        backend="xcomm",
+        pg_options=xcomm.Options(
+            fusion_threshold_bytes=THRESHOLD,
+            fusion_cycle_ms=CYCLE_MS,
+            timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
+        ),
+    )
+
+
 def _rank_burst(ctx: RankContext) -> dict[str, Any]:
     group = _fused_group()
     g = ctx.generator()
@@ -94,9 +108,11 @@ def test_fused_allreduces_identical_to_gloo_with_known_flush_points() -> None:
         assert r["unfused_calls"] == 1  # the 8000-byte one
 
 
-def _rank_ddp(ctx: RankContext) -> bool:
-    # DDP takes each bucket's future at once: fusion must never hold it back.
-    group = _fused_group()
+def _rank_ddp(ctx: RankContext, cycle: bool) -> bool:
+    # On demand: DDP takes each bucket's future at once, fusion must never
+    # hold it back. With a cycle: DDP chains on the futures and never calls
+    # wait(), so the cycle alone must bring the buckets back.
+    group = _cycle_group() if cycle else _fused_group()
     torch.manual_seed(3)
     base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
     out = []
@@ -112,8 +128,9 @@ def _rank_ddp(ctx: RankContext) -> bool:
     return all(torch.equal(a, b) for a, b in zip(*out))
 
 
-def test_ddp_over_a_fusing_group_identical_to_gloo() -> None:
-    assert all(run_ranks(_rank_ddp, 2))
+@pytest.mark.parametrize("cycle", [False, True], ids=["on_demand", "cycle"])
+def test_ddp_over_a_fusing_group_identical_to_gloo(cycle: bool) -> None:
+    assert all(run_ranks(_rank_ddp, 2, cycle))
 
 
 def test_fusion_threshold_option_is_checked() -> None:
@@ -124,19 +141,6 @@ def test_fusion_threshold_option_is_checked() -> None:
 
 
 # ------------------------------------------------------------ negotiated cycle
-
-CYCLE_MS = 5.0
-
-
-def _cycle_group(timeout: float | None = None) -> dist.ProcessGroup:
-    return dist.new_group(
-        backend="xcomm",
-        pg_options=xcomm.Options(
-            fusion_threshold_bytes=THRESHOLD,
-            fusion_cycle_ms=CYCLE_MS,
-            timeout=None if timeout is None else datetime.timedelta(seconds=timeout),
-        ),
-    )
 
 
 def _rank_cycle_sends_unasked(ctx: RankContext) -> dict[str, Any]:
@@ -244,29 +248,6 @@ def test_fusion_cycle_with_rank_dependent_timing_identical_to_gloo(world_size: i
         assert len({r["fused_calls"] for r in results}) == 1, results
         # The timing did make ranks enter rounds with different counts.
         assert sum(r["ahead"] for r in results) > 0, results
-
-
-def _rank_cycle_ddp(ctx: RankContext) -> bool:
-    # DDP chains on each bucket's future and never calls wait(): the cycle
-    # alone must bring the buckets back.
-    group = _cycle_group()
-    torch.manual_seed(3)
-    base = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
-    out = []
-    for pg in (group, ctx.ref):
-        model = DDP(copy.deepcopy(base), process_group=pg, bucket_cap_mb=0.0001)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            x = torch.randn(4, 6, generator=ctx.generator(salt=step))
-            opt.zero_grad()
-            model(x).sum().backward()
-            opt.step()
-        out.append([p.detach().clone() for p in model.parameters()])
-    return all(torch.equal(a, b) for a, b in zip(*out))
-
-
-def test_ddp_over_a_fusion_cycle_group_identical_to_gloo() -> None:
-    assert all(run_ranks(_rank_cycle_ddp, 2))
 
 
 def _rank_cycle_dead_peer(ctx: RankContext) -> dict[str, Any] | None:
