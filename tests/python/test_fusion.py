@@ -169,8 +169,9 @@ def _rank_cycle_sends_unasked(ctx: RankContext) -> dict[str, Any]:
     }
 
 
-def test_fusion_cycle_sends_held_ops_without_being_asked() -> None:
-    for r in run_ranks(_rank_cycle_sends_unasked, 2):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fusion_cycle_sends_held_ops_without_being_asked(world_size: int) -> None:
+    for r in run_ranks(_rank_cycle_sends_unasked, world_size):
         assert r["done_unasked"], "held ops were not sent within 10 s by the cycle thread"
         assert r["equal"]
         assert r["cycle_ms"] == CYCLE_MS
