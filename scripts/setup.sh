@@ -13,6 +13,7 @@ command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v ccache >/dev/null || need_apt+=(ccache)
 command -v ip >/dev/null || need_apt+=(iproute2)
+command -v clang-format >/dev/null || need_apt+=(clang-format)
 [ -f /usr/lib/cmake/Catch2/Catch2Config.cmake ] || need_apt+=(catch2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== apt: ${need_apt[*]}"

@@ -273,9 +273,7 @@ class GradientBucketer:
         self._sync = True
         self._lock = threading.Lock()
         self._reset_iteration()
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params
-        ]
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     # ---------------------------------------------------------------- layout
 
@@ -379,9 +377,7 @@ class GradientBucketer:
         wire_ratio = 1.0
         with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::encode"):
             if self.compression is None:
-                work = dist.all_reduce(
-                    bucket.buffer, group=self.process_group, async_op=True
-                )
+                work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
                 fut = work.get_future()
                 op = "bucket_allreduce"
             else:
@@ -392,9 +388,7 @@ class GradientBucketer:
                     if hasattr(stats, "bytes_before")
                     else None
                 )
-                view = BucketView(
-                    i, bucket.buffer, bucket.params, i == len(self.buckets) - 1
-                )
+                view = BucketView(i, bucket.buffer, bucket.params, i == len(self.buckets) - 1)
                 fut = hook(state, view)
                 if before is not None and stats.bytes_before > before[0]:
                     wire_ratio = (stats.bytes_on_wire - before[1]) / (
@@ -419,9 +413,7 @@ class GradientBucketer:
             try:
                 value = f.value()
                 result = value[0] if isinstance(value, (list, tuple)) else value
-                with torch.autograd.profiler.record_function(
-                    f"xcomm::bucket{i}::decode"
-                ):
+                with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::decode"):
                     for p, off in zip(bucket.params, bucket.offsets):
                         p.grad.copy_(result.narrow(0, off, p.numel()).view_as(p))
                 failed = False
@@ -435,9 +427,7 @@ class GradientBucketer:
                     landed_us,
                     {"bytes": nbytes, "queued_us": int(queued_s * 1e6)},
                 )
-                trace.add_span(
-                    f"bucket {i} decode", "decode", TRACK_DECODE, landed_us, done_us
-                )
+                trace.add_span(f"bucket {i} decode", "decode", TRACK_DECODE, landed_us, done_us)
                 record_op(
                     op,
                     nbytes,
@@ -448,9 +438,7 @@ class GradientBucketer:
                 )
 
         # The transfer as an async torch.profiler range: it ends when the future completes.
-        with torch.autograd.profiler.record_function(
-            f"xcomm::bucket{i}::transfer"
-        ) as rf:
+        with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::transfer") as rf:
             fut = rf._call_end_callbacks_on_future(fut)
         bucket.future = fut.then(land)
 
@@ -459,9 +447,7 @@ class GradientBucketer:
         bucket = self.buckets[index]
         bucket.landed_us = trace.now_us()
         try:
-            with torch.autograd.profiler.record_function(
-                f"xcomm::bucket{index}::decode"
-            ):
+            with torch.autograd.profiler.record_function(f"xcomm::bucket{index}::decode"):
                 for p, off in zip(bucket.params, bucket.offsets):
                     p.grad.copy_(bucket.buffer.narrow(0, off, p.numel()).view_as(p))
             trace.add_span(
@@ -574,8 +560,7 @@ class GradientBucketer:
                 "first_layer_landed_us": first.landed_us,
                 "all_landed_us": max(b.landed_us for b in self.buckets),
                 # How long the next forward's first layer waits after backward ended.
-                "forward_wait_s": max(0, first.landed_us - self._backward_end_us)
-                * 1e-6,
+                "forward_wait_s": max(0, first.landed_us - self._backward_end_us) * 1e-6,
             }
         finally:
             if self._scheduler is not None:

@@ -79,9 +79,7 @@ class ChunkScheduler:
         max_in_flight: int = 2,
     ) -> None:
         if chunk_bytes <= 0:
-            raise ValueError(
-                f"xcomm.ChunkScheduler: chunk_bytes must be > 0, got {chunk_bytes}"
-            )
+            raise ValueError(f"xcomm.ChunkScheduler: chunk_bytes must be > 0, got {chunk_bytes}")
         if max_in_flight < 1:
             raise ValueError(
                 f"xcomm.ChunkScheduler: max_in_flight must be >= 1, got {max_in_flight}"

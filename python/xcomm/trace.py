@@ -101,9 +101,7 @@ def save_timeline(path: str | os.PathLike[str], pid: int = 0) -> str:
     return os.fspath(path)
 
 
-def merge_traces(
-    paths: Iterable[str | os.PathLike[str]], out: str | os.PathLike[str]
-) -> str:
+def merge_traces(paths: Iterable[str | os.PathLike[str]], out: str | os.PathLike[str]) -> str:
     """Concatenates the events of per-rank traces (saved with pid = rank) into one file."""
     events: list[dict[str, Any]] = []
     for p in paths:

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import dist_harness  # noqa: E402 - needs HERE on sys.path
+import dist_harness  # after HERE is on sys.path
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,7 +46,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if dist_harness.BACKEND != "xcomm":
         return
     try:
-        import xcomm  # noqa: F401, PLC0415
+        import xcomm  # noqa: F401
     except Exception as e:  # noqa: BLE001
         pytest.exit(
             f"cannot import xcomm ({type(e).__name__}: {e}). Build/install the package, "

@@ -135,7 +135,7 @@ def backend_pg_options(timeout: datetime.timedelta | None, backend: str = BACKEN
     """``xcomm.Options(timeout=...)`` for xcomm; ``None`` for other backends."""
     if backend != "xcomm":
         return None
-    import xcomm  # noqa: PLC0415 - only importable once the package is built
+    import xcomm
 
     return xcomm.Options(timeout=timeout)
 
@@ -149,9 +149,12 @@ def init_default_group(
     use_pg_options: bool,
 ) -> dict[str, Any]:
     """Initialise the default group; returns the kwargs that were used."""
-    kwargs: dict[str, Any] = dict(
-        backend=backend, init_method=init_method, rank=rank, world_size=world_size
-    )
+    kwargs: dict[str, Any] = {
+        "backend": backend,
+        "init_method": init_method,
+        "rank": rank,
+        "world_size": world_size,
+    }
     if use_pg_options and backend == "xcomm":
         kwargs["pg_options"] = backend_pg_options(pg_timeout, backend)
     elif pg_timeout is not None:
@@ -221,7 +224,7 @@ def _encode_exception(exc: BaseException) -> dict[str, Any]:
         blob = pickle.dumps(exc)
         pickle.loads(blob)
         info["pickled"] = blob
-    except Exception:  # noqa: BLE001 - unpicklable exceptions are reported as text
+    except Exception:  # noqa: BLE001, S110 - unpicklable exceptions are reported as text
         pass
     return info
 
@@ -246,7 +249,7 @@ def _rank_main(rank: int, spec: _RunSpec) -> None:
     result: dict[str, Any]
     try:
         if spec.backend == "xcomm":
-            import xcomm  # noqa: F401, PLC0415 - registers the backend
+            import xcomm  # noqa: F401 - registers the backend
         init_kwargs: dict[str, Any] = {}
         ref: dist.ProcessGroup | None = None
         if spec.init:
@@ -873,7 +876,7 @@ class Checker(Mismatches):
 def world_size_params(sizes: Sequence[int] = WORLD_SIZES) -> list[Any]:
     """``pytest.param`` per world size; sizes > 2 carry the ``large_world``
     marker (still run by default; ``-m 'not large_world'`` for a quick pass)."""
-    import pytest  # noqa: PLC0415 - the harness itself does not need pytest
+    import pytest
 
     return [
         pytest.param(ws, id=f"ws{ws}", marks=[pytest.mark.large_world] if ws > 2 else [])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from xcomm.bench import SweepConfig, busbw, busbw_factor, message_sizes, report
 from xcomm.bench.__main__ import build_parser, config_from_args
 from xcomm.bench.collectives import BackendSpec, iteration_counts, parse_size

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from xcomm.cluster import (
     ClusterError,
     ClusterPermissionError,

@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
 import xcomm
 import xcomm.scheduler
 from dist_harness import Mismatches, RankContext, assert_no_mismatches, run_ranks
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from xcomm import trace
 from xcomm.hooks import CastState, Int8State, fp16_cast_hook, int8_compress_hook
 
@@ -56,9 +57,7 @@ def _convnet() -> nn.Module:
 MODELS = {"mlp": (_mlp, (8, 12)), "convnet": (_convnet, (4, 2, 9, 9))}
 
 
-def _batch(
-    rank: int, step: int, shape: tuple[int, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(rank: int, step: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(10_000 * rank + step)
     return torch.randn(shape, generator=g), torch.randn(shape[0], 4, generator=g)
 
@@ -84,18 +83,14 @@ def _train(
             model.register_comm_hook(CastState(process_group=ctx.ref), fp16_cast_hook)
         elif mode == "ddp-int8":
             model = DDP(copy.deepcopy(base), process_group=ctx.ref, bucket_cap_mb=25)
-            model.register_comm_hook(
-                Int8State(process_group=ctx.ref), int8_compress_hook
-            )
+            model.register_comm_hook(Int8State(process_group=ctx.ref), int8_compress_hook)
         opt = _sgd(model.parameters())
     elif mode == "bucketer":  # several buckets, one optimizer
         bucketer = xcomm.GradientBucketer(model, bucket_cap_mb=0.002)
         assert len(bucketer.buckets) > 2, bucketer.bucket_layout()
         opt = _sgd(model.parameters())
     elif mode == "bucketer-step":  # per-bucket optimizers stepped as buckets land
-        bucketer = xcomm.GradientBucketer(
-            model, bucket_cap_mb=0.002, optimizer_factory=_sgd
-        )
+        bucketer = xcomm.GradientBucketer(model, bucket_cap_mb=0.002, optimizer_factory=_sgd)
     elif mode in ("bucketer-fifo", "bucketer-priority"):  # chunked, scheduler thread
         bucketer = xcomm.GradientBucketer(
             model, bucket_cap_mb=0.002, schedule=mode.split("-")[1], chunk_mb=0.0005
@@ -140,9 +135,7 @@ def _train(
 def _rank_identical(ctx: RankContext, pairs: list[tuple[str, str]]) -> list[str]:
     m = Mismatches(ctx)
     for name, (build, shape) in MODELS.items():
-        torch.manual_seed(
-            100 + ctx.rank
-        )  # different per rank: the bucketer must broadcast
+        torch.manual_seed(100 + ctx.rank)  # different per rank: the bucketer must broadcast
         base = build()
         cache: dict[str, list[torch.Tensor]] = {}
         for got_mode, ref_mode in pairs:
@@ -151,9 +144,7 @@ def _rank_identical(ctx: RankContext, pairs: list[tuple[str, str]]) -> list[str]
                 for mode in (got_mode, ref_mode):
                     if mode not in cache:
                         cache[mode] = _train(ctx, base, shape, mode)
-                for i, (a, b) in enumerate(
-                    zip(cache[got_mode], cache[ref_mode], strict=True)
-                ):
+                for i, (a, b) in enumerate(zip(cache[got_mode], cache[ref_mode], strict=True)):
                     if not torch.equal(a, b):
                         diff = (a - b).abs().max().item()
                         m.fail(
@@ -199,9 +190,7 @@ def test_bucketer_compression_is_applied() -> None:
     assert all(run_ranks(_rank_compression_differs, 2))
 
 
-def _rank_priority_order(
-    ctx: RankContext, priority: bool, depth: int
-) -> dict[str, Any]:
+def _rank_priority_order(ctx: RankContext, priority: bool, depth: int) -> dict[str, Any]:
     # Three buckets of 10, 6 and 4 elements in chunks of 4 (16 bytes):
     # chunks 0-2 | 3-4 | 5. All buckets are marked ready before the thread
     # may run, so after the first chunk (sent before anything is known about
@@ -364,9 +353,7 @@ def _rank_errors(ctx: RankContext) -> bool:
         r"\(hook, state\) pair",
         lambda: xcomm.GradientBucketer(model, compression=fp16_cast_hook),
     )
-    _expect(
-        TypeError, "must be a torch.nn.Module", lambda: xcomm.GradientBucketer(object())
-    )
+    _expect(TypeError, "must be a torch.nn.Module", lambda: xcomm.GradientBucketer(object()))
     _expect(
         ValueError,
         "a comm hook cannot compress",
@@ -521,9 +508,7 @@ def _rank_trace(ctx: RankContext) -> dict[str, Any]:
     xcomm.disable_timeline()
     with open(path) as f:
         data = json.load(f)
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU]
-    ) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         nn.functional.mse_loss(model(x), y).backward()
         b.step()
     names = {e.name for e in prof.events()}
@@ -540,9 +525,7 @@ def test_timeline_is_valid_chrome_trace_with_every_bucket_span() -> None:
         events = data["traceEvents"]
         spans = [e for e in events if e["ph"] == "X"]
         assert all(e["pid"] == rank for e in events)
-        tracks = {
-            e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"
-        }
+        tracks = {e["args"]["name"]: e["tid"] for e in events if e["name"] == "thread_name"}
         for i in range(r["n_buckets"]):
             for stage, track in (
                 ("encode", xcomm.bucketer.TRACK_ENCODE),
@@ -564,10 +547,7 @@ def test_timeline_is_valid_chrome_trace_with_every_bucket_span() -> None:
             by_name["bucket 0 transfer"][0],
             by_name["bucket 0 decode"][0],
         )
-        assert (
-            enc["ts"] <= tr["ts"] <= dec["ts"]
-            and tr["ts"] + tr["dur"] <= dec["ts"] + dec["dur"]
-        )
+        assert enc["ts"] <= tr["ts"] <= dec["ts"] and tr["ts"] + tr["dur"] <= dec["ts"] + dec["dur"]
         # xcomm's spans in torch.profiler
         assert "xcomm::bucket0::encode" in r["profiler_names"]
         assert "xcomm::bucket0::transfer" in r["profiler_names"]
@@ -575,9 +555,7 @@ def test_timeline_is_valid_chrome_trace_with_every_bucket_span() -> None:
 
 
 def test_trace_validator_rejects_malformed_traces() -> None:
-    good = {
-        "traceEvents": [{"name": "a", "ph": "X", "pid": 0, "tid": 1, "ts": 1, "dur": 2}]
-    }
+    good = {"traceEvents": [{"name": "a", "ph": "X", "pid": 0, "tid": 1, "ts": 1, "dur": 2}]}
     assert trace.validate_trace(good) == []
     assert trace.validate_trace({"events": []})
     for broken in (

@@ -304,7 +304,7 @@ def test_bad_input_raises_clear_error(case: str) -> None:
 @pytest.mark.skipif(BACKEND != "xcomm", reason="xcomm.Options")
 def test_options_validation() -> None:
     """xcomm.Options rejects a non-positive or non-timedelta timeout."""
-    import xcomm  # noqa: PLC0415
+    import xcomm
 
     with pytest.raises(ValueError, match=all_of("timeout")):
         xcomm.Options(timeout=datetime.timedelta(seconds=-1))

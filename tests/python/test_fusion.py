@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import xcomm
-from dist_harness import RankContext, run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import xcomm
+from dist_harness import RankContext, run_ranks
 
 THRESHOLD = 4096
 

@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
-from xcomm import hooks  # noqa: E402
+from xcomm import hooks
 
 STEPS = 8
 
@@ -66,15 +65,15 @@ def flat_params(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _config(rank: int, batched: bool) -> dict[str, Any]:
-    return dict(
-        matrix_approximation_rank=rank,
-        start_powerSGD_iter=2,
-        min_compression_rate=2,
-        use_error_feedback=True,
-        warm_start=True,
-        random_seed=7,
-        batch_tensors_with_same_shape=batched,
-    )
+    return {
+        "matrix_approximation_rank": rank,
+        "start_powerSGD_iter": 2,
+        "min_compression_rate": 2,
+        "use_error_feedback": True,
+        "warm_start": True,
+        "random_seed": 7,
+        "batch_tensors_with_same_shape": batched,
+    }
 
 
 def _against_torch(ctx: RankContext, rank: int, batched: bool) -> dict[str, Any]:
@@ -186,4 +185,3 @@ def test_float64_buckets_work() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
-

@@ -420,9 +420,9 @@ def _rank_reinit(ctx: RankContext, port: int) -> list[str]:
         m.fail("destroy", "dist.is_initialized() still True after destroy_process_group()")
 
     inits: list[tuple[str, dict[str, Any]]] = [
-        ("file://", dict(init_method="file://" + ctx.fresh_store_path("second"))),
-        ("tcp://", dict(init_method=f"tcp://127.0.0.1:{port}")),
-        ("store=FileStore", dict(store=dist.FileStore(ctx.fresh_store_path("fourth"), ws))),
+        ("file://", {"init_method": "file://" + ctx.fresh_store_path("second")}),
+        ("tcp://", {"init_method": f"tcp://127.0.0.1:{port}"}),
+        ("store=FileStore", {"store": dist.FileStore(ctx.fresh_store_path("fourth"), ws)}),
     ]
     for name, kwargs in inits:
         label = f"re-init via {name}"
@@ -443,13 +443,13 @@ def test_destroy_and_reinit(world_size: int) -> None:
 
 
 def _rank_import_twice(ctx: RankContext) -> list[str]:
-    import dataclasses  # noqa: PLC0415
-    import importlib  # noqa: PLC0415
+    import dataclasses
+    import importlib
 
-    import xcomm  # noqa: PLC0415
+    import xcomm
 
     m = Mismatches(ctx)
-    import xcomm as again  # noqa: PLC0415
+    import xcomm as again
 
     if again is not xcomm:
         m.fail("import twice", "second import returned a different module")
@@ -490,7 +490,7 @@ def test_import_twice_and_reload() -> None:
 
 
 def _rank_options_timeout(ctx: RankContext) -> dict[str, Any] | None:
-    import xcomm  # noqa: PLC0415
+    import xcomm
 
     g = dist.new_group(
         timeout=datetime.timedelta(minutes=10),

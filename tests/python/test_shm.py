@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+
 from dist_harness import (
     ALL_DTYPES,
     BASIC_OPS,

@@ -193,8 +193,10 @@ def _parse_size(text: str) -> int:
 def format_markdown(rows: list[dict]) -> str:
     """Wall time (what a step waits) and CPU time (the work, all threads)."""
     lines = [
-        "| method | elements | torch ops ms | xcomm ms | torch / xcomm | "
-        "torch ops CPU ms | xcomm CPU ms | torch / xcomm (CPU) |",
+        (
+            "| method | elements | torch ops ms | xcomm ms | torch / xcomm | "
+            "torch ops CPU ms | xcomm CPU ms | torch / xcomm (CPU) |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     by_key: dict[tuple[str, int], dict[str, dict]] = {}

@@ -466,7 +466,7 @@ def metadata(cfg: SweepConfig, world_size: int) -> dict[str, Any]:
         import xcomm
 
         xcomm_version = getattr(xcomm, "__version__", "?")
-    except Exception:
+    except Exception:  # noqa: BLE001 - metadata only: a broken build still gets a report
         xcomm_version = "not importable"
     try:
         commit = subprocess.run(

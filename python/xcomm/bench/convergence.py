@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from .launch import free_port
 
-__all__ = ["RUNS", "Run", "run_all", "main"]
+__all__ = ["RUNS", "Run", "main", "run_all"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ RUNS: list[Run] = [
 
 
 def _rank(rank: int, world: int, run: Run, steps: int, init: str, out: str) -> None:
-    import xcomm  # noqa: F401 - registers the backend in the spawned process
+    import xcomm
 
     from .digits import DigitsConfig, train_digits
 
@@ -108,8 +108,10 @@ def run_all(runs: list[Run], steps: int, progress: bool = True) -> list[dict]:
 def format_markdown(rows: list[dict], steps: int) -> str:
     base = rows[0]
     lines = [
-        f"| reduction | final test accuracy ({steps} steps) | vs uncompressed | "
-        "wire KiB/step/rank | bytes ratio | time/step ms |",
+        (
+            f"| reduction | final test accuracy ({steps} steps) | vs uncompressed | "
+            "wire KiB/step/rank | bytes ratio | time/step ms |"
+        ),
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

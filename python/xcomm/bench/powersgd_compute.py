@@ -20,6 +20,7 @@ of the whole process; the two hooks take turns step by step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -39,7 +40,7 @@ def mlp_shapes() -> list[tuple[int, ...]]:
     """A ~20M-parameter MLP: 784 -> 4 x 2048 -> 1000 (weights and biases)."""
     dims = [784, 2048, 2048, 2048, 2048, 2048, 1000]
     shapes: list[tuple[int, ...]] = []
-    for fan_in, fan_out in zip(dims[:-1], dims[1:]):
+    for fan_in, fan_out in itertools.pairwise(dims):
         shapes += [(fan_out, fan_in), (fan_out,)]
     return shapes
 
@@ -140,12 +141,12 @@ def time_hooks(
 
 
 def measure(model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0) -> dict[str, Any]:
-    from xcomm.hooks import PowerSGDState, powersgd_hook  # noqa: PLC0415
+    from xcomm.hooks import PowerSGDState, powersgd_hook
 
     buckets = ddp_buckets(MODELS[model](), bucket_mb)
     gen = torch.Generator().manual_seed(seed)
     grads = [torch.randn(b.buffer().numel(), generator=gen) for b in buckets]
-    config = dict(matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    config = {"matrix_approximation_rank": rank, "start_powerSGD_iter": 2}
     warmup = config["start_powerSGD_iter"] + 1  # plain steps, then the first compressed one
     result: dict[str, Any] = {
         "model": model,
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)  # fmt: skip
 
-    import xcomm  # noqa: F401, PLC0415 - registers the backend
+    import xcomm  # noqa: F401 - registers the backend
 
     if args.threads:
         torch.set_num_threads(args.threads)

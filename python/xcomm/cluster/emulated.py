@@ -261,7 +261,7 @@ class EmulatedCluster:
         """Node 0's address (``MASTER_ADDR``)."""
         return self.nodes[0].address
 
-    def __enter__(self) -> EmulatedCluster:
+    def __enter__(self) -> EmulatedCluster:  # noqa: PYI034 - typing.Self needs 3.11
         self.start()
         return self
 

@@ -111,7 +111,7 @@ def check_privileges(capabilities: int | None = None) -> None:
             raise ClusterError(f"xcomm.cluster needs iproute2's `{tool}` on PATH; it was not found")
 
 
-def parse_rate(rate: str | float | int) -> int:
+def parse_rate(rate: str | float) -> int:
     """Parses a link rate into bit/s and checks it is in the supported range.
 
     Accepts tc-style SI units (``"100mbit"``, ``"2.5gbit"``, ``"1e9bit"``) or a

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ._common import check_floating, group_size
 from .stats import CompressionStats, allreduce_bytes
 
-__all__ = ["CastState", "fp16_cast_hook", "bf16_cast_hook"]
+__all__ = ["CastState", "bf16_cast_hook", "fp16_cast_hook"]
 
 
 @dataclass

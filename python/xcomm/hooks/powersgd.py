@@ -85,7 +85,9 @@ _MATH_CONFIG = (
 
 def _as_int(name: str, value: Any) -> int:
     if isinstance(value, bool):
-        raise ValueError(f"PowerSGDState: {name} must be an integer; got {value!r}")
+        raise ValueError(  # noqa: TRY004 - one exception type for every bad setting
+            f"PowerSGDState: {name} must be an integer; got {value!r}"
+        )
     try:
         return operator.index(value)
     except TypeError:
@@ -96,7 +98,7 @@ def _as_int(name: str, value: Any) -> int:
 
 def _as_real(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 - one exception type for every bad setting
             f"PowerSGDState: {name} must be a real number; got {value!r} ({type(value).__name__})"
         )
     return float(value)
@@ -284,7 +286,7 @@ class PowerSGDState:
         for key in self._codec.state_keys():
             error, q = self._codec.param_state(key)
             params[key] = {"error": error, "q": q}
-        mt, keys_arr, pos, has_gauss, cached = self.rng.get_state()
+        _mt, keys_arr, pos, has_gauss, cached = self.rng.get_state()
         return {
             "version": _STATE_DICT_VERSION,
             "config": self.config(),

@@ -33,7 +33,7 @@ from ._common import (
 )
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes
 
-__all__ = ["TopKState", "topk_hook", "RandomKState", "randomk_hook"]
+__all__ = ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-__all__ = ["CompressionStats", "allreduce_bytes", "allgather_bytes", "alltoall_bytes"]
+__all__ = ["CompressionStats", "allgather_bytes", "allreduce_bytes", "alltoall_bytes"]
 
 
 def allreduce_bytes(nbytes: int, world: int) -> int:
