@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -284,6 +285,43 @@ def test_fusion_cycle_dead_peer_raises_within_the_timeout() -> None:
     assert r is not None
     assert r["error"] is not None and r["elapsed"] < 30.0, r
     assert r["second"] is not None and r["second_s"] < 30.0, r
+
+
+def _rank_cycle_abort_and_shutdown(ctx: RankContext) -> dict[str, Any]:
+    # A cycle far longer than the test: held ops leave only when told to.
+    slow = xcomm.Options(fusion_threshold_bytes=THRESHOLD, fusion_cycle_ms=600_000.0)
+    aborted = dist.new_group(backend="xcomm", pg_options=slow)
+    work = dist.all_reduce(torch.ones(4), group=aborted, async_op=True)
+    t0 = time.monotonic()
+    c10d._abort_process_group(aborted)
+    try:
+        work.wait()
+        abort_error = None
+    except RuntimeError as e:
+        abort_error = str(e)
+    abort_s = time.monotonic() - t0
+
+    # shutdown() sends what is held (every rank shuts down at the same point).
+    closing = dist.new_group(backend="xcomm", pg_options=slow)
+    t = torch.full((4,), float(ctx.rank + 1))
+    work = dist.all_reduce(t, group=closing, async_op=True)
+    backend = closing._get_backend(torch.device("cpu"))
+    backend.shutdown()
+    backend.shutdown()  # idempotent
+    work.wait()
+    return {
+        "abort_error": abort_error,
+        "abort_s": abort_s,
+        "after_shutdown": t.tolist(),
+        "expected": [float(sum(range(1, ctx.world_size + 1)))] * 4,
+    }
+
+
+def test_fusion_cycle_abort_fails_held_ops_and_shutdown_sends_them() -> None:
+    for r in run_ranks(_rank_cycle_abort_and_shutdown, 2):
+        assert r["abort_error"] is not None and "aborted" in r["abort_error"], r
+        assert r["abort_s"] < 10.0, r
+        assert r["after_shutdown"] == r["expected"], r
 
 
 def test_fusion_cycle_option_is_checked() -> None:
