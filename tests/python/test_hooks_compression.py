@@ -7,7 +7,6 @@ run for checkpoint-and-resume (bitwise).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_helpers import checkpoint_resume, flat_params, train
 from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
@@ -55,18 +55,6 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 20, generator=g), torch.randint(0, 5, (16,), generator=g)
 
 
-def train(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
-    for step in steps:
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 # --------------------------------------------------------------------------- #
 
 
@@ -77,7 +65,7 @@ def _identical_params(
     state, hook = make_state(method)
     model.register_comm_hook(state, hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    train(model, opt, ctx.rank, range(8))
+    train(model, opt, batch, ctx.rank, range(8))
     return flat_params(model), state.stats.as_dict()
 
 
@@ -150,20 +138,7 @@ def _checkpoint_resume(ctx: RankContext, method: str) -> tuple[torch.Tensor, tor
         model.register_comm_hook(state, hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
 
-    model, opt, state = fresh()
-    train(model, opt, ctx.rank, range(6))
-    saved = copy.deepcopy(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
-    )
-    train(model, opt, ctx.rank, range(6, 12))
-    uninterrupted = flat_params(model)
-
-    model2, opt2, state2 = fresh()
-    model2.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["opt"])
-    state2.load_state_dict(saved["hook"])
-    train(model2, opt2, ctx.rank, range(6, 12))
-    return uninterrupted, flat_params(model2)
+    return checkpoint_resume(fresh, batch, ctx.rank, range(6), range(6, 12))
 
 
 @pytest.mark.parametrize("method", ["int8", "topk", "topk_approx", "randomk"])

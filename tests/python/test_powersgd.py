@@ -7,7 +7,6 @@ order differs), and an uninterrupted run for checkpoint-and-resume (bitwise).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_helpers import checkpoint_resume, flat_params, train
 from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
@@ -52,18 +52,6 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 10, (16,), generator=g)
 
 
-def train(model: DDP, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
-    for step in steps:
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
-
-def flat_params(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def _config(rank: int, batched: bool) -> dict[str, Any]:
     return {
         "matrix_approximation_rank": rank,
@@ -89,7 +77,7 @@ def _against_torch(ctx: RankContext, rank: int, batched: bool) -> dict[str, Any]
             state = hooks.PowerSGDState(process_group=None, **_config(rank, batched))
             model.register_comm_hook(state, hooks.powersgd_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        train(model, opt, ctx.rank, range(STEPS))
+        train(model, opt, batch, ctx.rank, range(STEPS))
         results[impl] = flat_params(model)
         results[impl + "_rate"] = state.compression_stats()[0]
     return results
@@ -115,20 +103,7 @@ def _resume(ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor]:
         model.register_comm_hook(state, hooks.powersgd_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
 
-    model, opt, state = fresh()
-    train(model, opt, ctx.rank, range(5))
-    saved = copy.deepcopy(
-        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
-    )
-    train(model, opt, ctx.rank, range(5, 10))
-    uninterrupted = flat_params(model)
-
-    model2, opt2, state2 = fresh()
-    model2.load_state_dict(saved["model"])
-    opt2.load_state_dict(saved["opt"])
-    state2.load_state_dict(saved["hook"])
-    train(model2, opt2, ctx.rank, range(5, 10))
-    return uninterrupted, flat_params(model2)
+    return checkpoint_resume(fresh, batch, ctx.rank, range(5), range(5, 10))
 
 
 def test_checkpoint_and_resume_is_bitwise_identical() -> None:
@@ -141,7 +116,7 @@ def _stats(ctx: RankContext) -> dict[str, Any]:
     state = hooks.PowerSGDState(process_group=None, **_config(1, False))
     model.register_comm_hook(state, hooks.powersgd_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    train(model, opt, ctx.rank, range(4))
+    train(model, opt, batch, ctx.rank, range(4))
     return state.stats.as_dict()
 
 

@@ -1,0 +1,55 @@
+"""Training and checkpoint helpers shared by the DDP hook tests.
+
+Each test module keeps its own model and batches; these only drive them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: A rank's (inputs, labels) for a step.
+BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+#: A fresh (model, optimizer, hook state), built the same way every time.
+FreshFn = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
+
+
+def train(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: BatchFn, rank: int, steps: range
+) -> None:
+    """Cross-entropy SGD steps on ``batch(rank, step)`` for each step."""
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def checkpoint_resume(
+    fresh: FreshFn, batch: BatchFn, rank: int, first: range, second: range
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trains ``first`` then ``second`` without a break, and again resuming
+    from a checkpoint (model, optimizer, hook state) taken after ``first`` in a
+    fresh model; returns both final parameter vectors (equal when resuming is
+    exact)."""
+    model, opt, state = fresh()
+    train(model, opt, batch, rank, first)
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()}
+    )
+    train(model, opt, batch, rank, second)
+    uninterrupted = flat_params(model)
+
+    model2, opt2, state2 = fresh()
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    state2.load_state_dict(saved["hook"])
+    train(model2, opt2, batch, rank, second)
+    return uninterrupted, flat_params(model2)
