@@ -4,6 +4,7 @@
 
 #include "backend/XcommBackend.hpp"
 #include "python/Bindings.hpp"
+#include "schedule/BucketLauncher.hpp"
 #include "schedule/ChunkScheduler.hpp"
 #include "schedule/Stats.hpp"
 #include "schedule/Timeline.hpp"
@@ -80,8 +81,46 @@ void bindChunkScheduler(py::module_& m) {
       .def_property_readonly("order", [](const PyChunkScheduler& s) { return s.impl->order(); });
 }
 
+void bindBucketLauncher(py::module_& m) {
+  using xcomm::BucketLauncher;
+  py::class_<BucketLauncher>(m, "BucketLauncher")
+      .def(py::init([](std::vector<at::Tensor> buffers,
+                       const std::vector<std::tuple<int, int64_t, int64_t>>& slots,
+                       const c10::intrusive_ptr<c10d::Backend>& backend) {
+             std::vector<BucketLauncher::Slot> converted;
+             converted.reserve(slots.size());
+             for (const auto& [bucket, offset, numel] : slots) {
+               converted.push_back({bucket, offset, numel});
+             }
+             return std::make_unique<BucketLauncher>(std::move(buffers), std::move(converted),
+                                                     backend);
+           }),
+           py::arg("buffers"), py::arg("slots"), py::arg("backend"),
+           "Fills flat buckets with gradients (x 1/n) and allreduces each the moment it and "
+           "every earlier bucket are full; slots: (bucket, offset, numel) per parameter.")
+      .def("grad_ready", &BucketLauncher::gradReady, py::arg("param"), py::arg("grad"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "done", [](const BucketLauncher& l, int b) { return l.future(b)->completed(); },
+          py::arg("bucket"))
+      .def(
+          "wait",
+          [](const BucketLauncher& l, int b) {
+            auto future = l.future(b);
+            future->wait();
+            if (future->hasError()) std::rethrow_exception(future->exception_ptr());
+          },
+          py::arg("bucket"), py::call_guard<py::gil_scoped_release>(),
+          "Waits for the bucket's reduction and copy-back; raises its error.")
+      .def("ready_us", &BucketLauncher::readyUs, py::arg("bucket"))
+      .def("landed_us", &BucketLauncher::landedUs, py::arg("bucket"))
+      .def_property_readonly("launched", &BucketLauncher::launched)
+      .def("reset", &BucketLauncher::reset, py::call_guard<py::gil_scoped_release>());
+}
+
 void bindSchedule(py::module_& m) {
   bindChunkScheduler(m);
+  bindBucketLauncher(m);
   m.def(
       "stats_snapshot",
       [] {

@@ -20,6 +20,11 @@ parallelism) usually reduce every gradient after ``backward()``. A
    runs each bucket's own optimizer as soon as that bucket has landed, while
    later buckets are still on the wire (optimizer overlap).
 
+Steps 2 and 3 run in C++ for CPU buckets without a hook
+(``csrc/schedule/BucketLauncher``: no Python and no GIL on the backward or
+completion threads); with a hook, the hook's Python runs as DDP's would, and
+``schedule="fifo"|"priority"`` hands full buckets to the C++ chunk scheduler.
+
 The math, without compression: every rank's ``p.grad`` becomes
 ``sum_r (g_r * (1/n))`` over the ``n`` ranks, exactly what DDP's built-in
 reduction computes (it also scales by ``1/n`` while copying into the bucket
@@ -58,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import trace
+from . import _C, trace
 from .opstats import record_op
 from .scheduler import ChunkScheduler
 
@@ -113,6 +118,20 @@ class BucketView:
 
     def is_last(self) -> bool:
         return self._is_last
+
+
+class _LaunchedFuture:
+    """A bucket's reduction in the C++ launcher, seen as a future (``done``/``wait``)."""
+
+    def __init__(self, launcher: Any, index: int) -> None:
+        self._launcher = launcher
+        self._index = index
+
+    def done(self) -> bool:
+        return bool(self._launcher.done(self._index))
+
+    def wait(self) -> None:
+        self._launcher.wait(self._index)
 
 
 @dataclass
@@ -261,6 +280,24 @@ class GradientBucketer:
         self._n_params = len(params)
         self.last_timing: dict[str, float] = {}
         self._scheduler: ChunkScheduler | None = None
+        # The plain path (no hook, no chunks) runs in C++ (csrc/schedule/
+        # BucketLauncher): copy-in, launch in index order, copy-back, stats
+        # and spans, all without the GIL. Hooks and CUDA buckets stay here.
+        self._launcher: Any = None
+        self._param_index = {id(p): i for i, p in enumerate(params)}
+        if (
+            schedule == "immediate"
+            and compression is None
+            and all(b.buffer.device.type == "cpu" for b in self.buckets)
+        ):
+            pg = process_group if process_group is not None else dist.group.WORLD
+            slots = [None] * len(params)
+            for b in self.buckets:
+                for p, off in zip(b.params, b.offsets, strict=True):
+                    slots[self._param_index[id(p)]] = (b.index, off, p.numel())
+            self._launcher = _C.BucketLauncher(
+                [b.buffer for b in self.buckets], slots, pg._get_backend(torch.device("cpu"))
+            )
         if schedule != "immediate":
             self._scheduler = ChunkScheduler(
                 [b.buffer for b in self.buckets],
@@ -319,7 +356,11 @@ class GradientBucketer:
             b.ready_us = 0
             b.landed_us = 0
             b.future = torch.futures.Future() if self.schedule != "immediate" else None
+            if self._launcher is not None:
+                b.future = _LaunchedFuture(self._launcher, b.index)
             b.ready_params = set()
+        if self._launcher is not None:
+            self._launcher.reset()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -345,6 +386,9 @@ class GradientBucketer:
             self._grads_seen += 1
             if self._grads_seen == self._n_params:
                 self._backward_end_us = trace.now_us()
+        if self._launcher is not None:
+            self._launcher.grad_ready(self._param_index[id(p)], p.grad)
+            return
         grad = p.grad
         view = bucket.buffer.narrow(0, offset, p.numel())
         with torch.autograd.profiler.record_function("xcomm::bucketer::copy_in"):
@@ -495,6 +539,8 @@ class GradientBucketer:
             for b in self.buckets:
                 if self._scheduler is not None:
                     continue
+                if self._launcher is not None and b.index >= self._launcher.launched:
+                    continue  # never launched: nothing to wait for
                 if b.future is not None:
                     with contextlib.suppress(Exception):
                         b.future.wait()
@@ -541,6 +587,8 @@ class GradientBucketer:
                 b = next((x for x in expected if x.future.done()), expected[0])
                 expected.remove(b)
                 b.future.wait()
+                if self._launcher is not None:
+                    b.landed_us = self._launcher.landed_us(b.index)
                 if step and b.optimizer is not None:
                     t0 = trace.now_us()
                     with torch.autograd.profiler.record_function(

@@ -10,6 +10,7 @@
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommBackend.hpp"
 #include "common/TorchCompat.hpp"
+#include "schedule/BucketLauncher.hpp"
 #include "schedule/ChunkScheduler.hpp"
 #include "schedule/Stats.hpp"
 
@@ -33,6 +34,12 @@ std::mutex& catchMutex() {
   do {                                                   \
     std::lock_guard<std::mutex> catchLock(catchMutex()); \
     REQUIRE(__VA_ARGS__);                                \
+  } while (0)
+// Only for expressions that throw without blocking (they run under the lock).
+#define RANK_CHECK_THROWS_WITH(expr, matcher)            \
+  do {                                                   \
+    std::lock_guard<std::mutex> catchLock(catchMutex()); \
+    CHECK_THROWS_WITH(expr, matcher);                    \
   } while (0)
 #define RANK_INFO_CHECK(message, ...)                    \
   do {                                                   \
@@ -346,6 +353,45 @@ TEST_CASE("a fusion cycle sends held ops unasked, the same groups on every rank"
     std::vector<at::Tensor> big{rankValues(rank, 1000, at::kLong)};
     b.allreduce(big)->wait();
     RANK_CHECK(at::equal(big[0], rankValues(0, 1000, at::kLong) + rankValues(1, 1000, at::kLong)));
+  });
+}
+
+TEST_CASE("the bucket launcher averages in index order and copies the mean back", "[schedule]") {
+  runRanks(2, [](XcommBackend& b, int rank, int size) {
+    // Bucket 0: params 0 (3 elems) and 1 (2); bucket 1: param 2 (4).
+    std::vector<at::Tensor> buffers{at::zeros({5}), at::zeros({4})};
+    std::vector<xcomm::BucketLauncher::Slot> slots{{0, 0, 3}, {0, 3, 2}, {1, 0, 4}};
+    auto backend = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&b);
+    xcomm::BucketLauncher launcher(buffers, slots, backend);
+    for (int iteration = 0; iteration < 2; ++iteration) {
+      std::vector<at::Tensor> grads{rankValues(rank + iteration, 3, at::kFloat).view({3, 1}),
+                                    rankValues(rank + iteration, 2, at::kFloat),
+                                    rankValues(rank + iteration, 4, at::kFloat).view({2, 2})};
+      std::vector<at::Tensor> expected;
+      for (int p = 0; p < 3; ++p) {
+        auto sum = at::zeros_like(grads[p]);
+        for (int r = 0; r < size; ++r) {
+          sum += rankValues(r + iteration, grads[p].numel(), at::kFloat).view(grads[p].sizes());
+        }
+        expected.push_back(sum / size);
+      }
+      // Bucket 1 fills first; it may not go before bucket 0 (same order on every rank).
+      launcher.gradReady(2, grads[2]);
+      RANK_CHECK(launcher.launched() == 0);
+      RANK_CHECK_THROWS_WITH(launcher.gradReady(2, grads[2]), Contains("ready twice"));
+      launcher.gradReady(0, grads[0]);
+      RANK_CHECK(launcher.launched() == 0);
+      launcher.gradReady(1, grads[1]);
+      RANK_CHECK(launcher.launched() == 2);
+      for (int bucket = 0; bucket < 2; ++bucket) {
+        auto future = launcher.future(bucket);
+        future->wait();
+        RANK_CHECK(!future->hasError());
+        RANK_CHECK(launcher.landedUs(bucket) >= launcher.readyUs(bucket));
+      }
+      for (int p = 0; p < 3; ++p) RANK_CHECK(at::allclose(grads[p], expected[p]));
+      launcher.reset();
+    }
   });
 }
 
