@@ -151,6 +151,9 @@ FusionBuffer::FusionBuffer(size_t thresholdBytes, std::chrono::microseconds cycl
 }
 
 FusionBuffer::~FusionBuffer() {
+  // Normally shutdown() (stop()) has sent everything already. Ops still held
+  // here get one last round: it completes when the peers hold the same ops,
+  // and fails at once if a peer is gone or after the timeout if it hangs.
   if (!thread_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
