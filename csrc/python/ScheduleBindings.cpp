@@ -155,11 +155,11 @@ void bindSchedule(py::module_& m) {
       "set_fusion_threshold",
       [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend, size_t bytes, double cycleMs,
          const c10::intrusive_ptr<c10d::Backend>& control) {
-        TORCH_CHECK_VALUE(cycleMs >= 0, "xcomm: fusion cycle_ms must be >= 0, got ", cycleMs);
-        // A positive cycle below 1 us still means "a cycle", not "on demand".
+        // A positive cycle below 1 us still means "a cycle", not "on demand";
+        // setFusionThreshold refuses a negative one.
         const auto us = static_cast<int64_t>(cycleMs * 1000.0);
         backend->setFusionThreshold(
-            bytes, std::chrono::microseconds(cycleMs > 0 ? std::max<int64_t>(us, 1) : 0), control);
+            bytes, std::chrono::microseconds(cycleMs > 0 ? std::max<int64_t>(us, 1) : us), control);
       },
       py::arg("backend"), py::arg("bytes"), py::arg("cycle_ms") = 0.0,
       py::arg("control") = c10::intrusive_ptr<c10d::Backend>(),

@@ -356,6 +356,42 @@ TEST_CASE("a fusion cycle sends held ops unasked, the same groups on every rank"
   });
 }
 
+TEST_CASE("bad fusion-cycle and bucket-launcher settings are refused with a message",
+          "[fusion][schedule]") {
+  auto controlStore = c10::make_intrusive<c10d::HashStore>();
+  runRanks(1, [&](XcommBackend& b, int rank, int size) {
+    auto control = c10::make_intrusive<xcomm::StoreCpuBackend>(
+        c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
+        std::chrono::seconds(20));
+    const std::chrono::milliseconds cycle(5);
+    CHECK_THROWS_WITH(b.setFusionThreshold(0, cycle, control),
+                      Contains("needs fusion_threshold_bytes > 0"));
+    CHECK_THROWS_WITH(b.setFusionThreshold(1024, cycle), Contains("needs a control transport"));
+    CHECK_THROWS_WITH(b.setFusionThreshold(1024, std::chrono::microseconds(-1), control),
+                      Contains("must be >= 0"));
+
+    auto backend = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&b);
+    using Launcher = xcomm::BucketLauncher;
+    CHECK_THROWS_WITH(Launcher({}, {}, backend), Contains("no buckets"));
+    CHECK_THROWS_WITH(Launcher({at::zeros({2, 2})}, {{0, 0, 4}}, backend),
+                      Contains("flat contiguous"));
+    CHECK_THROWS_WITH(Launcher({at::zeros({4})}, {{0, 2, 3}}, backend),
+                      Contains("outside its bucket"));
+    CHECK_THROWS_WITH(Launcher({at::zeros({4})}, {{0, 0, 3}}, backend),
+                      Contains("cover 3 of its 4"));
+    Launcher launcher({at::zeros({4})}, {{0, 0, 4}}, backend);
+    CHECK_THROWS_WITH(launcher.gradReady(1, at::zeros({4})), Contains("no parameter 1"));
+    CHECK_THROWS_WITH(launcher.gradReady(0, at::zeros({3})), Contains("gradient of 3 elements"));
+    CHECK_THROWS_WITH(launcher.future(2), Contains("no bucket 2"));
+
+    // An allreduce after shutdown fails its work instead of waiting for a round.
+    b.setFusionThreshold(1024, cycle, control);
+    b.shutdown();
+    std::vector<at::Tensor> late{at::ones({3})};
+    CHECK_THROWS_WITH(b.allreduce(late)->wait(), Contains("shut down"));
+  });
+}
+
 TEST_CASE("the bucket launcher averages in index order and copies the mean back", "[schedule]") {
   runRanks(2, [](XcommBackend& b, int rank, int size) {
     // Bucket 0: params 0 (3 elems) and 1 (2); bucket 1: param 2 (4).

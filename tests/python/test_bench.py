@@ -405,3 +405,23 @@ def test_fusion_bench_smoke_every_group_and_pattern_identical(tmp_path: Path) ->
     assert all(float(r[2]) > 0 and float(r[4]) >= 0 for r in rows)
     # The cycle's own view: rounds ran, and a share of ops was already reduced.
     assert "agreement rounds per sample" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cycle-ms", "0"], "--cycle-ms must be > 0"),
+        (["--compute-us", "-1"], "--compute-us >= 0"),
+        (["--ops", "0"], "must be >= 1"),
+    ],
+)
+def test_fusion_bench_refuses_bad_arguments(args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "xcomm.bench", "fusion", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
