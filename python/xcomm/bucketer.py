@@ -355,9 +355,12 @@ class GradientBucketer:
             b.pending = len(b.params)
             b.ready_us = 0
             b.landed_us = 0
-            b.future = torch.futures.Future() if self.schedule != "immediate" else None
             if self._launcher is not None:
                 b.future = _LaunchedFuture(self._launcher, b.index)
+            elif self.schedule != "immediate":
+                b.future = torch.futures.Future()  # completed by the chunk scheduler
+            else:
+                b.future = None  # set when the bucket is launched
             b.ready_params = set()
         if self._launcher is not None:
             self._launcher.reset()
