@@ -3,8 +3,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/GroupBuilder.hpp"
 #include "backend/InputChecks.hpp"
-#include "backend/ShmCpuBackend.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/ReduceKernels.hpp"
@@ -38,20 +38,28 @@ std::vector<at::Tensor> scaledCopies(const std::vector<at::Tensor>& ts, double f
 
 }  // namespace
 
-XcommBackend::XcommBackend(int rank, int size, c10::intrusive_ptr<XcommOptions> options,
+XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan,
                            Transports transports)
-    : Backend(rank, size), options_(std::move(options)), transports_(std::move(transports)) {
+    : Backend(plan.rank, plan.size),
+      options_(std::move(options)),
+      plan_(std::move(plan)),
+      transports_(std::move(transports)) {
   TORCH_CHECK(options_, "xcomm: options must not be null");
   TORCH_CHECK(transports_.cpu || transports_.cuda,
               "xcomm: a process group needs a CPU or a CUDA transport backend");
+  TORCH_CHECK(!transports_.shm || transports_.cpu == transports_.shm,
+              "xcomm: the shared-memory transport must be the CPU transport");
+  TORCH_CHECK(plan_.usesShm() == static_cast<bool>(transports_.shm), "xcomm: a ",
+              groupShapeName(plan_.shape), " group ", plan_.usesShm() ? "needs" : "has no use for",
+              " a shared-memory transport");
   for (const auto& t : {transports_.cpu, transports_.cuda}) {
-    TORCH_CHECK(!t || (t->getRank() == rank && t->getSize() == size),
+    TORCH_CHECK(!t || (t->getRank() == rank_ && t->getSize() == size_),
                 "xcomm: the transport backend's rank/size (", t ? t->getRank() : -1, "/",
-                t ? t->getSize() : -1, ") differ from the group's (", rank, "/", size, ")");
+                t ? t->getSize() : -1, ") differ from the group's (", rank_, "/", size_, ")");
   }
-  const auto& compression = options_->compression;
+  const auto& compression = plan_.backendCompression;
   if (compression.method != Compression::kNone) {
-    compressed_ = std::make_unique<CompressedAllreduce>(compression, size);
+    compressed_ = std::make_unique<CompressedAllreduce>(compression, size_);
     if (compressed_->needsOwnTransport()) {
       TORCH_CHECK_VALUE(transports_.cpuCompressed, "xcomm: ", compressionName(compression.method),
                         " allreduce compression needs a second CPU transport for its own "
@@ -67,15 +75,12 @@ XcommBackend::~XcommBackend() = default;
 c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     c10::intrusive_ptr<XcommOptions> options) {
-  TORCH_CHECK_VALUE(size > 0 && rank >= 0 && rank < size, "xcomm: rank ", rank,
-                    " is out of range for a group of size ", size);
-  Transports transports;
-  transports.cpu = c10::make_intrusive<StoreCpuBackend>(store, rank, size, options->timeout);
-  if (options->compression.method == Compression::kInt8) {
-    transports.cpuCompressed = c10::make_intrusive<StoreCpuBackend>(
-        c10::make_intrusive<c10d::PrefixStore>("xcomm/int8", store), rank, size, options->timeout);
-  }
-  return c10::make_intrusive<XcommBackend>(rank, size, std::move(options), std::move(transports));
+  TransportFactory factory;
+  factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
+                   std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+    return c10::make_intrusive<StoreCpuBackend>(prefixed, r, n, timeout);
+  };
+  return buildGroup(store, rank, size, std::move(options), factory, /*allowShm=*/false);
 }
 
 void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
@@ -173,8 +178,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& 
 
 const CompressedAllreduce* XcommBackend::compression() const {
   if (compressed_) return compressed_.get();
-  const auto* shm = dynamic_cast<const ShmCpuBackend*>(transports_.cpu.get());
-  return shm ? shm->leaderCompression() : nullptr;
+  return transports_.shm ? transports_.shm->leaderCompression() : nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& tensors,

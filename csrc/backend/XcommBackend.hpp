@@ -2,14 +2,18 @@
 // XcommBackend: the c10d::Backend behind init_process_group(backend="xcomm").
 //
 // Every call is checked and staged here, then handed to the transport backend
-// for the tensors' device: Gloo for CPU tensors and NCCL for CUDA tensors when
-// created from Python, or xcomm's own StoreCpuBackend in a C++-only program.
+// for the tensors' device: Gloo (or the shared-memory ShmCpuBackend wrapping
+// it) for CPU tensors and NCCL for CUDA tensors when created from Python, or
+// xcomm's own StoreCpuBackend in a C++-only program. What the group is (its
+// GroupPlan) and its transports come from GroupBuilder.
 #include <chrono>
 #include <memory>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "backend/GroupPlan.hpp"
+#include "backend/ShmCpuBackend.hpp"
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
 #include "collectives/CompressedAllreduce.hpp"
@@ -27,9 +31,13 @@ class XcommBackend : public c10d::Backend {
     // A second CPU transport, only for int8-compressed allreduces: their two
     // collectives run on a worker thread and must not mix with other ops.
     c10::intrusive_ptr<c10d::Backend> cpuCompressed;
+    // The shared-memory transport when the plan's shape uses one (then also `cpu`).
+    c10::intrusive_ptr<ShmCpuBackend> shm;
   };
 
-  XcommBackend(int rank, int size, c10::intrusive_ptr<XcommOptions> options, Transports transports);
+  // Groups are built by buildGroup (backend/GroupBuilder.hpp), which makes
+  // the transports `plan` names.
+  XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan, Transports transports);
   ~XcommBackend() override;
 
   // The C++-only entry point: CPU collectives over xcomm's store transport,
@@ -41,9 +49,14 @@ class XcommBackend : public c10d::Backend {
   const std::string getBackendName() const override { return "xcomm"; }
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
   const Transports& transports() const { return transports_; }
-  // Null when the group compresses nothing. A hierarchical shared-memory CPU
-  // transport compresses only its leaders' step, and reports it here.
+  const GroupPlan& plan() const { return plan_; }
+  // Null when the group compresses nothing. A hierarchical group compresses
+  // only its leaders' step (in its ShmCpuBackend), and reports it here.
   const CompressedAllreduce* compression() const;
+  // Collectives run over shared memory; -1 when the group uses none.
+  int64_t shmOps() const {
+    return transports_.shm ? static_cast<int64_t>(transports_.shm->shmOps()) : -1;
+  }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
   // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. With a
@@ -125,6 +138,7 @@ class XcommBackend : public c10d::Backend {
                                                      const c10d::AllreduceOptions& opts);
 
   c10::intrusive_ptr<XcommOptions> options_;
+  GroupPlan plan_;
   Transports transports_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   std::unique_ptr<CompressedAllreduce> compressed_;

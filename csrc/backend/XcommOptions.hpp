@@ -1,6 +1,9 @@
 #pragma once
-// Options of an xcomm process group (the C++ side of xcomm.Options).
+// Options of an xcomm process group: every setting's default and its
+// validation live here, once. Python's xcomm.Options is a typed face over
+// this struct (its defaults are read from here, its values checked here).
 #include <chrono>
+#include <cstdint>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -12,8 +15,25 @@ struct XcommOptions : c10d::Backend::Options {
   explicit XcommOptions(std::chrono::milliseconds timeout = ::kBackendDefaultTimeout)
       : Options("xcomm", timeout) {}
 
-  // Backend-level allreduce compression (xcomm.Options(compression=...)).
+  // Backend-level allreduce compression (xcomm.Options(compression=...)):
+  // method, smallest tensor compressed, elements per int8 scale.
   CompressionConfig compression;
+  // CPU collectives over shared memory where the group's shape allows it
+  // (GroupPlan); the environment's XCOMM_SHM=0 also turns it off.
+  bool shm = true;
+  // Fusion of small async CPU allreduces up to this many bytes; 0: off.
+  int64_t fusionThresholdBytes = 0;
+  // With fusion on, a background cycle sends held ops at most this late; 0: on demand.
+  double fusionCycleMs = 0.0;
+
+  // ValueError naming the option and the problem.
+  void validate() const;
+
+  // A positive cycle below 1 us still means "a cycle", not "on demand".
+  std::chrono::microseconds fusionCycle() const {
+    const auto us = static_cast<int64_t>(fusionCycleMs * 1000.0);
+    return std::chrono::microseconds(fusionCycleMs > 0 && us < 1 ? 1 : us);
+  }
 
   static c10::intrusive_ptr<XcommOptions> create(
       std::chrono::milliseconds timeout = ::kBackendDefaultTimeout) {

@@ -31,17 +31,6 @@ void bindAll(pybind11::module_& m) {
 
 }  // namespace xcomm::python
 
-namespace {
-
-c10::intrusive_ptr<c10d::Backend> backendOrNull(const py::object& obj) {
-  if (obj.is_none()) {
-    return {};
-  }
-  return obj.cast<c10::intrusive_ptr<c10d::Backend>>();
-}
-
-}  // namespace
-
 PYBIND11_MODULE(_C, m) {
   m.doc() = "xcomm's C++ core: the c10d backend and its transports.";
   // torch.distributed registers Store and Backend with pybind11; our classes
@@ -50,27 +39,6 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<xcomm::XcommBackend, c10d::Backend, c10::intrusive_ptr<xcomm::XcommBackend>>(
       m, "XcommBackend")
-      .def(py::init([](int rank, int size, std::chrono::milliseconds timeout, const py::object& cpu,
-                       const py::object& cuda, const std::string& compression,
-                       int64_t compressionMinBytes, int64_t int8ChunkElems,
-                       const py::object& cpuCompressed) {
-             xcomm::XcommBackend::Transports transports{backendOrNull(cpu), backendOrNull(cuda),
-                                                        backendOrNull(cpuCompressed)};
-             auto options = xcomm::XcommOptions::create(timeout);
-             options->compression.method = xcomm::parseCompression(compression);
-             options->compression.minBytes = compressionMinBytes;
-             options->compression.int8ChunkElems = int8ChunkElems;
-             options->compression.validate();
-             return c10::make_intrusive<xcomm::XcommBackend>(rank, size, std::move(options),
-                                                             std::move(transports));
-           }),
-           py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("cpu_transport"),
-           py::arg("cuda_transport"), py::arg("compression") = "none",
-           py::arg("compression_min_bytes") = 64 * 1024, py::arg("int8_chunk_elems") = 1024,
-           py::arg("cpu_compression_transport") = py::none(),
-           R"(Builds the backend over transport backends made in Python
-(a ProcessGroupGloo for CPU tensors, a ProcessGroupNCCL for CUDA tensors, and
-for int8 allreduce compression a second ProcessGroupGloo of its own).)")
       .def_property_readonly(
           "compression_stats",
           [](const xcomm::XcommBackend& b) {
@@ -94,6 +62,8 @@ for int8 allreduce compression a second ProcessGroupGloo of its own).)")
           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
           R"(Builds the backend with xcomm's own store transport for CPU tensors
 (the C++-only path; slow, needs nothing but the store).)")
+      .def_property_readonly("shm_ops", &xcomm::XcommBackend::shmOps,
+                             "Collectives run over shared memory; -1 when the group uses none.")
       .def_property_readonly("cpu_transport_name",
                              [](const xcomm::XcommBackend& b) {
                                const auto& t = b.transports().cpu;

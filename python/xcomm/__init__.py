@@ -7,7 +7,9 @@ Importing xcomm registers the backend::
     dist.init_process_group("xcomm")
 """
 
+from . import shm
 from ._registration import register
+from .backend import group_plan
 from .bucketer import GradientBucketer
 from .opstats import reset_stats, stats
 from .options import Options
@@ -19,9 +21,11 @@ __all__ = [
     "__version__",
     "disable_timeline",
     "enable_timeline",
+    "group_plan",
     "register",
     "reset_stats",
     "save_timeline",
+    "shm",
     "stats",
     "timeline_json",
 ]

@@ -1,9 +1,11 @@
 """Creation of xcomm process groups: the creator that torch.distributed calls.
 
-Each xcomm group wraps transport backends built over its own view of the
-group's store: a ``ProcessGroupGloo`` for CPU tensors and, when torch has CUDA
-and a GPU is visible, a ``ProcessGroupNCCL`` for CUDA tensors. The C++
-``XcommBackend`` checks and stages every call and hands it to the right one.
+What a group is (its shape: plain, single-host shared memory or hierarchical;
+its auxiliary groups; who compresses what) is decided in C++, once, by
+``GroupPlan`` (csrc/backend/GroupPlan.hpp), and the group is built by
+``buildGroup`` (csrc/backend/GroupBuilder.cpp). This module only supplies the
+transports the plan asks for: a ``ProcessGroupGloo`` for each CPU transport
+and, when torch has CUDA and a GPU is visible, a ``ProcessGroupNCCL``.
 """
 
 from __future__ import annotations
@@ -14,27 +16,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C, shm
+from . import _C
 from .options import Options
 
-__all__ = ["create_backend"]
+__all__ = ["create_backend", "group_plan"]
 
 
-def _gloo_transport(
-    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, prefix: str = "xcomm/gloo"
-) -> Any:
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, timeout)
+def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def _nccl_transport(
-    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, group_name: str
-) -> Any | None:
+def _nccl_factory(group_name: str) -> Any | None:
     if not (_C.built_with_cuda and torch.cuda.is_available() and dist.is_nccl_available()):
         return None
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    opts.group_name = group_name
-    return dist.ProcessGroupNCCL(dist.PrefixStore("xcomm/nccl", store), rank, size, opts)
+
+    def nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        opts.group_name = group_name
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+    return nccl
 
 
 def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.XcommBackend:
@@ -55,57 +57,32 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
     timeout = pg_options.timeout or dist_backend_opts.timeout
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
-    store = dist_backend_opts.store
-    rank = dist_backend_opts.group_rank
-    size = dist_backend_opts.group_size
-    compression = pg_options.compression or "none"
-    # Gloo, wrapped in the shared-memory transport when the whole group is on one host.
-    cpu = shm.maybe_shm_transport(
-        store,
-        rank,
-        size,
-        timeout,
-        _gloo_transport(store, rank, size, timeout),
-        pg_options.shm,
-        leader_compression=compression,
-        compression_min_bytes=pg_options.compression_min_bytes,
-        int8_chunk_elems=pg_options.int8_chunk_elems,
+    return _C.build_group(
+        dist_backend_opts.store,
+        dist_backend_opts.group_rank,
+        dist_backend_opts.group_size,
+        pg_options.to_cpp(timeout),
+        _gloo,
+        _nccl_factory(str(dist_backend_opts.group_id)),
     )
-    if getattr(cpu, "hierarchical", False):
-        # A group spanning hosts compresses only its leaders' step, inside the
-        # hierarchical allreduce (sums within a host stay exact); the backend
-        # itself then compresses nothing.
-        compression = "none"
-    # int8 runs two collectives back to back on a worker thread: they get a
-    # Gloo of their own, so their order never mixes with the caller's ops.
-    compression_transport = (
-        _gloo_transport(store, rank, size, timeout, "xcomm/gloo-int8")
-        if compression == "int8"
-        else None
-    )
-    backend = _C.XcommBackend(
-        rank,
-        size,
-        timeout,
-        cpu,
-        _nccl_transport(store, rank, size, timeout, str(dist_backend_opts.group_id)),
-        compression=compression,
-        compression_min_bytes=pg_options.compression_min_bytes,
-        int8_chunk_elems=pg_options.int8_chunk_elems,
-        cpu_compression_transport=compression_transport,
-    )
-    if pg_options.fusion_threshold_bytes:
-        # A cycle's agreement rounds get a Gloo of their own: their order
-        # never mixes with the ops they schedule.
-        control = (
-            _gloo_transport(store, rank, size, timeout, "xcomm/gloo-fusion")
-            if pg_options.fusion_cycle_ms > 0
-            else None
+
+
+def group_plan(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """What an xcomm group is: its shape and why, its hosts, who compresses
+    what, fusion, and each auxiliary group with the reason it exists.
+
+    Example::
+
+        >>> import torch.distributed as dist, xcomm
+        >>> dist.init_process_group("xcomm")  # doctest: +SKIP
+        >>> print(xcomm.group_plan()["description"])  # doctest: +SKIP
+        shape: single-host shared memory (every rank on one host)
+        ...
+    """
+    pg = group if group is not None else dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.XcommBackend):
+        raise TypeError(
+            f"xcomm.group_plan: the group's backend is {type(backend).__name__}, not xcomm"
         )
-        _C.set_fusion_threshold(
-            backend,
-            pg_options.fusion_threshold_bytes,
-            cycle_ms=float(pg_options.fusion_cycle_ms),
-            control=control,
-        )
-    return backend
+    return dict(backend.plan)

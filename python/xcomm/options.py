@@ -1,14 +1,25 @@
-"""Options of an xcomm process group."""
+"""Options of an xcomm process group.
+
+``Options`` is the typed Python face of the C++ ``XcommOptions``
+(csrc/backend/XcommOptions.hpp), where every default and every check lives:
+the defaults below are read from it, and constructing an ``Options`` converts
+it to the C++ object, which raises ``TypeError``/``ValueError`` naming the
+option.
+"""
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
 
+from . import _C
+
 __all__ = ["COMPRESSIONS", "Options"]
 
 #: Values of ``Options.compression``.
 COMPRESSIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "int8")
+
+_DEFAULTS = _C.XcommOptions()
 
 
 @dataclass(frozen=True)
@@ -70,62 +81,23 @@ class Options:
 
     timeout: datetime.timedelta | None = None
     compression: str | None = None
-    compression_min_bytes: int = 64 * 1024
-    int8_chunk_elems: int = 1024
-    shm: bool = True
-    fusion_threshold_bytes: int = 0
-    fusion_cycle_ms: float = 0.0
+    compression_min_bytes: int = _DEFAULTS.compression_min_bytes
+    int8_chunk_elems: int = _DEFAULTS.int8_chunk_elems
+    shm: bool = _DEFAULTS.shm
+    fusion_threshold_bytes: int = _DEFAULTS.fusion_threshold_bytes
+    fusion_cycle_ms: float = _DEFAULTS.fusion_cycle_ms
 
     def __post_init__(self) -> None:
-        if isinstance(self.fusion_threshold_bytes, bool) or not isinstance(
-            self.fusion_threshold_bytes, int
-        ):
-            raise TypeError(
-                "xcomm.Options: fusion_threshold_bytes must be an int, got "
-                f"{type(self.fusion_threshold_bytes).__name__}"
-            )
-        if self.fusion_threshold_bytes < 0:
-            raise ValueError(
-                f"xcomm.Options: fusion_threshold_bytes must be >= 0, got {self.fusion_threshold_bytes}"
-            )
-        if isinstance(self.fusion_cycle_ms, bool) or not isinstance(
-            self.fusion_cycle_ms, (int, float)
-        ):
-            raise TypeError(
-                "xcomm.Options: fusion_cycle_ms must be a number, got "
-                f"{type(self.fusion_cycle_ms).__name__}"
-            )
-        if not self.fusion_cycle_ms >= 0 or self.fusion_cycle_ms == float("inf"):
-            raise ValueError(
-                f"xcomm.Options: fusion_cycle_ms must be >= 0 and finite, got {self.fusion_cycle_ms}"
-            )
-        if self.fusion_cycle_ms > 0 and self.fusion_threshold_bytes == 0:
-            raise ValueError(
-                "xcomm.Options: fusion_cycle_ms needs fusion on: set fusion_threshold_bytes > 0 too"
-            )
-        if not isinstance(self.shm, bool):
-            raise TypeError(f"xcomm.Options: shm must be a bool, got {type(self.shm).__name__}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(
-                f"xcomm.Options: compression must be one of {', '.join(map(repr, COMPRESSIONS))}, "
-                f"got {self.compression!r}"
-            )
-        for name in ("compression_min_bytes", "int8_chunk_elems"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"xcomm.Options: {name} must be an int, got {type(value).__name__}")
-        if self.compression_min_bytes < 0:
-            raise ValueError(
-                f"xcomm.Options: compression_min_bytes must be >= 0, got {self.compression_min_bytes}"
-            )
-        if self.int8_chunk_elems <= 0:
-            raise ValueError(
-                f"xcomm.Options: int8_chunk_elems must be > 0, got {self.int8_chunk_elems}"
-            )
-        if self.timeout is not None:
-            if not isinstance(self.timeout, datetime.timedelta):
-                raise TypeError(
-                    f"xcomm.Options: timeout must be a datetime.timedelta, got {type(self.timeout).__name__}"
-                )
-            if self.timeout <= datetime.timedelta(0):
-                raise ValueError(f"xcomm.Options: timeout must be positive, got {self.timeout}")
+        self.to_cpp()  # checks every field (TypeError/ValueError naming it)
+
+    def to_cpp(self, timeout: datetime.timedelta | None = None) -> _C.XcommOptions:
+        """The C++ options, with ``timeout`` standing in when ``self.timeout`` is None."""
+        return _C.XcommOptions(
+            timeout=self.timeout if self.timeout is not None else timeout,
+            compression=self.compression,
+            compression_min_bytes=self.compression_min_bytes,
+            int8_chunk_elems=self.int8_chunk_elems,
+            shm=self.shm,
+            fusion_threshold_bytes=self.fusion_threshold_bytes,
+            fusion_cycle_ms=self.fusion_cycle_ms,
+        )

@@ -1,0 +1,150 @@
+#include "backend/GroupBuilder.hpp"
+
+#include <cstdlib>
+#include <string>
+
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "backend/GroupPlan.hpp"
+#include "backend/ShmCpuBackend.hpp"
+#include "transport/HostIdentity.hpp"
+
+namespace xcomm {
+namespace {
+
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+
+StorePtr prefixed(const std::string& prefix, const StorePtr& store) {
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+}
+
+std::string getString(const StorePtr& store, const std::string& key) {
+  const auto bytes = store->get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+void setString(const StorePtr& store, const std::string& key, const std::string& value) {
+  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// An environment variable as a non-negative integer; ValueError naming it otherwise.
+int64_t envInt(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  if (!value || !*value) return fallback;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value, &end, 10);
+  TORCH_CHECK_VALUE(end && *end == '\0', "xcomm: ", name, " must be an integer, got '", value, "'");
+  return parsed;
+}
+
+std::vector<std::string> exchangeHostIdentities(const StorePtr& shmStore, int rank, int size) {
+  setString(shmStore, "host/" + std::to_string(rank), hostIdentity());
+  std::vector<std::string> ids;
+  for (int r = 0; r < size; ++r) ids.push_back(getString(shmStore, "host/" + std::to_string(r)));
+  return ids;
+}
+
+// Slot and small-allreduce sizes, chosen by rank 0 so that every rank takes
+// the same algorithm for the same message; the spin time is per rank.
+ShmCpuBackend::Config shmConfig(const StorePtr& shmStore, int rank) {
+  ShmCpuBackend::Config config;
+  if (rank == 0) {
+    const int64_t slot = envInt("XCOMM_SHM_SLOT_BYTES", config.transport.slotBytes);
+    const int64_t small = envInt("XCOMM_SHM_SMALL_BYTES", config.smallAllreduceBytes);
+    TORCH_CHECK_VALUE(slot > 0 && small >= 0,
+                      "xcomm: XCOMM_SHM_SLOT_BYTES must be > 0 and XCOMM_SHM_SMALL_BYTES >= 0");
+    setString(shmStore, "config", std::to_string(slot) + "," + std::to_string(small));
+  }
+  const std::string shared = getString(shmStore, "config");
+  const auto comma = shared.find(',');
+  config.transport.slotBytes = std::stoull(shared.substr(0, comma));
+  config.smallAllreduceBytes = std::stoull(shared.substr(comma + 1));
+  config.transport.spinMicros = static_cast<int>(envInt("XCOMM_SHM_SPIN_US", -1));
+  return config;
+}
+
+// Every rank's verdict on its own setup; true when all succeeded.
+bool allSucceeded(const StorePtr& shmStore, int rank, int size, bool mine) {
+  setString(shmStore, "ok/" + std::to_string(rank), mine ? "1" : "0");
+  bool all = true;
+  for (int r = 0; r < size; ++r) all = getString(shmStore, "ok/" + std::to_string(r)) == "1" && all;
+  return all;
+}
+
+const AuxGroup* findAux(const std::vector<AuxGroup>& groups, const std::string& name) {
+  for (const auto& g : groups) {
+    if (g.name == name) return &g;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int size,
+                                            c10::intrusive_ptr<XcommOptions> options,
+                                            const TransportFactory& factory, bool allowShm) {
+  TORCH_CHECK(options, "xcomm: options must not be null");
+  TORCH_CHECK(factory.cpu, "xcomm: the transport factory must make CPU transports");
+  options->validate();
+  const auto timeout = options->timeout;
+  const auto switches = ShmSwitches::fromEnvironment();
+  const StorePtr shmStore = prefixed("xcomm/shm", store);
+
+  GroupPlan plan = GroupPlan::plain(rank, size, *options, "shared memory not used");
+  if (allowShm) {
+    std::vector<std::string> ids;
+    if (size >= 2 && options->shm && switches.enabled) {
+      ids = exchangeHostIdentities(shmStore, rank, size);
+    }
+    plan = GroupPlan::decide(rank, size, ids, *options, switches);
+  }
+  auto make = [&](const std::string& name) -> BackendPtr {
+    const auto groups = plan.auxGroups();
+    const AuxGroup* g = findAux(groups, name);
+    if (!g || !g->member) return {};
+    return factory.cpu(prefixed(name, store), g->rank, g->size, timeout);
+  };
+
+  XcommBackend::Transports transports;
+  const BackendPtr gloo = make("xcomm/gloo");
+  if (plan.usesShm()) {
+    auto config = shmConfig(shmStore, rank);
+    config.leaderCompression = plan.leaderCompression;
+    std::string whyNot;
+    c10::intrusive_ptr<ShmCpuBackend> shm;
+    if (plan.shape == GroupShape::kSingleHostShm) {
+      // Collective: null on every rank when any rank failed.
+      shm = ShmCpuBackend::tryCreate(shmStore, rank, size, timeout, gloo, config, &whyNot);
+    } else {
+      shm = ShmCpuBackend::tryCreateHierarchical(
+          prefixed("xcomm/shm/host" + std::to_string(plan.host), store), plan.localRank,
+          plan.localSize, rank, size, plan.hosts, timeout, gloo, make("xcomm/leaders"), config,
+          &whyNot);
+      // Every host must take the same path, or allreduce would deadlock.
+      if (!allSucceeded(shmStore, rank, size, static_cast<bool>(shm))) shm.reset();
+    }
+    if (shm) {
+      transports.shm = shm;
+    } else {
+      if (whyNot.empty()) whyNot = "setup failed on another rank";
+      LOG(WARNING) << "xcomm: shared memory unavailable (" << whyNot << "); this group uses gloo";
+      plan = plan.fallbackToPlain(whyNot);
+    }
+  }
+  transports.cpu = transports.shm ? BackendPtr(transports.shm) : gloo;
+  transports.cpuCompressed = make("xcomm/gloo-int8");
+  const BackendPtr fusionControl = make("xcomm/gloo-fusion");
+  if (factory.cuda) {
+    transports.cuda = factory.cuda(prefixed("xcomm/nccl", store), rank, size, timeout);
+  }
+  auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(transports));
+  if (plan.fusionThresholdBytes > 0) {
+    backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
+  }
+  return backend;
+}
+
+}  // namespace xcomm

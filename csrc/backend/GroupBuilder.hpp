@@ -1,0 +1,41 @@
+#pragma once
+// GroupBuilder: builds one xcomm process group from its GroupPlan.
+//
+// Collective over the group's store: every rank publishes its host identity,
+// GroupPlan::decide fixes the group's shape, and the builder asks a
+// TransportFactory for each transport the plan names (Gloo and NCCL when
+// created from Python, xcomm's StoreCpuBackend in a C++-only program). When
+// the shared-memory segment cannot be set up on some rank, every rank falls
+// back to the plain plan (agreed through the store) before anything else is
+// built, so all ranks always hold the same plan.
+#include <chrono>
+#include <functional>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "backend/XcommBackend.hpp"
+
+namespace xcomm {
+
+struct TransportFactory {
+  // A CPU transport among `size` ranks over `store` (already prefixed with
+  // the auxiliary group's name); `rank` is this rank's rank in it.
+  std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>& store,
+                                                  int rank, int size,
+                                                  std::chrono::milliseconds timeout)>
+      cpu;
+  // The CUDA transport of the whole group, or null (no CUDA, no GPU); unset: none.
+  std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>& store,
+                                                  int rank, int size,
+                                                  std::chrono::milliseconds timeout)>
+      cuda;
+};
+
+// `allowShm` false keeps the group plain whatever the options say (the
+// C++-only store transport path), and exchanges no host identities.
+c10::intrusive_ptr<XcommBackend> buildGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                            int size, c10::intrusive_ptr<XcommOptions> options,
+                                            const TransportFactory& factory, bool allowShm = true);
+
+}  // namespace xcomm

@@ -1,0 +1,170 @@
+#include "backend/GroupPlan.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <sstream>
+
+#include <c10/util/Exception.h>
+
+namespace xcomm {
+namespace {
+
+bool envSwitch(const char* name) {
+  const char* value = std::getenv(name);
+  if (!value) return true;
+  std::string v(value);
+  v.erase(0, v.find_first_not_of(" \t"));
+  v.erase(v.find_last_not_of(" \t") + 1);
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  return !(v == "0" || v == "false" || v == "off" || v == "no");
+}
+
+}  // namespace
+
+const char* groupShapeName(GroupShape shape) {
+  switch (shape) {
+    case GroupShape::kPlain:
+      return "plain";
+    case GroupShape::kSingleHostShm:
+      return "single-host shared memory";
+    case GroupShape::kHierarchical:
+      return "hierarchical";
+  }
+  return "?";
+}
+
+ShmSwitches ShmSwitches::fromEnvironment() {
+  ShmSwitches s;
+  s.enabled = envSwitch("XCOMM_SHM");
+  s.hierarchical = envSwitch("XCOMM_SHM_HIERARCHICAL");
+  return s;
+}
+
+GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std::string why) {
+  TORCH_CHECK_VALUE(size > 0 && rank >= 0 && rank < size, "xcomm: rank ", rank,
+                    " is out of range for a group of size ", size);
+  GroupPlan plan;
+  plan.shape = GroupShape::kPlain;
+  plan.why = std::move(why);
+  plan.rank = rank;
+  plan.size = size;
+  plan.hosts = 1;
+  plan.host = 0;
+  plan.localRank = rank;
+  plan.localSize = size;
+  plan.backendCompression = options.compression;
+  plan.fusionThresholdBytes = options.fusionThresholdBytes;
+  plan.fusionCycle =
+      options.fusionThresholdBytes > 0 ? options.fusionCycle() : std::chrono::microseconds{0};
+  return plan;
+}
+
+GroupPlan GroupPlan::decide(int rank, int size, const std::vector<std::string>& hostIds,
+                            const XcommOptions& options, const ShmSwitches& shm) {
+  if (size < 2) return plain(rank, size, options, "one rank: nothing to share");
+  if (!options.shm) return plain(rank, size, options, "shared memory off (Options(shm=False))");
+  if (!shm.enabled) return plain(rank, size, options, "shared memory off (XCOMM_SHM)");
+  TORCH_CHECK(static_cast<int>(hostIds.size()) == size, "xcomm: expected ", size,
+              " host identities, got ", hostIds.size());
+
+  // Hosts in order of first appearance: the same list on every rank.
+  std::vector<std::string> hosts;
+  for (const auto& id : hostIds) {
+    if (std::find(hosts.begin(), hosts.end(), id) == hosts.end()) hosts.push_back(id);
+  }
+  if (hosts.size() == 1) {
+    GroupPlan plan = plain(rank, size, options, "every rank on one host");
+    plan.shape = GroupShape::kSingleHostShm;
+    return plan;
+  }
+  if (static_cast<int>(hosts.size()) == size) {
+    return plain(rank, size, options, "one rank per host: nothing to share within a host");
+  }
+  if (!shm.hierarchical) {
+    return plain(rank, size, options,
+                 "ranks span hosts; hierarchical off (XCOMM_SHM_HIERARCHICAL)");
+  }
+  GroupPlan plan = plain(rank, size, options, "ranks span hosts, some host has several");
+  plan.shape = GroupShape::kHierarchical;
+  plan.hosts = static_cast<int>(hosts.size());
+  plan.host =
+      static_cast<int>(std::find(hosts.begin(), hosts.end(), hostIds[rank]) - hosts.begin());
+  plan.localRank = 0;
+  plan.localSize = 0;
+  for (int r = 0; r < size; ++r) {
+    if (hostIds[r] != hostIds[rank]) continue;
+    if (r < rank) ++plan.localRank;
+    ++plan.localSize;
+  }
+  // Only the step between hosts is compressed: sums inside a host stay exact.
+  plan.leaderCompression = options.compression;
+  plan.backendCompression = CompressionConfig{};
+  plan.backendCompression.method = Compression::kNone;
+  return plan;
+}
+
+GroupPlan GroupPlan::fallbackToPlain(const std::string& reason) const {
+  GroupPlan plan = *this;
+  plan.shape = GroupShape::kPlain;
+  plan.why = "shared memory unavailable (" + reason + ")";
+  plan.hosts = 1;
+  plan.host = 0;
+  plan.localRank = rank;
+  plan.localSize = size;
+  if (leaderCompression.method != Compression::kNone) {
+    plan.backendCompression = leaderCompression;
+    plan.leaderCompression = CompressionConfig{};
+  }
+  return plan;
+}
+
+std::vector<AuxGroup> GroupPlan::auxGroups() const {
+  std::vector<AuxGroup> groups;
+  groups.push_back({"xcomm/gloo", "the CPU transport: every op the shape does not run itself", true,
+                    rank, size});
+  if (shape == GroupShape::kHierarchical) {
+    groups.push_back({"xcomm/leaders", "the hierarchical allreduce's step between hosts",
+                      localRank == 0, localRank == 0 ? host : -1, hosts});
+  }
+  if (backendCompression.method == Compression::kInt8) {
+    groups.push_back({"xcomm/gloo-int8",
+                      "int8 allreduce: its two collectives run on a worker thread and must not "
+                      "interleave with the caller's ops",
+                      true, rank, size});
+  }
+  if (fusionThresholdBytes > 0 && fusionCycle.count() > 0) {
+    groups.push_back({"xcomm/gloo-fusion",
+                      "the fusion cycle's agreement rounds, apart from the ops they schedule", true,
+                      rank, size});
+  }
+  return groups;
+}
+
+std::string GroupPlan::describe() const {
+  std::ostringstream out;
+  out << "shape: " << groupShapeName(shape) << " (" << why << ")\n";
+  out << "rank " << rank << " of " << size;
+  if (shape == GroupShape::kHierarchical) {
+    out << "; host " << host << " of " << hosts << ", local rank " << localRank << " of "
+        << localSize;
+  }
+  out << "\n";
+  out << "compression: backend " << compressionName(backendCompression.method) << ", leaders' step "
+      << compressionName(leaderCompression.method) << "\n";
+  out << "fusion: ";
+  if (fusionThresholdBytes == 0) {
+    out << "off\n";
+  } else {
+    out << fusionThresholdBytes << " bytes, "
+        << (fusionCycle.count() > 0 ? std::to_string(fusionCycle.count()) + " us cycle"
+                                    : std::string("on demand"))
+        << "\n";
+  }
+  for (const auto& g : auxGroups()) {
+    out << "group " << g.name << (g.member ? "" : " (not a member)") << ": " << g.why << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace xcomm

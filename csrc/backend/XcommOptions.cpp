@@ -1,0 +1,28 @@
+#include "backend/XcommOptions.hpp"
+
+#include <cmath>
+
+#include <c10/util/Exception.h>
+
+namespace xcomm {
+
+void XcommOptions::validate() const {
+  TORCH_CHECK_VALUE(timeout.count() > 0, "xcomm.Options: timeout must be positive, got ",
+                    timeout.count(), " ms");
+  TORCH_CHECK_VALUE(compression.minBytes >= 0,
+                    "xcomm.Options: compression_min_bytes must be >= 0, got ",
+                    compression.minBytes);
+  TORCH_CHECK_VALUE(compression.int8ChunkElems > 0,
+                    "xcomm.Options: int8_chunk_elems must be > 0, got ",
+                    compression.int8ChunkElems);
+  TORCH_CHECK_VALUE(fusionThresholdBytes >= 0,
+                    "xcomm.Options: fusion_threshold_bytes must be >= 0, got ",
+                    fusionThresholdBytes);
+  TORCH_CHECK_VALUE(fusionCycleMs >= 0 && std::isfinite(fusionCycleMs),
+                    "xcomm.Options: fusion_cycle_ms must be >= 0 and finite, got ", fusionCycleMs);
+  TORCH_CHECK_VALUE(fusionCycleMs == 0 || fusionThresholdBytes > 0,
+                    "xcomm.Options: fusion_cycle_ms needs fusion on: set fusion_threshold_bytes > "
+                    "0 too");
+}
+
+}  // namespace xcomm

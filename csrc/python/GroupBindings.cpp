@@ -1,0 +1,174 @@
+// Python bindings of a group's options and construction: xcomm._C.XcommOptions
+// (what xcomm.Options converts to) and xcomm._C.build_group.
+#include <pybind11/chrono.h>
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include "backend/GroupBuilder.hpp"
+#include "python/Bindings.hpp"
+#include "transport/HostIdentity.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string typeName(const py::handle& value) {
+  return py::str(py::type::handle_of(value).attr("__name__")).cast<std::string>();
+}
+
+// Python's types, checked strictly (a bool is not an int here) and named in
+// the error; the values are checked by XcommOptions::validate.
+int64_t intField(const py::handle& value, const char* name) {
+  if (PyBool_Check(value.ptr()) || !PyLong_Check(value.ptr())) {
+    throw py::type_error(std::string("xcomm.Options: ") + name + " must be an int, got " +
+                         typeName(value));
+  }
+  return value.cast<int64_t>();
+}
+
+double numberField(const py::handle& value, const char* name) {
+  if (PyBool_Check(value.ptr()) || !(PyLong_Check(value.ptr()) || PyFloat_Check(value.ptr()))) {
+    throw py::type_error(std::string("xcomm.Options: ") + name + " must be a number, got " +
+                         typeName(value));
+  }
+  return value.cast<double>();
+}
+
+c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
+    const py::object& timeout, const py::object& compression, const py::object& minBytes,
+    const py::object& chunkElems, const py::object& shm, const py::object& fusionBytes,
+    const py::object& cycleMs) {
+  auto options = xcomm::XcommOptions::create();
+  if (!timeout.is_none()) {
+    auto timedelta = py::module_::import("datetime").attr("timedelta");
+    if (!py::isinstance(timeout, timedelta)) {
+      throw py::type_error("xcomm.Options: timeout must be a datetime.timedelta, got " +
+                           typeName(timeout));
+    }
+    const double seconds = timeout.attr("total_seconds")().cast<double>();
+    TORCH_CHECK_VALUE(seconds > 0, "xcomm.Options: timeout must be positive, got ",
+                      py::str(timeout).cast<std::string>());
+    options->timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+  }
+  if (!compression.is_none()) {
+    if (!py::isinstance<py::str>(compression)) {
+      throw py::type_error("xcomm.Options: compression must be a str or None, got " +
+                           typeName(compression));
+    }
+    const auto name = compression.cast<std::string>();
+    TORCH_CHECK_VALUE(name == "fp16" || name == "bf16" || name == "int8",
+                      "xcomm.Options: compression must be one of None, 'fp16', 'bf16', 'int8', "
+                      "got '",
+                      name, "'");
+    options->compression.method = xcomm::parseCompression(name);
+  }
+  options->compression.minBytes = intField(minBytes, "compression_min_bytes");
+  options->compression.int8ChunkElems = intField(chunkElems, "int8_chunk_elems");
+  if (!PyBool_Check(shm.ptr())) {
+    throw py::type_error("xcomm.Options: shm must be a bool, got " + typeName(shm));
+  }
+  options->shm = shm.cast<bool>();
+  options->fusionThresholdBytes = intField(fusionBytes, "fusion_threshold_bytes");
+  options->fusionCycleMs = numberField(cycleMs, "fusion_cycle_ms");
+  options->validate();
+  return options;
+}
+
+py::dict planDict(const xcomm::GroupPlan& plan) {
+  py::dict d;
+  d["shape"] = xcomm::groupShapeName(plan.shape);
+  d["why"] = plan.why;
+  d["rank"] = plan.rank;
+  d["size"] = plan.size;
+  d["hosts"] = plan.hosts;
+  d["host"] = plan.host;
+  d["local_rank"] = plan.localRank;
+  d["local_size"] = plan.localSize;
+  d["backend_compression"] = xcomm::compressionName(plan.backendCompression.method);
+  d["leader_compression"] = xcomm::compressionName(plan.leaderCompression.method);
+  d["fusion_threshold_bytes"] = plan.fusionThresholdBytes;
+  d["fusion_cycle_ms"] = plan.fusionCycle.count() / 1000.0;
+  py::list groups;
+  for (const auto& g : plan.auxGroups()) {
+    py::dict entry;
+    entry["name"] = g.name;
+    entry["why"] = g.why;
+    entry["member"] = g.member;
+    entry["rank"] = g.rank;
+    entry["size"] = g.size;
+    groups.append(entry);
+  }
+  d["groups"] = groups;
+  d["description"] = plan.describe();
+  return d;
+}
+
+using Factory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds)>;
+
+void bindGroup(py::module_& m) {
+  const xcomm::XcommOptions defaults;
+  py::class_<xcomm::XcommOptions, c10::intrusive_ptr<xcomm::XcommOptions>>(m, "XcommOptions")
+      .def(py::init(&makeOptions), py::arg("timeout") = py::none(),
+           py::arg("compression") = py::none(),
+           py::arg("compression_min_bytes") = defaults.compression.minBytes,
+           py::arg("int8_chunk_elems") = defaults.compression.int8ChunkElems,
+           py::arg("shm") = defaults.shm,
+           py::arg("fusion_threshold_bytes") = defaults.fusionThresholdBytes,
+           py::arg("fusion_cycle_ms") = defaults.fusionCycleMs,
+           "The C++ options of a group, checked (TypeError/ValueError naming the option). "
+           "Users pass xcomm.Options, which converts to this.")
+      .def_property_readonly("timeout", [](const xcomm::XcommOptions& o) { return o.timeout; })
+      .def_property_readonly("compression",
+                             [](const xcomm::XcommOptions& o) {
+                               return std::string(xcomm::compressionName(o.compression.method));
+                             })
+      .def_property_readonly("compression_min_bytes",
+                             [](const xcomm::XcommOptions& o) { return o.compression.minBytes; })
+      .def_property_readonly(
+          "int8_chunk_elems",
+          [](const xcomm::XcommOptions& o) { return o.compression.int8ChunkElems; })
+      .def_readonly("shm", &xcomm::XcommOptions::shm)
+      .def_readonly("fusion_threshold_bytes", &xcomm::XcommOptions::fusionThresholdBytes)
+      .def_readonly("fusion_cycle_ms", &xcomm::XcommOptions::fusionCycleMs);
+
+  m.def(
+      "build_group",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const c10::intrusive_ptr<xcomm::XcommOptions>& options, Factory cpu,
+         std::optional<Factory> cuda) {
+        xcomm::TransportFactory factory;
+        factory.cpu = std::move(cpu);
+        if (cuda) factory.cuda = std::move(*cuda);
+        // Each rank's options object is its own: the group keeps this copy.
+        auto own = c10::make_intrusive<xcomm::XcommOptions>(*options);
+        // Waits on the store for the other ranks: let other threads run (the
+        // factories take the GIL back when they are called).
+        py::gil_scoped_release noGil;
+        return xcomm::buildGroup(store, rank, size, std::move(own), factory);
+      },
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
+      py::arg("cpu_transport"), py::arg("cuda_transport") = py::none(),
+      R"(Builds one group (collective over ``store``): decides its GroupPlan from
+every member's host identity and ``options``, then calls
+``cpu_transport(store, rank, size, timeout)`` for each CPU transport the plan
+names (a ProcessGroupGloo) and ``cuda_transport(...)`` once (a
+ProcessGroupNCCL, or None).)");
+
+  // The class is bound in Module.cpp; its plan is bound here, beside the plan's dict.
+  py::reinterpret_borrow<
+      py::class_<xcomm::XcommBackend, c10d::Backend, c10::intrusive_ptr<xcomm::XcommBackend>>>(
+      m.attr("XcommBackend"))
+      .def_property_readonly(
+          "plan", [](const xcomm::XcommBackend& b) { return planDict(b.plan()); },
+          "What this group is (its GroupPlan): shape and why, hosts, who compresses what, "
+          "fusion, and each auxiliary group with the reason it exists.");
+
+  m.def("host_identity", &xcomm::hostIdentity,
+        "This process's host identity: equal strings mean shared memory works between two "
+        "processes.");
+}
+
+}  // namespace
+
+XCOMM_REGISTER_BINDINGS(group, bindGroup);

@@ -1,0 +1,139 @@
+// GroupPlan: a group's shape, auxiliary groups and compression site follow
+// from the members' host identities and the options alone.
+#include "backend/GroupPlan.hpp"
+
+// After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
+#include <catch2/catch.hpp>
+
+using Catch::Contains;
+using xcomm::AuxGroup;
+using xcomm::Compression;
+using xcomm::GroupPlan;
+using xcomm::GroupShape;
+using xcomm::ShmSwitches;
+using xcomm::XcommOptions;
+
+namespace {
+
+std::vector<std::string> auxNames(const GroupPlan& plan) {
+  std::vector<std::string> names;
+  for (const auto& g : plan.auxGroups()) names.push_back(g.name);
+  return names;
+}
+
+const AuxGroup& aux(const GroupPlan& plan, const std::string& name) {
+  static std::vector<AuxGroup> groups;
+  groups = plan.auxGroups();
+  for (const auto& g : groups) {
+    if (g.name == name) return g;
+  }
+  FAIL("no auxiliary group " << name);
+  return groups.front();
+}
+
+XcommOptions withCompression(Compression method) {
+  XcommOptions options;
+  options.compression.method = method;
+  return options;
+}
+
+}  // namespace
+
+TEST_CASE("every rank on one host: single-host shared memory, the backend compresses", "[plan]") {
+  const auto options = withCompression(Compression::kFp16);
+  for (int rank = 0; rank < 3; ++rank) {
+    auto plan = GroupPlan::decide(rank, 3, {"a", "a", "a"}, options, ShmSwitches{});
+    CHECK(plan.shape == GroupShape::kSingleHostShm);
+    CHECK(plan.usesShm());
+    CHECK(plan.backendCompression.method == Compression::kFp16);
+    CHECK(plan.leaderCompression.method == Compression::kNone);
+    CHECK(auxNames(plan) == std::vector<std::string>{"xcomm/gloo"});
+  }
+}
+
+TEST_CASE("hosts with several ranks: hierarchical, only the leaders' step compresses", "[plan]") {
+  // Ranks 0 and 2 on host "x", 1 and 3 on host "y", 4 alone on "z".
+  const std::vector<std::string> ids{"x", "y", "x", "y", "z"};
+  const auto options = withCompression(Compression::kInt8);
+  const int expectHost[] = {0, 1, 0, 1, 2};
+  const int expectLocal[] = {0, 0, 1, 1, 0};
+  const int expectLocalSize[] = {2, 2, 2, 2, 1};
+  for (int rank = 0; rank < 5; ++rank) {
+    auto plan = GroupPlan::decide(rank, 5, ids, options, ShmSwitches{});
+    INFO("rank " << rank);
+    CHECK(plan.shape == GroupShape::kHierarchical);
+    CHECK(plan.hosts == 3);
+    CHECK(plan.host == expectHost[rank]);
+    CHECK(plan.localRank == expectLocal[rank]);
+    CHECK(plan.localSize == expectLocalSize[rank]);
+    CHECK(plan.backendCompression.method == Compression::kNone);
+    CHECK(plan.leaderCompression.method == Compression::kInt8);
+    // int8 runs on the leaders' group, not on a group of its own.
+    CHECK(auxNames(plan) == std::vector<std::string>{"xcomm/gloo", "xcomm/leaders"});
+    const auto& leaders = aux(plan, "xcomm/leaders");
+    CHECK(leaders.member == (expectLocal[rank] == 0));
+    CHECK(leaders.size == 3);
+    CHECK(leaders.rank == (leaders.member ? expectHost[rank] : -1));
+  }
+}
+
+TEST_CASE("a shared-memory failure falls back to plain and moves compression to the backend",
+          "[plan]") {
+  const auto options = withCompression(Compression::kInt8);
+  auto plan = GroupPlan::decide(3, 4, {"x", "x", "y", "y"}, options, ShmSwitches{});
+  REQUIRE(plan.shape == GroupShape::kHierarchical);
+  auto fallback = plan.fallbackToPlain("no /dev/shm");
+  CHECK(fallback.shape == GroupShape::kPlain);
+  CHECK_THAT(fallback.why, Contains("no /dev/shm"));
+  CHECK(fallback.backendCompression.method == Compression::kInt8);
+  CHECK(fallback.leaderCompression.method == Compression::kNone);
+  CHECK(fallback.localRank == 3);
+  CHECK(auxNames(fallback) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-int8"});
+}
+
+TEST_CASE("plain groups: one rank per host, shm off by option or environment, one rank", "[plan]") {
+  XcommOptions options;
+  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{}).shape == GroupShape::kPlain);
+  CHECK(GroupPlan::decide(0, 1, {}, options, ShmSwitches{}).shape == GroupShape::kPlain);
+  ShmSwitches off;
+  off.enabled = false;
+  auto byEnv = GroupPlan::decide(0, 2, {}, options, off);
+  CHECK(byEnv.shape == GroupShape::kPlain);
+  CHECK_THAT(byEnv.why, Contains("XCOMM_SHM"));
+  ShmSwitches flat;
+  flat.hierarchical = false;
+  CHECK(GroupPlan::decide(0, 4, {"x", "x", "y", "y"}, options, flat).shape == GroupShape::kPlain);
+  options.shm = false;
+  auto byOption = GroupPlan::decide(0, 2, {}, options, ShmSwitches{});
+  CHECK(byOption.shape == GroupShape::kPlain);
+  CHECK_THAT(byOption.why, Contains("shm=False"));
+}
+
+TEST_CASE("fusion with a cycle gets its own control group; on demand does not", "[plan]") {
+  XcommOptions options;
+  options.fusionThresholdBytes = 1 << 20;
+  auto onDemand = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
+  CHECK(auxNames(onDemand) == std::vector<std::string>{"xcomm/gloo"});
+  options.fusionCycleMs = 0.0005;  // below 1 us: still a cycle
+  auto cycle = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
+  CHECK(cycle.fusionCycle.count() == 1);
+  CHECK(auxNames(cycle) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-fusion"});
+  CHECK_THAT(cycle.describe(), Contains("1 us cycle") && Contains("xcomm/gloo-fusion"));
+}
+
+TEST_CASE("options are validated once, naming the option", "[plan][options]") {
+  XcommOptions options;
+  CHECK_NOTHROW(options.validate());
+  options.fusionCycleMs = 2.0;
+  CHECK_THROWS_WITH(options.validate(), Contains("fusion_cycle_ms needs fusion on"));
+  options.fusionThresholdBytes = -1;
+  CHECK_THROWS_WITH(options.validate(), Contains("fusion_threshold_bytes must be >= 0"));
+  XcommOptions chunks;
+  chunks.compression.int8ChunkElems = 0;
+  CHECK_THROWS_WITH(chunks.validate(), Contains("int8_chunk_elems"));
+}
+
+TEST_CASE("host identities must cover the group", "[plan]") {
+  CHECK_THROWS_WITH(GroupPlan::decide(0, 3, {"a", "a"}, XcommOptions{}, ShmSwitches{}),
+                    Contains("expected 3 host identities"));
+}
