@@ -93,13 +93,7 @@ void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cy
   TORCH_CHECK_VALUE(cycle.count() == 0 || control,
                     "xcomm: a fusion cycle time needs a control transport");
   if (fusion_) fusion_->stop();
-  if (bytes == 0) {
-    fusion_ = nullptr;
-  } else if (cycle.count() == 0) {
-    fusion_ = std::make_shared<FusionBuffer>(bytes);
-  } else {
-    fusion_ = std::make_shared<FusionBuffer>(bytes, cycle, std::move(control), options_->timeout);
-  }
+  fusion_ = makeFusionBuffer(bytes, cycle, std::move(control), options_->timeout);
 }
 
 void XcommBackend::flushFused() {
