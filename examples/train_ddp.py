@@ -17,14 +17,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import xcomm  # registers the "xcomm" backend
-from xcomm.bench.digits import COMPRESSION, TORCH_HOOKS, DigitsConfig, train_digits
-from xcomm.bench.launch import free_port
+from digits import COMPRESSION, TORCH_HOOKS, DigitsConfig, train_digits  # examples/digits.py
 
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
@@ -106,6 +106,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
     return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def main() -> None:

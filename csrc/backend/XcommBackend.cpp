@@ -5,9 +5,9 @@
 
 #include "backend/GroupBuilder.hpp"
 #include "backend/InputChecks.hpp"
+#include "backend/PremulLowering.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
-#include "collectives/ReduceKernels.hpp"
 #include "schedule/Stats.hpp"
 #include "schedule/Timeline.hpp"
 
@@ -22,18 +22,6 @@ c10::IValue listOfListsValue(const std::vector<std::vector<at::Tensor>>& lists) 
   c10::List<c10::List<at::Tensor>> value;
   for (const auto& list : lists) value.push_back(c10::List<at::Tensor>(list));
   return c10::IValue(value);
-}
-
-bool isPremul(const c10d::ReduceOp& op) {
-  return op.op_ == c10d::ReduceOp::PREMUL_SUM;
-}
-
-// SUM over `factor * x` is what PREMUL_SUM means.
-std::vector<at::Tensor> scaledCopies(const std::vector<at::Tensor>& ts, double factor) {
-  std::vector<at::Tensor> scaled;
-  scaled.reserve(ts.size());
-  for (const auto& t : ts) scaled.push_back(t.mul(factor));
-  return scaled;
 }
 
 }  // namespace
@@ -98,13 +86,7 @@ void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cy
   TORCH_CHECK_VALUE(cycle.count() == 0 || control,
                     "xcomm: a fusion cycle time needs a control transport");
   if (fusion_) fusion_->stop();
-  if (bytes == 0) {
-    fusion_ = nullptr;
-  } else if (cycle.count() == 0) {
-    fusion_ = std::make_shared<FusionBuffer>(bytes);
-  } else {
-    fusion_ = std::make_shared<FusionBuffer>(bytes, cycle, std::move(control), options_->timeout);
-  }
+  fusion_ = makeFusionBuffer(bytes, cycle, std::move(control), options_->timeout);
 }
 
 void XcommBackend::flushFused() {
@@ -144,18 +126,10 @@ bool XcommBackend::transportHasPremul(const at::Tensor& t) const {
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
                                                   c10d::OpType type, const TensorStaging& staging,
-                                                  c10::IValue result, int64_t issuedUs,
-                                                  std::function<void()> extraFinalize) {
-  std::function<void()> finalize = staging.copyBack();
-  if (extraFinalize) {
-    finalize = [copyBack = std::move(finalize), extra = std::move(extraFinalize)] {
-      if (copyBack) copyBack();
-      extra();
-    };
-  }
+                                                  c10::IValue result, int64_t issuedUs) {
   auto resultType = result.type();
   const uint64_t bytes = payloadBytes(result);
-  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
+  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), staging.copyBack(),
                                                  std::move(result), std::move(resultType));
   // xcomm.stats() and the timeline, timed from the issue: a transport may run
   // a small op inline and be done before it returns.
@@ -163,17 +137,27 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
   return work;
 }
 
+template <typename Call>
+c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, const at::Tensor& first,
+                                                      c10d::OpType type, c10::IValue result,
+                                                      Call&& call) {
+  auto& transport = transportFor(first, op);
+  const int64_t issuedUs = Timeline::nowUs();
+  TensorStaging staging;
+  auto work = call(transport, staging);
+  return wrap(std::move(work), type, staging, std::move(result), issuedUs);
+}
+
 c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                        const c10d::BroadcastOptions& opts) {
   constexpr const char* op = "broadcast";
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
-  auto& transport = transportFor(tensors[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto staged = staging.inOut(tensors);
-  auto work = transport.broadcast(staged, opts);
-  return wrap(std::move(work), c10d::OpType::BROADCAST, staging, listValue(tensors), issuedUs);
+  return delegate(op, tensors[0], c10d::OpType::BROADCAST, listValue(tensors),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto staged = staging.inOut(tensors);
+                    return transport.broadcast(staged, opts);
+                  });
 }
 
 const CompressedAllreduce* XcommBackend::compression() const {
@@ -193,13 +177,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
     return compressedAllreduce(tensors[0], opts);
   }
   TensorStaging staging;
-  auto staged = staging.inOut(tensors);
-  c10d::AllreduceOptions innerOpts = opts;
-  if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
-    const double factor = premulFactor(opts.reduceOp);
-    for (auto& t : staged) t.mul_(factor);  // in place: the op overwrites it anyway
-    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  }
+  const PremulLowering premul(opts.reduceOp, transportHasPremul(tensors[0]));
+  auto staged = premul.inOut(staging, tensors);
+  const auto innerOpts = premul.options(opts);
   if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
     return fusion_->enqueue(transports_.cpu, rank_, staged[0], innerOpts, staging.copyBack(),
                             listValue(tensors));
@@ -246,19 +226,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
   constexpr const char* op = "all_reduce_coalesced";
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  auto& transport = transportFor(tensors[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto staged = staging.inOut(tensors);
-  c10d::AllreduceCoalescedOptions innerOpts = opts;
-  if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
-    const double factor = premulFactor(opts.reduceOp);
-    for (auto& t : staged) t.mul_(factor);
-    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  }
-  auto work = transport.allreduce_coalesced(staged, innerOpts);
-  return wrap(std::move(work), c10d::OpType::ALLREDUCE_COALESCED, staging, listValue(tensors),
-              issuedUs);
+  return delegate(op, tensors[0], c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, transportHasPremul(tensors[0]));
+                    auto staged = premul.inOut(staging, tensors);
+                    return transport.allreduce_coalesced(staged, premul.options(opts));
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -267,28 +240,16 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  auto& transport = transportFor(tensors[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  c10d::ReduceOptions innerOpts = opts;
-  if (isPremul(opts.reduceOp) && !transportHasPremul(tensors[0])) {
-    // Scale a copy, so a non-root rank's tensor keeps its values; the root
-    // receives the result through the copy.
-    auto scaled = scaledCopies(tensors, premulFactor(opts.reduceOp));
-    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-    auto work = transport.reduce(scaled, innerOpts);
-    std::function<void()> copyToRoot;
-    if (rank_ == opts.rootRank) {
-      copyToRoot = [tensors, scaled] {
-        for (size_t i = 0; i < tensors.size(); ++i) tensors[i].copy_(scaled[i]);
-      };
-    }
-    return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors), issuedUs,
-                std::move(copyToRoot));
-  }
-  auto staged = staging.inOut(tensors);
-  auto work = transport.reduce(staged, innerOpts);
-  return wrap(std::move(work), c10d::OpType::REDUCE, staging, listValue(tensors), issuedUs);
+  return delegate(op, tensors[0], c10d::OpType::REDUCE, listValue(tensors),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, transportHasPremul(tensors[0]));
+                    // Lowered, a non-root rank sends a scaled copy, so its tensor
+                    // keeps its values; the root's tensor receives the result.
+                    auto staged = premul.lowers() && rank_ != opts.rootRank
+                                      ? premul.in(staging, tensors)
+                                      : premul.inOut(staging, tensors);
+                    return transport.reduce(staged, premul.options(opts));
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
@@ -304,14 +265,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
       checks::sameDeviceAndDtype(op, out, inputs[i], "output", "input");
     }
   }
-  auto& transport = transportFor(inputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto stagedIn = staging.in(inputs);
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.allgather(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::ALLGATHER, staging, listOfListsValue(outputs),
-              issuedUs);
+  return delegate(op, inputs[0], c10d::OpType::ALLGATHER, listOfListsValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto stagedIn = staging.in(inputs);
+                    auto stagedOut = staging.out(outputs);
+                    return transport.allgather(stagedOut, stagedIn, opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -321,14 +280,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output,
   checks::tensorList(op, {output}, "output");
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::allgatherBase(output, input, size_);
-  auto& transport = transportFor(input, op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto stagedIn = staging.in(input);
-  auto stagedOut = staging.out(output);
-  auto work = transport._allgather_base(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::_ALLGATHER_BASE, staging, listValue({output}),
-              issuedUs);
+  return delegate(op, input, c10d::OpType::_ALLGATHER_BASE, listValue({output}),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto stagedIn = staging.in(input);
+                    auto stagedOut = staging.out(output);
+                    return transport._allgather_base(stagedOut, stagedIn, opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
@@ -343,13 +300,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
     checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
     checks::allgatherBase(outputs[i], inputs[i], size_);
   }
-  auto& transport = transportFor(inputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto stagedIn = staging.in(inputs);
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs), issuedUs);
+  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto stagedIn = staging.in(inputs);
+                    auto stagedOut = staging.out(outputs);
+                    return transport.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -371,13 +327,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::
     TORCH_CHECK_VALUE(outputs.empty(), "xcomm.gather: only the root (rank ", opts.rootRank,
                       ") passes a gather list");
   }
-  auto& transport = transportFor(inputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto stagedIn = staging.in(inputs);
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.gather(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::GATHER, staging, listOfListsValue(outputs), issuedUs);
+  return delegate(op, inputs[0], c10d::OpType::GATHER, listOfListsValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto stagedIn = staging.in(inputs);
+                    auto stagedOut = staging.out(outputs);
+                    return transport.gather(stagedOut, stagedIn, opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -399,14 +354,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& ou
     TORCH_CHECK_VALUE(inputs.empty(), "xcomm.scatter: only the root (rank ", opts.rootRank,
                       ") passes a scatter list");
   }
-  auto& transport = transportFor(outputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  std::vector<std::vector<at::Tensor>> stagedIn;
-  for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.scatter(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::SCATTER, staging, listValue(outputs), issuedUs);
+  return delegate(op, outputs[0], c10d::OpType::SCATTER, listValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    std::vector<std::vector<at::Tensor>> stagedIn;
+                    for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
+                    auto stagedOut = staging.out(outputs);
+                    return transport.scatter(stagedOut, stagedIn, opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
@@ -423,20 +377,14 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
       checks::sameDeviceAndDtype(op, in, outputs[i], "input", "output");
     }
   }
-  auto& transport = transportFor(outputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  c10d::ReduceScatterOptions innerOpts = opts;
-  std::vector<std::vector<at::Tensor>> stagedIn;
-  const bool lowerPremul = isPremul(opts.reduceOp) && !transportHasPremul(outputs[0]);
-  for (const auto& list : inputs) {
-    stagedIn.push_back(lowerPremul ? scaledCopies(list, premulFactor(opts.reduceOp))
-                                   : staging.in(list));
-  }
-  if (lowerPremul) innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.reduce_scatter(stagedOut, stagedIn, innerOpts);
-  return wrap(std::move(work), c10d::OpType::REDUCE_SCATTER, staging, listValue(outputs), issuedUs);
+  return delegate(op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, transportHasPremul(outputs[0]));
+                    std::vector<std::vector<at::Tensor>> stagedIn;
+                    for (const auto& list : inputs) stagedIn.push_back(premul.in(staging, list));
+                    auto stagedOut = staging.out(outputs);
+                    return transport.reduce_scatter(stagedOut, stagedIn, premul.options(opts));
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
@@ -447,21 +395,14 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::reduceOp(op, opts.reduceOp, input.scalar_type());
   checks::reduceScatterBase(output, input, size_);
-  auto& transport = transportFor(input, op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  c10d::ReduceScatterOptions innerOpts = opts;
-  at::Tensor stagedIn;
-  if (isPremul(opts.reduceOp) && !transportHasPremul(input)) {
-    stagedIn = input.contiguous().mul(premulFactor(opts.reduceOp));
-    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  } else {
-    stagedIn = staging.in(input);
-  }
-  auto stagedOut = staging.out(output);
-  auto work = transport._reduce_scatter_base(stagedOut, stagedIn, innerOpts);
-  return wrap(std::move(work), c10d::OpType::_REDUCE_SCATTER_BASE, staging, listValue({output}),
-              issuedUs);
+  return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, transportHasPremul(input));
+                    auto stagedIn = premul.in(staging, input);
+                    auto stagedOut = staging.out(output);
+                    return transport._reduce_scatter_base(stagedOut, stagedIn,
+                                                          premul.options(opts));
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
@@ -477,20 +418,14 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
     checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
     checks::reduceScatterBase(outputs[i], inputs[i], size_);
   }
-  auto& transport = transportFor(inputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  c10d::ReduceScatterOptions innerOpts = opts;
-  std::vector<at::Tensor> stagedIn;
-  if (isPremul(opts.reduceOp) && !transportHasPremul(inputs[0])) {
-    stagedIn = scaledCopies(inputs, premulFactor(opts.reduceOp));
-    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  } else {
-    stagedIn = staging.in(inputs);
-  }
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.reduce_scatter_tensor_coalesced(stagedOut, stagedIn, innerOpts);
-  return wrap(std::move(work), c10d::OpType::COALESCED, staging, listValue(outputs), issuedUs);
+  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, transportHasPremul(inputs[0]));
+                    auto stagedIn = premul.in(staging, inputs);
+                    auto stagedOut = staging.out(outputs);
+                    return transport.reduce_scatter_tensor_coalesced(stagedOut, stagedIn,
+                                                                     premul.options(opts));
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -503,13 +438,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, a
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::splits(op, inputSplits, input, size_, "input");
   checks::splits(op, outputSplits, output, size_, "output");
-  auto& transport = transportFor(input, op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto stagedIn = staging.in(input);
-  auto stagedOut = staging.out(output);
-  auto work = transport.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits, opts);
-  return wrap(std::move(work), c10d::OpType::ALLTOALL_BASE, staging, listValue({output}), issuedUs);
+  return delegate(op, input, c10d::OpType::ALLTOALL_BASE, listValue({output}),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto stagedIn = staging.in(input);
+                    auto stagedOut = staging.out(output);
+                    return transport.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits,
+                                                   opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -523,13 +458,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& o
       "xcomm.all_to_all: needs one input and one output tensor per rank (", size_, "), got ",
       inputs.size(), " inputs and ", outputs.size(), " outputs");
   checks::sameDeviceAndDtype(op, outputs[0], inputs[0], "output", "input");
-  auto& transport = transportFor(inputs[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto stagedIn = staging.in(inputs);
-  auto stagedOut = staging.out(outputs);
-  auto work = transport.alltoall(stagedOut, stagedIn, opts);
-  return wrap(std::move(work), c10d::OpType::ALLTOALL, staging, listValue(outputs), issuedUs);
+  return delegate(op, inputs[0], c10d::OpType::ALLTOALL, listValue(outputs),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto stagedIn = staging.in(inputs);
+                    auto stagedOut = staging.out(outputs);
+                    return transport.alltoall(stagedOut, stagedIn, opts);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tensors, int dstRank,
@@ -538,12 +472,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
-  auto& transport = transportFor(tensors[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto staged = staging.in(tensors);
-  auto work = transport.send(staged, dstRank, tag);
-  return wrap(std::move(work), c10d::OpType::SEND, staging, listValue(tensors), issuedUs);
+  return delegate(op, tensors[0], c10d::OpType::SEND, listValue(tensors),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto staged = staging.in(tensors);
+                    return transport.send(staged, dstRank, tag);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
@@ -552,12 +485,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  auto& transport = transportFor(tensors[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto staged = staging.out(tensors);
-  auto work = transport.recv(staged, srcRank, tag);
-  return wrap(std::move(work), c10d::OpType::RECV, staging, listValue(tensors), issuedUs);
+  return delegate(op, tensors[0], c10d::OpType::RECV, listValue(tensors),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto staged = staging.out(tensors);
+                    return transport.recv(staged, srcRank, tag);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tensor>& tensors,
@@ -565,12 +497,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   constexpr const char* op = "recv";
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  auto& transport = transportFor(tensors[0], op);
-  const int64_t issuedUs = Timeline::nowUs();
-  TensorStaging staging;
-  auto staged = staging.out(tensors);
-  auto work = transport.recvAnysource(staged, tag);
-  return wrap(std::move(work), c10d::OpType::RECVANYSOURCE, staging, listValue(tensors), issuedUs);
+  return delegate(op, tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors),
+                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                    auto staged = staging.out(tensors);
+                    return transport.recvAnysource(staged, tag);
+                  });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -130,9 +130,16 @@ class XcommBackend : public c10d::Backend {
   void flushFused();
   // Whether the transport for `t` implements PREMUL_SUM itself (NCCL does).
   bool transportHasPremul(const at::Tensor& t) const;
+  // What every tensor op but all_reduce does after its checks: take the
+  // transport for `first` (sending what fusion holds), note the issue time,
+  // let `call(transport, staging)` stage the tensors and start the
+  // transport's op, and wrap its work with `result` as the op's result.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> delegate(const char* op, const at::Tensor& first,
+                                          c10d::OpType type, c10::IValue result, Call&& call);
   c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
                                       const TensorStaging& staging, c10::IValue result,
-                                      int64_t issuedUs, std::function<void()> extraFinalize = {});
+                                      int64_t issuedUs);
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);

@@ -1,39 +1,21 @@
 #pragma once
-// Horovod-style tensor fusion for small allreduces.
+// Horovod-style tensor fusion for small allreduces: the interface XcommBackend
+// uses, and the mechanics both ways of sending share.
 //
 // Small async allreduces issued back to back are held and sent as one flat
 // allreduce of at most the threshold's bytes. Which ops travel together must
-// be identical on every rank. Two ways to decide when held ops leave:
-//
-// On demand (no cycle time): only at points of the program's own order, never
-// by a rank-local clock:
-//   - the held bytes would pass the threshold;
-//   - an op that cannot join arrives (another dtype or reduce op, a large
-//     tensor, any other collective): everything held goes first, keeping
-//     issue order;
-//   - the caller needs a result: wait(), synchronize(), getFuture() or
-//     isCompleted() on any held op (so DDP hooks, which take the future at
-//     once, and synchronous calls are never delayed);
-//   - shutdown.
-// Held ops wait for one of these, so nothing is sent while the caller computes.
-//
-// Negotiated cycle (a cycle time > 0, as Horovod's HOROVOD_CYCLE_TIME): a
-// background thread sends held ops at most one cycle after the first of them
-// arrived, or at once when the threshold fills or a result or another op
-// needs them. A rank-local timer alone would let ranks cut different sets,
-// so each round first agrees, over a control transport of its own, on how
-// many ops every rank has issued (an allreduce-MIN of one counter) and sends
-// exactly that prefix, grouped by a rule that depends only on the ops
-// (FusionPlan). Ranks issue the same ops in the same order, so a rank that
-// enters a round early only waits for its peers to reach the same count.
+// be identical on every rank. Two ways to decide when held ops leave, one
+// class each:
+//   - OnDemandFusion (schedule/OnDemandFusion.hpp): only at points of the
+//     program's own order (threshold, another op, a result asked for).
+//   - CycleFusion (schedule/CycleFusion.hpp): a background thread every cycle
+//     time, after the ranks agree on how many ops all have issued.
+// makeFusionBuffer() picks one.
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -70,31 +52,20 @@ class FusedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// How held ops are cut into transfers: consecutive ops with the same dtype,
-// reduce op and timeout, up to the threshold's bytes each. It depends only on
-// the ops, so every rank cuts the same groups from the same ops.
-struct FusionPlan {
-  // [begin, end) indices into the ops given to groups().
-  std::vector<std::pair<size_t, size_t>> groups(
-      const std::vector<std::pair<const at::Tensor*, const c10d::AllreduceOptions*>>& ops,
-      size_t thresholdBytes) const;
-};
+// Whether two ops may travel in one transfer: same dtype, reduce op and
+// timeout.
+bool sameFusionKind(const at::Tensor& a, const c10d::AllreduceOptions& aOpts, const at::Tensor& b,
+                    const c10d::AllreduceOptions& bOpts);
 
 class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
  public:
-  // On-demand fusion.
-  explicit FusionBuffer(size_t thresholdBytes) : thresholdBytes_(thresholdBytes) {}
-  // Negotiated cycle: `control` carries only the rounds' counters (a transport
-  // no other op uses, so its order never mixes with theirs).
-  FusionBuffer(size_t thresholdBytes, std::chrono::microseconds cycle,
-               c10::intrusive_ptr<c10d::Backend> control, std::chrono::milliseconds timeout);
-  ~FusionBuffer();
+  virtual ~FusionBuffer() = default;
   FusionBuffer(const FusionBuffer&) = delete;
   FusionBuffer& operator=(const FusionBuffer&) = delete;
 
   size_t thresholdBytes() const { return thresholdBytes_; }
   // 0: on demand.
-  std::chrono::microseconds cycle() const { return cycle_; }
+  virtual std::chrono::microseconds cycle() const = 0;
 
   // Whether an allreduce of `tensor` with `opts` may be held at all: one
   // dense contiguous CPU tensor below the threshold, an elementwise reduce op.
@@ -108,20 +79,20 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
                                          const c10d::AllreduceOptions& opts,
                                          std::function<void()> finalize, c10::IValue result);
 
-  // Sends everything held so far before returning (on demand: one
-  // allreduce; cycle: after the rounds that agree on it). Called before any
-  // other op is issued, so transfers keep program order. Thread-safe.
-  void flush();
-  // A held op's result is wanted: on demand, flush(); in cycle mode, start a
-  // round now without blocking (the next round sends it anyway).
-  void expedite(bool resultNeeded);
-  // Cycle mode: sends what is held, then stops the thread (shutdown()).
-  void stop();
-  // Fails what is held without sending it, and aborts the control transport
-  // (a round waiting for a dead peer returns); later ops fail at once.
-  void abort();
+  // Sends everything held so far before returning. Called before any other
+  // op is issued, so transfers keep program order. Thread-safe.
+  virtual void flush() = 0;
+  // A held op's result is wanted (`resultNeeded`: wait()/synchronize(), not
+  // only isCompleted()/getFuture()).
+  virtual void expedite(bool resultNeeded) = 0;
+  // Sends what is held; no op is held after it (shutdown()).
+  virtual void stop() = 0;
+  // Ends what is held without blocking (abort()).
+  virtual void abort() = 0;
 
- private:
+ protected:
+  explicit FusionBuffer(size_t thresholdBytes) : thresholdBytes_(thresholdBytes) {}
+
   struct Held {
     at::Tensor tensor;
     c10::intrusive_ptr<FusedWork> work;
@@ -129,37 +100,29 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
     c10d::AllreduceOptions opts;
     std::chrono::steady_clock::time_point heldAt;
   };
-  // Issues one group as one allreduce and attaches its completion; returns
-  // what must run outside any lock (attaching may complete at once).
+  // Takes the op enqueue() made a work for; the mode decides when it leaves.
+  virtual void hold(Held held) = 0;
+
+  // Under mutex_: appends an op to held_, or takes the first `count` out.
+  void holdLocked(Held held);
+  std::vector<Held> takeLocked(size_t count);
+
+  // Issues one group as one allreduce (packed flat when more than one op)
+  // and attaches its completion; returns what must run outside any lock
+  // (attaching may complete at once).
   static std::function<void()> issue(std::shared_ptr<std::vector<Held>> group);
-  // On demand: issues what is held (under the lock, so transfers leave in
-  // program order).
-  std::function<void()> flushLocked();
-  // Cycle mode: the background thread's loop, one agreement round at a time.
-  void cycleLoop();
-  int64_t negotiate(int64_t issued);
-  void failHeldLocked(std::exception_ptr error, std::vector<Held>& out);
-  // Whether the next round should start now rather than when its cycle comes.
-  bool hurryLocked() const { return urgent_ || stopping_ || wantedCount_ > sentCount_; }
 
   const size_t thresholdBytes_;
   std::mutex mutex_;
-  std::vector<Held> held_;  // in issue order
-  size_t heldBytes_ = 0;
-
-  // Cycle mode only.
-  const std::chrono::microseconds cycle_{0};
-  c10::intrusive_ptr<c10d::Backend> control_;
-  std::chrono::milliseconds timeout_{0};
-  std::condition_variable wake_;  // the thread: something to send
-  std::condition_variable sent_;  // flush(): a round sent ops
-  int64_t issuedCount_ = 0;       // ops ever held
-  int64_t sentCount_ = 0;         // ops ever issued as transfers (or failed)
-  int64_t wantedCount_ = 0;       // flush()/wait() need this many sent
-  bool urgent_ = false;           // the threshold filled
-  bool stopping_ = false;
-  std::exception_ptr broken_;  // a failed round: later ops fail at once
-  std::thread thread_;
+  std::vector<Held> held_;  // in issue order; guarded by mutex_
+  size_t heldBytes_ = 0;    // guarded by mutex_
 };
+
+// Null when `thresholdBytes` is 0 (fusion off); on demand when `cycle` is 0;
+// else a negotiated cycle over `control` whose rounds wait up to `timeout`.
+std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
+                                               std::chrono::microseconds cycle,
+                                               c10::intrusive_ptr<c10d::Backend> control,
+                                               std::chrono::milliseconds timeout);
 
 }  // namespace xcomm

@@ -24,6 +24,9 @@ Steps 2 and 3 run in C++ for CPU buckets without a hook
 (``csrc/schedule/BucketLauncher``: no Python and no GIL on the backward or
 completion threads); with a hook, the hook's Python runs as DDP's would, and
 ``schedule="fifo"|"priority"`` hands full buckets to the C++ chunk scheduler.
+The bucketer picks one of these three paths at construction
+(``xcomm._bucket_paths``); a comm hook receives each bucket as a
+:class:`BucketerGradBucket`, a stand-in for ``dist.GradBucket``.
 
 The math, without compression: every rank's ``p.grad`` becomes
 ``sum_r (g_r * (1/n))`` over the ``n`` ranks, exactly what DDP's built-in
@@ -54,99 +57,48 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, trace
-from .opstats import record_op
-from .scheduler import ChunkScheduler
+from . import trace
+from ._bucket_paths import (  # noqa: F401 (the TRACK_* stay readable here)
+    TRACK_DECODE,
+    TRACK_ENCODE,
+    TRACK_OPTIM,
+    TRACK_TRANSFER,
+    Bucket,
+    BucketerGradBucket,
+    BucketPath,
+    CompressionHook,
+    choose_path,
+)
 
-__all__ = ["BucketView", "GradientBucketer"]
+__all__ = ["BucketerGradBucket", "GradientBucketer"]
 
-CompressionHook = Callable[[Any, Any], torch.futures.Future]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-
-TRACK_ENCODE = "engine 1: encode (backward thread)"
-TRACK_TRANSFER = "engine 2: transfer"
-TRACK_DECODE = "engine 3: decode (completion thread)"
-TRACK_OPTIM = "engine 4: optimizer step"
 
 # Modules with a live bucketer; a module may have only one.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 _ATTACHED_LOCK = threading.Lock()
 
 
-class BucketView:
-    """One bucket presented like DDP's ``dist.GradBucket``, so DDP comm hooks run on it."""
-
-    def __init__(
-        self,
-        index: int,
-        buffer: torch.Tensor,
-        params: list[nn.Parameter],
-        is_last: bool,
-    ) -> None:
-        self._index = index
-        self._buffer = buffer
-        self._params = params
-        self._is_last = is_last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
-
-    def gradients(self) -> list[torch.Tensor]:
-        out, offset = [], 0
-        for p in self._params:
-            out.append(self._buffer.narrow(0, offset, p.numel()).view_as(p))
-            offset += p.numel()
-        return out
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self._params)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-
-class _LaunchedFuture:
-    """A bucket's reduction in the C++ launcher, seen as a future (``done``/``wait``)."""
-
-    def __init__(self, launcher: Any, index: int) -> None:
-        self._launcher = launcher
-        self._index = index
-
-    def done(self) -> bool:
-        return bool(self._launcher.done(self._index))
-
-    def wait(self) -> None:
-        self._launcher.wait(self._index)
-
-
-@dataclass
-class _Bucket:
-    index: int
-    params: list[nn.Parameter]
-    offsets: list[int]
-    buffer: torch.Tensor
-    optimizer: torch.optim.Optimizer | None = None
-    # Per-iteration state, reset by _reset_iteration.
-    pending: int = 0
-    ready_us: int = 0
-    landed_us: int = 0
-    future: torch.futures.Future | None = None
-    ready_params: set[int] = field(default_factory=set)
+def __getattr__(name: str) -> Any:
+    # Deprecated alias: the bucketer's GradBucket stand-in was called
+    # BucketView, like the unrelated codec view in xcomm.hooks._common.
+    if name == "BucketView":
+        warnings.warn(
+            "xcomm.bucketer.BucketView is deprecated; it is now xcomm.bucketer.BucketerGradBucket",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return BucketerGradBucket
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class GradientBucketer:
@@ -264,8 +216,8 @@ class GradientBucketer:
         self.compression = compression
         self._world = dist.get_world_size(process_group)
         self._names = {id(p): n for n, p in module.named_parameters()}
-        self.buckets: list[_Bucket] = self._layout(params, optimizer_factory)
-        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        self.buckets: list[Bucket] = self._layout(params, optimizer_factory)
+        self._slot: dict[int, tuple[Bucket, int]] = {}
         for b in self.buckets:
             for p, off in zip(b.params, b.offsets):
                 self._slot[id(p)] = (b, off)
@@ -279,36 +231,20 @@ class GradientBucketer:
         self._first_param_bucket = self._slot[id(params[0])][0]
         self._n_params = len(params)
         self.last_timing: dict[str, float] = {}
-        self._scheduler: ChunkScheduler | None = None
-        # The plain path (no hook, no chunks) runs in C++ (csrc/schedule/
-        # BucketLauncher): copy-in, launch in index order, copy-back, stats
-        # and spans, all without the GIL. Hooks and CUDA buckets stay here.
-        self._launcher: Any = None
-        self._param_index = {id(p): i for i, p in enumerate(params)}
-        if (
-            schedule == "immediate"
-            and compression is None
-            and all(b.buffer.device.type == "cpu" for b in self.buckets)
-        ):
-            pg = process_group if process_group is not None else dist.group.WORLD
-            slots = [None] * len(params)
-            for b in self.buckets:
-                for p, off in zip(b.params, b.offsets, strict=True):
-                    slots[self._param_index[id(p)]] = (b.index, off, p.numel())
-            self._launcher = _C.BucketLauncher(
-                [b.buffer for b in self.buckets], slots, pg._get_backend(torch.device("cpu"))
-            )
-        if schedule != "immediate":
-            self._scheduler = ChunkScheduler(
-                [b.buffer for b in self.buckets],
-                int(chunk_mb * 1024 * 1024),
-                schedule == "priority",
-                process_group,
-                self._on_chunks_landed,
-                self._on_scheduler_error,
-            )
-        self._sync = True
         self._lock = threading.Lock()
+        # How full buckets are reduced: in C++ (the plain path), through a
+        # hook from Python, or in chunks by the scheduler (xcomm._bucket_paths).
+        self._path: BucketPath = choose_path(
+            self.buckets,
+            params,
+            process_group,
+            self._world,
+            self._lock,
+            compression,
+            schedule,
+            int(chunk_mb * 1024 * 1024),
+        )
+        self._sync = True
         self._reset_iteration()
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
@@ -316,8 +252,8 @@ class GradientBucketer:
 
     def _layout(
         self, params: Sequence[nn.Parameter], optimizer_factory: OptimizerFactory | None
-    ) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
+    ) -> list[Bucket]:
+        buckets: list[Bucket] = []
         open_by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
 
         def close(kind: tuple[torch.dtype, torch.device]) -> None:
@@ -330,7 +266,7 @@ class GradientBucketer:
                 total += p.numel()
             buffer = torch.zeros(total, dtype=kind[0], device=kind[1])
             opt = optimizer_factory(list(group)) if optimizer_factory else None
-            buckets.append(_Bucket(len(buckets), list(group), offsets, buffer, opt))
+            buckets.append(Bucket(len(buckets), list(group), offsets, buffer, opt))
 
         for p in reversed(list(params)):
             kind = (p.dtype, p.device)
@@ -347,23 +283,14 @@ class GradientBucketer:
     # ------------------------------------------------------------ iteration
 
     def _reset_iteration(self) -> None:
-        self._next_launch = 0
         self._grads_seen = 0
-        self._callback_error: BaseException | None = None
         self._backward_end_us = 0
         for b in self.buckets:
             b.pending = len(b.params)
             b.ready_us = 0
             b.landed_us = 0
-            if self._launcher is not None:
-                b.future = _LaunchedFuture(self._launcher, b.index)
-            elif self.schedule != "immediate":
-                b.future = torch.futures.Future()  # completed by the chunk scheduler
-            else:
-                b.future = None  # set when the bucket is launched
             b.ready_params = set()
-        if self._launcher is not None:
-            self._launcher.reset()
+        self._path.reset_iteration()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -389,137 +316,7 @@ class GradientBucketer:
             self._grads_seen += 1
             if self._grads_seen == self._n_params:
                 self._backward_end_us = trace.now_us()
-        if self._launcher is not None:
-            self._launcher.grad_ready(self._param_index[id(p)], p.grad)
-            return
-        grad = p.grad
-        view = bucket.buffer.narrow(0, offset, p.numel())
-        with torch.autograd.profiler.record_function("xcomm::bucketer::copy_in"):
-            if self.compression is None:
-                # DDP's reducer also scales by 1/n while copying, then sums.
-                torch.mul(grad.reshape(-1), 1.0 / self._world, out=view)
-            else:
-                view.copy_(grad.reshape(-1))
-        # Launching under the lock keeps the index order even if gradients
-        # arrive on several autograd threads (one per device).
-        with self._lock:
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                bucket.ready_us = trace.now_us()
-                if self._scheduler is not None:
-                    self._scheduler.mark_ready(bucket.index)
-            if self._scheduler is not None:
-                return  # the scheduler picks the order
-            while (
-                self._next_launch < len(self.buckets)
-                and self.buckets[self._next_launch].pending == 0
-            ):
-                self._launch(self.buckets[self._next_launch])
-                self._next_launch += 1
-
-    def _launch(self, bucket: _Bucket) -> None:
-        i = bucket.index
-        start_us = trace.now_us()
-        queued_s = (start_us - bucket.ready_us) * 1e-6
-        wire_ratio = 1.0
-        with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::encode"):
-            if self.compression is None:
-                work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-                fut = work.get_future()
-                op = "bucket_allreduce"
-            else:
-                hook, state = self.compression
-                stats = getattr(state, "stats", None)
-                before = (
-                    (stats.bytes_before, stats.bytes_on_wire)
-                    if hasattr(stats, "bytes_before")
-                    else None
-                )
-                view = BucketView(i, bucket.buffer, bucket.params, i == len(self.buckets) - 1)
-                fut = hook(state, view)
-                if before is not None and stats.bytes_before > before[0]:
-                    wire_ratio = (stats.bytes_on_wire - before[1]) / (
-                        stats.bytes_before - before[0]
-                    )
-                op = f"bucket_allreduce[{getattr(hook, '__name__', 'hook')}]"
-        launched_us = trace.now_us()
-        nbytes = bucket.buffer.nbytes
-        trace.add_span(
-            f"bucket {i} encode",
-            "encode",
-            TRACK_ENCODE,
-            start_us,
-            launched_us,
-            {"bytes": nbytes},
-        )
-
-        def land(f: torch.futures.Future) -> None:
-            landed_us = trace.now_us()
-            bucket.landed_us = landed_us
-            failed = True
-            try:
-                value = f.value()
-                result = value[0] if isinstance(value, (list, tuple)) else value
-                with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::decode"):
-                    for p, off in zip(bucket.params, bucket.offsets):
-                        p.grad.copy_(result.narrow(0, off, p.numel()).view_as(p))
-                failed = False
-            finally:
-                done_us = trace.now_us()
-                trace.add_span(
-                    f"bucket {i} transfer",
-                    "transfer",
-                    TRACK_TRANSFER,
-                    launched_us,
-                    landed_us,
-                    {"bytes": nbytes, "queued_us": int(queued_s * 1e6)},
-                )
-                trace.add_span(f"bucket {i} decode", "decode", TRACK_DECODE, landed_us, done_us)
-                record_op(
-                    op,
-                    nbytes,
-                    round(nbytes * wire_ratio),
-                    queued_s,
-                    (landed_us - launched_us) * 1e-6,
-                    failed,
-                )
-
-        # The transfer as an async torch.profiler range: it ends when the future completes.
-        with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::transfer") as rf:
-            fut = rf._call_end_callbacks_on_future(fut)
-        bucket.future = fut.then(land)
-
-    def _on_chunks_landed(self, index: int, first_issue_us: int) -> None:
-        """Scheduler thread: all chunks of bucket ``index`` are reduced in its buffer."""
-        bucket = self.buckets[index]
-        bucket.landed_us = trace.now_us()
-        try:
-            with torch.autograd.profiler.record_function(f"xcomm::bucket{index}::decode"):
-                for p, off in zip(bucket.params, bucket.offsets):
-                    p.grad.copy_(bucket.buffer.narrow(0, off, p.numel()).view_as(p))
-            trace.add_span(
-                f"bucket {index} decode",
-                "decode",
-                TRACK_DECODE,
-                bucket.landed_us,
-                trace.now_us(),
-            )
-            nbytes = bucket.buffer.nbytes
-            record_op(
-                f"bucket_allreduce[{self.schedule}]",
-                nbytes,
-                nbytes,
-                max(0, first_issue_us - bucket.ready_us) * 1e-6,
-                (bucket.landed_us - first_issue_us) * 1e-6,
-            )
-            bucket.future.set_result(bucket.buffer)
-        except BaseException as e:  # noqa: BLE001
-            bucket.future.set_exception(e)
-
-    def _on_scheduler_error(self, error: BaseException) -> None:
-        for b in self.buckets:
-            if b.future is not None and not b.future.done():
-                b.future.set_exception(error)
+        self._path.grad_ready(p, bucket, offset)
 
     # ---------------------------------------------------------------- finish
 
@@ -537,16 +334,7 @@ class GradientBucketer:
         ]
         if missing:
             # Let launched reductions finish, so no collective is left half-issued here.
-            if self._scheduler is not None:
-                self._scheduler.abort()
-            for b in self.buckets:
-                if self._scheduler is not None:
-                    continue
-                if self._launcher is not None and b.index >= self._launcher.launched:
-                    continue  # never launched: nothing to wait for
-                if b.future is not None:
-                    with contextlib.suppress(Exception):
-                        b.future.wait()
+            self._path.abandon()
             self._reset_iteration()
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise RuntimeError(
@@ -583,15 +371,11 @@ class GradientBucketer:
             # Buckets are handled in the order they land: whichever is done
             # first, else the one expected next (index order; reversed under
             # priority scheduling, which sends the last buckets first).
-            expected = list(self.buckets)
-            if self.schedule == "priority":
-                expected.reverse()
+            expected = self._path.landing_order()
             while expected:
                 b = next((x for x in expected if x.future.done()), expected[0])
                 expected.remove(b)
-                b.future.wait()
-                if self._launcher is not None:
-                    b.landed_us = self._launcher.landed_us(b.index)
+                self._path.wait(b)
                 if step and b.optimizer is not None:
                     t0 = trace.now_us()
                     with torch.autograd.profiler.record_function(
@@ -614,8 +398,7 @@ class GradientBucketer:
                 "forward_wait_s": max(0, first.landed_us - self._backward_end_us) * 1e-6,
             }
         finally:
-            if self._scheduler is not None:
-                self._scheduler.join()
+            self._path.end_iteration()
             self._reset_iteration()
 
     def zero_grad(self, set_to_none: bool = True) -> None:

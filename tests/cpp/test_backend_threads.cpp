@@ -12,6 +12,7 @@
 #include "common/TorchCompat.hpp"
 #include "schedule/BucketLauncher.hpp"
 #include "schedule/ChunkScheduler.hpp"
+#include "schedule/CycleFusion.hpp"
 #include "schedule/Stats.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.

@@ -525,6 +525,100 @@ def test_reduce_scatter(world_size: int) -> None:
 
 
 # --------------------------------------------------------------------------- #
+# PREMUL_SUM on the other reducing collectives (all_reduce: above)
+# --------------------------------------------------------------------------- #
+
+#: PREMUL_SUM's factor in these tests.
+FACTOR = 0.5
+
+
+def _rank_premul_sum(ctx: RankContext) -> list[str]:
+    """Every reducing collective but all_reduce with PREMUL_SUM, against gloo
+    SUM over the inputs times the factor (gloo has no PREMUL_SUM)."""
+    chk = Checker(ctx)
+    ws, me = ctx.world_size, ctx.rank
+
+    def premul(group: PG, *ts: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
+        """The op and inputs: PREMUL_SUM over ``ts`` for the backend under
+        test; for gloo, SUM over (contiguous) copies of ``ts`` times the factor."""
+        if group is not chk.ref_group:
+            return dist._make_nccl_premul_sum(FACTOR), list(ts)
+        return dist.ReduceOp.SUM, [(t * FACTOR).contiguous() for t in ts]
+
+    for dtype in FLOAT_DTYPES:
+        modes = _modes_for(dtype)
+        name = dtype_name(dtype)
+
+        def coalesced(group: PG, async_op: bool, dtype: torch.dtype = dtype) -> Any:
+            op, ts = premul(group, make_input(ctx, dtype, (5,)), make_input(ctx, dtype, (2, 3), 1))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated API
+                return dist.all_reduce_coalesced(ts, op=op, group=group, async_op=async_op), ts
+
+        if hasattr(dist, "all_reduce_coalesced"):
+            chk.run(f"all_reduce_coalesced {name} PREMUL_SUM", coalesced, modes=modes)
+
+        for root in range(ws):
+            for strided in (False, True):
+
+                def reduce(
+                    group: PG,
+                    async_op: bool,
+                    dtype: torch.dtype = dtype,
+                    root: int = root,
+                    strided: bool = strided,
+                ) -> Any:
+                    # Strided: the tensor is every other element of `base`.
+                    base = make_input(ctx, dtype, (N, 2) if strided else (N,), salt=2)
+                    op, (t,) = premul(group, base[:, 1] if strided else base)
+                    work = dist.reduce(t, dst=root, op=op, group=group, async_op=async_op)
+                    # The root's tensor holds the result (and its neighbours
+                    # are untouched); the others keep their values.
+                    if me == root:
+                        return work, [t, base[:, 0]] if strided else [t]
+                    return work, [base]
+
+                # Not "future": the other ranks' future values are their
+                # inputs, which gloo's reference has scaled.
+                label = f"reduce {name} PREMUL_SUM root={root}{' strided' if strided else ''}"
+                chk.run(label, reduce, modes=[m for m in modes if m != "future"])
+
+        def scatter_list(group: PG, async_op: bool, dtype: torch.dtype = dtype) -> Any:
+            inputs = [make_input(ctx, dtype, (N,), salt=j) for j in range(ws)]
+            op, staged = premul(group, *inputs)
+            out = torch.zeros(N, dtype=dtype)
+            work = dist.reduce_scatter(out, staged, op=op, group=group, async_op=async_op)
+            return work, [out, *inputs]  # the inputs keep their values
+
+        chk.run(f"reduce_scatter (list) {name} PREMUL_SUM", scatter_list, modes=modes)
+
+        for strided in (False, True):
+
+            def scatter_tensor(
+                group: PG, async_op: bool, dtype: torch.dtype = dtype, strided: bool = strided
+            ) -> Any:
+                # Strided: the (ws, N) input is the transpose of an (N, ws) tensor.
+                base = make_input(ctx, dtype, (N, ws) if strided else (ws, N), salt=5)
+                op, (inp,) = premul(group, base.t() if strided else base)
+                out = torch.zeros(N, dtype=dtype)
+                work = dist.reduce_scatter_tensor(out, inp, op=op, group=group, async_op=async_op)
+                return work, [out, base]  # the input keeps its values
+
+            label = f"reduce_scatter_tensor {name} PREMUL_SUM{' strided' if strided else ''}"
+            chk.run(label, scatter_tensor, modes=modes)
+    return chk.items
+
+
+@pytest.mark.skipif(BACKEND == "gloo", reason="gloo has no PREMUL_SUM")
+@pytest.mark.parametrize("world_size", world_size_params())
+def test_premul_sum(world_size: int) -> None:
+    """reduce, reduce_scatter (both forms) and all_reduce_coalesced with
+    PREMUL_SUM: the backend scales the inputs and sums, as gloo does for SUM;
+    inputs are kept (reduce's other ranks, the scattered input)."""
+    assert_no_mismatches(run_ranks(_rank_premul_sum, world_size))
+
+
+# --------------------------------------------------------------------------- #
 # all_to_all / all_to_all_single
 # --------------------------------------------------------------------------- #
 

@@ -30,6 +30,7 @@ import xcomm
 import xcomm.scheduler
 from dist_harness import Mismatches, RankContext, assert_no_mismatches, run_ranks
 from xcomm import trace
+from xcomm._bucket_paths import BucketerGradBucket, ChunkedPath, HookPath, LauncherPath
 from xcomm.hooks import CastState, Int8State, fp16_cast_hook, int8_compress_hook
 
 STEPS = 6
@@ -88,6 +89,7 @@ def _train(
     elif mode == "bucketer":  # several buckets, one optimizer
         bucketer = xcomm.GradientBucketer(model, bucket_cap_mb=0.002)
         assert len(bucketer.buckets) > 2, bucketer.bucket_layout()
+        assert isinstance(bucketer._path, LauncherPath)  # CPU, no hook: the C++ launcher
         opt = _sgd(model.parameters())
     elif mode == "bucketer-step":  # per-bucket optimizers stepped as buckets land
         bucketer = xcomm.GradientBucketer(model, bucket_cap_mb=0.002, optimizer_factory=_sgd)
@@ -95,12 +97,14 @@ def _train(
         bucketer = xcomm.GradientBucketer(
             model, bucket_cap_mb=0.002, schedule=mode.split("-")[1], chunk_mb=0.0005
         )
-        assert len(bucketer._scheduler.chunks) > len(bucketer.buckets)
+        assert isinstance(bucketer._path, ChunkedPath)
+        assert len(bucketer._path.scheduler.chunks) > len(bucketer.buckets)
         opt = _sgd(model.parameters())
     elif mode == "bucketer-fp16":
         bucketer = xcomm.GradientBucketer(
             model, bucket_cap_mb=0.002, compression=(fp16_cast_hook, CastState())
         )
+        assert isinstance(bucketer._path, HookPath)
         opt = _sgd(model.parameters())
     elif mode == "bucketer-int8":  # one bucket, laid out as DDP's single bucket
         bucketer = xcomm.GradientBucketer(
@@ -319,6 +323,56 @@ def test_chunk_scheduler_reports_a_failing_callback_and_stops() -> None:
     for r in run_ranks(_rank_scheduler_callback_error, 2):
         assert r["landed"] == [0]
         assert r["errors"] == [("ValueError", "boom in bucket 0")]
+
+
+def _seen_by_hook(state: list[Any], bucket: Any) -> torch.futures.Future:
+    """A comm hook that records what it got and averages like DDP's default."""
+    state.append(
+        {
+            "type": type(bucket),
+            "index": bucket.index(),
+            "is_last": bucket.is_last(),
+            "shapes": [tuple(g.shape) for g in bucket.gradients()],
+            "params": [tuple(p.shape) for p in bucket.parameters()],
+        }
+    )
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _rank_hook_bucket(ctx: RankContext) -> dict[str, Any]:
+    torch.manual_seed(3)
+    model = _mlp()
+    seen: list[dict[str, Any]] = []
+    b = xcomm.GradientBucketer(model, bucket_cap_mb=0.002, compression=(_seen_by_hook, seen))
+    x, y = _batch(ctx.rank, 0, (8, 12))
+    nn.functional.mse_loss(model(x), y).backward()
+    b.synchronize()
+    layout = [[tuple(p.shape) for p in bucket.params] for bucket in b.buckets]
+    b.detach()
+    return {"seen": seen, "layout": layout}
+
+
+def test_hook_gets_a_grad_bucket_per_bucket() -> None:
+    """A comm hook gets every bucket once, in index order, as a BucketerGradBucket whose
+    parameters and gradient views follow the bucket's layout; only the last is_last()."""
+    for r in run_ranks(_rank_hook_bucket, 2):
+        seen, layout = r["seen"], r["layout"]
+        assert [s["index"] for s in seen] == list(range(len(layout)))
+        assert all(s["type"] is BucketerGradBucket for s in seen)
+        assert [s["is_last"] for s in seen] == [False] * (len(layout) - 1) + [True]
+        assert [s["params"] for s in seen] == layout
+        assert [s["shapes"] for s in seen] == layout
+
+
+def test_bucket_view_is_a_deprecated_alias() -> None:
+    """xcomm.bucketer.BucketView (the old name of BucketerGradBucket) still works, with a warning."""
+    with pytest.warns(DeprecationWarning, match="BucketerGradBucket"):
+        alias = xcomm.bucketer.BucketView
+    assert alias is xcomm.bucketer.BucketerGradBucket is BucketerGradBucket
+    assert "BucketView" not in xcomm.bucketer.__all__
+    with pytest.raises(AttributeError):
+        _ = xcomm.bucketer.NoSuchName
 
 
 # --------------------------------------------------------------------- errors

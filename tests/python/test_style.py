@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PYTHON_DIRS = ["python", "tests/python", "examples"]
+PYTHON_DIRS = ["python", "tests/python", "examples", "xcomm_bench"]
 
 
 def _tracked(*patterns: str) -> list[str]:

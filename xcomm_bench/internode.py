@@ -2,8 +2,8 @@
 
 Run as every rank of an emulated cluster, e.g. 2 nodes x 2 ranks at 1 Gbit/s::
 
-    python -m xcomm.cluster run --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
-        python -m xcomm.bench.internode --sizes 1M,16M --iters 3
+    python -m xcomm_bench.cluster run --nodes 2 --ranks-per-node 2 --rate 1gbit -- \\
+        python -m xcomm_bench.internode --sizes 1M,16M --iters 3
 
 Each node's inter-node traffic is the transmit byte counter of its NIC
 (``GLOO_SOCKET_IFNAME``, read from ``/proc/net/dev`` inside the node's

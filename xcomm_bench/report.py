@@ -5,7 +5,7 @@ The ratio columns are ``busbw(backend) / busbw(baseline)``, which equals
 
 Example::
 
-    >>> from xcomm.bench import report
+    >>> from xcomm_bench import report
     >>> ms, meta = report.load_json("bench-results/collectives/collectives.json")  # doctest: +SKIP
     >>> print(report.format_markdown(ms, baseline="gloo"))  # doctest: +SKIP
 """

@@ -21,12 +21,12 @@ Teardown (namespace deletion, which removes links and qdiscs with it) runs on
 ``close()``, at the end of a ``with`` block whatever ends it, on SIGTERM/SIGHUP
 (converted to :class:`ClusterInterrupted` while a cluster is open in the main
 thread), on Ctrl-C (``KeyboardInterrupt``) and, as a last resort, at
-interpreter exit. Only SIGKILL escapes it: ``python -m xcomm.cluster cleanup``
+interpreter exit. Only SIGKILL escapes it: ``python -m xcomm_bench.cluster cleanup``
 removes what a killed run left behind.
 
 Example::
 
-    >>> from xcomm.cluster import EmulatedCluster
+    >>> from xcomm_bench.cluster import EmulatedCluster
     >>> with EmulatedCluster(nodes=2, ranks_per_node=1, rate="1gbit") as c:  # doctest: +SKIP
     ...     results = c.run(["python", "train.py"], timeout=600)
     >>> [r.returncode for r in results]  # doctest: +SKIP

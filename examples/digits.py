@@ -1,11 +1,15 @@
-"""The digits task shared by the main job and the convergence benchmark.
+"""The digits task of the main job (``examples/train_ddp.py``).
+
+The convergence benchmark (``python -m xcomm_bench convergence``) loads this
+file too, to train the same thing once per reduction; the example itself
+needs only ``xcomm``, torch and scikit-learn.
 
 scikit-learn ships the 1797 8x8 images of handwritten digits, so training on
 them needs no download. :func:`train_digits` runs one rank of DDP training
 with any of xcomm's reductions and returns what it measured::
 
     >>> import torch.distributed as dist
-    >>> from xcomm.bench.digits import DigitsConfig, train_digits
+    >>> from digits import DigitsConfig, train_digits  # examples/ on sys.path
     >>> dist.init_process_group("xcomm", ...)  # doctest: +SKIP
     >>> result = train_digits(dist.get_rank(), dist.get_world_size(),
     ...                       DigitsConfig(compression="int8"))  # doctest: +SKIP
@@ -24,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .. import hooks as xhooks
-from ..hooks.stats import CompressionStats, allreduce_bytes
+from xcomm import hooks as xhooks
+from xcomm.hooks.stats import CompressionStats, allreduce_bytes
 
 __all__ = [
     "COMPRESSION",

@@ -1,6 +1,6 @@
 """Encode+decode cost of xcomm's codecs against plain torch ops, in one run.
 
-``python -m xcomm.bench codecs`` times, per bucket size, what one rank spends
+``python -m xcomm_bench codecs`` times, per bucket size, what one rank spends
 compressing a gradient bucket and decompressing the world's payload, with
 error feedback where the method has it:
 
@@ -15,11 +15,11 @@ error feedback where the method has it:
 No communication is involved: the "world" payload is this rank's payload
 repeated, so decode does the work it would do with ``--world`` ranks.
 PowerSGD's compute against torch's ``powerSGD_hook`` on DDP's real buckets
-is measured by ``python -m xcomm.bench.powersgd_compute``.
+is measured by ``python -m xcomm_bench.powersgd_compute``.
 
 Example::
 
-    python -m xcomm.bench codecs --sizes 1M,4M,16M --out bench-results/codecs
+    python -m xcomm_bench codecs --sizes 1M,4M,16M --out bench-results/codecs
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .. import _C
+from xcomm import _C
 
 __all__ = ["main", "measure"]
 
@@ -221,7 +221,7 @@ def format_markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xcomm.bench codecs", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m xcomm_bench codecs", description=__doc__)
     p.add_argument("--sizes", default="1M,4M,16M", help="bucket sizes in elements (K/M suffixes)")
     p.add_argument("--world", type=int, default=2, help="ranks whose payloads decode sums")
     p.add_argument("--reps", type=int, default=7)

@@ -1,6 +1,6 @@
 """Does accuracy hold? Every reduction trains the same model on the same data.
 
-``python -m xcomm.bench convergence`` trains scikit-learn's digits with DDP on
+``python -m xcomm_bench convergence`` trains scikit-learn's digits with DDP on
 2 local ranks over xcomm, once per reduction (uncompressed, each of xcomm's
 hooks, compression inside the backend, and torch's own hooks for reference),
 with the same seed, batches and number of steps. It prints a table of final
@@ -10,24 +10,26 @@ PNG: test accuracy against step for every reduction).
 
 Example::
 
-    python -m xcomm.bench convergence --steps 600 --out bench-results/convergence
+    python -m xcomm_bench convergence --steps 600 --out bench-results/convergence
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .launch import free_port
+from .launch import REPO, module_command, run_ranks
 
 __all__ = ["RUNS", "Run", "main", "run_all"]
 
@@ -59,18 +61,36 @@ RUNS: list[Run] = [
 ]
 
 
-def _rank(rank: int, world: int, run: Run, steps: int, init: str, out: str) -> None:
+def _examples_digits() -> ModuleType:
+    """The main job's training code, ``examples/digits.py``, loaded from its file.
+
+    This benchmark trains exactly what ``examples/train_ddp.py`` trains, once
+    per reduction; the code stays with the example, which runs without
+    ``xcomm_bench``.
+    """
+    name = "xcomm_examples_digits"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO / "examples" / "digits.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while defining
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _worker(run: Run, steps: int, out: str) -> int:
+    """One rank (``env://`` variables set by :func:`~xcomm_bench.launch.run_ranks`)."""
     import xcomm
 
-    from .digits import DigitsConfig, train_digits
-
+    digits = _examples_digits()
     torch.set_num_threads(1)
     opts = xcomm.Options(
         timeout=datetime.timedelta(seconds=120), compression=run.backend_compression
     )
-    dist.init_process_group("xcomm", init_method=init, rank=rank, world_size=world, pg_options=opts)
+    dist.init_process_group("xcomm", init_method="env://", pg_options=opts)
     try:
-        cfg = DigitsConfig(
+        rank, world = dist.get_rank(), dist.get_world_size()
+        cfg = digits.DigitsConfig(
             compression=run.compression,
             hook=run.hook,
             backend_compression=run.backend_compression,
@@ -79,19 +99,22 @@ def _rank(rank: int, world: int, run: Run, steps: int, init: str, out: str) -> N
             log_every=max(1, steps // 20),
             log=lambda _line: None,
         )
-        result = train_digits(rank, world, cfg)
+        result = digits.train_digits(rank, world, cfg)
         if rank == 0:
             Path(out).write_text(json.dumps(asdict(result)))
     finally:
         dist.destroy_process_group()
+    return 0
 
 
 def run_one(run: Run, steps: int, world: int = 2) -> dict:
     """Trains once with ``run``'s reduction; returns rank 0's DigitsResult as a dict."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        init = f"tcp://127.0.0.1:{free_port()}"
-        mp.spawn(_rank, args=(world, run, steps, init, out), nprocs=world)
+        argv = ["--worker", out, "--run", json.dumps(asdict(run)), "--steps", str(steps)]
+        rc = run_ranks(module_command("xcomm_bench.convergence", *argv), world, timeout=1800)
+        if rc != 0:
+            raise RuntimeError(f"convergence run {run.label!r}: ranks failed (exit status {rc})")
         return json.loads(Path(out).read_text())
 
 
@@ -151,12 +174,16 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m xcomm.bench convergence", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m xcomm_bench convergence", description=__doc__)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--out", default="bench-results/convergence")
     p.add_argument("--only", default=None, help="comma-separated labels to run (default: all)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # rank 0's result file
+    p.add_argument("--run", default=None, help=argparse.SUPPRESS)  # the worker's Run, JSON
     args = p.parse_args(argv)
+    if args.worker is not None:
+        return _worker(Run(**json.loads(args.run)), args.steps, args.worker)
     runs = RUNS if not args.only else [r for r in RUNS if r.label in args.only.split(",")]
     rows = run_all(runs, args.steps, progress=not args.no_progress)
     table = format_markdown(rows, args.steps)
@@ -168,3 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, out / "convergence.png")
     print(f"wrote {out}/convergence.{{json,md,png}}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

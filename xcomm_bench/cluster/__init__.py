@@ -1,11 +1,11 @@
 """An emulated multi-node cluster (network namespaces + veth + bridge + tbf) on one box.
 
-Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN). See :mod:`xcomm.cluster.emulated`
-for the topology and ``python -m xcomm.cluster --help`` for the command line.
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN). See :mod:`xcomm_bench.cluster.emulated`
+for the topology and ``python -m xcomm_bench.cluster --help`` for the command line.
 
 Example::
 
-    >>> from xcomm.cluster import EmulatedCluster
+    >>> from xcomm_bench.cluster import EmulatedCluster
     >>> with EmulatedCluster(nodes=2, ranks_per_node=2, rate="1gbit") as c:  # doctest: +SKIP
     ...     results = c.run(["python", "train.py"])
 """

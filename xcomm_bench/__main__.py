@@ -1,4 +1,4 @@
-"""Command line of xcomm's benchmarks: ``python -m xcomm.bench <subcommand>``.
+"""Command line of xcomm's benchmarks: ``python -m xcomm_bench <subcommand>``.
 
 Subcommands:
 
@@ -16,20 +16,20 @@ Subcommands:
     Encode+decode time of xcomm's codecs against plain torch ops and torch's hooks.
 ``overlap``
     GradientBucketer vs reducing after backward on emulated slow links
-    (:mod:`xcomm.bench.overlap`).
+    (:mod:`xcomm_bench.overlap`).
 ``fusion``
-    many small async allreduces, fused vs not (:mod:`xcomm.bench.fusion`).
+    many small async allreduces, fused vs not (:mod:`xcomm_bench.fusion`).
 
 Examples::
 
-    python -m xcomm.bench collectives --backends xcomm,gloo --nproc 2 --out bench-results/loopback
-    python -m xcomm.bench collectives --min-bytes 1K --max-bytes 64M --factor 4
+    python -m xcomm_bench collectives --backends xcomm,gloo --nproc 2 --out bench-results/loopback
+    python -m xcomm_bench collectives --min-bytes 1K --max-bytes 64M --factor 4
     # 2 emulated nodes at 1 Gbit/s, 1 rank each (root):
-    python -m xcomm.bench collectives --nodes 2 --nproc 2 --rate 1gbit --max-bytes 64M
-    python -m xcomm.bench report bench-results/loopback/collectives.json --markdown
+    python -m xcomm_bench collectives --nodes 2 --nproc 2 --rate 1gbit --max-bytes 64M
+    python -m xcomm_bench report bench-results/loopback/collectives.json --markdown
     # DDP over 2 emulated nodes at 0.1, 1 and 10 Gbit/s (root):
-    python -m xcomm.bench ddp --rates 0.1gbit,1gbit,10gbit --out bench-results/ddp
-    python -m xcomm.bench ddp --smoke   # loopback, tiny models, a few seconds
+    python -m xcomm_bench ddp --rates 0.1gbit,1gbit,10gbit --out bench-results/ddp
+    python -m xcomm_bench ddp --smoke   # loopback, tiny models, a few seconds
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
 
 
 def ddp_config_from_args(args: argparse.Namespace) -> DDPBenchConfig:
-    """Builds a validated :class:`~xcomm.bench.ddp.DDPBenchConfig` from parsed arguments."""
+    """Builds a validated :class:`~xcomm_bench.ddp.DDPBenchConfig` from parsed arguments."""
     from .collectives import parse_list
     from .ddp import DDPBenchConfig
 
@@ -237,7 +237,7 @@ def _cmd_ddp(args: argparse.Namespace) -> int:
         return 2
     if args.launcher == "env":
         return run_rank(cfg, args.rate_label)
-    from ..cluster import ClusterError, ClusterInterrupted, ClusterPermissionError
+    from .cluster import ClusterError, ClusterInterrupted, ClusterPermissionError
 
     try:
         return launch(cfg, timeout=args.timeout)
@@ -251,10 +251,10 @@ def _cmd_ddp(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ClusterInterrupted as e:
-        print(f"xcomm.bench ddp: {e}; ranks stopped, cluster torn down", file=sys.stderr)
+        print(f"xcomm_bench ddp: {e}; ranks stopped, cluster torn down", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
-        print("xcomm.bench ddp: interrupted; ranks stopped, cluster torn down", file=sys.stderr)
+        print("xcomm_bench ddp: interrupted; ranks stopped, cluster torn down", file=sys.stderr)
         return 130
 
 
@@ -274,19 +274,19 @@ def _add_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m xcomm.bench`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m xcomm.bench", description="xcomm benchmarks")
+    """The ``python -m xcomm_bench`` argument parser."""
+    parser = argparse.ArgumentParser(prog="python -m xcomm_bench", description="xcomm benchmarks")
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_collectives(sub)
     _add_ddp(sub)
     _add_report(sub)
     for name, (_module, help_text) in _DELEGATED.items():
-        sub.add_parser(name, help=f"{help_text} (see: python -m xcomm.bench {name} --help)")
+        sub.add_parser(name, help=f"{help_text} (see: python -m xcomm_bench {name} --help)")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
-    """Builds a validated :class:`~xcomm.bench.collectives.SweepConfig` from parsed arguments."""
+    """Builds a validated :class:`~xcomm_bench.collectives.SweepConfig` from parsed arguments."""
     from .collectives import SweepConfig, default_backends, parse_list
 
     cfg = SweepConfig(

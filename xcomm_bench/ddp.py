@@ -35,16 +35,16 @@ taking its turn for ``steps / rounds`` steps, so a burst of load from other
 processes on the host hits all of them alike.
 
 Each link rate gets its own emulated cluster (``nodes`` network namespaces,
-veth + bridge + tbf, needs root; see :mod:`xcomm.cluster`); ``nodes=0``
+veth + bridge + tbf, needs root; see :mod:`xcomm_bench.cluster`); ``nodes=0``
 runs the ranks on loopback (``--smoke`` does so with tiny models, for tests),
 with xcomm's shared-memory path off unless ``XCOMM_SHM`` is set (torch's
 ``powerSGD_hook`` currently times out on it).
 
 Example::
 
-    python -m xcomm.bench ddp --rates 0.1gbit,1gbit,10gbit --out bench-results/ddp
-    python -m xcomm.bench ddp --models mlp --rates 1gbit --reductions none,powersgd,torch-powersgd
-    python -m xcomm.bench ddp --smoke   # loopback, tiny models, seconds
+    python -m xcomm_bench ddp --rates 0.1gbit,1gbit,10gbit --out bench-results/ddp
+    python -m xcomm_bench ddp --models mlp --rates 1gbit --reductions none,powersgd,torch-powersgd
+    python -m xcomm_bench ddp --smoke   # loopback, tiny models, seconds
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ import math
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .launch import free_port, local_rank_env
+from .launch import module_command, run_ranks
 
 __all__ = [
     "MODELS",
@@ -280,7 +279,7 @@ class DDPBenchConfig:
         if not 0 < self.topk_density <= 1:
             raise ValueError(f"topk_density must be in (0, 1], got {self.topk_density}")
         if self.nodes:
-            from ..cluster.netns import parse_rate
+            from .cluster.netns import parse_rate
 
             if not self.rates:
                 raise ValueError("give at least one rate for the emulated cluster")
@@ -449,7 +448,7 @@ class _Runner:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 
-        from .. import hooks as xhooks
+        from xcomm import hooks as xhooks
 
         m = self.model
         if reduction == "none":
@@ -687,59 +686,22 @@ def _loadavg() -> list[float]:
 
 
 def _rank_command(cfg: DDPBenchConfig, rate: str) -> list[str]:
-    return [
-        sys.executable, "-m", "xcomm.bench", "ddp", "--launcher", "env", "--rate-label", rate,
-        *cfg.to_argv(),
-    ]  # fmt: skip
+    return module_command(
+        "xcomm_bench", "ddp", "--launcher", "env", "--rate-label", rate, *cfg.to_argv()
+    )
 
 
-def _run_local(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
-    port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    codes: list[int] = []
-    try:
-        for rank in range(cfg.world_size):
-            env = local_rank_env(rank, cfg.world_size, port)
-            # Loopback puts both ranks on one host, where xcomm would use
-            # shared memory; this benchmark is about the network (the emulated
-            # cluster's nodes are separate hosts anyway). XCOMM_SHM=1 measures
-            # the shared-memory path.
-            env["XCOMM_SHM"] = os.environ.get("XCOMM_SHM", "0")
-            procs.append(
-                subprocess.Popen(_rank_command(cfg, rate), env=env, stdin=subprocess.DEVNULL)
-            )
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for p in procs:
-            remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
-            try:
-                codes.append(p.wait(timeout=remaining))
-            except subprocess.TimeoutExpired:
-                print(
-                    f"xcomm.bench ddp: ranks still running after {timeout:g}s, killed",
-                    file=sys.stderr,
-                )
-                return 124
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return next((c for c in codes if c != 0), 0)
-
-
-def _run_cluster(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
-    from ..cluster import ClusterTimeoutError, EmulatedCluster
-
-    with EmulatedCluster(cfg.nodes, cfg.ranks_per_node, rate) as cluster:
-        try:
-            results = cluster.run(_rank_command(cfg, rate), timeout=timeout)
-        except ClusterTimeoutError:
-            print(
-                f"xcomm.bench ddp: ranks at {rate} still running after {timeout:g}s, killed",
-                file=sys.stderr,
-            )
-            return 124
-    return next((r.returncode for r in results if r.returncode != 0), 0)
+def _run_rate(cfg: DDPBenchConfig, rate: str, timeout: float | None) -> int:
+    if cfg.nodes:
+        return run_ranks(
+            _rank_command(cfg, rate), cfg.world_size, nodes=cfg.nodes, rate=rate, timeout=timeout
+        )
+    # Loopback puts both ranks on one host, where xcomm would use shared
+    # memory; this benchmark is about the network (the emulated cluster's
+    # nodes are separate hosts anyway). XCOMM_SHM=1 measures the
+    # shared-memory path.
+    env = {"XCOMM_SHM": os.environ.get("XCOMM_SHM", "0")}
+    return run_ranks(_rank_command(cfg, rate), cfg.world_size, env=env, timeout=timeout)
 
 
 def launch(cfg: DDPBenchConfig, *, timeout: float | None = None) -> int:
@@ -755,9 +717,9 @@ def launch(cfg: DDPBenchConfig, *, timeout: float | None = None) -> int:
     meta = _metadata(cfg)
     for rate in rates:
         meta["load_before"][rate] = _loadavg()
-        rc = _run_cluster(cfg, rate, timeout) if cfg.nodes else _run_local(cfg, rate, timeout)
+        rc = _run_rate(cfg, rate, timeout)
         if rc != 0:
-            print(f"xcomm.bench ddp: ranks at {rate} failed with exit status {rc}", file=sys.stderr)
+            print(f"xcomm_bench ddp: ranks at {rate} failed with exit status {rc}", file=sys.stderr)
             return rc
     if cfg.out is None:
         return 0
@@ -777,7 +739,7 @@ def _metadata(cfg: DDPBenchConfig) -> dict[str, Any]:
     from .collectives import _cpu_model
 
     return {
-        "tool": "python -m xcomm.bench ddp",
+        "tool": "python -m xcomm_bench ddp",
         "argv": cfg.to_argv(),
         "config": dataclasses.asdict(cfg),
         "world_size": cfg.world_size,
@@ -847,7 +809,7 @@ def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    from ..cluster.netns import parse_rate
+    from .cluster.netns import parse_rate
 
     models = [m for m in MODELS if any(r.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.4), squeeze=False)

@@ -1,6 +1,6 @@
 """Fusion benchmark: many small async allreduces, fused vs not, side by side.
 
-``python -m xcomm.bench fusion`` spawns 2 ranks on loopback. Each builds three
+``python -m xcomm_bench fusion`` spawns 2 ranks on loopback. Each builds three
 xcomm groups over the same ranks: ``unfused``; ``fused``, with
 ``Options(fusion_threshold_bytes=...)`` (held ops leave when the threshold
 fills or a result is asked for); and ``fused_cycle``, which adds
@@ -18,7 +18,7 @@ async allreduces of ``--elems`` float32 each, then waiting for all of them:
 
 It reports medians of the slower rank, ratios to ``unfused``, and checks
 that every group's results are identical. ``--rate 100mbit`` runs the two
-ranks on 2 emulated nodes (:mod:`xcomm.cluster`, root) joined by a link of
+ranks on 2 emulated nodes (:mod:`xcomm_bench.cluster`, root) joined by a link of
 that rate instead of loopback.
 """
 
@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 PATTERNS = ("burst", "spread")
@@ -131,7 +130,7 @@ def _rank(rank: int, world: int, init_method: str, args: argparse.Namespace, out
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m xcomm.bench fusion", description=__doc__.split("\n")[0]
+        prog="python -m xcomm_bench fusion", description=__doc__.split("\n")[0]
     )
     p.add_argument("--ops", type=int, default=200, help="allreduces per burst (default 200)")
     p.add_argument("--elems", type=int, default=256, help="float32 elements each (default 256)")
@@ -174,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cycle_ms <= 0 or args.compute_us < 0:
         print("error: --cycle-ms must be > 0 and --compute-us >= 0", file=sys.stderr)
         return 2
-    res = _launch_emulated(args, argv or sys.argv[1:]) if args.rate else _launch_loopback(args)
+    res = _launch(args, list(sys.argv[1:] if argv is None else argv))
     if res is None:
         return 1
     where = (
@@ -209,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _JsonFile:
-    """Where a rank started by the emulated cluster puts its result."""
+    """Where rank 0 puts its result."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -219,35 +218,22 @@ class _JsonFile:
             json.dump(value, f)
 
 
-def _launch_loopback(args: argparse.Namespace) -> dict[str, Any]:
-    import torch.multiprocessing as mp
+def _launch(args: argparse.Namespace, argv: list[str]) -> dict[str, Any] | None:
+    """2 ranks on loopback, or on 2 emulated nodes with ``--rate``; rank 0's result."""
+    from .launch import module_command, run_ranks
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = "file://" + os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank, args=(r, 2, init, args, out)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        res = out.get(timeout=600)
-        for proc in procs:
-            proc.join()
-    return res
-
-
-def _launch_emulated(args: argparse.Namespace, argv: list[str]) -> dict[str, Any] | None:
-    from ..cluster import EmulatedCluster
-
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "xcomm.bench.fusion", *argv, "--worker", result]
-        with EmulatedCluster(2, 1, args.rate, mtu=args.mtu) as cluster:
-            ranks = cluster.run(cmd, env=env, timeout=900)
-        bad = [r.rank for r in ranks if r.returncode != 0]
-        if bad:
-            print(f"error: rank(s) {bad} failed", file=sys.stderr)
+        rc = run_ranks(
+            module_command("xcomm_bench.fusion", *argv, "--worker", result),
+            2,
+            nodes=2 if args.rate else 0,
+            rate=args.rate,
+            timeout=900,
+            cluster_options={"mtu": args.mtu} if args.rate else None,
+        )
+        if rc != 0:
+            print(f"error: ranks failed (exit status {rc})", file=sys.stderr)
             return None
         with open(result) as f:
             return json.load(f)

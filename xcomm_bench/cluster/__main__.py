@@ -3,13 +3,13 @@
 Examples::
 
     # 2 nodes x 2 ranks, 1 Gbit/s per node, run a torch.distributed script in each rank
-    python -m xcomm.cluster run --nodes 2 --ranks-per-node 2 --rate 1gbit -- python train.py
+    python -m xcomm_bench.cluster run --nodes 2 --ranks-per-node 2 --rate 1gbit -- python train.py
 
     # goodput of one TCP stream against the set rate
-    python -m xcomm.cluster goodput --rates 0.1gbit,0.5gbit,1gbit,2.5gbit --seconds 3 --repeats 3
+    python -m xcomm_bench.cluster goodput --rates 0.1gbit,0.5gbit,1gbit,2.5gbit --seconds 3 --repeats 3
 
     # remove namespaces left behind by runs killed with SIGKILL
-    python -m xcomm.cluster cleanup
+    python -m xcomm_bench.cluster cleanup
 
 Exit status of ``run``: 0 when every rank exited 0; otherwise the first failing
 rank's status (128+N for signal N); 128+N too when the tool itself was stopped
@@ -25,6 +25,7 @@ import statistics
 import sys
 from collections.abc import Sequence
 
+from ..launch import python_env
 from .emulated import (
     ClusterInterrupted,
     ClusterTimeoutError,
@@ -61,9 +62,9 @@ def _add_topology_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``python -m xcomm.cluster`` argument parser."""
+    """The ``python -m xcomm_bench.cluster`` argument parser."""
     parser = argparse.ArgumentParser(
-        prog="python -m xcomm.cluster",
+        prog="python -m xcomm_bench.cluster",
         description="Emulated cluster: network namespaces as nodes, veth + bridge, tbf rate limits.",
     )
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -135,16 +136,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     ) as cluster:
         shaping = format_rate(cluster.rate_bps) if cluster.rate_bps else "unshaped"
         print(
-            f"xcomm.cluster: {cluster.num_nodes} nodes x {cluster.ranks_per_node} ranks, "
+            f"xcomm_bench.cluster: {cluster.num_nodes} nodes x {cluster.ranks_per_node} ranks, "
             f"{shaping}, namespaces {cluster.prefix}-*",
             file=sys.stderr,
             flush=True,
         )
         try:
-            results = cluster.run(command, timeout=args.timeout, capture=args.capture)
+            # python_env: a rank's `python -m xcomm_bench...` works from any directory.
+            results = cluster.run(
+                command, env=python_env(), timeout=args.timeout, capture=args.capture
+            )
         except ClusterTimeoutError as e:
             _report(e.results, args.capture)
-            print(f"xcomm.cluster: {e}", file=sys.stderr)
+            print(f"xcomm_bench.cluster: {e}", file=sys.stderr)
             return EXIT_TIMEOUT
     _report(results, args.capture)
     for r in results:
@@ -161,7 +165,7 @@ def _report(results: Sequence[RankResult], captured: bool) -> None:
             sys.stderr.write(r.stderr)
             sys.stderr.flush()
         print(
-            f"xcomm.cluster: rank {r.rank} (node {r.node}, local {r.local_rank}): "
+            f"xcomm_bench.cluster: rank {r.rank} (node {r.node}, local {r.local_rank}): "
             f"exit {r.returncode} after {r.duration_s:.1f}s",
             file=sys.stderr,
         )
@@ -227,10 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except ClusterInterrupted as e:
-        print(f"xcomm.cluster: {e}; torn down", file=sys.stderr)
+        print(f"xcomm_bench.cluster: {e}; torn down", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
-        print("xcomm.cluster: interrupted by SIGINT; torn down", file=sys.stderr)
+        print("xcomm_bench.cluster: interrupted by SIGINT; torn down", file=sys.stderr)
         return 128 + signal.SIGINT
 
 

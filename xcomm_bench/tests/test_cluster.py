@@ -1,4 +1,4 @@
-"""Tests of the emulated cluster (python/xcomm/cluster).
+"""Tests of the emulated cluster (xcomm_bench/cluster).
 
 The tests that build namespaces need root (CAP_NET_ADMIN + CAP_SYS_ADMIN) and
 iproute2; they are skipped otherwise. Each of them checks that nothing is
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from xcomm.cluster import (
+from xcomm_bench.cluster import (
     ClusterError,
     ClusterPermissionError,
     EmulatedCluster,
@@ -31,7 +31,7 @@ from xcomm.cluster import (
     measure_goodput,
     parse_rate,
 )
-from xcomm.cluster import netns as netns_mod
+from xcomm_bench.cluster import netns as netns_mod
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,7 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     namespace's links and qdiscs are unchanged. Namespaces of other users of
     the box (other test runs, benchmarks) are left out of the comparison.
     """
-    from xcomm.cluster import emulated
+    from xcomm_bench.cluster import emulated
 
     created: dict[str, int] = {}
     real_build = emulated.EmulatedCluster._build
@@ -229,7 +229,7 @@ def test_cli_refuses_without_capabilities(no_leftovers: None) -> None:
             "--bounding-set=-net_admin,-sys_admin",
             sys.executable,
             "-m",
-            "xcomm.cluster",
+            "xcomm_bench.cluster",
             "run",
             "--nodes",
             "2",
@@ -345,7 +345,7 @@ def test_rank_failure_kills_the_others_after_grace(no_leftovers: None) -> None:
 def test_partial_build_failure_tears_down(
     no_leftovers: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from xcomm.cluster import emulated
+    from xcomm_bench.cluster import emulated
 
     def broken_tc(*args: str, netns: str | None = None, check: bool = True) -> str:
         raise ClusterError("simulated tc failure")
@@ -363,7 +363,7 @@ def test_interrupted_cli_run_tears_down(no_leftovers: None, sig: signal.Signals)
         [
             sys.executable,
             "-m",
-            "xcomm.cluster",
+            "xcomm_bench.cluster",
             "run",
             "--nodes",
             "2",

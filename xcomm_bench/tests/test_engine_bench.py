@@ -1,7 +1,7 @@
 """The overlap benchmark's pure parts: its summary arithmetic, its plot, its arguments.
 
 (The measurement itself needs root and an emulated cluster; it is a
-benchmark, run by hand: ``python -m xcomm.bench overlap``.)
+benchmark, run by hand: ``python -m xcomm_bench overlap``.)
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xcomm.bench import overlap
+from xcomm_bench import overlap
 
 
 def _rank(times: dict[str, list[float]], waits: dict[str, list[float]]) -> dict:

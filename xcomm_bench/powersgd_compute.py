@@ -1,6 +1,6 @@
 """Compute per step of xcomm's PowerSGD hook against torch's, on the same buckets.
 
-Run: ``python -m xcomm.bench.powersgd_compute [--ranks 1,2,4] [--steps 10]``.
+Run: ``python -m xcomm_bench.powersgd_compute [--ranks 1,2,4] [--steps 10]``.
 
 Both hooks run over a world-size-1 process group, so their collectives are
 trivial and the time is the hooks' own work (plus the few microseconds of
@@ -168,7 +168,7 @@ def measure(model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m xcomm.bench.powersgd_compute", description=__doc__.split("\n")[0]
+        prog="python -m xcomm_bench.powersgd_compute", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)

@@ -1,11 +1,11 @@
 """Low-level helpers of the emulated cluster: privileges, rates, ``ip``/``tc`` calls.
 
 Everything here is a thin, typed wrapper over iproute2 (``ip`` and ``tc``);
-the topology itself is built by :class:`xcomm.cluster.EmulatedCluster`.
+the topology itself is built by :class:`xcomm_bench.cluster.EmulatedCluster`.
 
 Example::
 
-    >>> from xcomm.cluster.netns import parse_rate, TbfConfig
+    >>> from xcomm_bench.cluster.netns import parse_rate, TbfConfig
     >>> parse_rate("1gbit")
     1000000000
     >>> TbfConfig.for_rate(parse_rate("1gbit")).burst_bytes
@@ -101,14 +101,16 @@ def check_privileges(capabilities: int | None = None) -> None:
     ]
     if missing:
         raise ClusterPermissionError(
-            "xcomm.cluster needs root (precisely CAP_NET_ADMIN and CAP_SYS_ADMIN) to create "
+            "xcomm_bench.cluster needs root (precisely CAP_NET_ADMIN and CAP_SYS_ADMIN) to create "
             "network namespaces, veth pairs, a bridge and tbf qdiscs; this process "
             f"(euid {os.geteuid()}) lacks {' and '.join(missing)}. Run it as root, "
-            "e.g. `sudo -E python -m xcomm.cluster run ...`."
+            "e.g. `sudo -E python -m xcomm_bench.cluster run ...`."
         )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
-            raise ClusterError(f"xcomm.cluster needs iproute2's `{tool}` on PATH; it was not found")
+            raise ClusterError(
+                f"xcomm_bench.cluster needs iproute2's `{tool}` on PATH; it was not found"
+            )
 
 
 def parse_rate(rate: str | float) -> int:

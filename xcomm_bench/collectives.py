@@ -27,7 +27,7 @@ torch.distributed ``env://`` variables (``launcher="env"``).
 
 Example::
 
-    >>> from xcomm.bench.collectives import SweepConfig, launch
+    >>> from xcomm_bench.collectives import SweepConfig, launch
     >>> cfg = SweepConfig(backends=["xcomm", "gloo"], nproc=2, max_bytes=1 << 20,
     ...                   out="bench-results/collectives")
     >>> launch(cfg)  # doctest: +SKIP
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .launch import free_port, local_rank_env
+from .launch import module_command, run_ranks
 from .metrics import OPS, algbw, busbw, percentile
 from .ops import Case, make_case
 
@@ -118,7 +118,7 @@ class SweepConfig:
     Attributes:
         backends: Backends to compare, e.g. ``["xcomm", "gloo"]`` (see
             :class:`BackendSpec` for ``name:device``).
-        ops: Ops to run, a subset of :data:`xcomm.bench.metrics.OPS`.
+        ops: Ops to run, a subset of :data:`xcomm_bench.metrics.OPS`.
         nproc: World size (total ranks).
         min_bytes / max_bytes / factor: Sizes ``min, min*f, ...`` up to max.
         max_iters / min_iters / iter_bytes / max_warmup: Iteration policy (module doc).
@@ -198,7 +198,7 @@ class SweepConfig:
         if self.rate is not None:
             if not self.nodes:
                 raise ValueError("--rate needs an emulated cluster (--nodes N)")
-            from ..cluster.netns import parse_rate
+            from .cluster.netns import parse_rate
 
             parse_rate(self.rate)
 
@@ -480,7 +480,7 @@ def metadata(cfg: SweepConfig, world_size: int) -> dict[str, Any]:
     except OSError:
         commit = ""
     return {
-        "tool": "python -m xcomm.bench collectives",
+        "tool": "python -m xcomm_bench collectives",
         "argv": cfg.to_argv(),
         "config": dataclasses.asdict(cfg),
         "world_size": world_size,
@@ -556,48 +556,18 @@ def run_rank(cfg: SweepConfig) -> int:
 
 
 def _rank_command(cfg: SweepConfig) -> list[str]:
-    return [sys.executable, "-m", "xcomm.bench", "collectives", "--launcher", "env", *cfg.to_argv()]
+    return module_command("xcomm_bench", "collectives", "--launcher", "env", *cfg.to_argv())
 
 
 def launch(cfg: SweepConfig, *, timeout: float | None = None) -> int:
     """Starts ``cfg.nproc`` ranks (loopback, or an emulated cluster when ``cfg.nodes``) and waits.
 
     Returns:
-        0 when every rank succeeded (including the correctness checks),
-        else the first non-zero exit status.
+        0 when every rank succeeded (including the correctness checks), 124
+        when ``timeout`` killed them, else the first non-zero exit status.
     """
     cfg.validate()
-    if cfg.nodes:
-        return _launch_cluster(cfg, timeout)
-    return _launch_local(cfg, timeout)
-
-
-def _launch_local(cfg: SweepConfig, timeout: float | None) -> int:
-    port = free_port()
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for rank in range(cfg.nproc):
-            env = local_rank_env(rank, cfg.nproc, port)
-            procs.append(subprocess.Popen(_rank_command(cfg), env=env))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        codes: list[int] = []
-        for p in procs:
-            remaining = None if deadline is None else max(0.1, deadline - time.monotonic())
-            codes.append(p.wait(timeout=remaining))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return next((c for c in codes if c != 0), 0)
-
-
-def _launch_cluster(cfg: SweepConfig, timeout: float | None) -> int:
-    from ..cluster import EmulatedCluster
-
-    with EmulatedCluster(cfg.nodes, cfg.nproc // cfg.nodes, cfg.rate) as cluster:
-        results = cluster.run(_rank_command(cfg), timeout=timeout)
-    return next((r.returncode for r in results if r.returncode != 0), 0)
+    return run_ranks(_rank_command(cfg), cfg.nproc, nodes=cfg.nodes, rate=cfg.rate, timeout=timeout)
 
 
 def parse_size(text: str) -> int:

@@ -62,7 +62,7 @@ class Case(abc.ABC):
     """One collective at one size on one rank (buffers + run + check).
 
     Attributes:
-        op: Name of the op (see :data:`xcomm.bench.metrics.OPS`).
+        op: Name of the op (see :data:`xcomm_bench.metrics.OPS`).
         count: Elements of the op's buffer (total for split ops).
         nbytes: ``count * element size``: the ``S`` of algbw = S / t.
     """

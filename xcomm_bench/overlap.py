@@ -1,7 +1,7 @@
 """Overlap benchmark: the GradientBucketer vs reducing everything after backward.
 
-``python -m xcomm.bench overlap --rate 300mbit`` starts 2 emulated nodes (network
-namespaces joined by tbf-shaped links, :mod:`xcomm.cluster`; needs root), one
+``python -m xcomm_bench overlap --rate 300mbit`` starts 2 emulated nodes (network
+namespaces joined by tbf-shaped links, :mod:`xcomm_bench.cluster`; needs root), one
 rank each, and trains an MLP whose backward pass takes about as long as its
 gradient allreduce on that link. In one run, round-robin, it times one training
 step (forward, backward, gradient averaging, SGD step) in each mode:
@@ -36,7 +36,6 @@ import copy
 import dataclasses
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
@@ -395,23 +394,23 @@ def plot_timeline(
 
 
 def launch(cfg: OverlapConfig) -> int:
-    from ..cluster import EmulatedCluster
+    from .launch import module_command, run_ranks
 
     cfg.validate()
     out = Path(cfg.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, out=str(out))
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env = {"PYTHONPATH": os.pathsep.join([pkg_root, os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "xcomm.bench.overlap", "--worker", *cfg.argv()]
-    with EmulatedCluster(
-        cfg.nodes, 1, cfg.rate, latency_ms=cfg.tbf_latency_ms, mtu=cfg.mtu
-    ) as cluster:
-        results = cluster.run(cmd, env=env, timeout=cfg.timeout)
-    bad = [r for r in results if r.returncode != 0]
-    if bad:
-        print(f"error: rank(s) {[r.rank for r in bad]} failed", file=sys.stderr)
-        return bad[0].returncode or 1
+    rc = run_ranks(
+        module_command("xcomm_bench.overlap", "--worker", *cfg.argv()),
+        cfg.nodes,
+        nodes=cfg.nodes,
+        rate=cfg.rate,
+        timeout=cfg.timeout,
+        cluster_options={"latency_ms": cfg.tbf_latency_ms, "mtu": cfg.mtu},
+    )
+    if rc != 0:
+        print(f"error: ranks failed (exit status {rc})", file=sys.stderr)
+        return rc
     per_rank = [json.loads((out / f"overlap_rank{r}.json").read_text()) for r in range(cfg.nodes)]
     summary = summarize(per_rank)
     r0 = per_rank[0]
@@ -453,7 +452,7 @@ def launch(cfg: OverlapConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m xcomm.bench overlap", description=__doc__.split("\n")[0]
+        prog="python -m xcomm_bench overlap", description=__doc__.split("\n")[0]
     )
     add_arguments(p)
     args = p.parse_args(argv)

@@ -7,8 +7,8 @@ headers alone take ~3% at MTU 1500).
 
 Example::
 
-    >>> from xcomm.cluster import EmulatedCluster
-    >>> from xcomm.cluster.goodput import measure_goodput
+    >>> from xcomm_bench.cluster import EmulatedCluster
+    >>> from xcomm_bench.cluster.goodput import measure_goodput
     >>> with EmulatedCluster(nodes=2, rate="1gbit") as c:  # doctest: +SKIP
     ...     r = measure_goodput(c, seconds=3)
     >>> round(r.ratio, 2)  # doctest: +SKIP
