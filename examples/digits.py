@@ -163,10 +163,10 @@ class DigitsResult:
 def _wire_bytes(stats: CompressionStats | None, grad_bytes: int, world: int, step: int) -> float:
     """Bytes one rank sent so far: the hook's count, or a ring allreduce of every gradient."""
     if stats is not None:
-        return float(stats.bytes_on_wire)
+        return float(stats.link_bytes_sent)
     pg_stats = _backend_compression_stats()
     if pg_stats and pg_stats["calls"]:
-        return float(pg_stats["bytes_on_wire"])
+        return float(pg_stats["link_bytes_sent"])
     return float(allreduce_bytes(grad_bytes, world) * step)
 
 

@@ -490,7 +490,7 @@ class _Runner:
         """Link bytes the reduction has sent so far, counted as xcomm.hooks.stats does."""
         s = self.state.state if isinstance(self.state, _InOrder) else self.state
         if self.reduction in ("fp16", "int8", "topk", "powersgd"):
-            return float(s.stats.bytes_on_wire)
+            return float(s.stats.link_bytes_sent)
         if self.reduction == "torch-powersgd":
             # Elements torch's hook sent while compressing (P, Q and the
             # uncompressed tensors, each in an allreduce), float32. Timed steps

@@ -85,9 +85,9 @@ const AuxGroup* findAux(const std::vector<AuxGroup>& groups, const std::string& 
 
 c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int size,
                                             c10::intrusive_ptr<XcommOptions> options,
-                                            const TransportFactory& factory, bool allowShm) {
+                                            const InnerBackendFactory& factory, bool allowShm) {
   TORCH_CHECK(options, "xcomm: options must not be null");
-  TORCH_CHECK(factory.cpu, "xcomm: the transport factory must make CPU transports");
+  TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
   options->validate();
   const auto timeout = options->timeout;
   const auto switches = ShmSwitches::fromEnvironment();
@@ -108,7 +108,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     return factory.cpu(prefixed(name, store), g->rank, g->size, timeout);
   };
 
-  XcommBackend::Transports transports;
+  XcommBackend::InnerBackends inner;
   const BackendPtr gloo = make("xcomm/gloo");
   if (plan.usesShm()) {
     auto config = shmConfig(shmStore, rank);
@@ -127,20 +127,20 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
       if (!allSucceeded(shmStore, rank, size, static_cast<bool>(shm))) shm.reset();
     }
     if (shm) {
-      transports.shm = shm;
+      inner.shm = shm;
     } else {
       if (whyNot.empty()) whyNot = "setup failed on another rank";
       LOG(WARNING) << "xcomm: shared memory unavailable (" << whyNot << "); this group uses gloo";
       plan = plan.fallbackToPlain(whyNot);
     }
   }
-  transports.cpu = transports.shm ? BackendPtr(transports.shm) : gloo;
-  transports.cpuCompressed = make("xcomm/gloo-int8");
+  inner.cpu = inner.shm ? BackendPtr(inner.shm) : gloo;
+  inner.cpuCompressed = make("xcomm/gloo-int8");
   const BackendPtr fusionControl = make("xcomm/gloo-fusion");
   if (factory.cuda) {
-    transports.cuda = factory.cuda(prefixed("xcomm/nccl", store), rank, size, timeout);
+    inner.cuda = factory.cuda(prefixed("xcomm/nccl", store), rank, size, timeout);
   }
-  auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(transports));
+  auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(inner));
   if (plan.fusionThresholdBytes > 0) {
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
   }

@@ -3,7 +3,7 @@
 //
 // Collective over the group's store: every rank publishes its host identity,
 // GroupPlan::decide fixes the group's shape, and the builder asks a
-// TransportFactory for each transport the plan names (Gloo and NCCL when
+// InnerBackendFactory for each inner backend the plan names (Gloo and NCCL when
 // created from Python, xcomm's StoreCpuBackend in a C++-only program). When
 // the shared-memory segment cannot be set up on some rank, every rank falls
 // back to the plain plan (agreed through the store) before anything else is
@@ -18,14 +18,14 @@
 
 namespace xcomm {
 
-struct TransportFactory {
-  // A CPU transport among `size` ranks over `store` (already prefixed with
+struct InnerBackendFactory {
+  // A CPU backend among `size` ranks over `store` (already prefixed with
   // the auxiliary group's name); `rank` is this rank's rank in it.
   std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>& store,
                                                   int rank, int size,
                                                   std::chrono::milliseconds timeout)>
       cpu;
-  // The CUDA transport of the whole group, or null (no CUDA, no GPU); unset: none.
+  // The CUDA backend of the whole group, or null (no CUDA, no GPU); unset: none.
   std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>& store,
                                                   int rank, int size,
                                                   std::chrono::milliseconds timeout)>
@@ -36,6 +36,7 @@ struct TransportFactory {
 // C++-only store transport path), and exchanges no host identities.
 c10::intrusive_ptr<XcommBackend> buildGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                             int size, c10::intrusive_ptr<XcommOptions> options,
-                                            const TransportFactory& factory, bool allowShm = true);
+                                            const InnerBackendFactory& factory,
+                                            bool allowShm = true);
 
 }  // namespace xcomm

@@ -1,9 +1,9 @@
 #pragma once
-// PREMUL_SUM for transports that lack it (Gloo, xcomm's store transport).
+// PREMUL_SUM for inner backends that lack it (Gloo, xcomm's StoreCpuBackend).
 //
-// PREMUL_SUM(factor) means SUM over `factor * x`: when the transport cannot
-// apply the factor itself, the inputs are scaled here and the transport is
-// asked for a SUM. When the op is no PREMUL_SUM, or the transport implements
+// PREMUL_SUM(factor) means SUM over `factor * x`: when the inner backend cannot
+// apply the factor itself, the inputs are scaled here and the inner backend is
+// asked for a SUM. When the op is no PREMUL_SUM, or the inner backend implements
 // it (NCCL), every method is the plain staging and the options pass unchanged.
 #include <vector>
 
@@ -17,14 +17,14 @@ namespace xcomm {
 
 class PremulLowering {
  public:
-  PremulLowering(const c10d::ReduceOp& op, bool transportHasPremul)
-      : lowers_(op.op_ == c10d::ReduceOp::PREMUL_SUM && !transportHasPremul),
+  PremulLowering(const c10d::ReduceOp& op, bool backendHasPremul)
+      : lowers_(op.op_ == c10d::ReduceOp::PREMUL_SUM && !backendHasPremul),
         factor_(lowers_ ? premulFactor(op) : 1.0) {}
 
-  // Whether the inputs are scaled here and the transport runs a SUM.
+  // Whether the inputs are scaled here and the inner backend runs a SUM.
   bool lowers() const { return lowers_; }
 
-  // The options for the transport: `opts` with SUM for PREMUL_SUM when lowered.
+  // The options for the inner backend: `opts` with SUM for PREMUL_SUM when lowered.
   template <typename Options>
   Options options(const Options& opts) const {
     Options inner = opts;

@@ -26,8 +26,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "collectives/CompressedAllreduce.hpp"
-#include "schedule/CompletionPool.hpp"
-#include "schedule/OpQueue.hpp"
+#include "runtime/CompletionPool.hpp"
+#include "runtime/OpQueue.hpp"
 #include "transport/ShmTransport.hpp"
 
 namespace xcomm {

@@ -9,7 +9,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "schedule/OpQueue.hpp"
+#include "runtime/OpQueue.hpp"
 #include "transport/StoreTransport.hpp"
 
 namespace xcomm {

@@ -8,8 +8,8 @@
 #include "backend/PremulLowering.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
-#include "schedule/Stats.hpp"
-#include "schedule/Timeline.hpp"
+#include "observe/Stats.hpp"
+#include "observe/Timeline.hpp"
 
 namespace xcomm {
 namespace {
@@ -27,31 +27,32 @@ c10::IValue listOfListsValue(const std::vector<std::vector<at::Tensor>>& lists) 
 }  // namespace
 
 XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan,
-                           Transports transports)
+                           InnerBackends inner)
     : Backend(plan.rank, plan.size),
       options_(std::move(options)),
       plan_(std::move(plan)),
-      transports_(std::move(transports)) {
+      inner_(std::move(inner)) {
   TORCH_CHECK(options_, "xcomm: options must not be null");
-  TORCH_CHECK(transports_.cpu || transports_.cuda,
-              "xcomm: a process group needs a CPU or a CUDA transport backend");
-  TORCH_CHECK(!transports_.shm || transports_.cpu == transports_.shm,
-              "xcomm: the shared-memory transport must be the CPU transport");
-  TORCH_CHECK(plan_.usesShm() == static_cast<bool>(transports_.shm), "xcomm: a ",
+  TORCH_CHECK(inner_.cpu || inner_.cuda,
+              "xcomm: a process group needs a CPU or a CUDA inner backend");
+  TORCH_CHECK(!inner_.shm || inner_.cpu == inner_.shm,
+              "xcomm: the shared-memory backend must be the CPU backend");
+  TORCH_CHECK(plan_.usesShm() == static_cast<bool>(inner_.shm), "xcomm: a ",
               groupShapeName(plan_.shape), " group ", plan_.usesShm() ? "needs" : "has no use for",
-              " a shared-memory transport");
-  for (const auto& t : {transports_.cpu, transports_.cuda}) {
+              " a shared-memory backend");
+  for (const auto& t : {inner_.cpu, inner_.cuda}) {
     TORCH_CHECK(!t || (t->getRank() == rank_ && t->getSize() == size_),
-                "xcomm: the transport backend's rank/size (", t ? t->getRank() : -1, "/",
+                "xcomm: the inner backend's rank/size (", t ? t->getRank() : -1, "/",
                 t ? t->getSize() : -1, ") differ from the group's (", rank_, "/", size_, ")");
   }
   const auto& compression = plan_.backendCompression;
   if (compression.method != Compression::kNone) {
     compressed_ = std::make_unique<CompressedAllreduce>(compression, size_);
     if (compressed_->needsOwnTransport()) {
-      TORCH_CHECK_VALUE(transports_.cpuCompressed, "xcomm: ", compressionName(compression.method),
-                        " allreduce compression needs a second CPU transport for its own "
+      TORCH_CHECK_VALUE(inner_.cpuCompressed, "xcomm: ", compressionName(compression.method),
+                        " allreduce compression needs a second CPU backend for its own "
                         "collectives; build the group through init_process_group/new_group");
+      compressCompletions_ = std::make_unique<CompletionPool>();
       compressQueue_ = std::make_unique<OpQueue>("xcomm compressed allreduce");
     }
   }
@@ -63,7 +64,7 @@ XcommBackend::~XcommBackend() = default;
 c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     c10::intrusive_ptr<XcommOptions> options) {
-  TransportFactory factory;
+  InnerBackendFactory factory;
   factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
                    std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
     return c10::make_intrusive<StoreCpuBackend>(prefixed, r, n, timeout);
@@ -73,7 +74,7 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
 
 void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
-  for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
+  for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->setTimeout(timeout);
   }
 }
@@ -84,7 +85,7 @@ void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cy
   TORCH_CHECK_VALUE(cycle.count() == 0 || bytes > 0,
                     "xcomm: a fusion cycle time needs fusion_threshold_bytes > 0");
   TORCH_CHECK_VALUE(cycle.count() == 0 || control,
-                    "xcomm: a fusion cycle time needs a control transport");
+                    "xcomm: a fusion cycle time needs a control backend");
   if (fusion_) fusion_->stop();
   fusion_ = makeFusionBuffer(bytes, cycle, std::move(control), options_->timeout);
 }
@@ -98,29 +99,29 @@ void XcommBackend::shutdown() {
   if (compressQueue_) {
     compressQueue_->shutdown();
   }
-  for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
+  for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->shutdown();
   }
 }
 
 void XcommBackend::abort() {
   if (fusion_) fusion_->abort();
-  for (const auto& t : {transports_.cpu, transports_.cuda, transports_.cpuCompressed}) {
+  for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->abort();
   }
 }
 
-c10d::Backend& XcommBackend::transportFor(const at::Tensor& t, const char* op, bool flushFused) {
+c10d::Backend& XcommBackend::backendFor(const at::Tensor& t, const char* op, bool flushFused) {
   if (flushFused) this->flushFused();
   const bool cuda = t.device().is_cuda();
-  const auto& transport = cuda ? transports_.cuda : transports_.cpu;
-  TORCH_CHECK_VALUE(transport, "xcomm.", op, ": this process group has no ",
-                    cuda ? "CUDA (NCCL)" : "CPU", " transport for a tensor on ", t.device().str(),
+  const auto& backend = cuda ? inner_.cuda : inner_.cpu;
+  TORCH_CHECK_VALUE(backend, "xcomm.", op, ": this process group has no ",
+                    cuda ? "CUDA (NCCL)" : "CPU", " backend for a tensor on ", t.device().str(),
                     cuda ? "; CUDA needs torch with CUDA, NCCL and a visible GPU" : "");
-  return *transport;
+  return *backend;
 }
 
-bool XcommBackend::transportHasPremul(const at::Tensor& t) const {
+bool XcommBackend::backendHasPremul(const at::Tensor& t) const {
   return t.device().is_cuda();
 }
 
@@ -131,7 +132,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
   const uint64_t bytes = payloadBytes(result);
   auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), staging.copyBack(),
                                                  std::move(result), std::move(resultType));
-  // xcomm.stats() and the timeline, timed from the issue: a transport may run
+  // xcomm.stats() and the timeline, timed from the issue: an inner backend may run
   // a small op inline and be done before it returns.
   recordOnCompletion(work, c10d::opTypeToString(type), bytes, bytes, issuedUs);
   return work;
@@ -141,10 +142,10 @@ template <typename Call>
 c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, const at::Tensor& first,
                                                       c10d::OpType type, c10::IValue result,
                                                       Call&& call) {
-  auto& transport = transportFor(first, op);
+  auto& inner = backendFor(first, op);
   const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
-  auto work = call(transport, staging);
+  auto work = call(inner, staging);
   return wrap(std::move(work), type, staging, std::move(result), issuedUs);
 }
 
@@ -154,15 +155,15 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& 
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
   return delegate(op, tensors[0], c10d::OpType::BROADCAST, listValue(tensors),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.inOut(tensors);
-                    return transport.broadcast(staged, opts);
+                    return inner.broadcast(staged, opts);
                   });
 }
 
 const CompressedAllreduce* XcommBackend::compression() const {
   if (compressed_) return compressed_.get();
-  return transports_.shm ? transports_.shm->leaderCompression() : nullptr;
+  return inner_.shm ? inner_.shm->leaderCompression() : nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -170,22 +171,22 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   constexpr const char* op = "all_reduce";
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  auto& transport = transportFor(tensors[0], op, /*flushFused=*/false);
+  auto& inner = backendFor(tensors[0], op, /*flushFused=*/false);
   const int64_t issuedUs = Timeline::nowUs();
   if (compressed_ && compressed_->applies(tensors, opts)) {
     flushFused();  // held ops go first: every rank issues in program order
     return compressedAllreduce(tensors[0], opts);
   }
   TensorStaging staging;
-  const PremulLowering premul(opts.reduceOp, transportHasPremul(tensors[0]));
+  const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
   auto staged = premul.inOut(staging, tensors);
   const auto innerOpts = premul.options(opts);
   if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
-    return fusion_->enqueue(transports_.cpu, rank_, staged[0], innerOpts, staging.copyBack(),
+    return fusion_->enqueue(inner_.cpu, rank_, staged[0], innerOpts, staging.copyBack(),
                             listValue(tensors));
   }
   flushFused();
-  auto work = transport.allreduce(staged, innerOpts);
+  auto work = inner.allreduce(staged, innerOpts);
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors), issuedUs);
 }
 
@@ -197,7 +198,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   const uint64_t bytesOnWire = compressed_->payloadBytes(tensor);
   if (!compressed_->needsOwnTransport()) {
     std::function<void()> finalize;
-    auto inner = compressed_->startCast(transportFor(tensor, "all_reduce"), tensor, opts, finalize);
+    auto inner = compressed_->startCast(backendFor(tensor, "all_reduce"), tensor, opts, finalize);
     auto work = c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::ALLREDUCE, std::move(inner),
                                                    std::move(finalize), listValue({tensor}),
                                                    tensorListType());
@@ -208,14 +209,24 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
       c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, "xcomm:int8_all_reduce",
                                       listValue({tensor}), tensorListType());
   auto* algorithm = compressed_.get();
-  auto transport = transports_.cpuCompressed;
-  compressQueue_->push([work, algorithm, transport, tensor, opts] {
+  auto compressedBackend = inner_.cpuCompressed;
+  auto* completions = compressCompletions_.get();
+  compressQueue_->push([work, algorithm, compressedBackend, tensor, opts, completions] {
+    std::exception_ptr error;
     try {
-      algorithm->runInt8(*transport, tensor, opts);
-      work->markSucceeded();
+      algorithm->runInt8(*compressedBackend, tensor, opts);
     } catch (...) {
-      work->markFailed(std::current_exception());
+      error = std::current_exception();
     }
+    // Off the worker: a callback that waits for the next int8 allreduce must
+    // not hold the thread that would run it.
+    completions->run([work, error] {
+      if (error) {
+        work->markFailed(error);
+      } else {
+        work->markSucceeded();
+      }
+    });
   });
   recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
   return work;
@@ -227,10 +238,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   return delegate(op, tensors[0], c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, transportHasPremul(tensors[0]));
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
                     auto staged = premul.inOut(staging, tensors);
-                    return transport.allreduce_coalesced(staged, premul.options(opts));
+                    return inner.allreduce_coalesced(staged, premul.options(opts));
                   });
 }
 
@@ -241,14 +252,14 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
   checks::rank(op, opts.rootRank, size_, "root");
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   return delegate(op, tensors[0], c10d::OpType::REDUCE, listValue(tensors),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, transportHasPremul(tensors[0]));
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
                     // Lowered, a non-root rank sends a scaled copy, so its tensor
                     // keeps its values; the root's tensor receives the result.
                     auto staged = premul.lowers() && rank_ != opts.rootRank
                                       ? premul.in(staging, tensors)
                                       : premul.inOut(staging, tensors);
-                    return transport.reduce(staged, premul.options(opts));
+                    return inner.reduce(staged, premul.options(opts));
                   });
 }
 
@@ -266,10 +277,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
     }
   }
   return delegate(op, inputs[0], c10d::OpType::ALLGATHER, listOfListsValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return transport.allgather(stagedOut, stagedIn, opts);
+                    return inner.allgather(stagedOut, stagedIn, opts);
                   });
 }
 
@@ -281,10 +292,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output,
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::allgatherBase(output, input, size_);
   return delegate(op, input, c10d::OpType::_ALLGATHER_BASE, listValue({output}),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(input);
                     auto stagedOut = staging.out(output);
-                    return transport._allgather_base(stagedOut, stagedIn, opts);
+                    return inner._allgather_base(stagedOut, stagedIn, opts);
                   });
 }
 
@@ -301,10 +312,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
     checks::allgatherBase(outputs[i], inputs[i], size_);
   }
   return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return transport.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
+                    return inner.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
                   });
 }
 
@@ -328,10 +339,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::
                       ") passes a gather list");
   }
   return delegate(op, inputs[0], c10d::OpType::GATHER, listOfListsValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return transport.gather(stagedOut, stagedIn, opts);
+                    return inner.gather(stagedOut, stagedIn, opts);
                   });
 }
 
@@ -355,11 +366,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& ou
                       ") passes a scatter list");
   }
   return delegate(op, outputs[0], c10d::OpType::SCATTER, listValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     std::vector<std::vector<at::Tensor>> stagedIn;
                     for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
                     auto stagedOut = staging.out(outputs);
-                    return transport.scatter(stagedOut, stagedIn, opts);
+                    return inner.scatter(stagedOut, stagedIn, opts);
                   });
 }
 
@@ -378,12 +389,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
     }
   }
   return delegate(op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, transportHasPremul(outputs[0]));
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, backendHasPremul(outputs[0]));
                     std::vector<std::vector<at::Tensor>> stagedIn;
                     for (const auto& list : inputs) stagedIn.push_back(premul.in(staging, list));
                     auto stagedOut = staging.out(outputs);
-                    return transport.reduce_scatter(stagedOut, stagedIn, premul.options(opts));
+                    return inner.reduce_scatter(stagedOut, stagedIn, premul.options(opts));
                   });
 }
 
@@ -396,12 +407,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   checks::reduceOp(op, opts.reduceOp, input.scalar_type());
   checks::reduceScatterBase(output, input, size_);
   return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, transportHasPremul(input));
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, backendHasPremul(input));
                     auto stagedIn = premul.in(staging, input);
                     auto stagedOut = staging.out(output);
-                    return transport._reduce_scatter_base(stagedOut, stagedIn,
-                                                          premul.options(opts));
+                    return inner._reduce_scatter_base(stagedOut, stagedIn, premul.options(opts));
                   });
 }
 
@@ -419,12 +429,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
     checks::reduceScatterBase(outputs[i], inputs[i], size_);
   }
   return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, transportHasPremul(inputs[0]));
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
+                    const PremulLowering premul(opts.reduceOp, backendHasPremul(inputs[0]));
                     auto stagedIn = premul.in(staging, inputs);
                     auto stagedOut = staging.out(outputs);
-                    return transport.reduce_scatter_tensor_coalesced(stagedOut, stagedIn,
-                                                                     premul.options(opts));
+                    return inner.reduce_scatter_tensor_coalesced(stagedOut, stagedIn,
+                                                                 premul.options(opts));
                   });
 }
 
@@ -439,11 +449,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, a
   checks::splits(op, inputSplits, input, size_, "input");
   checks::splits(op, outputSplits, output, size_, "output");
   return delegate(op, input, c10d::OpType::ALLTOALL_BASE, listValue({output}),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(input);
                     auto stagedOut = staging.out(output);
-                    return transport.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits,
-                                                   opts);
+                    return inner.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits,
+                                               opts);
                   });
 }
 
@@ -459,10 +469,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& o
       inputs.size(), " inputs and ", outputs.size(), " outputs");
   checks::sameDeviceAndDtype(op, outputs[0], inputs[0], "output", "input");
   return delegate(op, inputs[0], c10d::OpType::ALLTOALL, listValue(outputs),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return transport.alltoall(stagedOut, stagedIn, opts);
+                    return inner.alltoall(stagedOut, stagedIn, opts);
                   });
 }
 
@@ -473,9 +483,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
   return delegate(op, tensors[0], c10d::OpType::SEND, listValue(tensors),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.in(tensors);
-                    return transport.send(staged, dstRank, tag);
+                    return inner.send(staged, dstRank, tag);
                   });
 }
 
@@ -486,9 +496,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   return delegate(op, tensors[0], c10d::OpType::RECV, listValue(tensors),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
-                    return transport.recv(staged, srcRank, tag);
+                    return inner.recv(staged, srcRank, tag);
                   });
 }
 
@@ -498,19 +508,18 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   return delegate(op, tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors),
-                  [&](c10d::Backend& transport, TensorStaging& staging) {
+                  [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
-                    return transport.recvAnysource(staged, tag);
+                    return inner.recvAnysource(staged, tag);
                   });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
   flushFused();
-  const bool useCuda =
-      !transports_.cpu || (opts.device && opts.device->is_cuda() && transports_.cuda);
-  auto& transport = useCuda ? *transports_.cuda : *transports_.cpu;
+  const bool useCuda = !inner_.cpu || (opts.device && opts.device->is_cuda() && inner_.cuda);
+  auto& inner = useCuda ? *inner_.cuda : *inner_.cpu;
   const int64_t issuedUs = Timeline::nowUs();
-  auto work = transport.barrier(opts);
+  auto work = inner.barrier(opts);
   return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}), issuedUs);
 }
 

@@ -1,11 +1,13 @@
 #pragma once
 // XcommBackend: the c10d::Backend behind init_process_group(backend="xcomm").
 //
-// Every call is checked and staged here, then handed to the transport backend
+// Every call is checked and staged here, then handed to the inner backend
 // for the tensors' device: Gloo (or the shared-memory ShmCpuBackend wrapping
 // it) for CPU tensors and NCCL for CUDA tensors when created from Python, or
 // xcomm's own StoreCpuBackend in a C++-only program. What the group is (its
-// GroupPlan) and its transports come from GroupBuilder.
+// GroupPlan) and its inner backends come from GroupBuilder. ("Inner backend": a
+// whole c10d backend xcomm delegates to; "transport": a byte mover under
+// csrc/transport/.)
 #include <chrono>
 #include <memory>
 
@@ -17,27 +19,28 @@
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
 #include "collectives/CompressedAllreduce.hpp"
+#include "runtime/CompletionPool.hpp"
+#include "runtime/OpQueue.hpp"
 #include "schedule/FusionBuffer.hpp"
-#include "schedule/OpQueue.hpp"
 
 namespace xcomm {
 
 class XcommBackend : public c10d::Backend {
  public:
-  // The transport backends, one per device type; either may be null.
-  struct Transports {
+  // The inner backends, one per device type; either may be null.
+  struct InnerBackends {
     c10::intrusive_ptr<c10d::Backend> cpu;
     c10::intrusive_ptr<c10d::Backend> cuda;
-    // A second CPU transport, only for int8-compressed allreduces: their two
+    // A second CPU backend, only for int8-compressed allreduces: their two
     // collectives run on a worker thread and must not mix with other ops.
     c10::intrusive_ptr<c10d::Backend> cpuCompressed;
-    // The shared-memory transport when the plan's shape uses one (then also `cpu`).
+    // The shared-memory backend when the plan's shape uses one (then also `cpu`).
     c10::intrusive_ptr<ShmCpuBackend> shm;
   };
 
   // Groups are built by buildGroup (backend/GroupBuilder.hpp), which makes
-  // the transports `plan` names.
-  XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan, Transports transports);
+  // the inner backends `plan` names.
+  XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan, InnerBackends inner);
   ~XcommBackend() override;
 
   // The C++-only entry point: CPU collectives over xcomm's store transport,
@@ -48,20 +51,18 @@ class XcommBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "xcomm"; }
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
-  const Transports& transports() const { return transports_; }
+  const InnerBackends& innerBackends() const { return inner_; }
   const GroupPlan& plan() const { return plan_; }
   // Null when the group compresses nothing. A hierarchical group compresses
   // only its leaders' step (in its ShmCpuBackend), and reports it here.
   const CompressedAllreduce* compression() const;
   // Collectives run over shared memory; -1 when the group uses none.
-  int64_t shmOps() const {
-    return transports_.shm ? static_cast<int64_t>(transports_.shm->shmOps()) : -1;
-  }
+  int64_t shmOps() const { return inner_.shm ? static_cast<int64_t>(inner_.shm->shmOps()) : -1; }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
   // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. With a
   // cycle time > 0, a background thread sends held ops every cycle after
-  // agreeing with the other ranks over `control`, a transport no other op
+  // agreeing with the other ranks over `control`, a backend no other op
   // uses; all ranks must call this together.
   void setFusionThreshold(size_t bytes, std::chrono::microseconds cycle = {},
                           c10::intrusive_ptr<c10d::Backend> control = {});
@@ -126,14 +127,14 @@ class XcommBackend : public c10d::Backend {
  private:
   // Every op but a fusable allreduce first sends what fusion holds, so
   // collectives keep their issue order.
-  c10d::Backend& transportFor(const at::Tensor& t, const char* op, bool flushFused = true);
+  c10d::Backend& backendFor(const at::Tensor& t, const char* op, bool flushFused = true);
   void flushFused();
-  // Whether the transport for `t` implements PREMUL_SUM itself (NCCL does).
-  bool transportHasPremul(const at::Tensor& t) const;
+  // Whether the inner backend for `t` implements PREMUL_SUM itself (NCCL does).
+  bool backendHasPremul(const at::Tensor& t) const;
   // What every tensor op but all_reduce does after its checks: take the
-  // transport for `first` (sending what fusion holds), note the issue time,
-  // let `call(transport, staging)` stage the tensors and start the
-  // transport's op, and wrap its work with `result` as the op's result.
+  // inner backend for `first` (sending what fusion holds), note the issue time,
+  // let `call(inner, staging)` stage the tensors and start the
+  // inner backend's op, and wrap its work with `result` as the op's result.
   template <typename Call>
   c10::intrusive_ptr<c10d::Work> delegate(const char* op, const at::Tensor& first,
                                           c10d::OpType type, c10::IValue result, Call&& call);
@@ -146,9 +147,12 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<XcommOptions> options_;
   GroupPlan plan_;
-  Transports transports_;
+  InnerBackends inner_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   std::unique_ptr<CompressedAllreduce> compressed_;
+  // Completes int8 works off their worker: a callback may wait for another
+  // int8 allreduce of this group, which the worker must be free to run.
+  std::unique_ptr<CompletionPool> compressCompletions_;
   std::unique_ptr<OpQueue> compressQueue_;  // declared last: stops before the rest goes
 };
 

@@ -86,8 +86,8 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto work = transport.allreduce(wire, sumOpts);
   counters_.calls++;
-  counters_.bytesIn += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_.bytesOnWire += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
+  counters_.linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_.linkBytesSent += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
   finalize = [tensor, low = wire[0]]() mutable { tensor.copy_(low); };
   return work;
 }
@@ -117,8 +117,8 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
     tensor.copy_(flat.view(tensor.sizes()));
   }
   counters_.calls++;
-  counters_.bytesIn += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_.bytesOnWire += (size_ - 1) * (packed.size(1) + mine.numel());
+  counters_.linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_.linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
 }
 
 }  // namespace xcomm

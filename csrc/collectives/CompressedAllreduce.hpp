@@ -42,12 +42,14 @@ struct CompressionConfig {
   void validate() const;
 };
 
-// Bytes handed to compressed allreduces, and bytes they sent per rank (the
-// ring-allreduce equivalent for casts, alltoall + allgather for int8).
+// Link bytes per rank: what a ring allreduce of the uncompressed tensors
+// would have sent, and what the compressed allreduces sent (the ring
+// equivalent for casts, alltoall + allgather for int8). xcomm.stats() counts
+// payloads instead (bytes_in / bytes_on_wire).
 struct CompressionCounters {
   std::atomic<int64_t> calls{0};
-  std::atomic<int64_t> bytesIn{0};
-  std::atomic<int64_t> bytesOnWire{0};
+  std::atomic<int64_t> linkBytesBefore{0};
+  std::atomic<int64_t> linkBytesSent{0};
 };
 
 class CompressedAllreduce {

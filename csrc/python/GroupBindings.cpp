@@ -137,7 +137,7 @@ void bindGroup(py::module_& m) {
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
          const c10::intrusive_ptr<xcomm::XcommOptions>& options, Factory cpu,
          std::optional<Factory> cuda) {
-        xcomm::TransportFactory factory;
+        xcomm::InnerBackendFactory factory;
         factory.cpu = std::move(cpu);
         if (cuda) factory.cuda = std::move(*cuda);
         // Each rank's options object is its own: the group keeps this copy.
@@ -148,11 +148,11 @@ void bindGroup(py::module_& m) {
         return xcomm::buildGroup(store, rank, size, std::move(own), factory);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
-      py::arg("cpu_transport"), py::arg("cuda_transport") = py::none(),
+      py::arg("cpu_backend"), py::arg("cuda_backend") = py::none(),
       R"(Builds one group (collective over ``store``): decides its GroupPlan from
 every member's host identity and ``options``, then calls
-``cpu_transport(store, rank, size, timeout)`` for each CPU transport the plan
-names (a ProcessGroupGloo) and ``cuda_transport(...)`` once (a
+``cpu_backend(store, rank, size, timeout)`` for each CPU backend the plan
+names (a ProcessGroupGloo) and ``cuda_backend(...)`` once (a
 ProcessGroupNCCL, or None).)");
 
   // The class is bound in Module.cpp; its plan is bound here, beside the plan's dict.

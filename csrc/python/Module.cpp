@@ -32,7 +32,7 @@ void bindAll(pybind11::module_& m) {
 }  // namespace xcomm::python
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "xcomm's C++ core: the c10d backend and its transports.";
+  m.doc() = "xcomm's C++ core: the c10d backend, its algorithms and transports.";
   // torch.distributed registers Store and Backend with pybind11; our classes
   // name them as arguments and base, so they must be registered first.
   py::module_::import("torch.distributed");
@@ -46,8 +46,8 @@ PYBIND11_MODULE(_C, m) {
             const auto* c = b.compression();
             d["method"] = c ? xcomm::compressionName(c->config().method) : "none";
             d["calls"] = c ? c->counters().calls.load() : 0;
-            d["bytes_before"] = c ? c->counters().bytesIn.load() : 0;
-            d["bytes_on_wire"] = c ? c->counters().bytesOnWire.load() : 0;
+            d["link_bytes_before"] = c ? c->counters().linkBytesBefore.load() : 0;
+            d["link_bytes_sent"] = c ? c->counters().linkBytesSent.load() : 0;
             return d;
           },
           "Compressed allreduces of this group: calls, bytes a ring allreduce would have "
@@ -64,13 +64,13 @@ PYBIND11_MODULE(_C, m) {
 (the C++-only path; slow, needs nothing but the store).)")
       .def_property_readonly("shm_ops", &xcomm::XcommBackend::shmOps,
                              "Collectives run over shared memory; -1 when the group uses none.")
-      .def_property_readonly("cpu_transport_name",
+      .def_property_readonly("cpu_backend_name",
                              [](const xcomm::XcommBackend& b) {
-                               const auto& t = b.transports().cpu;
+                               const auto& t = b.innerBackends().cpu;
                                return t ? t->getBackendName() : std::string();
                              })
-      .def_property_readonly("cuda_transport_name", [](const xcomm::XcommBackend& b) {
-        const auto& t = b.transports().cuda;
+      .def_property_readonly("cuda_backend_name", [](const xcomm::XcommBackend& b) {
+        const auto& t = b.innerBackends().cuda;
         return t ? t->getBackendName() : std::string();
       });
 

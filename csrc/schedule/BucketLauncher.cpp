@@ -5,8 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/record_function_ops.h>
 
-#include "schedule/Stats.hpp"
-#include "schedule/Timeline.hpp"
+#include "observe/Stats.hpp"
+#include "observe/Timeline.hpp"
 
 namespace xcomm {
 namespace {

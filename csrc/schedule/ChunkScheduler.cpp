@@ -5,7 +5,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "schedule/Timeline.hpp"
+#include "observe/Timeline.hpp"
 
 namespace xcomm {
 namespace {

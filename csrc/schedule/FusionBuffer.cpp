@@ -5,10 +5,10 @@
 
 #include <c10/util/Exception.h>
 
+#include "observe/Stats.hpp"
+#include "observe/Timeline.hpp"
 #include "schedule/CycleFusion.hpp"
 #include "schedule/OnDemandFusion.hpp"
-#include "schedule/Stats.hpp"
-#include "schedule/Timeline.hpp"
 
 namespace xcomm {
 namespace {

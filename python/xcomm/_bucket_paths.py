@@ -265,17 +265,17 @@ class HookPath(_CopyInPath):
                 hook, state = self._compression
                 stats = getattr(state, "stats", None)
                 before = (
-                    (stats.bytes_before, stats.bytes_on_wire)
-                    if hasattr(stats, "bytes_before")
+                    (stats.link_bytes_before, stats.link_bytes_sent)
+                    if hasattr(stats, "link_bytes_before")
                     else None
                 )
                 view = BucketerGradBucket(
                     i, bucket.buffer, bucket.params, i == len(self.buckets) - 1
                 )
                 fut = hook(state, view)
-                if before is not None and stats.bytes_before > before[0]:
-                    wire_ratio = (stats.bytes_on_wire - before[1]) / (
-                        stats.bytes_before - before[0]
+                if before is not None and stats.link_bytes_before > before[0]:
+                    wire_ratio = (stats.link_bytes_sent - before[1]) / (
+                        stats.link_bytes_before - before[0]
                     )
                 op = f"bucket_allreduce[{getattr(hook, '__name__', 'hook')}]"
         launched_us = trace.now_us()

@@ -4,8 +4,8 @@ What a group is (its shape: plain, single-host shared memory or hierarchical;
 its auxiliary groups; who compresses what) is decided in C++, once, by
 ``GroupPlan`` (csrc/backend/GroupPlan.hpp), and the group is built by
 ``buildGroup`` (csrc/backend/GroupBuilder.cpp). This module only supplies the
-transports the plan asks for: a ``ProcessGroupGloo`` for each CPU transport
-and, when torch has CUDA and a GPU is visible, a ``ProcessGroupNCCL``.
+inner backends the plan asks for: a ``ProcessGroupGloo`` for each CPU
+backend and, when torch has CUDA and a GPU is visible, a ``ProcessGroupNCCL``.
 """
 
 from __future__ import annotations

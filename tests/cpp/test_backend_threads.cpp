@@ -7,13 +7,14 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "RankThreads.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommBackend.hpp"
 #include "common/TorchCompat.hpp"
+#include "observe/Stats.hpp"
 #include "schedule/BucketLauncher.hpp"
 #include "schedule/ChunkScheduler.hpp"
 #include "schedule/CycleFusion.hpp"
-#include "schedule/Stats.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
@@ -56,25 +57,12 @@ using RankFn = std::function<void(XcommBackend&, int rank, int size)>;
 // Runs fn on `size` ranks; rethrows the first rank's failure.
 void runRanks(int size, const RankFn& fn,
               std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::exception_ptr> errors(size);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        auto backend =
-            XcommBackend::createWithStore(store, r, size, xcomm::XcommOptions::create(timeout));
-        fn(*backend, r, size);
-        backend->shutdown();
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
+    auto backend =
+        XcommBackend::createWithStore(store, r, size, xcomm::XcommOptions::create(timeout));
+    fn(*backend, r, size);
+    backend->shutdown();
+  });
 }
 
 at::Tensor rankValues(int rank, int64_t n, at::ScalarType dtype) {
@@ -367,7 +355,7 @@ TEST_CASE("bad fusion-cycle and bucket-launcher settings are refused with a mess
     const std::chrono::milliseconds cycle(5);
     CHECK_THROWS_WITH(b.setFusionThreshold(0, cycle, control),
                       Contains("needs fusion_threshold_bytes > 0"));
-    CHECK_THROWS_WITH(b.setFusionThreshold(1024, cycle), Contains("needs a control transport"));
+    CHECK_THROWS_WITH(b.setFusionThreshold(1024, cycle), Contains("needs a control backend"));
     CHECK_THROWS_WITH(b.setFusionThreshold(1024, std::chrono::microseconds(-1), control),
                       Contains("must be >= 0"));
 

@@ -22,13 +22,13 @@ at::Tensor transposed() {
 TEST_CASE("PremulLowering passes every op but a lowered PREMUL_SUM through", "[premul]") {
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp(RedOp::MAX);
-  const PremulLowering other(opts.reduceOp, /*transportHasPremul=*/false);
+  const PremulLowering other(opts.reduceOp, /*backendHasPremul=*/false);
   CHECK_FALSE(other.lowers());
   CHECK(other.options(opts).reduceOp.op_ == RedOp::MAX);
 
   // A transport with PREMUL_SUM (NCCL) gets the op and the tensors as they are.
   opts.reduceOp = xcomm::compat::makePreMulSum(2.0);
-  const PremulLowering native(opts.reduceOp, /*transportHasPremul=*/true);
+  const PremulLowering native(opts.reduceOp, /*backendHasPremul=*/true);
   CHECK_FALSE(native.lowers());
   CHECK(native.options(opts).reduceOp.op_ == RedOp::PREMUL_SUM);
   TensorStaging staging;
@@ -41,8 +41,8 @@ TEST_CASE("PremulLowering passes every op but a lowered PREMUL_SUM through", "[p
   // Nor does it read the factor: a PREMUL_SUM without one is the transport's to reject.
   c10d::ReduceOp bare;
   bare.op_ = RedOp::PREMUL_SUM;
-  CHECK_NOTHROW(PremulLowering(bare, /*transportHasPremul=*/true));
-  CHECK_THROWS_WITH(PremulLowering(bare, /*transportHasPremul=*/false),
+  CHECK_NOTHROW(PremulLowering(bare, /*backendHasPremul=*/true));
+  CHECK_THROWS_WITH(PremulLowering(bare, /*backendHasPremul=*/false),
                     Catch::Contains("PREMUL_SUM needs a factor"));
 }
 
@@ -50,7 +50,7 @@ TEST_CASE("PremulLowering scales read-only inputs into contiguous copies", "[pre
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = xcomm::compat::makePreMulSum(at::full({1}, 0.5));
   opts.timeout = std::chrono::milliseconds(1234);
-  const PremulLowering premul(opts.reduceOp, /*transportHasPremul=*/false);
+  const PremulLowering premul(opts.reduceOp, /*backendHasPremul=*/false);
   REQUIRE(premul.lowers());
   const auto inner = premul.options(opts);
   CHECK(inner.reduceOp.op_ == RedOp::SUM);
@@ -71,7 +71,7 @@ TEST_CASE("PremulLowering scales read-only inputs into contiguous copies", "[pre
 
 TEST_CASE("PremulLowering scales overwritten tensors in place", "[premul]") {
   const auto op = xcomm::compat::makePreMulSum(3.0);
-  const PremulLowering premul(op, /*transportHasPremul=*/false);
+  const PremulLowering premul(op, /*backendHasPremul=*/false);
   TensorStaging staging;
   auto flat = at::arange(4, at::kFloat);
   auto strided = transposed();

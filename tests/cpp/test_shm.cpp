@@ -10,6 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "RankThreads.hpp"
 #include "collectives/ReduceKernels.hpp"
 #include "collectives/ShmCollectives.hpp"
 #include "collectives/VectorReduce.hpp"
@@ -47,27 +48,14 @@ at::Tensor input(at::ScalarType dtype, int64_t n, int seed, bool small) {
 
 // Runs fn(rank, transport) on `size` threads, each with its own transport.
 void onRanks(int size, size_t slotBytes, const std::function<void(int, xcomm::ShmTransport&)>& fn) {
-  auto store = c10::make_intrusive<c10d::HashStore>();
-  std::vector<std::exception_ptr> errors(size);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < size; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        xcomm::ShmTransport::Config config;
-        config.slotBytes = slotBytes;
-        std::string whyNot;
-        auto transport = xcomm::ShmTransport::create(store, r, size, config, &whyNot);
-        TORCH_CHECK(transport, "no transport: ", whyNot);
-        fn(r, *transport);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
+    xcomm::ShmTransport::Config config;
+    config.slotBytes = slotBytes;
+    std::string whyNot;
+    auto transport = xcomm::ShmTransport::create(store, r, size, config, &whyNot);
+    TORCH_CHECK(transport, "no transport: ", whyNot);
+    fn(r, *transport);
+  });
 }
 
 xcomm::shm::Deadline in(std::chrono::milliseconds ms) {

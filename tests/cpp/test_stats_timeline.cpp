@@ -3,8 +3,8 @@
 #include <thread>
 #include <vector>
 
-#include "schedule/Stats.hpp"
-#include "schedule/Timeline.hpp"
+#include "observe/Stats.hpp"
+#include "observe/Timeline.hpp"
 
 #include <catch2/catch.hpp>
 

@@ -1,6 +1,7 @@
 """Training and checkpoint helpers shared by the DDP hook tests.
 
-Each test module keeps its own model and batches; these only drive them.
+Each test module keeps its own batches; these drive them, and ``small_mlp``
+is the small model several modules share.
 """
 
 from __future__ import annotations
@@ -15,6 +16,14 @@ import torch
 BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 #: A fresh (model, optimizer, hook state), built the same way every time.
 FreshFn = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, Any]]
+
+
+def small_mlp() -> torch.nn.Module:
+    """12 inputs -> 4 outputs, three layers: several buckets at small bucket caps."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
 
 
 def train(

@@ -120,7 +120,7 @@ def test_compressed_allreduce_matches_reference(method: str, world_size: int) ->
     # xcomm.stats() lists them under their own name, with their payload ratio
     calls, payload_ratio = first["opstats"]
     assert calls == 8 and payload_ratio > (3.0 if method == "int8" else 1.9)
-    ratio = stats["bytes_before"] / stats["bytes_on_wire"]
+    ratio = stats["link_bytes_before"] / stats["link_bytes_sent"]
     if method == "int8":
         assert ratio > 3.0  # float32 and float64 inputs: 4x to 8x
     else:
@@ -189,6 +189,30 @@ def _rank_async_interleaved(ctx: RankContext) -> list[str]:
 def test_many_int8_allreduces_in_flight_interleaved() -> None:
     for problems in run_ranks(_rank_async_interleaved, 3):
         assert problems == []
+
+
+def _rank_callback_waits_for_next_int8(ctx: RankContext) -> list[float]:
+    """A callback of an int8 allreduce that waits for another int8 allreduce of
+    the same group (torch's powerSGD_hook waits inside its callbacks)."""
+    group = _group("int8")
+    first = torch.full((8192,), float(ctx.rank + 1))
+
+    def then(fut: torch.futures.Future) -> float:
+        second = torch.full((8192,), 2.0)
+        dist.all_reduce(second, group=group)  # waits inside the callback
+        return float(fut.value()[0][0]) + float(second[0])
+
+    chained = dist.all_reduce(first, group=group, async_op=True).get_future().then(then)
+    return [chained.wait()]
+
+
+def test_a_callback_may_wait_for_the_next_int8_allreduce() -> None:
+    """Before: the callback ran on the int8 worker, the second allreduce queued
+    behind it, and the wait hung with no timeout."""
+    results = run_ranks(_rank_callback_waits_for_next_int8, 2, timeout=90)
+    for (value,) in results:
+        # 1 + 2 summed, then 2 + 2 summed; int8 is exact on constant tensors.
+        assert value == pytest.approx(3.0 + 4.0, rel=0.01), results
 
 
 @pytest.mark.parametrize(

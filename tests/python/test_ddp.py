@@ -37,6 +37,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddp_helpers import small_mlp
 from dist_harness import Mismatches, RankContext, assert_no_mismatches, run_ranks, world_size_params
 
 STEPS = 20
@@ -48,12 +49,6 @@ WS3_RTOL, WS3_ATOL = 1e-4, 1e-5
 #: SGD steps, the parameters by a few 1e-3 at most.
 WS3_TOL_BY_HOOK = {"fp16_compress_hook": (5e-3, 5e-3)}
 HOOKS = ("default", "allreduce_hook", "fp16_compress_hook", "powerSGD_hook")
-
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4)
-    )
 
 
 def _convnet() -> nn.Module:
@@ -70,7 +65,7 @@ def _convnet() -> nn.Module:
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
-    "mlp": (_mlp, (8, 12)),
+    "mlp": (small_mlp, (8, 12)),
     "convnet": (_convnet, (4, 2, 9, 9)),
 }
 

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import xcomm
 import xcomm.scheduler
+from ddp_helpers import small_mlp
 from dist_harness import Mismatches, RankContext, assert_no_mismatches, run_ranks
 from xcomm import trace
 from xcomm._bucket_paths import BucketerGradBucket, ChunkedPath, HookPath, LauncherPath
@@ -35,12 +36,6 @@ from xcomm.hooks import CastState, Int8State, fp16_cast_hook, int8_compress_hook
 
 STEPS = 6
 LR = 0.05
-
-
-def _mlp() -> nn.Module:
-    return nn.Sequential(
-        nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4)
-    )
 
 
 def _convnet() -> nn.Module:
@@ -55,7 +50,7 @@ def _convnet() -> nn.Module:
     )
 
 
-MODELS = {"mlp": (_mlp, (8, 12)), "convnet": (_convnet, (4, 2, 9, 9))}
+MODELS = {"mlp": (small_mlp, (8, 12)), "convnet": (_convnet, (4, 2, 9, 9))}
 
 
 def _batch(rank: int, step: int, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +254,7 @@ def _rank_priority_with_backend_compression(ctx: RankContext) -> dict[str, Any]:
     allreduce to fp16 (``xcomm.Options``): once chunked in priority order, once
     bucket by bucket, once over an uncompressed group."""
     torch.manual_seed(0)
-    base = _mlp()
+    base = small_mlp()
     fp16 = dist.new_group(
         backend="xcomm", pg_options=xcomm.Options(compression="fp16", compression_min_bytes=0)
     )
@@ -342,7 +337,7 @@ def _seen_by_hook(state: list[Any], bucket: Any) -> torch.futures.Future:
 
 def _rank_hook_bucket(ctx: RankContext) -> dict[str, Any]:
     torch.manual_seed(3)
-    model = _mlp()
+    model = small_mlp()
     seen: list[dict[str, Any]] = []
     b = xcomm.GradientBucketer(model, bucket_cap_mb=0.002, compression=(_seen_by_hook, seen))
     x, y = _batch(ctx.rank, 0, (8, 12))
@@ -384,14 +379,14 @@ def _expect(exc: type[BaseException], match: str, fn: Any) -> None:
 
 
 def _rank_errors(ctx: RankContext) -> bool:
-    model = _mlp()
+    model = small_mlp()
     for bad in (0, -1.0, float("nan"), float("inf"), True, "4"):
         _expect(
             ValueError,
             "bucket_cap_mb must be a finite number > 0",
             lambda bad=bad: xcomm.GradientBucketer(model, bucket_cap_mb=bad),
         )
-    frozen = _mlp().requires_grad_(False)
+    frozen = small_mlp().requires_grad_(False)
     _expect(
         ValueError,
         "no parameters with requires_grad=True",
@@ -496,7 +491,7 @@ def _rank_stats(ctx: RankContext) -> dict[str, Any]:
     dist.broadcast(torch.ones(10, dtype=torch.float64), src=0)
     after_ops = xcomm.stats()
     # The bucketer with the fp16 hook: half the bytes on the wire.
-    model = _mlp()
+    model = small_mlp()
     b = xcomm.GradientBucketer(
         model, bucket_cap_mb=0.002, compression=(fp16_cast_hook, CastState())
     )
@@ -549,7 +544,7 @@ def test_stats_count_ops_bytes_ratio_and_reset() -> None:
 
 
 def _rank_trace(ctx: RankContext) -> dict[str, Any]:
-    model = _mlp()
+    model = small_mlp()
     b = xcomm.GradientBucketer(model, bucket_cap_mb=0.002, optimizer_factory=_sgd)
     xcomm.enable_timeline()
     for step in range(2):

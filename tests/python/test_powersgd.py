@@ -124,12 +124,12 @@ def test_compression_statistics_count_bytes_on_the_wire() -> None:
     stats = run_ranks(_stats, 2)[0]
     n = sum(p.numel() for p in make_model().parameters())
     # 4 steps of fp32 buckets were handed to the hook ...
-    assert stats["bytes_before"] > 0 and stats["calls"] >= 4
+    assert stats["link_bytes_before"] > 0 and stats["calls"] >= 4
     # ... and the last 2 steps went out as rank-1 factors: far fewer bytes.
     assert stats["ratio"] > 1.5
     # a ring allreduce of the fp32 gradients moves 2 (n-1)/n bytes per byte
-    assert stats["bytes_before"] == pytest.approx(4 * n * 4 * 2 * (2 - 1) / 2, rel=0.01)
-    assert stats["bytes_on_wire"] < stats["bytes_before"] / 1.5
+    assert stats["link_bytes_before"] == pytest.approx(4 * n * 4 * 2 * (2 - 1) / 2, rel=0.01)
+    assert stats["link_bytes_sent"] < stats["link_bytes_before"] / 1.5
 
 
 @pytest.mark.parametrize(

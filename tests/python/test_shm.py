@@ -342,7 +342,7 @@ def _rank_hierarchical(ctx: RankContext) -> tuple[list[str], dict[str, str], dic
     os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank // 2}"
     group = dist.new_group(backend="xcomm")
     backend = group._get_backend(torch.device("cpu"))
-    info = {"transport": backend.cpu_transport_name, "shm_ops": xcomm.shm.ops_run(group)}
+    info = {"transport": backend.cpu_backend_name, "shm_ops": xcomm.shm.ops_run(group)}
     digests: dict[str, str] = {}
     for dtype in ALL_DTYPES:
         for name, op in BASIC_OPS.items():
@@ -387,7 +387,7 @@ def _rank_hierarchical_compressed(ctx: RankContext, method: str) -> dict[str, An
         backend="xcomm", pg_options=xcomm.Options(compression=method, compression_min_bytes=64)
     )
     backend = group._get_backend(torch.device("cpu"))
-    out: dict[str, Any] = {"transport": backend.cpu_transport_name}
+    out: dict[str, Any] = {"transport": backend.cpu_backend_name}
     for op_name, op in (("SUM", dist.ReduceOp.SUM), ("AVG", dist.ReduceOp.AVG)):
         for n in (3, 1000, 5000):  # 3 elements: under compression_min_bytes, exact
             torch.manual_seed(100 + ctx.rank)
@@ -434,7 +434,7 @@ def test_hierarchical_compresses_only_the_leaders_step(method: str) -> None:
         assert stats["method"] == method, stats
         if rank % 2 == 0:  # a leader: 2 ops x 2 sizes over the threshold crossed hosts
             assert stats["calls"] == 4, stats
-            assert 0 < stats["bytes_on_wire"] * 1.5 < stats["bytes_before"], stats
+            assert 0 < stats["link_bytes_sent"] * 1.5 < stats["link_bytes_before"], stats
         else:  # its bytes never leave the host
             assert stats["calls"] == 0, stats
 

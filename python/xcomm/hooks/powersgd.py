@@ -438,12 +438,12 @@ def powersgd_hook(
     index = bucket.index()
     state._observe(index, bucket, buffer)
     # Link traffic as every xcomm hook counts it (see stats.py).
-    bytes_before = allreduce_bytes(buffer.numel() * buffer.element_size(), world_size)
+    link_bytes_before = allreduce_bytes(buffer.numel() * buffer.element_size(), world_size)
 
     if state.iter < state.start_powerSGD_iter:
         # Plain averaging, exactly torch's default allreduce hook.
         state.maybe_increase_iter(bucket)
-        state.stats.record(bytes_before, bytes_before)
+        state.stats.record(link_bytes_before, link_bytes_before)
         buffer.div_(world_size)
         return _allreduce(group, buffer).then(lambda fut: fut.value()[0])
 
@@ -454,7 +454,7 @@ def powersgd_hook(
     state.total_numel_after_compression += numel_after
     element = buffer.element_size()
     state.stats.record(
-        bytes_before,
+        link_bytes_before,
         allreduce_bytes(wire.numel() * element, world_size)
         + allreduce_bytes(q_numel * element, world_size),
     )

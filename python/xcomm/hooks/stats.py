@@ -7,8 +7,10 @@ rank's link, so ratios compare like with like across collectives:
 - an allgather where each rank contributes ``b`` bytes sends ``(n-1) * b``;
 - an alltoall of a ``b``-byte send buffer sends ``(n-1)/n * b``.
 
-``bytes_before`` is what the uncompressed gradient would cost (an allreduce of
-it), ``bytes_on_wire`` what the hook's collectives cost.
+``link_bytes_before`` is what the uncompressed gradient would cost (an
+allreduce of it), ``link_bytes_sent`` what the hook's collectives cost. (These
+are per-rank link bytes; ``xcomm.stats()``'s ``bytes_in``/``bytes_on_wire``
+count payloads, the bytes handed to and sent by each op.)
 """
 
 from __future__ import annotations
@@ -36,46 +38,49 @@ def alltoall_bytes(send_nbytes: int, world: int) -> int:
 
 @dataclass
 class CompressionStats:
-    """Bytes a hook was given and bytes it put on the wire (thread-safe).
+    """Link bytes a hook's gradients would have cost uncompressed, and link
+    bytes its collectives cost (thread-safe).
 
     Example::
 
         >>> stats = CompressionStats()
-        >>> stats.record(bytes_before=4000, bytes_on_wire=1000)
+        >>> stats.record(link_bytes_before=4000, link_bytes_sent=1000)
         >>> stats.ratio
         4.0
     """
 
     calls: int = 0
-    bytes_before: int = 0
-    bytes_on_wire: int = 0
+    link_bytes_before: int = 0
+    link_bytes_sent: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, bytes_before: int, bytes_on_wire: int) -> None:
+    def record(self, link_bytes_before: int, link_bytes_sent: int) -> None:
         with self._lock:
             self.calls += 1
-            self.bytes_before += int(bytes_before)
-            self.bytes_on_wire += int(bytes_on_wire)
+            self.link_bytes_before += int(link_bytes_before)
+            self.link_bytes_sent += int(link_bytes_sent)
 
     @property
     def ratio(self) -> float:
-        """bytes_before / bytes_on_wire (1.0 when nothing was sent)."""
-        return self.bytes_before / self.bytes_on_wire if self.bytes_on_wire else 1.0
+        """link_bytes_before / link_bytes_sent (1.0 when nothing was sent)."""
+        return self.link_bytes_before / self.link_bytes_sent if self.link_bytes_sent else 1.0
 
     def reset(self) -> None:
         with self._lock:
-            self.calls = self.bytes_before = self.bytes_on_wire = 0
+            self.calls = self.link_bytes_before = self.link_bytes_sent = 0
 
     def as_dict(self) -> dict[str, float]:
         return {
             "calls": self.calls,
-            "bytes_before": self.bytes_before,
-            "bytes_on_wire": self.bytes_on_wire,
+            "link_bytes_before": self.link_bytes_before,
+            "link_bytes_sent": self.link_bytes_sent,
             "ratio": self.ratio,
         }
 
     def load_dict(self, d: dict[str, float]) -> None:
+        """Loads ``as_dict()``'s output; checkpoints from before the rename
+        (``bytes_before``/``bytes_on_wire``) load too."""
         with self._lock:
             self.calls = int(d["calls"])
-            self.bytes_before = int(d["bytes_before"])
-            self.bytes_on_wire = int(d["bytes_on_wire"])
+            self.link_bytes_before = int(d.get("link_bytes_before", d.get("bytes_before", 0)))
+            self.link_bytes_sent = int(d.get("link_bytes_sent", d.get("bytes_on_wire", 0)))

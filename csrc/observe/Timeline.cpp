@@ -1,4 +1,4 @@
-#include "schedule/Timeline.hpp"
+#include "observe/Timeline.hpp"
 
 #include <chrono>
 #include <cstdio>

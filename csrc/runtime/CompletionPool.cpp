@@ -1,4 +1,4 @@
-#include "schedule/CompletionPool.hpp"
+#include "runtime/CompletionPool.hpp"
 
 namespace xcomm {
 

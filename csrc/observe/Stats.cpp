@@ -1,11 +1,11 @@
-#include "schedule/Stats.hpp"
+#include "observe/Stats.hpp"
 
 #include <chrono>
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
 
-#include "schedule/Timeline.hpp"
+#include "observe/Timeline.hpp"
 
 namespace xcomm {
 

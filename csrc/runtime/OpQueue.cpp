@@ -1,4 +1,4 @@
-#include "schedule/OpQueue.hpp"
+#include "runtime/OpQueue.hpp"
 
 #include <c10/util/Exception.h>
 
