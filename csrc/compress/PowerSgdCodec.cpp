@@ -157,8 +157,6 @@ struct PowerSgdCodec::BucketPlan {
 };
 
 struct PowerSgdCodec::Bucket {
-  enum class Phase { kIdle, kPrepared, kReducedP };
-
   BucketPlan plan;
   // The buffers below hold the parameters' state (set by prepare).
   bool adopted = false;
@@ -299,7 +297,7 @@ void PowerSgdCodec::setLayout(int64_t bucket, const at::Tensor& buffer,
   auto& slot = buckets_[bucket];
   if (!slot) slot = std::make_unique<Bucket>();
   Bucket& b = *slot;
-  TORCH_CHECK(b.phase == Bucket::Phase::kIdle, "xcomm: PowerSGD bucket ", bucket,
+  TORCH_CHECK(b.phase == Phase::kIdle, "xcomm: PowerSGD bucket ", bucket,
               " changed its layout in the middle of a step");
   if (b.plan.sameAs(plan) && !b.plan.tensors.empty()) return;
   b.plan = std::move(plan);
@@ -321,6 +319,16 @@ PowerSgdCodec::Bucket& PowerSgdCodec::bucketOrThrow(int64_t bucket, const char* 
   TORCH_CHECK(it != buckets_.end(), "xcomm: PowerSGD ", phase, " for bucket ", bucket,
               ", whose layout was never set (call setLayout first)");
   return *it->second;
+}
+
+PowerSgdCodec::Bucket& PowerSgdCodec::bucketAfter(int64_t bucket, const char* step, Phase expected,
+                                                  const char* previous) {
+  // Buckets live behind unique_ptrs: the reference stays valid after the lock.
+  std::lock_guard<std::mutex> lock(mutex_);
+  Bucket& b = bucketOrThrow(bucket, step);
+  TORCH_CHECK(b.phase == expected, "xcomm: PowerSGD ", step, " for bucket ", bucket, " without a ",
+              previous, " before it (each step runs prepare, reduceP, finish)");
+  return b;
 }
 
 std::vector<int64_t> PowerSgdCodec::compressionRanks(int64_t bucket) const {
@@ -436,7 +444,7 @@ PowerSgdParamState PowerSgdCodec::paramState(int64_t key) const {
 void PowerSgdCodec::setParamState(int64_t key, const PowerSgdParamState& state) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [index, b] : buckets_) {
-    TORCH_CHECK(b->phase == Bucket::Phase::kIdle,
+    TORCH_CHECK(b->phase == Phase::kIdle,
                 "xcomm: PowerSGD state cannot be restored in the middle of a step");
   }
   PowerSgdParamState copy;
@@ -453,7 +461,7 @@ void PowerSgdCodec::setParamState(int64_t key, const PowerSgdParamState& state) 
 void PowerSgdCodec::clearState() {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& [index, b] : buckets_) {
-    TORCH_CHECK(b->phase == Bucket::Phase::kIdle,
+    TORCH_CHECK(b->phase == Phase::kIdle,
                 "xcomm: PowerSGD state cannot be cleared in the middle of a step");
     b->adopted = false;
   }
@@ -490,7 +498,7 @@ PowerSgdStepInfo PowerSgdCodec::prepare(int64_t bucket, const at::Tensor& buffer
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Bucket& b = bucketOrThrow(bucket, "prepare");
-    TORCH_CHECK(b.phase == Bucket::Phase::kIdle, "xcomm: PowerSGD prepare for bucket ", bucket,
+    TORCH_CHECK(b.phase == Phase::kIdle, "xcomm: PowerSGD prepare for bucket ", bucket,
                 " while its previous step is unfinished (each step runs prepare, reduceP, "
                 "finish)");
     TORCH_CHECK_VALUE(buffer.defined() && buffer.device().is_cpu() && buffer.dim() == 1 &&
@@ -564,7 +572,7 @@ PowerSgdStepInfo PowerSgdCodec::prepare(int64_t bucket, const at::Tensor& buffer
     });
   });
 
-  b.phase = Bucket::Phase::kPrepared;
+  b.phase = Phase::kPrepared;
   PowerSgdStepInfo info;
   info.wire = b.wire;
   info.qNumel = plan.qNumel;
@@ -578,7 +586,7 @@ void PowerSgdCodec::abortStep(int64_t bucket) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = buckets_.find(bucket);
   if (it == buckets_.end()) return;
-  it->second->phase = Bucket::Phase::kIdle;
+  it->second->phase = Phase::kIdle;
   it->second->buffer = at::Tensor();
 }
 
@@ -606,15 +614,7 @@ int64_t columnChunk(int64_t rows, int64_t cols, int64_t rank) {
 }  // namespace
 
 at::Tensor PowerSgdCodec::reduceP(int64_t bucket, const at::Tensor& summedWire, int64_t worldSize) {
-  Bucket* bp = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Bucket& b = bucketOrThrow(bucket, "reduceP");
-    TORCH_CHECK(b.phase == Bucket::Phase::kPrepared, "xcomm: PowerSGD reduceP for bucket ", bucket,
-                " without a prepare before it (each step runs prepare, reduceP, finish)");
-    bp = &b;
-  }
-  Bucket& b = *bp;
+  Bucket& b = bucketAfter(bucket, "reduceP", Phase::kPrepared, "prepare");
   TORCH_CHECK_VALUE(worldSize >= 1, "xcomm: PowerSGD world size must be >= 1; got ", worldSize);
   adoptReduced(summedWire, b.wire, bucket, "wire (uncompressed gradients and P)");
   const BucketPlan& plan = b.plan;
@@ -665,20 +665,12 @@ at::Tensor PowerSgdCodec::reduceP(int64_t bucket, const at::Tensor& summedWire, 
                                q + t.qOffset, task.begin, task.end);
     });
   });
-  b.phase = Bucket::Phase::kReducedP;
+  b.phase = Phase::kReducedP;
   return b.q;
 }
 
 void PowerSgdCodec::finish(int64_t bucket, const at::Tensor& summedQ, int64_t worldSize) {
-  Bucket* bp = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Bucket& b = bucketOrThrow(bucket, "finish");
-    TORCH_CHECK(b.phase == Bucket::Phase::kReducedP, "xcomm: PowerSGD finish for bucket ", bucket,
-                " without a reduceP before it (each step runs prepare, reduceP, finish)");
-    bp = &b;
-  }
-  Bucket& b = *bp;
+  Bucket& b = bucketAfter(bucket, "finish", Phase::kReducedP, "reduceP");
   TORCH_CHECK_VALUE(worldSize >= 1, "xcomm: PowerSGD world size must be >= 1; got ", worldSize);
   adoptReduced(summedQ, b.q, bucket, "Q");
   const BucketPlan& plan = b.plan;
@@ -721,7 +713,7 @@ void PowerSgdCodec::finish(int64_t bucket, const at::Tensor& summedQ, int64_t wo
     });
   });
   b.buffer = at::Tensor();
-  b.phase = Bucket::Phase::kIdle;
+  b.phase = Phase::kIdle;
 }
 
 }  // namespace xcomm

@@ -133,7 +133,12 @@ class PowerSgdCodec {
   struct BucketPlan;
   struct Bucket;
 
+  // Where a bucket is in its step: prepare, reduceP and finish run in turn.
+  enum class Phase { kIdle, kPrepared, kReducedP };
+
   Bucket& bucketOrThrow(int64_t bucket, const char* phase);
+  // `bucket`, checked under the lock to be in `expected`, the phase `previous` leaves.
+  Bucket& bucketAfter(int64_t bucket, const char* step, Phase expected, const char* previous);
   const Bucket* findBucket(int64_t bucket) const;
   BucketPlan planLayout(const at::Tensor& buffer, const std::vector<at::Tensor>& grads,
                         const std::vector<int64_t>& keys) const;

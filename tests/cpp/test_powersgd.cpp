@@ -130,3 +130,23 @@ TEST_CASE("PowerSGD rejects bad options by name", "[powersgd]") {
   negative.minCompressionRate = -1;
   REQUIRE_THROWS_WITH(PowerSgdCodec(negative), Catch::Contains("min_compression_rate"));
 }
+
+TEST_CASE("PowerSGD steps out of order are refused, naming the step", "[powersgd]") {
+  PowerSgdOptions opts;
+  opts.matrixApproximationRank = 2;
+  PowerSgdCodec codec(opts);
+  Bucket b = makeBucket(lowRank(16, 8, 2, 5), 3);
+  using Catch::Contains;
+  CHECK_THROWS_WITH(codec.reduceP(7, b.buffer, 1), Contains("reduceP for bucket 7, whose layout"));
+  codec.setLayout(0, b.buffer, b.grads, b.keys);
+  CHECK_THROWS_WITH(codec.reduceP(0, b.buffer, 1),
+                    Contains("reduceP for bucket 0 without a prepare before it"));
+  CHECK_THROWS_WITH(codec.finish(0, b.buffer, 1),
+                    Contains("finish for bucket 0 without a reduceP before it"));
+  auto info =
+      codec.prepare(0, b.buffer, codec.needsSeed(0) ? std::optional<uint64_t>(1) : std::nullopt);
+  CHECK_THROWS_WITH(codec.finish(0, b.buffer, 1),
+                    Contains("finish for bucket 0 without a reduceP before it"));
+  at::Tensor q = codec.reduceP(0, info.wire.clone(), 1);
+  codec.finish(0, q.clone(), 1);  // the refusals left the step intact
+}
