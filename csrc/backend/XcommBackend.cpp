@@ -127,10 +127,17 @@ bool XcommBackend::backendHasPremul(const at::Tensor& t) const {
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
                                                   c10d::OpType type, const TensorStaging& staging,
-                                                  c10::IValue result, int64_t issuedUs) {
+                                                  c10::IValue result, int64_t issuedUs,
+                                                  uint64_t bytes) {
+  return wrap(std::move(inner), type, staging.copyBack(), std::move(result), issuedUs, bytes);
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
+                                                  c10d::OpType type, std::function<void()> finalize,
+                                                  c10::IValue result, int64_t issuedUs,
+                                                  uint64_t bytes) {
   auto resultType = result.type();
-  const uint64_t bytes = payloadBytes(result);
-  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), staging.copyBack(),
+  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                                  std::move(result), std::move(resultType));
   // xcomm.stats() and the timeline, timed from the issue: an inner backend may run
   // a small op inline and be done before it returns.
@@ -143,10 +150,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, const at::
                                                       c10d::OpType type, c10::IValue result,
                                                       Call&& call) {
   auto& inner = backendFor(first, op);
+  // Counted before the op is issued: nothing may fail once it is.
+  const uint64_t bytes = payloadBytes(result);
   const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto work = call(inner, staging);
-  return wrap(std::move(work), type, staging, std::move(result), issuedUs);
+  return wrap(std::move(work), type, staging, std::move(result), issuedUs, bytes);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -170,7 +179,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
                                                        const c10d::AllreduceOptions& opts) {
   constexpr const char* op = "all_reduce";
   checks::tensorList(op, tensors);
-  checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
+  // AVG of integers as NCCL defines it: the sum divided by the group size,
+  // rounded toward zero (Lightning's sync_dist sends it to non-Gloo backends).
+  const bool integerAvg = opts.reduceOp.op_ == c10d::ReduceOp::AVG &&
+                          at::isIntegralType(tensors[0].scalar_type(), /*includeBool=*/false);
+  if (!integerAvg) checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
   auto& inner = backendFor(tensors[0], op, /*flushFused=*/false);
   const int64_t issuedUs = Timeline::nowUs();
   if (compressed_ && compressed_->applies(tensors, opts)) {
@@ -180,14 +193,25 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   TensorStaging staging;
   const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
   auto staged = premul.inOut(staging, tensors);
-  const auto innerOpts = premul.options(opts);
+  auto innerOpts = premul.options(opts);
+  std::function<void()> finalize = staging.copyBack();
+  if (integerAvg && !tensors[0].device().is_cuda()) {  // NCCL averages integers itself
+    innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+    finalize = [copyBack = std::move(finalize), tensors, size = size_] {
+      if (copyBack) copyBack();
+      for (const auto& t : tensors) t.div_(size, "trunc");
+    };
+  }
   if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
-    return fusion_->enqueue(inner_.cpu, rank_, staged[0], innerOpts, staging.copyBack(),
+    return fusion_->enqueue(inner_.cpu, rank_, staged[0], innerOpts, std::move(finalize),
                             listValue(tensors));
   }
   flushFused();
+  auto result = listValue(tensors);
+  const uint64_t bytes = payloadBytes(result);  // before the op is issued
   auto work = inner.allreduce(staged, innerOpts);
-  return wrap(std::move(work), c10d::OpType::ALLREDUCE, staging, listValue(tensors), issuedUs);
+  return wrap(std::move(work), c10d::OpType::ALLREDUCE, std::move(finalize), std::move(result),
+              issuedUs, bytes);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
@@ -520,7 +544,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions&
   auto& inner = useCuda ? *inner_.cuda : *inner_.cpu;
   const int64_t issuedUs = Timeline::nowUs();
   auto work = inner.barrier(opts);
-  return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}), issuedUs);
+  return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}), issuedUs, 0);
 }
 
 }  // namespace xcomm

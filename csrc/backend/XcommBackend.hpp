@@ -140,7 +140,11 @@ class XcommBackend : public c10d::Backend {
                                           c10d::OpType type, c10::IValue result, Call&& call);
   c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
                                       const TensorStaging& staging, c10::IValue result,
-                                      int64_t issuedUs);
+                                      int64_t issuedUs, uint64_t bytes);
+  // The same with `finalize` run once the inner work succeeded (after any copy-back).
+  c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
+                                      std::function<void()> finalize, c10::IValue result,
+                                      int64_t issuedUs, uint64_t bytes);
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);

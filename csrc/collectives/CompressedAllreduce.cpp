@@ -63,7 +63,8 @@ bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
   }
   const auto& t = tensors[0];
   const auto op = opts.reduceOp.op_;
-  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
+  return t.device().is_cpu() && t.layout() == at::kStrided &&
+         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
          (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
          t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;
 }

@@ -38,7 +38,11 @@ void StatsRegistry::reset() {
 
 uint64_t payloadBytes(const c10::IValue& value) {
   if (value.isTensor()) {
-    return value.toTensor().nbytes();
+    const at::Tensor& t = value.toTensor();
+    // A sparse COO tensor sends its indices and values; it has no storage of its own.
+    if (t.is_sparse()) return t._indices().nbytes() + t._values().nbytes();
+    if (t.layout() != at::kStrided) return t.numel() * t.element_size();
+    return t.nbytes();
   }
   uint64_t total = 0;
   if (value.isList()) {

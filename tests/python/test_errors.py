@@ -91,9 +91,12 @@ def _bitwise_on_float(ctx: RankContext) -> None:
 
 
 def _avg_on_int(ctx: RankContext) -> None:
-    # gloo raises here too, but with "result type Float can't be cast to ...".
+    # all_reduce averages integers as NCCL does; the rooted and scattering
+    # reductions do not, and bool has no average (gloo raises on all of them).
+    with raises_bad_input("AVG", "bool|dtype|float"):
+        dist.all_reduce(torch.ones(N, dtype=torch.bool), op=R.AVG)
     with raises_bad_input("AVG", "int|dtype|float"):
-        dist.all_reduce(torch.ones(N, dtype=torch.int64), op=R.AVG)
+        dist.reduce(torch.ones(N, dtype=torch.int64), dst=0, op=R.AVG)
 
 
 def _meta_tensor(ctx: RankContext) -> None:
