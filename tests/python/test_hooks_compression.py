@@ -7,6 +7,8 @@ run for checkpoint-and-resume (bitwise).
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +147,69 @@ def _checkpoint_resume(ctx: RankContext, method: str) -> tuple[torch.Tensor, tor
 def test_checkpoint_and_resume_is_bitwise_identical(method: str) -> None:
     for uninterrupted, resumed in run_ranks(_checkpoint_resume, 2, method):
         assert torch.equal(uninterrupted, resumed), f"{method}: resumed run differs"
+
+
+def _pickle_resume(ctx: RankContext, method: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Resumes through pickle (what ddp_spawn, mp.spawn args and torch.save do)
+    instead of state_dict: the unpickled state continues bit for bit."""
+
+    def build(state: Any = None) -> tuple[DDP, torch.optim.Optimizer, Any]:
+        model = DDP(make_model())
+        if state is None:
+            state, hook = make_state(method, **({} if method in ("fp16",) else {"model": model}))
+        else:
+            hook = make_state(method)[1]
+            state.bind_model(model)
+        model.register_comm_hook(state, hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
+
+    problems = []
+    model, opt, state = build()
+    train(model, opt, batch, ctx.rank, range(6))
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    blob, calls_at_pickle = pickle.dumps(state), state.stats.calls
+    train(model, opt, batch, ctx.rank, range(6, 12))
+    uninterrupted = flat_params(model)
+
+    state2 = pickle.loads(blob)
+    if state2.process_group is not None or getattr(state2, "model", None) is not None:
+        problems.append("the process group or the model travelled with the pickle")
+    if state2.stats.calls != calls_at_pickle or calls_at_pickle == 0:
+        problems.append(f"statistics: {state2.stats.calls} calls, pickled at {calls_at_pickle}")
+    model2, opt2, _ = build(state2)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    train(model2, opt2, batch, ctx.rank, range(6, 12))
+    return uninterrupted, flat_params(model2), problems
+
+
+@pytest.mark.parametrize("method", ["fp16", "int8", "topk", "randomk"])
+def test_states_pickle_and_resume_bitwise(method: str) -> None:
+    for uninterrupted, resumed, problems in run_ranks(_pickle_resume, 2, method):
+        assert problems == []
+        assert torch.equal(uninterrupted, resumed), f"{method}: the unpickled state differs"
+
+
+def test_unpickled_state_without_its_model_refuses_per_parameter_residuals() -> None:
+    model = make_model()
+    state = hooks.Int8State(chunk_elems=64, model=model)
+    state.residuals.load({"by": "parameter", "residuals": {"0.weight": torch.ones(3)}}, dict)
+    clone = pickle.loads(pickle.dumps(state))
+    with pytest.raises(ValueError, match="bind_model"):
+        clone.residuals.view(_FakeBucket(), None)
+    clone.bind_model(model)
+    assert clone.residuals.by_parameter
+
+
+class _FakeBucket:
+    def __init__(self) -> None:
+        self._buffer = torch.zeros(4)
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
 
 
 @pytest.mark.parametrize(

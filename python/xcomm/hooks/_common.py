@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,15 @@ class StepCounter:
     def after_bucket(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
             self.iter += 1
+
+
+def ddp_result(fut: torch.futures.Future) -> torch.futures.Future:
+    """``fut`` as DDP can read it. A Python future failed with
+    ``set_exception`` holds the exception as its *value* (Python's ``wait()``
+    raises it; DDP's C++ reducer does not, and fails with "Unable to cast ...
+    to Tensor"); chained through ``then``, the failure becomes the returned
+    future's error and DDP raises the hook's own message."""
+    return fut.then(lambda f: f.value())
 
 
 def then_collective(
@@ -204,6 +214,11 @@ class ResidualCheckpoint:
     def by_parameter(self) -> bool:
         return bool(self._names)
 
+    def bind(self, model: torch.nn.Module) -> None:
+        """Keys residuals by ``model``'s parameter names from now on (a state
+        unpickled or loaded without its model gets it back this way)."""
+        self._names = {id(p): n for n, p in model.named_parameters()}
+
     def _current(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]]:
         base = bucket.buffer().storage_offset()
         return [
@@ -220,6 +235,12 @@ class ResidualCheckpoint:
         ``set_residual(key, residual)`` (``None``: no error feedback)."""
         buffer = bucket.buffer()
         if not self._names:
+            if self._pending:
+                raise ValueError(
+                    "xcomm.hooks: this state holds residuals saved by parameter (a checkpoint, "
+                    "or a pickled state made with model=); give it the model before training: "
+                    "state.bind_model(ddp_model)"
+                )
             return BucketView(bucket.index(), buffer, None, buffer)
         current = self._current(bucket)
         key, order, index = bucket.index(), [(n, k) for n, _, k in current], None
@@ -279,14 +300,49 @@ class ResidualCheckpoint:
         if saved["by"] == "bucket":
             load_by_bucket(saved["residuals"])
             return
-        if not self._names:
-            raise ValueError(
-                "xcomm.hooks: this checkpoint saved residuals by parameter; pass model= to the "
-                "state that loads it"
-            )
+        # Without the model yet, the residuals wait (view() asks for the model).
         load_by_bucket({})
         self._pending = {n: t.clone() for n, t in saved["residuals"].items()}
         self._saved_layouts = {
             int(k): [(str(n), int(c)) for n, c in lay]
             for k, lay in saved.get("layouts", {}).items()
         }
+
+
+class PicklableState:
+    """Pickling for the dataclass hook states, so Lightning's ``ddp_spawn``,
+    ``mp.spawn(args=(state,))``, ``copy.deepcopy`` and ``torch.save(state)``
+    work: the configuration and :meth:`state_dict` travel; the process group
+    and the model do not (as torch's ``PowerSGDState`` drops its group). A
+    state made with ``model=`` gets it back with ``bind_model(model)``; until
+    then a hook refuses to run on residuals saved by parameter.
+
+    Example::
+
+        >>> import copy
+        >>> from xcomm.hooks import Int8State
+        >>> copy.deepcopy(Int8State(chunk_elems=256)).chunk_elems
+        256
+    """
+
+    _NOT_PICKLED = ("process_group", "model", "stats")
+
+    def __getstate__(self) -> dict[str, Any]:
+        config = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.init and f.name not in self._NOT_PICKLED
+        }
+        return {"config": config, "state": self.state_dict()}  # type: ignore[attr-defined]
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self.__init__(**pickled["config"])  # type: ignore[misc]
+        self.load_state_dict(pickled["state"])  # type: ignore[attr-defined]
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Gives the state its DDP model after unpickling or loading, so
+        residuals follow parameters again."""
+        self.model = model
+        residuals = getattr(self, "residuals", None)
+        if residuals is not None:
+            residuals.bind(model)

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ._common import check_floating, group_size
+from ._common import PicklableState, check_floating, group_size
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["CastState", "bf16_cast_hook", "fp16_cast_hook"]
 
 
 @dataclass
-class CastState:
+class CastState(PicklableState):
     """State of the fp16/bf16 hooks: the group and the statistics.
 
     Example::

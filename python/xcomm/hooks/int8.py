@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .. import _C
 from ._common import (
     IssueOrder,
+    PicklableState,
     ResidualCheckpoint,
     StepCounter,
     all_gather_single,
@@ -41,7 +42,7 @@ __all__ = ["Int8State", "int8_compress_hook"]
 
 
 @dataclass
-class Int8State:
+class Int8State(PicklableState):
     """State of :func:`int8_compress_hook`.
 
     Args:

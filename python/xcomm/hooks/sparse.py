@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ._common import (
+    PicklableState,
     ResidualCheckpoint,
     StepCounter,
     all_gather_single,
@@ -37,7 +38,7 @@ __all__ = ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]
 
 
 @dataclass
-class TopKState:
+class TopKState(PicklableState):
     """State of :func:`topk_hook`.
 
     Args:
@@ -136,7 +137,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
 
 @dataclass
-class RandomKState:
+class RandomKState(PicklableState):
     """State of :func:`randomk_hook`.
 
     Args:

@@ -77,6 +77,13 @@ class CompressionStats:
             "ratio": self.ratio,
         }
 
+    def __getstate__(self) -> dict[str, float]:
+        return self.as_dict()  # without the lock
+
+    def __setstate__(self, d: dict[str, float]) -> None:
+        self._lock = threading.Lock()
+        self.load_dict(d)
+
     def load_dict(self, d: dict[str, float]) -> None:
         """Loads ``as_dict()``'s output; checkpoints from before the rename
         (``bytes_before``/``bytes_on_wire``) load too."""
