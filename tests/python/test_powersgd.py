@@ -160,3 +160,43 @@ def test_float64_buckets_work() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+class _FailingReduceP:
+    """The codec, except that reduce_p (run in a future callback) raises."""
+
+    def __init__(self, codec: Any) -> None:
+        self._codec = codec
+
+    def reduce_p(self, *args: Any) -> Any:
+        raise ValueError("injected reduce_p failure")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._codec, name)
+
+
+def _rank_failing_hook(ctx: RankContext) -> str:
+    model = DDP(make_model())
+    state = hooks.PowerSGDState(
+        None,
+        matrix_approximation_rank=2,
+        start_powerSGD_iter=0,
+        use_error_feedback=False,
+        warm_start=False,
+    )
+    model.register_comm_hook(state, hooks.powersgd_hook)
+    state._codec = _FailingReduceP(state._codec)
+    x, y = batch(ctx.rank, 0)
+    try:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_failing_hook_reaches_ddp_with_its_own_message() -> None:
+    """Before: DDP read the exception object as the hook's value and raised
+    "Unable to cast ... to Tensor"."""
+    for message in run_ranks(_rank_failing_hook, 2, timeout=120):
+        assert "injected reduce_p failure" in message, message
+        assert "Unable to cast" not in message, message

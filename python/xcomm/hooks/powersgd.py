@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._common import IssueOrder, mark_issued
+from ._common import IssueOrder, ddp_result, mark_issued
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
@@ -514,4 +514,4 @@ def powersgd_hook(
             fail(exc)
 
     ready.add_done_callback(start)
-    return result
+    return ddp_result(result)
