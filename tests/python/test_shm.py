@@ -101,8 +101,12 @@ def _rank_all_reduce(ctx: RankContext) -> tuple[list[str], dict[str, str], int]:
                     ref_op, op = dist.ReduceOp.SUM, dist._make_nccl_premul_sum(0.5)
                 else:
                     ref_op = op
+                # AVG of integers: NCCL's meaning (gloo's SUM, divided rounding toward zero).
+                int_avg = name == "AVG" and not dtype.is_floating_point and dtype != torch.bool
                 try:
-                    dist.all_reduce(ref, op=ref_op, group=ctx.ref)
+                    dist.all_reduce(ref, op=dist.ReduceOp.SUM if int_avg else ref_op, group=ctx.ref)
+                    if int_avg:
+                        ref = ref.div(ctx.world_size, rounding_mode="trunc")
                 except Exception:  # noqa: BLE001 - gloo rejects it: xcomm must too
                     try:
                         dist.all_reduce(x.clone(), op=op)
