@@ -6,6 +6,7 @@
 
 #include "backend/GroupBuilder.hpp"
 #include "python/Bindings.hpp"
+#include "python/NoGilHolder.hpp"
 #include "transport/HostIdentity.hpp"
 
 namespace py = pybind11;
@@ -156,8 +157,8 @@ names (a ProcessGroupGloo) and ``cuda_backend(...)`` once (a
 ProcessGroupNCCL, or None).)");
 
   // The class is bound in Module.cpp; its plan is bound here, beside the plan's dict.
-  py::reinterpret_borrow<
-      py::class_<xcomm::XcommBackend, c10d::Backend, c10::intrusive_ptr<xcomm::XcommBackend>>>(
+  py::reinterpret_borrow<py::class_<xcomm::XcommBackend, c10d::Backend,
+                                    xcomm::python::NoGilHolder<xcomm::XcommBackend>>>(
       m.attr("XcommBackend"))
       .def_property_readonly(
           "plan", [](const xcomm::XcommBackend& b) { return planDict(b.plan()); },

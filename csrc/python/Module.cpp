@@ -5,6 +5,7 @@
 
 #include "backend/XcommBackend.hpp"
 #include "python/Bindings.hpp"
+#include "python/NoGilHolder.hpp"
 
 #include <map>
 #include <string>
@@ -37,7 +38,7 @@ PYBIND11_MODULE(_C, m) {
   // name them as arguments and base, so they must be registered first.
   py::module_::import("torch.distributed");
 
-  py::class_<xcomm::XcommBackend, c10d::Backend, c10::intrusive_ptr<xcomm::XcommBackend>>(
+  py::class_<xcomm::XcommBackend, c10d::Backend, xcomm::python::NoGilHolder<xcomm::XcommBackend>>(
       m, "XcommBackend")
       .def_property_readonly(
           "compression_stats",

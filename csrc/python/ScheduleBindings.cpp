@@ -122,12 +122,12 @@ void bindSchedule(py::module_& m) {
   bindBucketLauncher(m);
   m.def(
       "set_fusion_threshold",
-      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend, size_t bytes, double cycleMs,
+      [](xcomm::XcommBackend& backend, size_t bytes, double cycleMs,
          const c10::intrusive_ptr<c10d::Backend>& control) {
         // A positive cycle below 1 us still means "a cycle", not "on demand";
         // setFusionThreshold refuses a negative one.
         const auto us = static_cast<int64_t>(cycleMs * 1000.0);
-        backend->setFusionThreshold(
+        backend.setFusionThreshold(
             bytes, std::chrono::microseconds(cycleMs > 0 ? std::max<int64_t>(us, 1) : us), control);
       },
       py::arg("backend"), py::arg("bytes"), py::arg("cycle_ms") = 0.0,
@@ -138,15 +138,10 @@ void bindSchedule(py::module_& m) {
       "with the other ranks over `control` (a ProcessGroupGloo no other op uses).");
   m.def(
       "fusion_cycle_ms",
-      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend) {
-        return backend->fusionCycle().count() / 1000.0;
-      },
+      [](xcomm::XcommBackend& backend) { return backend.fusionCycle().count() / 1000.0; },
       py::arg("backend"));
   m.def(
-      "fusion_threshold",
-      [](const c10::intrusive_ptr<xcomm::XcommBackend>& backend) {
-        return backend->fusionThreshold();
-      },
+      "fusion_threshold", [](xcomm::XcommBackend& backend) { return backend.fusionThreshold(); },
       py::arg("backend"));
 }
 

@@ -41,6 +41,11 @@ void CompletionPool::loop() {
     tasks_.pop_front();
     lock.unlock();
     task();  // a work's completion reports its own errors
+    // Destroyed before the lock is taken again: what the task holds (the
+    // last reference to a work and its tensors) may take the GIL when it
+    // goes, and a thread holding the GIL may be waiting for this lock
+    // (~CompletionPool, run()).
+    task = nullptr;
     lock.lock();
   }
 }

@@ -7,6 +7,7 @@ group over the same ranks works and computes the right sums).
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -56,3 +57,39 @@ def _abort_default_group(ctx: RankContext) -> str:
 
 def test_abort_the_default_group() -> None:
     assert run_ranks(_abort_default_group, 2, ref_group=False, destroy=False) == ["ok", "ok"]
+
+
+def _destroy_while_a_callback_needs_the_gil(ctx: RankContext) -> dict[str, object]:
+    ran: list[float] = []
+
+    def slow_callback(fut: torch.futures.Future) -> torch.Tensor:
+        # Runs on an xcomm completion thread; the sleep lets the main thread
+        # reach the group's teardown, then the callback needs the GIL again.
+        time.sleep(0.5)
+        ran.append(fut.value()[0][0].item())
+        return fut.value()[0]
+
+    t = torch.ones(4)
+    if ctx.rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+        chained = work.get_future().then(slow_callback)
+        ctx.signal("attached")  # rank 1 joins the allreduce only now
+    else:
+        ctx.wait_signal("attached", 30)
+        work = dist.all_reduce(t, async_op=True)
+        chained = work.get_future().then(slow_callback)
+    del work, t  # xcomm's threads now hold the last references to the op's tensor
+    t0 = time.monotonic()
+    dist.destroy_process_group()  # the group's last reference goes here, under the GIL
+    return {"destroy_s": time.monotonic() - t0, "ran": ran, "done": chained.done()}
+
+
+def test_destroy_while_a_completion_thread_needs_the_gil() -> None:
+    """Issue 16: since torch 2.14 a backend is destroyed from its Python object's
+    dealloc, with the GIL held. xcomm's destructor joins its completion threads;
+    one running a Python callback (or dropping the last reference to a tensor
+    with a Python object) needs the GIL, so the join hung for ever. The backend's
+    holder now lets go of the GIL while the backend is destroyed."""
+    for res in run_ranks(_destroy_while_a_callback_needs_the_gil, 2, timeout=60):
+        assert res["destroy_s"] < 10, res
+        assert res["ran"] in ([], [2.0]), res
