@@ -52,13 +52,21 @@ std::vector<std::string> exchangeHostIdentities(const StorePtr& shmStore, int ra
 ShmCpuBackend::Config shmConfig(const StorePtr& shmStore, int rank) {
   ShmCpuBackend::Config config;
   if (rank == 0) {
-    const int64_t slot = envInt("XCOMM_SHM_SLOT_BYTES", config.transport.slotBytes);
-    const int64_t small = envInt("XCOMM_SHM_SMALL_BYTES", config.smallAllreduceBytes);
-    TORCH_CHECK_VALUE(slot > 0 && small >= 0,
-                      "xcomm: XCOMM_SHM_SLOT_BYTES must be > 0 and XCOMM_SHM_SMALL_BYTES >= 0");
-    setString(shmStore, "config", std::to_string(slot) + "," + std::to_string(small));
+    std::string shared;
+    try {
+      const int64_t slot = envInt("XCOMM_SHM_SLOT_BYTES", config.transport.slotBytes);
+      const int64_t small = envInt("XCOMM_SHM_SMALL_BYTES", config.smallAllreduceBytes);
+      TORCH_CHECK_VALUE(slot > 0 && small >= 0,
+                        "xcomm: XCOMM_SHM_SLOT_BYTES must be > 0 and XCOMM_SHM_SMALL_BYTES >= 0");
+      shared = std::to_string(slot) + "," + std::to_string(small);
+    } catch (const c10::Error& e) {
+      // Every rank waits for rank 0's choice: it gets the error instead of a hang.
+      shared = "error:" + e.msg();
+    }
+    setString(shmStore, "config", shared);
   }
   const std::string shared = getString(shmStore, "config");
+  TORCH_CHECK_VALUE(shared.rfind("error:", 0) != 0, shared.substr(6), " (on rank 0)");
   const auto comma = shared.find(',');
   config.transport.slotBytes = std::stoull(shared.substr(0, comma));
   config.smallAllreduceBytes = std::stoull(shared.substr(comma + 1));

@@ -115,3 +115,20 @@ def _rank_gloo_plan(ctx: RankContext) -> str:
 def test_group_plan_of_a_gloo_group_is_an_error() -> None:
     for msg in run_ranks(_rank_gloo_plan, 1):
         assert "not xcomm" in msg, msg
+
+
+def _rank_bad_slot_env(ctx: RankContext) -> str:
+    os.environ["XCOMM_SHM_SLOT_BYTES"] = "lots"
+    try:
+        dist.new_group(backend="xcomm")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_bad_shm_size_on_rank_0_is_an_error_on_every_rank() -> None:
+    """Rank 0 chooses the segment sizes; a bad value must fail every rank at
+    once (the others used to wait for rank 0's choice until the timeout)."""
+    results = run_ranks(_rank_bad_slot_env, 2, timeout=60)
+    for msg in results:
+        assert "XCOMM_SHM_SLOT_BYTES must be an integer, got 'lots'" in msg, msg
