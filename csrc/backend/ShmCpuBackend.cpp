@@ -51,6 +51,24 @@ bool plainCpu(const std::vector<at::Tensor>& ts) {
   return true;
 }
 
+// What every rank must agree on for a fallback op: dtype and dense bytes (a
+// sparse tensor's size legitimately differs between ranks).
+at::ScalarType dtypeOf(const std::vector<at::Tensor>& ts) {
+  return ts.empty() ? at::ScalarType::Undefined : ts[0].scalar_type();
+}
+
+uint64_t denseBytes(const std::vector<at::Tensor>& ts) {
+  uint64_t bytes = 0;
+  for (const auto& t : ts) {
+    if (t.layout() == at::kStrided) bytes += t.numel() * t.element_size();
+  }
+  return bytes;
+}
+
+int redOpOf(const c10d::ReduceOp& op) {
+  return static_cast<int>(op.op_);
+}
+
 }  // namespace
 
 c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreate(
@@ -169,7 +187,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const ch
                                                      std::vector<at::Tensor> outputs, bool asyncOp,
                                                      std::chrono::milliseconds timeout,
                                                      std::function<void(Clock::time_point)> body,
-                                                     bool withFuture) {
+                                                     bool withFuture, bool countAsShm) {
   const auto limit =
       timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
   c10::IValue result(std::move(outputs));
@@ -185,11 +203,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const ch
   // completed, and some block on another collective of this group (torch's
   // powerSGD_hook waits inside its callbacks): on the worker they would wait
   // for the worker itself.
-  auto run = [this, work, body = std::move(body), limit](bool onWorker) {
+  auto run = [this, work, body = std::move(body), limit, countAsShm](bool onWorker) {
     std::exception_ptr error;
     try {
       body(Clock::now() + limit);
-      shmOps_++;
+      if (countAsShm) shmOps_++;
     } catch (...) {
       error = std::current_exception();
     }
@@ -219,6 +237,29 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const ch
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::viaFallback(
+    c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, bool asyncOp,
+    std::chrono::milliseconds timeout, at::ScalarType dtype, int redOp, int root, uint64_t bytes,
+    std::function<c10::intrusive_ptr<c10d::Work>()> issue) {
+  if (!flat()) return issue();  // the transport covers this host's ranks only
+  const ShmTransport::Descriptor call{shm::detail::describe(shm::detail::OpCode::kFallback, dtype,
+                                                            redOp, root, static_cast<int>(type)),
+                                      bytes};
+  // The fallback's work is waited for on the worker: it keeps the group's
+  // issue order, and these ops (rooted ops, all_to_all, dtypes without a
+  // kernel here) are not the ones worth overlapping with the next.
+  return submit(
+      type, title, std::move(outputs), asyncOp, timeout,
+      [this, call, title, issue = std::move(issue)](Clock::time_point deadline) {
+        shm::agree(*transport_, call, deadline, title);
+        auto work = issue();
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+        work->wait(std::max(left, std::chrono::milliseconds(1)));
+      },
+      /*withFuture=*/true, /*countAsShm=*/false);
+}
+
 bool ShmCpuBackend::reducible(const std::vector<at::Tensor>& tensors, RedOp op) const {
   if (!plainCpu(tensors)) return false;
   for (const auto& t : tensors) {
@@ -229,7 +270,12 @@ bool ShmCpuBackend::reducible(const std::vector<at::Tensor>& tensors, RedOp op) 
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                         const c10d::BroadcastOptions& opts) {
-  if (!flat() || !plainCpu(tensors)) return fallback_->broadcast(tensors, opts);
+  if (!flat() || !plainCpu(tensors)) {
+    return viaFallback(
+        c10d::OpType::BROADCAST, "xcomm:gloo:broadcast", tensors, opts.asyncOp, opts.timeout,
+        dtypeOf(tensors), 0, static_cast<int>(opts.rootRank), denseBytes(tensors),
+        [this, tensors, opts]() mutable { return fallback_->broadcast(tensors, opts); });
+  }
   const int root = static_cast<int>(opts.rootRank);
   return submit(c10d::OpType::BROADCAST, "xcomm:shm:broadcast", tensors, opts.asyncOp, opts.timeout,
                 [this, tensors, root](Clock::time_point deadline) mutable {
@@ -240,7 +286,12 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::broadcast(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                         const c10d::AllreduceOptions& opts) {
   const auto op = opts.reduceOp.op_;
-  if (!reducible(tensors, op)) return fallback_->allreduce(tensors, opts);
+  if (!reducible(tensors, op)) {
+    return viaFallback(
+        c10d::OpType::ALLREDUCE, "xcomm:gloo:all_reduce", tensors, opts.asyncOp, opts.timeout,
+        dtypeOf(tensors), redOpOf(opts.reduceOp), 0, denseBytes(tensors),
+        [this, tensors, opts]() mutable { return fallback_->allreduce(tensors, opts); });
+  }
   return submit(c10d::OpType::ALLREDUCE, "xcomm:shm:all_reduce", tensors, opts.asyncOp,
                 opts.timeout, [this, tensors, op](Clock::time_point deadline) mutable {
                   for (auto& t : tensors) allreduceOne(t, op, deadline);
@@ -250,7 +301,12 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const auto op = opts.reduceOp.op_;
-  if (!reducible(tensors, op)) return fallback_->allreduce_coalesced(tensors, opts);
+  if (!reducible(tensors, op)) {
+    return viaFallback(
+        c10d::OpType::ALLREDUCE_COALESCED, "xcomm:gloo:all_reduce_coalesced", tensors, opts.asyncOp,
+        opts.timeout, dtypeOf(tensors), redOpOf(opts.reduceOp), 0, denseBytes(tensors),
+        [this, tensors, opts]() mutable { return fallback_->allreduce_coalesced(tensors, opts); });
+  }
   return submit(c10d::OpType::ALLREDUCE_COALESCED, "xcomm:shm:all_reduce_coalesced", tensors,
                 opts.asyncOp, opts.timeout,
                 [this, tensors, op](Clock::time_point deadline) mutable {
@@ -263,7 +319,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
     const c10d::AllgatherOptions& opts) {
   auto flatOutputs = flatten(outputs);
   if (!flat() || !plainCpu(inputs) || !plainCpu(flatOutputs)) {
-    return fallback_->allgather(outputs, inputs, opts);
+    return viaFallback(c10d::OpType::ALLGATHER, "xcomm:gloo:all_gather", flatOutputs, opts.asyncOp,
+                       opts.timeout, dtypeOf(inputs), 0, 0, denseBytes(inputs),
+                       [this, outputs, inputs, opts]() mutable {
+                         return fallback_->allgather(outputs, inputs, opts);
+                       });
   }
   return submit(c10d::OpType::ALLGATHER, "xcomm:shm:all_gather", flatOutputs, opts.asyncOp,
                 opts.timeout, [this, outputs, inputs](Clock::time_point deadline) mutable {
@@ -275,7 +335,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                               const c10d::AllgatherOptions& opts) {
   if (!flat() || !plainCpu({output, input}) || !concatOf(output, input, size_)) {
-    return fallback_->_allgather_base(output, input, opts);
+    return viaFallback(c10d::OpType::_ALLGATHER_BASE, "xcomm:gloo:_allgather_base", {output},
+                       opts.asyncOp, opts.timeout, input.scalar_type(), 0, 0, denseBytes({input}),
+                       [this, output, input, opts]() mutable {
+                         return fallback_->_allgather_base(output, input, opts);
+                       });
   }
   std::vector<std::vector<at::Tensor>> outputs{piecesPerRank(output, input, size_)};
   std::vector<at::Tensor> inputs{input};
@@ -290,7 +354,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
     concat = concat && concatOf(outputs[i], inputs[i], size_);
   }
   if (!flat() || !concat || !plainCpu(outputs) || !plainCpu(inputs)) {
-    return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+    return viaFallback(c10d::OpType::COALESCED, "xcomm:gloo:allgather_into_tensor_coalesced",
+                       outputs, opts.asyncOp, opts.timeout, dtypeOf(inputs), 0, 0,
+                       denseBytes(inputs), [this, outputs, inputs, opts]() mutable {
+                         return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+                       });
   }
   std::vector<std::vector<at::Tensor>> lists;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -309,7 +377,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const auto op = opts.reduceOp.op_;
   if (!flat() || !reducible(outputs, op) || !plainCpu(flatten(inputs))) {
-    return fallback_->reduce_scatter(outputs, inputs, opts);
+    return viaFallback(c10d::OpType::REDUCE_SCATTER, "xcomm:gloo:reduce_scatter", outputs,
+                       opts.asyncOp, opts.timeout, dtypeOf(outputs), redOpOf(opts.reduceOp), 0,
+                       denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
+                         return fallback_->reduce_scatter(outputs, inputs, opts);
+                       });
   }
   return submit(
       c10d::OpType::REDUCE_SCATTER, "xcomm:shm:reduce_scatter", outputs, opts.asyncOp, opts.timeout,
@@ -324,7 +396,12 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   if (!flat() || !reducible({output, input}, opts.reduceOp.op_) ||
       !concatOf(input, output, size_)) {
-    return fallback_->_reduce_scatter_base(output, input, opts);
+    return viaFallback(c10d::OpType::_REDUCE_SCATTER_BASE, "xcomm:gloo:_reduce_scatter_base",
+                       {output}, opts.asyncOp, opts.timeout, output.scalar_type(),
+                       redOpOf(opts.reduceOp), 0, denseBytes({output}),
+                       [this, output, input, opts]() mutable {
+                         return fallback_->_reduce_scatter_base(output, input, opts);
+                       });
   }
   std::vector<at::Tensor> outputs{output};
   std::vector<std::vector<at::Tensor>> inputs{piecesPerRank(input, output, size_)};
@@ -340,7 +417,12 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
     concat = concat && concatOf(inputs[i], outputs[i], size_);
   }
   if (!flat() || !concat || !reducible(outputs, op) || !plainCpu(inputs)) {
-    return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    return viaFallback(c10d::OpType::COALESCED, "xcomm:gloo:reduce_scatter_tensor_coalesced",
+                       outputs, opts.asyncOp, opts.timeout, dtypeOf(outputs),
+                       redOpOf(opts.reduceOp), 0, denseBytes(outputs),
+                       [this, outputs, inputs, opts]() mutable {
+                         return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+                       });
   }
   std::vector<std::vector<at::Tensor>> lists;
   for (size_t i = 0; i < outputs.size(); ++i) {
@@ -364,32 +446,52 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::ReduceOptions& opts) {
-  return fallback_->reduce(tensors, opts);
+  return viaFallback(c10d::OpType::REDUCE, "xcomm:gloo:reduce", tensors, opts.asyncOp, opts.timeout,
+                     dtypeOf(tensors), redOpOf(opts.reduceOp), static_cast<int>(opts.rootRank),
+                     denseBytes(tensors),
+                     [this, tensors, opts]() mutable { return fallback_->reduce(tensors, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::GatherOptions& opts) {
-  return fallback_->gather(outputs, inputs, opts);
+  return viaFallback(
+      c10d::OpType::GATHER, "xcomm:gloo:gather", flatten(outputs), opts.asyncOp, opts.timeout,
+      dtypeOf(inputs), 0, static_cast<int>(opts.rootRank), denseBytes(inputs),
+      [this, outputs, inputs, opts]() mutable { return fallback_->gather(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::scatter(std::vector<at::Tensor>& outputs,
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
-  return fallback_->scatter(outputs, inputs, opts);
+  return viaFallback(c10d::OpType::SCATTER, "xcomm:gloo:scatter", outputs, opts.asyncOp,
+                     opts.timeout, dtypeOf(outputs), 0, static_cast<int>(opts.rootRank),
+                     denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
+                       return fallback_->scatter(outputs, inputs, opts);
+                     });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                             std::vector<int64_t>& outputSplits,
                                                             std::vector<int64_t>& inputSplits,
                                                             const c10d::AllToAllOptions& opts) {
-  return fallback_->alltoall_base(output, input, outputSplits, inputSplits, opts);
+  // Sizes may differ between ranks (uneven splits): only the op and dtype must agree.
+  return viaFallback(c10d::OpType::ALLTOALL_BASE, "xcomm:gloo:all_to_all_single", {output},
+                     opts.asyncOp, opts.timeout, input.scalar_type(), 0, 0, 0,
+                     [this, output, input, outputSplits, inputSplits, opts]() mutable {
+                       return fallback_->alltoall_base(output, input, outputSplits, inputSplits,
+                                                       opts);
+                     });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
-  return fallback_->alltoall(outputs, inputs, opts);
+  return viaFallback(c10d::OpType::ALLTOALL, "xcomm:gloo:all_to_all", outputs, opts.asyncOp,
+                     opts.timeout, dtypeOf(inputs), 0, 0, 0,
+                     [this, outputs, inputs, opts]() mutable {
+                       return fallback_->alltoall(outputs, inputs, opts);
+                     });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::send(std::vector<at::Tensor>& tensors, int dstRank,

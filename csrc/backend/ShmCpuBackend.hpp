@@ -131,7 +131,19 @@ class ShmCpuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> submit(
       c10d::OpType type, const char* title, std::vector<at::Tensor> outputs, bool asyncOp,
       std::chrono::milliseconds timeout,
-      std::function<void(std::chrono::steady_clock::time_point)> body, bool withFuture = true);
+      std::function<void(std::chrono::steady_clock::time_point)> body, bool withFuture = true,
+      bool countAsShm = true);
+  // A collective the fallback runs. On a flat group it first passes a
+  // shared-memory agreement barrier (op, root, dtype, reduce op, bytes), in
+  // issue order with the shared-memory ops: a rank whose op runs here and one
+  // whose op runs there (a user's mismatch) then both raise at once, where
+  // they would otherwise wait for each other until the timeout.
+  c10::intrusive_ptr<c10d::Work> viaFallback(c10d::OpType type, const char* title,
+                                             std::vector<at::Tensor> outputs, bool asyncOp,
+                                             std::chrono::milliseconds timeout,
+                                             at::ScalarType dtype, int redOp, int root,
+                                             uint64_t bytes,
+                                             std::function<c10::intrusive_ptr<c10d::Work>()> issue);
   bool reducible(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) const;
   // Whether the data-movement ops (all but allreduce) run over shared memory.
   bool flat() const { return !hierarchical_; }

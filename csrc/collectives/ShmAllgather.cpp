@@ -16,8 +16,8 @@ void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at:
   const size_t totalBytes = input.numel() * input.element_size();
   const uint8_t* in = detail::bytes(input);
   transport.publishDescriptor(
-      deadline, name, detail::describe(detail::OpCode::kAllgather, input.scalar_type(), 0, 0),
-      totalBytes);
+      deadline, name,
+      {detail::describe(detail::OpCode::kAllgather, input.scalar_type(), 0, 0), totalBytes});
   size_t offset = 0;
   bool first = true;
   do {
@@ -25,7 +25,7 @@ void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at:
     const int parity = transport.nextParity();
     if (length) std::memcpy(transport.slot(rank, parity), in + offset, length);
     transport.barrier(deadline, name);
-    if (first) transport.checkDescriptors(name);
+    if (first) detail::checkAgreement(transport, name);
     first = false;
     for (int r = 0; r < size && length; ++r) {
       const uint8_t* src = r == rank ? in + offset : transport.slot(r, parity);

@@ -64,15 +64,15 @@ void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline d
   const size_t totalBytes = static_cast<size_t>(numel * elem);
   uint8_t* data = detail::bytes(tensor);
   transport.publishDescriptor(
-      deadline, name, detail::describe(detail::OpCode::kAllreduce, dtype, static_cast<int>(op), 0),
-      totalBytes);
+      deadline, name,
+      {detail::describe(detail::OpCode::kAllreduce, dtype, static_cast<int>(op), 0), totalBytes});
   std::vector<const void*> srcs(size);
 
   if (totalBytes <= std::min(smallBytes, transport.slotBytes())) {
     const int parity = transport.nextParity();
     if (totalBytes) std::memcpy(transport.slot(rank, parity), data, totalBytes);
     transport.barrier(deadline, name);
-    transport.checkDescriptors(name);
+    detail::checkAgreement(transport, name);
     for (int r = 0; r < size; ++r) srcs[r] = transport.slot(r, parity);
     reduceBuffers(data, srcs.data(), size, numel, dtype, op);
     finish(tensor, op, size);
@@ -105,7 +105,7 @@ void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline d
   int parity = transport.nextParity();
   copyIn(0, transport.slot(rank, parity));
   transport.barrier(deadline, name);
-  transport.checkDescriptors(name);
+  detail::checkAgreement(transport, name);
   for (int64_t k = 0; k < chunks; ++k) {
     const int64_t length = lengthOf(k);
     uint8_t* chunk = data + k * chunkElems * elem;

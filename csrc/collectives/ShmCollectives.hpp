@@ -38,16 +38,37 @@ void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at:
 void reduceScatter(ShmTransport& transport, at::Tensor& output,
                    const std::vector<at::Tensor>& inputs, RedOp op, Deadline deadline);
 void barrier(ShmTransport& transport, Deadline deadline);
+// For a collective that runs elsewhere (the fallback backend): a barrier at
+// which every rank checks that all ranks are issuing `call`, so a rank whose
+// op runs here and one whose op runs there fail at once instead of waiting
+// for each other until the timeout.
+void agree(ShmTransport& transport, ShmTransport::Descriptor call, Deadline deadline,
+           const char* op);
 
 namespace detail {
 
-enum class OpCode : uint64_t { kAllreduce = 1, kBroadcast, kAllgather, kReduceScatter, kBarrier };
+enum class OpCode : uint64_t {
+  kAllreduce = 1,
+  kBroadcast,
+  kAllgather,
+  kReduceScatter,
+  kBarrier,
+  kFallback,  // run by the fallback backend; `fallbackOp` says which
+};
 
-// What every rank must agree on, packed for ShmTransport::publishDescriptor.
-inline uint64_t describe(OpCode code, at::ScalarType dtype, int redOp, int root) {
+// What every rank must agree on, packed for ShmTransport::publishDescriptor:
+// the op, dtype, reduce op, root, and for kFallback the c10d::OpType.
+inline uint64_t describe(OpCode code, at::ScalarType dtype, int redOp, int root,
+                         int fallbackOp = 0) {
   return (static_cast<uint64_t>(code) << 56) | (static_cast<uint64_t>(dtype) << 48) |
-         (static_cast<uint64_t>(redOp & 0xff) << 40) | static_cast<uint32_t>(root);
+         (static_cast<uint64_t>(redOp & 0xff) << 40) |
+         (static_cast<uint64_t>(fallbackOp & 0xff) << 32) | static_cast<uint32_t>(root);
 }
+
+// After a barrier: raises a ValueError, with the same message on every rank,
+// unless every rank published the same descriptor for it. The message names
+// what rank 0 and the first rank that differs from it called.
+void checkAgreement(const ShmTransport& transport, const char* op);
 
 inline uint8_t* bytes(const at::Tensor& t) {
   return static_cast<uint8_t*>(t.data_ptr());

@@ -20,8 +20,8 @@ void reduceScatter(ShmTransport& transport, at::Tensor& output,
   const int64_t numel = output.numel();
   transport.publishDescriptor(
       deadline, name,
-      detail::describe(detail::OpCode::kReduceScatter, dtype, static_cast<int>(op), 0),
-      numel * elem);
+      {detail::describe(detail::OpCode::kReduceScatter, dtype, static_cast<int>(op), 0),
+       static_cast<uint64_t>(numel * elem)});
   const int64_t chunkElems =
       std::max<int64_t>(1, static_cast<int64_t>(transport.slotBytes()) / (elem * size));
   std::vector<const void*> srcs(size);
@@ -36,7 +36,7 @@ void reduceScatter(ShmTransport& transport, at::Tensor& output,
                   length * elem);
     }
     transport.barrier(deadline, name);
-    if (first) transport.checkDescriptors(name);
+    if (first) detail::checkAgreement(transport, name);
     first = false;
     for (int r = 0; r < size; ++r) srcs[r] = transport.slot(r, parity) + rank * length * elem;
     reduceBuffers(detail::bytes(output) + offset * elem, srcs.data(), size, length, dtype, op);

@@ -268,32 +268,18 @@ void ShmTransport::prepareWrite(std::chrono::steady_clock::time_point deadline, 
 }
 
 void ShmTransport::publishDescriptor(std::chrono::steady_clock::time_point deadline, const char* op,
-                                     uint64_t what, uint64_t bytes) {
+                                     Descriptor descriptor) {
   prepareWrite(deadline, op);
   auto& me = control(rank_);
   const uint32_t next = (arrivals_ + 1) & 1;
-  me.what[next] = what;
-  me.bytes[next] = bytes;
+  me.what[next] = descriptor.what;
+  me.bytes[next] = descriptor.bytes;
 }
 
-void ShmTransport::checkAgainst(int peer, const char* op) const {
-  const auto& me = control(rank_);
-  const auto& other = control(peer);
+ShmTransport::Descriptor ShmTransport::descriptorOf(int rank) const {
+  const auto& ctl = control(rank);
   const uint32_t i = arrivals_ & 1;
-  // Every rank sees the same descriptors, so every rank raises (and the
-  // barrier counts stay in step).
-  TORCH_CHECK_VALUE(other.what[i] == me.what[i] && other.bytes[i] == me.bytes[i], "xcomm shm: ", op,
-                    ": the ranks called different collectives or passed different sizes (rank ",
-                    rank_, ": ", me.bytes[i], " bytes, rank ", peer, ": ", other.bytes[i],
-                    " bytes); every rank must issue the same collectives in the same order");
-}
-
-void ShmTransport::checkDescriptors(const char* op) const {
-  for (int r = 0; r < size_; ++r) checkAgainst(r, op);
-}
-
-void ShmTransport::checkDescriptorOf(int root, const char* op) const {
-  checkAgainst(root, op);
+  return {ctl.what[i], ctl.bytes[i]};
 }
 
 void ShmTransport::fail(std::string message) {

@@ -54,13 +54,21 @@ class ShmTransport {
   // after a full barrier; needed after a one-sided wait (waitForRoot).
   void prepareWrite(std::chrono::steady_clock::time_point deadline, const char* op);
 
-  // What the caller is about to do, for checkDescriptors (calls prepareWrite).
+  // What a rank published for one barrier: which op (the collectives layer
+  // packs it) and its size in bytes.
+  struct Descriptor {
+    uint64_t what = 0;
+    uint64_t bytes = 0;
+    bool operator==(const Descriptor& o) const { return what == o.what && bytes == o.bytes; }
+    bool operator!=(const Descriptor& o) const { return !(*this == o); }
+  };
+  // What the caller is about to do, read by the others after the next
+  // barrier (calls prepareWrite).
   void publishDescriptor(std::chrono::steady_clock::time_point deadline, const char* op,
-                         uint64_t what, uint64_t bytes);
-  // After a barrier: raises on every rank if the ranks disagree on the op.
-  void checkDescriptors(const char* op) const;
-  // After waitForRoot: raises if this rank disagrees with `root`.
-  void checkDescriptorOf(int root, const char* op) const;
+                         Descriptor descriptor);
+  // After a barrier (or, for the root, after waitForRoot): what `rank`
+  // published for it. Every rank sees the same descriptors.
+  Descriptor descriptorOf(int rank) const;
 
   // Arrive and wait until every rank arrived, or raise at `deadline` or when
   // a peer died. `op` names the collective in errors.
@@ -94,7 +102,6 @@ class ShmTransport {
   size_t mapBytes_;
   void arrive();
   void throwIfBroken(const char* op) const;
-  void checkAgainst(int peer, const char* op) const;
 
   uint32_t arrivals_ = 0;    // barriers this rank has arrived at
   uint32_t allReached_ = 0;  // a barrier count every rank is known to have reached

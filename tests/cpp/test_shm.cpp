@@ -178,8 +178,54 @@ TEST_CASE("ranks that disagree on the op raise on every rank and stay in step", 
     xcomm::shm::allreduce(t, after[rank], RedOp::SUM, in(std::chrono::seconds(20)));
   });
   for (int r = 0; r < 2; ++r) {
-    CHECK_THAT(errors[r], Catch::Contains("different sizes"));
+    CHECK_THAT(errors[r], Catch::Contains("called different collectives"));
+    CHECK_THAT(errors[r], Catch::Contains("16 bytes"));
+    CHECK_THAT(errors[r], Catch::Contains("32 bytes"));
     CHECK(at::equal(after[r], at::full({5}, 2.0f)));
+  }
+}
+
+TEST_CASE("ranks that disagree on a broadcast's root raise on every rank, the roots too", "[shm]") {
+  // Each rank believes it is the root: without the first chunk's full
+  // barrier both would return at once, each with its own data.
+  std::vector<std::string> errors(2);
+  std::vector<at::Tensor> after(2);
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    auto x = at::full({4}, static_cast<float>(rank));
+    try {
+      xcomm::shm::broadcast(t, x, /*root=*/rank, in(std::chrono::seconds(20)));
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+    after[rank] = at::full({3}, static_cast<float>(rank + 5));
+    xcomm::shm::broadcast(t, after[rank], /*root=*/1, in(std::chrono::seconds(20)));
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_THAT(errors[r], Catch::Contains("broadcast(root=0"));
+    CHECK_THAT(errors[r], Catch::Contains("broadcast(root=1"));
+    CHECK(at::equal(after[r], at::full({3}, 6.0f)));
+  }
+}
+
+TEST_CASE("agree() makes an op run elsewhere and a shared-memory op fail on both ranks", "[shm]") {
+  std::vector<std::string> errors(2);
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    auto x = at::ones({4}, at::kFloat);
+    try {
+      if (rank == 0) {
+        xcomm::shm::allreduce(t, x, RedOp::SUM, in(std::chrono::seconds(20)));
+      } else {
+        namespace d = xcomm::shm::detail;
+        xcomm::shm::agree(
+            t, {d::describe(d::OpCode::kFallback, at::kFloat, 0, 0, /*ALLTOALL_BASE*/ 8), 0},
+            in(std::chrono::seconds(20)), "all_to_all_single");
+      }
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_THAT(errors[r], Catch::Contains("rank 0: all_reduce(SUM, Float, 16 bytes)"));
   }
 }
 

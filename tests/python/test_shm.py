@@ -26,6 +26,7 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -255,25 +256,67 @@ def test_switches_and_subgroups() -> None:
     assert not any(r["default"] or r["off"] for r in res), res
 
 
-def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    t = torch.ones(10 + 10 * ctx.rank)
+def _attempt(call: Callable[[], object]) -> str | None:
     try:
-        dist.all_reduce(t)
-        out["raised"] = None
+        call()
     except Exception as e:  # noqa: BLE001
-        out["raised"] = f"{type(e).__name__}: {e}"
-    t = torch.ones(7)
-    dist.all_reduce(t)  # the group is still in step
-    out["after"] = t.tolist()
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
+    """Ranks that disagree (a user bug) must all raise, at once, never return."""
+    rank = ctx.rank
+    out: dict[str, Any] = {"errors": {}, "seconds": {}}
+    x = torch.full((6,), float(rank))
+    other = torch.zeros(6)
+    cases: dict[str, Callable[[], object]] = {
+        "sizes": lambda: dist.all_reduce(torch.ones(10 + 10 * rank)),
+        # Each rank believes it is the root: before, both returned their own data.
+        "broadcast_root": lambda: dist.broadcast(x, src=rank),
+        "reduce_op": lambda: dist.all_reduce(
+            torch.ones(4), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+        ),
+        # Shared memory on one rank, the Gloo fallback on the other: before,
+        # both waited for each other until the timeout.
+        "shm_vs_fallback": lambda: (
+            dist.all_reduce(torch.ones(6)) if rank == 0 else dist.all_to_all_single(other, x)
+        ),
+        # Both on the fallback, different roots (Gloo's reduce takes them as they are).
+        "reduce_root": lambda: dist.reduce(torch.ones(4), dst=rank),
+        "barrier_vs_all_reduce": lambda: (
+            dist.barrier() if rank == 0 else dist.all_reduce(torch.ones(3))
+        ),
+        "dtype": lambda: dist.all_reduce(
+            torch.ones(4, dtype=torch.float32 if rank else torch.int32)
+        ),
+    }
+    for name, call in cases.items():
+        start = time.monotonic()
+        out["errors"][name] = _attempt(call)
+        out["seconds"][name] = time.monotonic() - start
+        t = torch.ones(7)
+        dist.all_reduce(t)  # the group is still in step
+        assert t.tolist() == [2.0] * 7, (name, t)
     return out
 
 
-def test_mismatched_sizes_raise_on_every_rank_and_group_recovers() -> None:
+@pytest.mark.xcomm_specific
+def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers() -> None:
     res = run_ranks(_rank_mismatch, 2)
     for r in res:
-        assert r["raised"] and "different sizes" in r["raised"], res
-        assert r["after"] == [2.0] * 7, res
+        for name, error in r["errors"].items():
+            assert error and "called different collectives" in error, (name, res)
+            assert "ValueError" in error, (name, error)
+            # At once, not at the group's timeout (40 s in the tests).
+            assert r["seconds"][name] < 10, (name, r["seconds"])
+    # Every rank gives the same account (each names its own op first).
+    for name, error in res[0]["errors"].items():
+        tail = error.split("called different collectives")[1]
+        assert tail == res[1]["errors"][name].split("called different collectives")[1]
+    assert "broadcast(root=0" in res[0]["errors"]["broadcast_root"]
+    assert "broadcast(root=1" in res[0]["errors"]["broadcast_root"]
+    assert "ALLTOALL_BASE" in res[0]["errors"]["shm_vs_fallback"]
 
 
 def _rank_fault(ctx: RankContext, victim: int, how: str) -> dict[str, Any] | None:
