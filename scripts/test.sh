@@ -11,4 +11,4 @@ echo "== C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure --timeout 300
 
 echo "== Python tests (pytest)"
-"$PYTHON" -m pytest tests/python xcomm_bench/tests --timeout=900 -q "$@"
+"$PYTHON" -m pytest tests/python xcomm_bench/tests tests/clients --timeout=900 -q "$@"

@@ -122,8 +122,8 @@ def _missing_rank(ctx: RankContext, wait_all_ranks: bool) -> str:
             dist.monitored_barrier(
                 timeout=datetime.timedelta(seconds=2), wait_all_ranks=wait_all_ranks
             )
-        except RuntimeError as e:
-            msg = str(e)
+        except Exception as e:  # noqa: BLE001 - the message is what is compared
+            msg = f"{type(e).__name__}: {e}"
         else:
             msg = "no error"
         ctx.signal("rank0_done")
