@@ -364,13 +364,16 @@ def _torch_version() -> str:
 
 
 def _git_head() -> str:
-    out = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return out.stdout.strip()
+    """HEAD, plus ``+dirty`` when csrc/ or python/ differ from it (the built
+    extension may then hold uncommitted code)."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO), *a], capture_output=True, text=True, check=False
+        ).stdout
+
+    head = git("rev-parse", "--short", "HEAD").strip()
+    return head + ("+dirty" if git("status", "--porcelain", "--", "csrc", "python").strip() else "")
 
 
 def _proof_line(mode: str, p: dict[str, Any]) -> str:
