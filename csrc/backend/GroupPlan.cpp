@@ -133,9 +133,9 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
                       "interleave with the caller's ops",
                       true, rank, size});
   }
-  if (fusionThresholdBytes > 0 && fusionCycle.count() > 0) {
+  if (fusionThresholdBytes > 0) {
     groups.push_back({"xcomm/gloo-fusion",
-                      "the fusion cycle's agreement rounds, apart from the ops they schedule", true,
+                      "tensor fusion's agreement rounds, apart from the ops they schedule", true,
                       rank, size});
   }
   return groups;

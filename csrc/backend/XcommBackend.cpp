@@ -84,8 +84,8 @@ void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cy
   TORCH_CHECK_VALUE(cycle.count() >= 0, "xcomm: the fusion cycle time must be >= 0");
   TORCH_CHECK_VALUE(cycle.count() == 0 || bytes > 0,
                     "xcomm: a fusion cycle time needs fusion_threshold_bytes > 0");
-  TORCH_CHECK_VALUE(cycle.count() == 0 || control,
-                    "xcomm: a fusion cycle time needs a control backend");
+  TORCH_CHECK_VALUE(bytes == 0 || control,
+                    "xcomm: tensor fusion needs a control backend (its agreement rounds)");
   if (fusion_) fusion_->stop();
   fusion_ = makeFusionBuffer(bytes, cycle, std::move(control), options_->timeout);
 }
@@ -545,6 +545,42 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions&
   const int64_t issuedUs = Timeline::nowUs();
   auto work = inner.barrier(opts);
   return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}), issuedUs, 0);
+}
+
+c10d::Backend& XcommBackend::cpuGloo() {
+  TORCH_CHECK(inner_.cpu, "xcomm: this group has no CPU backend");
+  return inner_.shm ? *inner_.shm->fallback() : *inner_.cpu;
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather_coalesced";
+  checks::tensorList(op, inputs, "input");
+  TORCH_CHECK_VALUE(outputs.size() == static_cast<size_t>(size_), "xcomm: ", op, " needs ", size_,
+                    " output lists (one per rank), got ", outputs.size());
+  for (const auto& list : outputs) {
+    TORCH_CHECK_VALUE(list.size() == inputs.size(), "xcomm: ", op,
+                      ": every output list needs one tensor per input (", inputs.size(), "), got ",
+                      list.size());
+  }
+  return delegate(op, inputs[0], c10d::OpType::ALLGATHER_COALESCED, listOfListsValue(outputs),
+                  [&](c10d::Backend& inner, TensorStaging&) {
+                    return inner.allgather_coalesced(outputs, inputs, opts);
+                  });
+}
+
+void XcommBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  flushFused();
+  cpuGloo().monitoredBarrier(opts, waitAllRanks);
+}
+
+void XcommBackend::setSequenceNumberForGroup() {
+  cpuGloo().setSequenceNumberForGroup();
+}
+
+uint64_t XcommBackend::getSequenceNumberForGroup() {
+  return cpuGloo().getSequenceNumberForGroup();
 }
 
 }  // namespace xcomm

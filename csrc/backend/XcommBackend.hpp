@@ -60,10 +60,10 @@ class XcommBackend : public c10d::Backend {
   int64_t shmOps() const { return inner_.shm ? static_cast<int64_t>(inner_.shm->shmOps()) : -1; }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
-  // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. With a
-  // cycle time > 0, a background thread sends held ops every cycle after
-  // agreeing with the other ranks over `control`, a backend no other op
-  // uses; all ranks must call this together.
+  // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. A
+  // background thread sends held ops after agreeing with the other ranks
+  // over `control`, a backend no other op uses: every cycle, or on demand
+  // when `cycle` is 0. All ranks must call this together.
   void setFusionThreshold(size_t bytes, std::chrono::microseconds cycle = {},
                           c10::intrusive_ptr<c10d::Backend> control = {});
   size_t fusionThreshold() const { return fusion_ ? fusion_->thresholdBytes() : 0; }
@@ -123,12 +123,25 @@ class XcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  // Deprecated in c10d, still called by torch's own tests and older code.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  // Gloo's, on the group's Gloo backend: a barrier that names the ranks that
+  // did not arrive in time (dist.monitored_barrier).
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
+  // The group's Gloo (CPU) backend's sequence numbers, which the debug
+  // wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) and desync reports read.
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
 
  private:
   // Every op but a fusable allreduce first sends what fusion holds, so
   // collectives keep their issue order.
   c10d::Backend& backendFor(const at::Tensor& t, const char* op, bool flushFused = true);
   void flushFused();
+  // The Gloo backend under the CPU path (the shared-memory backend's fallback).
+  c10d::Backend& cpuGloo();
   // Whether the inner backend for `t` implements PREMUL_SUM itself (NCCL does).
   bool backendHasPremul(const at::Tensor& t) const;
   // What every tensor op but all_reduce does after its checks: take the

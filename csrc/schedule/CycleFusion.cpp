@@ -51,9 +51,13 @@ std::vector<std::pair<size_t, size_t>> FusionPlan::groups(
 CycleFusion::CycleFusion(size_t thresholdBytes, std::chrono::microseconds cycle,
                          c10::intrusive_ptr<c10d::Backend> control,
                          std::chrono::milliseconds timeout)
-    : FusionBuffer(thresholdBytes), cycle_(cycle), control_(std::move(control)), timeout_(timeout) {
-  TORCH_CHECK_VALUE(cycle_.count() > 0, "xcomm: a fusion cycle time must be positive");
-  TORCH_CHECK_VALUE(control_, "xcomm: a fusion cycle needs a control transport");
+    : FusionBuffer(thresholdBytes),
+      onDemand_(cycle.count() == 0),
+      cycle_(onDemand_ ? kOnDemandJoin : cycle),
+      control_(std::move(control)),
+      timeout_(timeout) {
+  TORCH_CHECK_VALUE(cycle_.count() > 0, "xcomm: a fusion cycle time must be >= 0");
+  TORCH_CHECK_VALUE(control_, "xcomm: tensor fusion needs a control transport");
   thread_ = std::thread([this] { cycleLoop(); });
 }
 
@@ -104,7 +108,9 @@ void CycleFusion::flush() {
 }
 
 void CycleFusion::expedite(bool resultNeeded) {
-  if (!resultNeeded) return;  // the cycle sends it anyway
+  // With a cycle, the next round sends it anyway; on demand, any interest
+  // (DDP takes a bucket's future at once) asks for a round now.
+  if (!resultNeeded && !onDemand_) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (held_.empty()) return;

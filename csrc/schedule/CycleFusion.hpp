@@ -9,6 +9,14 @@
 // on the ops (FusionPlan). Ranks issue the same ops in the same order, so a
 // rank that enters a round early only waits for its peers to reach the same
 // count.
+//
+// On demand (fusion_cycle_ms=0) is the same machinery with a different
+// trigger: a round starts as soon as a rank needs a result, issues another
+// op or fills the threshold, and every rank's thread joins a round at the
+// latest kOnDemandJoin after it holds ops. That bound is what lets a rank
+// whose program is waiting elsewhere (on another group, or at a later wait
+// point) take part, so a legal program never waits for a peer's wait() and
+// what travels together never depends on when each rank waits.
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -31,13 +39,20 @@ struct FusionPlan {
 
 class CycleFusion final : public FusionBuffer {
  public:
+  // On demand: how long a rank's thread may hold ops before it joins a round
+  // unasked (rounds asked for by any rank start at once).
+  static constexpr std::chrono::microseconds kOnDemandJoin{2000};
+
   // `control` carries only the rounds' counters (a transport no other op
   // uses, so its order never mixes with theirs).
+  // `cycle` 0: on demand (see above).
   CycleFusion(size_t thresholdBytes, std::chrono::microseconds cycle,
               c10::intrusive_ptr<c10d::Backend> control, std::chrono::milliseconds timeout);
   ~CycleFusion() override;
 
-  std::chrono::microseconds cycle() const override { return cycle_; }
+  std::chrono::microseconds cycle() const override {
+    return onDemand_ ? std::chrono::microseconds{0} : cycle_;
+  }
   // Returns after the rounds that agree on everything held so far sent it.
   void flush() override;
   // A result is needed: start a round now without blocking (the next round
@@ -60,7 +75,8 @@ class CycleFusion final : public FusionBuffer {
   // Whether the next round should start now rather than when its cycle comes.
   bool hurryLocked() const { return urgent_ || stopping_ || wantedCount_ > sentCount_; }
 
-  const std::chrono::microseconds cycle_;
+  const bool onDemand_;
+  const std::chrono::microseconds cycle_;  // the join bound when on demand
   c10::intrusive_ptr<c10d::Backend> control_;
   std::chrono::milliseconds timeout_;
   std::condition_variable wake_;  // the thread: something to send

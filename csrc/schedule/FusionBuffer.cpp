@@ -8,7 +8,6 @@
 #include "observe/Stats.hpp"
 #include "observe/Timeline.hpp"
 #include "schedule/CycleFusion.hpp"
-#include "schedule/OnDemandFusion.hpp"
 
 namespace xcomm {
 namespace {
@@ -193,7 +192,6 @@ std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
                                                c10::intrusive_ptr<c10d::Backend> control,
                                                std::chrono::milliseconds timeout) {
   if (thresholdBytes == 0) return nullptr;
-  if (cycle.count() == 0) return std::make_shared<OnDemandFusion>(thresholdBytes);
   return std::make_shared<CycleFusion>(thresholdBytes, cycle, std::move(control), timeout);
 }
 

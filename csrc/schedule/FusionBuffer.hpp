@@ -4,13 +4,12 @@
 //
 // Small async allreduces issued back to back are held and sent as one flat
 // allreduce of at most the threshold's bytes. Which ops travel together must
-// be identical on every rank. Two ways to decide when held ops leave, one
-// class each:
-//   - OnDemandFusion (schedule/OnDemandFusion.hpp): only at points of the
-//     program's own order (threshold, another op, a result asked for).
-//   - CycleFusion (schedule/CycleFusion.hpp): a background thread every cycle
-//     time, after the ranks agree on how many ops all have issued.
-// makeFusionBuffer() picks one.
+// be identical on every rank, whenever each rank waits: CycleFusion
+// (schedule/CycleFusion.hpp) agrees with the other ranks, in rounds on a
+// control transport of its own, on how many ops all have issued, and sends
+// that prefix cut by a rule of the ops alone. Rounds start on a cycle time
+// (Horovod's), or on demand: when a rank needs a result, issues another op
+// or fills the threshold.
 #include <chrono>
 #include <cstddef>
 #include <functional>
@@ -118,8 +117,8 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
   size_t heldBytes_ = 0;    // guarded by mutex_
 };
 
-// Null when `thresholdBytes` is 0 (fusion off); on demand when `cycle` is 0;
-// else a negotiated cycle over `control` whose rounds wait up to `timeout`.
+// Null when `thresholdBytes` is 0 (fusion off); else rounds over `control`
+// that wait up to `timeout`, on demand when `cycle` is 0.
 std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
                                                std::chrono::microseconds cycle,
                                                c10::intrusive_ptr<c10d::Backend> control,

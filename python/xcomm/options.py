@@ -53,10 +53,14 @@ class Options:
             environment variable ``XCOMM_SHM=0``, keeps them on Gloo.
         fusion_threshold_bytes: When > 0, small async CPU allreduces issued
             back to back are held and sent as one flat allreduce of up to this
-            many bytes (Horovod-style tensor fusion; identical results). Held
+            many bytes (Horovod-style tensor fusion; identical results). Which
+            ops travel together is agreed with the other ranks (an allreduce of
+            one counter over a Gloo group of its own), so it never depends on
+            when each rank waits. With ``fusion_cycle_ms=0`` (on demand) held
             ops go out when the next would pass the threshold, when any other
-            op is issued, or as soon as any held op's result is asked for
-            (``wait()``, ``get_future()``, ``is_completed()``). 0 (default): off.
+            op is issued, or as soon as any rank asks for a held op's result
+            (``wait()``, ``get_future()``, ``is_completed()``); a rank that
+            asks nothing joins within 2 ms. 0 (default): off.
         fusion_cycle_ms: With fusion on, > 0 sends held ops from a background
             thread at most this long after the first of them was issued, as
             Horovod's cycle time, so they travel while the caller computes

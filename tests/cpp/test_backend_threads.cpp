@@ -269,8 +269,12 @@ TEST_CASE("fused small allreduces equal the arithmetic and travel together", "[f
     return it == snap.end() ? uint64_t{0} : it->second.calls;
   }();
   constexpr int kSize = 2;
-  runRanks(kSize, [](XcommBackend& b, int rank, int size) {
-    b.setFusionThreshold(1024);
+  auto controlStore = c10::make_intrusive<c10d::HashStore>();
+  runRanks(kSize, [&](XcommBackend& b, int rank, int size) {
+    auto control = c10::make_intrusive<xcomm::StoreCpuBackend>(
+        c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
+        std::chrono::seconds(20));
+    b.setFusionThreshold(1024, {}, control);
     std::vector<std::vector<at::Tensor>> held;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     for (int64_t n : {3, 17, 40, 1}) {  // 244 bytes of int64: one transfer
@@ -356,6 +360,7 @@ TEST_CASE("bad fusion-cycle and bucket-launcher settings are refused with a mess
     CHECK_THROWS_WITH(b.setFusionThreshold(0, cycle, control),
                       Contains("needs fusion_threshold_bytes > 0"));
     CHECK_THROWS_WITH(b.setFusionThreshold(1024, cycle), Contains("needs a control backend"));
+    CHECK_THROWS_WITH(b.setFusionThreshold(1024), Contains("needs a control backend"));
     CHECK_THROWS_WITH(b.setFusionThreshold(1024, std::chrono::microseconds(-1), control),
                       Contains("must be >= 0"));
 

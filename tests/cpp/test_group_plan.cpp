@@ -109,11 +109,16 @@ TEST_CASE("plain groups: one rank per host, shm off by option or environment, on
   CHECK_THAT(byOption.why, Contains("shm=False"));
 }
 
-TEST_CASE("fusion with a cycle gets its own control group; on demand does not", "[plan]") {
+TEST_CASE("fusion gets its own control group, on demand or with a cycle", "[plan]") {
   XcommOptions options;
+  auto off = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
+  CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo"});
   options.fusionThresholdBytes = 1 << 20;
+  // On demand agrees too: what travels together must not depend on when each
+  // rank waits.
   auto onDemand = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
-  CHECK(auxNames(onDemand) == std::vector<std::string>{"xcomm/gloo"});
+  CHECK(onDemand.fusionCycle.count() == 0);
+  CHECK(auxNames(onDemand) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-fusion"});
   options.fusionCycleMs = 0.0005;  // below 1 us: still a cycle
   auto cycle = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
   CHECK(cycle.fusionCycle.count() == 1);
