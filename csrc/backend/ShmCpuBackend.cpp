@@ -444,6 +444,16 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions
                 [this](Clock::time_point deadline) { shm::barrier(*transport_, deadline); });
 }
 
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  return viaFallback(c10d::OpType::ALLGATHER_COALESCED, "xcomm:gloo:all_gather_coalesced",
+                     flatten(outputs), opts.asyncOp, opts.timeout, dtypeOf(inputs), 0, 0,
+                     denseBytes(inputs), [this, outputs, inputs, opts]() mutable {
+                       return fallback_->allgather_coalesced(outputs, inputs, opts);
+                     });
+}
+
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::ReduceOptions& opts) {
   return viaFallback(c10d::OpType::REDUCE, "xcomm:gloo:reduce", tensors, opts.asyncOp, opts.timeout,

@@ -70,10 +70,18 @@ PYBIND11_MODULE(_C, m) {
                                const auto& t = b.innerBackends().cpu;
                                return t ? t->getBackendName() : std::string();
                              })
-      .def_property_readonly("cuda_backend_name", [](const xcomm::XcommBackend& b) {
-        const auto& t = b.innerBackends().cuda;
-        return t ? t->getBackendName() : std::string();
-      });
+      .def_property_readonly("cuda_backend_name",
+                             [](const xcomm::XcommBackend& b) {
+                               const auto& t = b.innerBackends().cuda;
+                               return t ? t->getBackendName() : std::string();
+                             })
+      // As ProcessGroupGloo/NCCL bind it (torch binds it on those two only):
+      // changes the timeout of every later op of the group, inner backends
+      // included.
+      .def(
+          "_set_default_timeout",
+          [](xcomm::XcommBackend& b, std::chrono::milliseconds timeout) { b.setTimeout(timeout); },
+          py::arg("timeout"), py::call_guard<py::gil_scoped_release>());
 
   xcomm::python::bindAll(m);
 

@@ -7,7 +7,7 @@ Importing xcomm registers the backend::
     dist.init_process_group("xcomm")
 """
 
-from . import shm
+from . import compat, shm
 from ._registration import register
 from .backend import group_plan
 from .bucketer import GradientBucketer
@@ -19,6 +19,7 @@ __all__ = [
     "GradientBucketer",
     "Options",
     "__version__",
+    "compat",
     "disable_timeline",
     "enable_timeline",
     "group_plan",

@@ -14,6 +14,9 @@ def register() -> None:
     registration, so this registers only once per process. On torch 2.14+ it
     is also the ``torch.distributed.backends`` entry point.
     """
+    from .compat import install
+
+    install()  # dist.monitored_barrier on xcomm groups (see compat.py)
     if BACKEND_NAME in dist.Backend.backend_list:
         return
     from .backend import create_backend

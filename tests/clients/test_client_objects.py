@@ -90,15 +90,9 @@ def _monitored(ctx: RankContext, wait_all_ranks: bool) -> list[Any]:
     return out
 
 
-#: torch's ``dist.monitored_barrier`` refuses any backend but "gloo"
-#: (``get_backend(group) != Backend.GLOO``), and XcommBackend does not override
-#: ``c10d::Backend::monitoredBarrier`` (so ``group.monitored_barrier()`` raises
-#: "Backend xcomm does not support monitoredBarrier") -- see README.md.
-MONITORED_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="xcomm bug: dist.monitored_barrier raises 'only implemented for GLOO backend' on "
-    "xcomm, and ProcessGroup.monitored_barrier 'Backend xcomm does not support monitoredBarrier'",
-)
+#: torch's ``dist.monitored_barrier`` refuses any backend not named "gloo";
+#: ``import xcomm`` routes it, for xcomm groups, to the group's own
+#: ``monitored_barrier``, which runs Gloo's (python/xcomm/compat.py).
 WAIT_ALL = pytest.mark.parametrize("wait_all_ranks", [False, True], ids=["first", "wait_all"])
 
 
@@ -154,7 +148,6 @@ def test_monitored_barrier_reference_on_gloo(wait_all_ranks: bool) -> None:
 
 
 @pytest.mark.client
-@MONITORED_XFAIL
 @WAIT_ALL
 def test_monitored_barrier_passes(wait_all_ranks: bool) -> None:
     res = run_both(_monitored, wait_all_ranks)
@@ -162,7 +155,6 @@ def test_monitored_barrier_passes(wait_all_ranks: bool) -> None:
 
 
 @pytest.mark.client
-@MONITORED_XFAIL
 @WAIT_ALL
 def test_monitored_barrier_names_the_missing_rank(wait_all_ranks: bool) -> None:
     res = run_both(_missing_rank, wait_all_ranks)
