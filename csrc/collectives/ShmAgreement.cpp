@@ -9,34 +9,12 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "collectives/ReduceKernels.hpp"
 #include "collectives/ShmCollectives.hpp"
 
 namespace xcomm::shm {
 namespace detail {
 namespace {
-
-const char* redOpName(int op) {
-  switch (static_cast<RedOp>(op)) {
-    case RedOp::SUM:
-      return "SUM";
-    case RedOp::AVG:
-      return "AVG";
-    case RedOp::PRODUCT:
-      return "PRODUCT";
-    case RedOp::MIN:
-      return "MIN";
-    case RedOp::MAX:
-      return "MAX";
-    case RedOp::BAND:
-      return "BAND";
-    case RedOp::BOR:
-      return "BOR";
-    case RedOp::BXOR:
-      return "BXOR";
-    default:
-      return "?";
-  }
-}
 
 // "broadcast(root=1, Float, 400 bytes)" and the like.
 std::string render(ShmTransport::Descriptor d) {
@@ -48,7 +26,7 @@ std::string render(ShmTransport::Descriptor d) {
   std::ostringstream out;
   switch (code) {
     case OpCode::kAllreduce:
-      out << "all_reduce(" << redOpName(redOp) << ", ";
+      out << "all_reduce(" << reduceOpName(static_cast<RedOp>(redOp)) << ", ";
       break;
     case OpCode::kBroadcast:
       out << "broadcast(root=" << root << ", ";
@@ -57,7 +35,7 @@ std::string render(ShmTransport::Descriptor d) {
       out << "all_gather(";
       break;
     case OpCode::kReduceScatter:
-      out << "reduce_scatter(" << redOpName(redOp) << ", ";
+      out << "reduce_scatter(" << reduceOpName(static_cast<RedOp>(redOp)) << ", ";
       break;
     case OpCode::kBarrier:
       return "barrier()";

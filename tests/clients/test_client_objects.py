@@ -77,19 +77,6 @@ def test_object_collectives_match_gloo() -> None:
     assert [p["rank"] for p in res["xcomm"][1]["gather_object"]] == [300, 301]
 
 
-def _monitored(ctx: RankContext, wait_all_ranks: bool) -> list[Any]:
-    out: list[Any] = []
-    for _ in range(3):
-        dist.monitored_barrier(
-            timeout=datetime.timedelta(seconds=10), wait_all_ranks=wait_all_ranks
-        )
-        out.append("passed")
-    t = torch.tensor([ctx.rank + 1.0])
-    dist.all_reduce(t)
-    out.append(t)
-    return out
-
-
 #: torch's ``dist.monitored_barrier`` refuses any backend not named "gloo";
 #: ``import xcomm`` routes it, for xcomm groups, to the group's own
 #: ``monitored_barrier``, which runs Gloo's (python/xcomm/compat.py).
