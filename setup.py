@@ -13,6 +13,7 @@ recompiles that file. Environment knobs:
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import subprocess
 import sys
@@ -38,9 +39,9 @@ class CMakeBuild(build_ext):
         out_dir = target.parent
         if getattr(self, "editable_mode", False) or self.inplace:
             # Editable installs import from the source tree: build straight
-            # into it, so `cmake --build build/cmake-pyXY` alone refreshes it.
+            # into it, so `bash scripts/dev-build.sh` alone refreshes it.
             out_dir = ROOT / "python" / "xcomm"
-        build_dir = ROOT / "build" / f"cmake-py{sys.version_info.major}{sys.version_info.minor}"
+        build_dir = runpy.run_path(str(ROOT / "scripts" / "build_dir.py"))["build_dir"]()
         build_dir.mkdir(parents=True, exist_ok=True)
         generator = ["-G", "Ninja"] if self._has_ninja() else []
         configure = [
@@ -58,6 +59,7 @@ class CMakeBuild(build_ext):
             f"-DXCOMM_WITH_CUDA={os.environ.get('XCOMM_WITH_CUDA', 'AUTO')}",
             f"-DXCOMM_BUILD_TESTS={os.environ.get('XCOMM_BUILD_TESTS', 'ON')}",
         ]
+        configure += self._cuda_toolkit_args(torch)
         subprocess.run(configure, check=True)
         jobs = os.environ.get("XCOMM_BUILD_JOBS", str(os.cpu_count() or 2))
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
@@ -65,6 +67,29 @@ class CMakeBuild(build_ext):
         if built != target:  # setuptools expects the module where it asked for it
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(built, target)
+
+    @staticmethod
+    def _cuda_toolkit_args(torch: object) -> list[str]:
+        """Where the CUDA toolkit is, for a CUDA build of torch.
+
+        torch's CMake config insists on finding the toolkit whenever torch
+        itself is a CUDA build, even for a build of xcomm without its CUDA
+        path; it does not look behind an ``nvcc`` on PATH that is a wrapper
+        script (as on our machines), so name the toolkit explicitly."""
+        if not getattr(torch.version, "cuda", None):  # type: ignore[attr-defined]
+            return []
+        candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+        for home in filter(None, candidates):
+            if (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include").is_dir():
+                return [
+                    f"-DCUDAToolkit_ROOT={home}",
+                    f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
+                    f"-DCMAKE_CUDA_COMPILER={Path(home) / 'bin' / 'nvcc'}",
+                ]
+        raise RuntimeError(
+            f"torch {torch.__version__} is a CUDA build, and building against it needs the "  # type: ignore[attr-defined]
+            "CUDA toolkit (nvcc and its headers): install it, or set CUDA_HOME to where it is"
+        )
 
     @staticmethod
     def _has_ninja() -> bool:

@@ -2,11 +2,22 @@
 # Sets up a fresh machine for xcomm and builds it: system packages, Python
 # packages (torch pinned: an unpinned torch pulls gigabytes of CUDA), then the
 # extension, compiled against the installed torch. Safe to run again.
+#
+# Knobs (scripts/test.sh uses them to set up a second torch in a venv):
+#   PYTHON=...                 the interpreter to set up (default python3)
+#   XCOMM_TORCH_VERSION=X.Y.Z  require exactly this torch (default: keep any
+#                              installed 2.11-2.14, else install 2.13.0)
+#   XCOMM_INSTALL=editable|wheel  `pip install -e .` (default: imports from the
+#                              source tree) or a regular install into PYTHON's
+#                              site-packages (two torch versions side by side
+#                              cannot share the in-tree module)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${XCOMM_TORCH_VERSION:-2.13.0}
+EXACT_TORCH=${XCOMM_TORCH_VERSION:+1}
+INSTALL=${XCOMM_INSTALL:-editable}
 
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
@@ -23,10 +34,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-# Keep an installed torch from the supported range (2.11 to 2.14); otherwise
-# install the pinned CPU build.
-if ! "$PYTHON" - <<'PY' 2>/dev/null; then
-import sys, torch
+# Keep an installed torch from the supported range (2.11 to 2.14), or exactly
+# XCOMM_TORCH_VERSION when it is set; otherwise install the pinned build.
+if ! XCOMM_WANT="${EXACT_TORCH:+$TORCH_VERSION}" "$PYTHON" - <<'PY' 2>/dev/null; then
+import os, sys, torch
+want = os.environ["XCOMM_WANT"]
+if want:
+    sys.exit(0 if torch.__version__.split("+")[0] == want else 1)
 major, minor = (int(x) for x in torch.__version__.split(".")[:2])
 sys.exit(0 if (major, minor) >= (2, 11) and (major, minor) < (2, 15) else 1)
 PY
@@ -34,9 +48,20 @@ PY
   "$PYTHON" -m pip install -q "torch==${TORCH_VERSION}"
 fi
 
-echo "== pip: Python dependencies"
-"$PYTHON" -m pip install -q -r requirements-dev.txt
+# Every later install is constrained to the torch now installed, so no
+# dependency can replace it (an unpinned torch pulls gigabytes of CUDA).
+constraints=$(mktemp)
+trap 'rm -f "$constraints"' EXIT
+# (No local label: pip finds no candidate for "==2.14.1+cu130" in the index.)
+"$PYTHON" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' >"$constraints"
 
-echo "== build: xcomm (CMake, incremental in build/)"
-"$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .
+echo "== pip: Python dependencies"
+"$PYTHON" -m pip install -q -r requirements-dev.txt -c "$constraints"
+
+echo "== build: xcomm (CMake, incremental in build/, $INSTALL install)"
+case "$INSTALL" in
+  editable) "$PYTHON" -m pip install -q --no-build-isolation --no-deps -e . ;;
+  wheel) "$PYTHON" -m pip install -q --no-build-isolation --no-deps --force-reinstall . ;;
+  *) echo "XCOMM_INSTALL must be editable or wheel, not '$INSTALL'" >&2; exit 2 ;;
+esac
 "$PYTHON" -c "import xcomm, torch; print('xcomm', xcomm.__version__, 'on torch', torch.__version__)"

@@ -370,6 +370,35 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::
                   });
 }
 
+#if XCOMM_HAS_GATHER_SINGLE
+c10::intrusive_ptr<c10d::Work> XcommBackend::gather_into_tensor(at::Tensor& output,
+                                                                at::Tensor& input,
+                                                                const c10d::GatherOptions& opts) {
+  constexpr const char* op = "gather_single";
+  checks::rank(op, opts.rootRank, size_, "root");
+  std::vector<at::Tensor> inputs{input};
+  std::vector<std::vector<at::Tensor>> outputs;
+  if (rank_ == opts.rootRank) {
+    checks::sameDeviceAndDtype(op, output, input, "output", "input");
+    TORCH_CHECK_VALUE(output.is_contiguous(), "xcomm.gather_single: the output tensor must be ",
+                      "contiguous");
+    TORCH_CHECK_VALUE(output.numel() == input.numel() * size_,
+                      "xcomm.gather_single: the output has ", output.numel(),
+                      " elements; it must hold ", size_, " x ", input.numel(),
+                      " (one input per rank)");
+    // Row r of the output is rank r's input.
+    auto rows = output.view({size_, input.numel()});
+    std::vector<at::Tensor> perRank;
+    perRank.reserve(size_);
+    for (int64_t r = 0; r < size_; ++r) {
+      perRank.push_back(rows[r].view(input.sizes()));
+    }
+    outputs.push_back(std::move(perRank));
+  }
+  return XcommBackend::gather(outputs, inputs, opts);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& outputs,
                                                      std::vector<std::vector<at::Tensor>>& inputs,
                                                      const c10d::ScatterOptions& opts) {

@@ -19,6 +19,7 @@
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
 #include "collectives/CompressedAllreduce.hpp"
+#include "common/TorchCompat.hpp"
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
 #include "schedule/FusionBuffer.hpp"
@@ -97,6 +98,14 @@ class XcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> gather(
       std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#if XCOMM_HAS_GATHER_SINGLE
+  // torch 2.14's gather_single, through its alias (the older names are the
+  // ones to override): a gather into one flat tensor on the root. Gloo has
+  // none; xcomm runs it as a gather into views of that tensor.
+  c10::intrusive_ptr<c10d::Work> gather_into_tensor(
+      at::Tensor& output, at::Tensor& input,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#endif
   c10::intrusive_ptr<c10d::Work> scatter(
       std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
       const c10d::ScatterOptions& opts = c10d::ScatterOptions()) override;

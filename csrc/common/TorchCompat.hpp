@@ -4,6 +4,14 @@
 #include <torch/headeronly/version.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+// torch 2.14 added Backend::gather_single, with gather_into_tensor as its
+// overridable alias; earlier versions have neither.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+#define XCOMM_HAS_GATHER_SINGLE 1
+#else
+#define XCOMM_HAS_GATHER_SINGLE 0
+#endif
+
 namespace xcomm::compat {
 
 // torch 2.13 renamed NCCLPreMulSumSupplement (keeping an alias); 2.14 dropped
