@@ -1,6 +1,8 @@
 #include "backend/GroupBuilder.hpp"
 
 #include <cstdlib>
+#include <random>
+#include <sstream>
 #include <string>
 
 #include <c10/util/Exception.h>
@@ -82,6 +84,34 @@ bool allSucceeded(const StorePtr& shmStore, int rank, int size, bool mine) {
   return all;
 }
 
+// A namespace for every key this group puts in the store, fresh for each
+// group built. An earlier group of the same name leaves its keys behind (the
+// same store after destroy_process_group() + init_process_group(), a job
+// restarted over a long-lived store): a rank that read one before its peer
+// overwrote it got the earlier group's shm segment name, host list, setup
+// verdicts or Gloo addresses, so ranks took different transports or failed to
+// connect. Rank 0 draws a token and hands it to each rank under a key the
+// reader deletes once read; the next group's rank then waits for the next
+// token instead of finding this one.
+std::string agreeGroupToken(const StorePtr& store, int rank, int size) {
+  const std::string prefix = "xcomm/token/";
+  if (rank == 0) {
+    std::random_device rd;
+    std::ostringstream token;
+    token << std::hex << rd() << rd() << rd() << rd();  // 128 bits
+    for (int r = 1; r < size; ++r) setString(store, prefix + std::to_string(r), token.str());
+    return token.str();
+  }
+  const std::string key = prefix + std::to_string(rank);
+  std::string token = getString(store, key);
+  try {
+    store->deleteKey(key);
+  } catch (const c10::Error&) {
+    // A store without deleteKey: still right whenever no earlier group left a token.
+  }
+  return token;
+}
+
 const AuxGroup* findAux(const std::vector<AuxGroup>& groups, const std::string& name) {
   for (const auto& g : groups) {
     if (g.name == name) return &g;
@@ -99,7 +129,8 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   options->validate();
   const auto timeout = options->timeout;
   const auto switches = ShmSwitches::fromEnvironment();
-  const StorePtr shmStore = prefixed("xcomm/shm", store);
+  const StorePtr groupStore = prefixed("xcomm/" + agreeGroupToken(store, rank, size), store);
+  const StorePtr shmStore = prefixed("shm", groupStore);
 
   GroupPlan plan = GroupPlan::plain(rank, size, *options, "shared memory not used");
   if (allowShm) {
@@ -113,7 +144,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     const auto groups = plan.auxGroups();
     const AuxGroup* g = findAux(groups, name);
     if (!g || !g->member) return {};
-    return factory.cpu(prefixed(name, store), g->rank, g->size, timeout);
+    return factory.cpu(prefixed(name, groupStore), g->rank, g->size, timeout);
   };
 
   XcommBackend::InnerBackends inner;
@@ -128,7 +159,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
       shm = ShmCpuBackend::tryCreate(shmStore, rank, size, timeout, gloo, config, &whyNot);
     } else {
       shm = ShmCpuBackend::tryCreateHierarchical(
-          prefixed("xcomm/shm/host" + std::to_string(plan.host), store), plan.localRank,
+          prefixed("shm/host" + std::to_string(plan.host), groupStore), plan.localRank,
           plan.localSize, rank, size, plan.hosts, timeout, gloo, make("xcomm/leaders"), config,
           &whyNot);
       // Every host must take the same path, or allreduce would deadlock.
@@ -146,7 +177,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   inner.cpuCompressed = make("xcomm/gloo-int8");
   const BackendPtr fusionControl = make("xcomm/gloo-fusion");
   if (factory.cuda) {
-    inner.cuda = factory.cuda(prefixed("xcomm/nccl", store), rank, size, timeout);
+    inner.cuda = factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout);
   }
   auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(inner));
   if (plan.fusionThresholdBytes > 0) {

@@ -7,13 +7,16 @@ group over the same ranks works and computes the right sums).
 from __future__ import annotations
 
 import datetime
+import os
 import time
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dist_harness import BACKEND, RankContext, run_ranks
+from dist_harness import BACKEND, RankContext, free_port, run_ranks
 
 
 def _abort_subgroup_then_use_another(ctx: RankContext) -> list[float]:
@@ -93,3 +96,87 @@ def test_destroy_while_a_completion_thread_needs_the_gil() -> None:
     for res in run_ranks(_destroy_while_a_callback_needs_the_gil, 2, timeout=60):
         assert res["destroy_s"] < 10, res
         assert res["ran"] in ([], [2.0]), res
+
+
+def _recreate_over_one_store(
+    ctx: RankContext, store_kind: str, port: int, slow_rank: int | None, hosts: int
+) -> list[dict[str, Any]]:
+    import xcomm
+
+    if hosts > 1:  # two emulated hosts: the hierarchical shape
+        os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank * hosts // ctx.world_size}"
+    timeout = datetime.timedelta(seconds=20)
+    # One store for the whole run, as torchrun's agent store or a store the
+    # program made itself: every group name repeats, and its keys are there.
+    if store_kind == "tcp":
+        store: dist.Store = dist.TCPStore(
+            "127.0.0.1", port, ctx.world_size, is_master=ctx.rank == 0, timeout=timeout
+        )
+    else:
+        store = dist.FileStore(ctx.fresh_store_path("shared"), ctx.world_size)
+    seen = []
+    for incarnation in range(3):
+        if ctx.rank == slow_rank:
+            time.sleep(0.5)  # the others read the store before this rank writes to it
+        dist.init_process_group(
+            "xcomm", store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout
+        )
+        sub = dist.new_group(backend="xcomm")  # the same subgroup name each time, too
+        t = torch.full((5,), float(ctx.rank + 1 + incarnation))
+        dist.all_reduce(t)
+        u = torch.full((3,), float(ctx.rank))
+        dist.broadcast(u, src=ctx.world_size - 1, group=sub)
+        seen.append(
+            {
+                "shape": xcomm.group_plan()["shape"],
+                "sub_shape": xcomm.group_plan(sub)["shape"],
+                "sum": t.tolist(),
+                "bcast": u.tolist(),
+            }
+        )
+        dist.destroy_process_group()
+    return seen
+
+
+@pytest.mark.parametrize(
+    "store_kind, slow_rank, hosts, world_size",
+    [
+        ("tcp", None, 1, 2),
+        ("tcp", 1, 1, 2),
+        ("tcp", 0, 1, 2),
+        ("file", 1, 1, 2),
+        pytest.param("tcp", 3, 2, 4, marks=pytest.mark.large_world),
+    ],
+    ids=["tcp", "tcp-slow-rank1", "tcp-slow-rank0", "file-slow-rank1", "tcp-2hosts-slow-rank3"],
+)
+def test_recreating_groups_over_a_store_that_holds_earlier_keys(
+    store_kind: str, slow_rank: int | None, hosts: int, world_size: int
+) -> None:
+    """Issue 12: destroy_process_group() + init_process_group() over a store
+    that outlives the group. Every key of the new group has its old name, so a
+    rank that read the store before a slow peer wrote to it read the earlier
+    group's shm segment name (and fell back to Gloo, or diverged from its
+    peers) or its Gloo addresses (connection refused; plain gloo fails the same
+    way). Each group now keeps its keys under a token rank 0 hands out."""
+    expected_shape = "single-host shared memory" if hosts == 1 else "hierarchical"
+    n = world_size
+    res = run_ranks(
+        _recreate_over_one_store,
+        world_size,
+        store_kind,
+        free_port(),
+        slow_rank,
+        hosts,
+        init=False,
+        timeout=90,
+    )
+    for rank, seen in enumerate(res):
+        assert len(seen) == 3, seen
+        for i, inc in enumerate(seen):
+            assert inc["shape"] == expected_shape and inc["sub_shape"] == expected_shape, (
+                rank,
+                i,
+                inc,
+            )
+            assert inc["sum"] == [float(sum(r + 1 + i for r in range(n)))] * 5, (rank, i, inc)
+            assert inc["bcast"] == [float(n - 1)] * 3, (rank, i, inc)
