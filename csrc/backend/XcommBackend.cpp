@@ -77,6 +77,7 @@ void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->setTimeout(timeout);
   }
+  if (fusion_) fusion_->setTimeout(timeout);  // its agreement rounds' control group
 }
 
 void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cycle,

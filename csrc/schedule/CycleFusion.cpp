@@ -55,7 +55,7 @@ CycleFusion::CycleFusion(size_t thresholdBytes, std::chrono::microseconds cycle,
       onDemand_(cycle.count() == 0),
       cycle_(onDemand_ ? kOnDemandJoin : cycle),
       control_(std::move(control)),
-      timeout_(timeout) {
+      timeoutMs_(timeout.count()) {
   TORCH_CHECK_VALUE(cycle_.count() > 0, "xcomm: a fusion cycle time must be >= 0");
   TORCH_CHECK_VALUE(control_, "xcomm: tensor fusion needs a control transport");
   thread_ = std::thread([this] { cycleLoop(); });
@@ -144,15 +144,20 @@ void CycleFusion::abort() {
   control_->abort();
 }
 
+void CycleFusion::setTimeout(std::chrono::milliseconds timeout) {
+  timeoutMs_ = timeout.count();
+  control_->setTimeout(timeout);
+}
+
 int64_t CycleFusion::negotiate(int64_t issued) {
   if (control_->getSize() == 1) return issued;  // nobody to agree with
   const int64_t startUs = Timeline::nowUs();
   std::vector<at::Tensor> counter{at::full({1}, issued, at::kLong)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MIN);
-  opts.timeout = timeout_;
+  opts.timeout = std::chrono::milliseconds(timeoutMs_.load());
   auto work = control_->allreduce(counter, opts);
-  work->wait(timeout_);
+  work->wait(opts.timeout);
   const int64_t agreed = counter[0].item<int64_t>();
   Timeline::global().add(
       TraceSpan{"FUSION_ROUND",

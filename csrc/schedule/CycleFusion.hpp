@@ -63,6 +63,7 @@ class CycleFusion final : public FusionBuffer {
   // Fails what is held without sending it, and aborts the control transport
   // (a round waiting for a dead peer returns); later ops fail at once.
   void abort() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
 
  private:
   void hold(Held held) override;
@@ -78,13 +79,13 @@ class CycleFusion final : public FusionBuffer {
   const bool onDemand_;
   const std::chrono::microseconds cycle_;  // the join bound when on demand
   c10::intrusive_ptr<c10d::Backend> control_;
-  std::chrono::milliseconds timeout_;
-  std::condition_variable wake_;  // the thread: something to send
-  std::condition_variable sent_;  // flush(): a round sent ops
-  int64_t issuedCount_ = 0;       // ops ever held
-  int64_t sentCount_ = 0;         // ops ever issued as transfers (or failed)
-  int64_t wantedCount_ = 0;       // flush()/wait() need this many sent
-  bool urgent_ = false;           // the threshold filled
+  std::atomic<int64_t> timeoutMs_;  // set by the user's thread, read by the rounds'
+  std::condition_variable wake_;    // the thread: something to send
+  std::condition_variable sent_;    // flush(): a round sent ops
+  int64_t issuedCount_ = 0;         // ops ever held
+  int64_t sentCount_ = 0;           // ops ever issued as transfers (or failed)
+  int64_t wantedCount_ = 0;         // flush()/wait() need this many sent
+  bool urgent_ = false;             // the threshold filled
   bool stopping_ = false;
   std::exception_ptr broken_;  // a failed round: later ops fail at once
   std::thread thread_;

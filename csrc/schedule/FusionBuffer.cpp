@@ -67,10 +67,12 @@ void FusedWork::synchronize() {
   expedite(true);
 }
 
-bool FusedWork::wait(std::chrono::milliseconds /*timeout*/) {
-  // The transport's own timeout bounds the transfer (and the control
-  // transport's the agreement): a dead peer fails it.
+bool FusedWork::wait(std::chrono::milliseconds timeout) {
+  // The group's timeout bounds the transfer (and the control transport's the
+  // agreement): a dead peer fails it. A shorter bound of the caller's is
+  // Work's own wait, which complete() ends through finish().
   expedite(true);
+  if (timeout != kNoTimeout) return c10d::Work::wait(timeout);
   future_->wait();
   if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
   return true;

@@ -88,6 +88,9 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
   virtual void stop() = 0;
   // Ends what is held without blocking (abort()).
   virtual void abort() = 0;
+  // The group's timeout changed (Backend::setTimeout): later agreement
+  // rounds wait this long.
+  virtual void setTimeout(std::chrono::milliseconds timeout) = 0;
 
  protected:
   explicit FusionBuffer(size_t thresholdBytes) : thresholdBytes_(thresholdBytes) {}

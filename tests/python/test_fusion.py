@@ -390,3 +390,62 @@ def test_fusion_cycle_option_is_checked() -> None:
         xcomm.Options(fusion_threshold_bytes=1024, fusion_cycle_ms=-1.0)
     with pytest.raises(TypeError, match="fusion_cycle_ms must be a number"):
         xcomm.Options(fusion_threshold_bytes=1024, fusion_cycle_ms="5")
+
+
+def _rank_fused_wait_timeout(ctx: RankContext, cycle: bool) -> dict[str, Any] | None:
+    group = _cycle_group(timeout=20.0) if cycle else _fused_group()
+    dist.all_reduce(torch.ones(8), group=group)  # healthy first
+    if ctx.rank == 1:
+        ctx.wait_signal("measured", 60)  # joins only after rank 0 gave up waiting
+        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+        return None
+    work = dist.all_reduce(torch.ones(8), group=group, async_op=True)
+    t0 = time.monotonic()
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=1))
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    ctx.signal("measured")
+    work.wait()  # rank 1 joins: the op itself still completes
+    return {"error": error, "elapsed": elapsed}
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["on-demand", "cycle"])
+def test_fused_wait_with_a_timeout_gives_up_at_that_timeout(cycle: bool) -> None:
+    """work.wait(timeout) on a held op raises after that timeout (as Gloo's
+    work does), not after the group's (40 s here, 20 s for the cycle)."""
+    r = run_ranks(_rank_fused_wait_timeout, 2, cycle=cycle)[0]
+    assert r is not None
+    assert r["error"] is not None and "timed out" in r["error"].lower(), r
+    assert 0.9 <= r["elapsed"] < 5.0, r
+
+
+def _rank_fusion_set_timeout(ctx: RankContext) -> dict[str, Any] | None:
+    group = _cycle_group(timeout=40.0)
+    dist.all_reduce(torch.ones(8), group=group)
+    group._get_backend(torch.device("cpu"))._set_default_timeout(datetime.timedelta(seconds=2))
+    if ctx.rank == 1:
+        ctx.wait_signal("measured", 60)  # never joins the next round in time
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+        error = None
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - t0
+    ctx.signal("measured")
+    return {"error": error, "elapsed": elapsed}
+
+
+def test_a_timeout_set_after_creation_reaches_the_fusion_rounds() -> None:
+    """The fusion cycle's agreement rounds run on their own control group;
+    a timeout set on the xcomm group later must bound them too (they kept
+    the creation timeout, 40 s)."""
+    res = run_ranks(_rank_fusion_set_timeout, 2, timeout=60, destroy=False)
+    r = res[0]
+    assert r is not None
+    assert r["error"] is not None, r
+    assert r["elapsed"] < 10.0, r
