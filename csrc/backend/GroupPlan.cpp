@@ -135,8 +135,9 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
   }
   if (fusionThresholdBytes > 0) {
     groups.push_back({"xcomm/gloo-fusion",
-                      "tensor fusion's agreement rounds, apart from the ops they schedule", true,
-                      rank, size});
+                      "tensor fusion's agreement rounds, apart from the ops they schedule "
+                      "(over a shared-memory segment of their own in a single-host group)",
+                      true, rank, size});
   }
   return groups;
 }
