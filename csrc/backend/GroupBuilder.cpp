@@ -181,9 +181,8 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     // own: ~10 us where Gloo's costs ~1 ms on busy cores, more than the small
     // transfers it fuses. Its own segment and thread, so its order never mixes
     // with the group's ops; Gloo stays underneath for abort and as fallback.
-    ShmCpuBackend::Config control;
+    ShmCpuBackend::Config control = inner.shm->config();  // its spin time
     control.transport.slotBytes = 4096;
-    control.transport.spinMicros = static_cast<int>(envInt("XCOMM_SHM_SPIN_US", -1));
     std::string whyNot;
     if (auto shm = ShmCpuBackend::tryCreate(prefixed("shm-fusion", groupStore), rank, size, timeout,
                                             fusionControl, control, &whyNot)) {

@@ -126,6 +126,8 @@ class ShmCpuBackend : public c10d::Backend {
   uint64_t shmOps() const { return shmOps_.load(); }
   // True when the group spans hosts (see above).
   bool hierarchical() const { return hierarchical_; }
+  // What the group was built with (segment sizes, spin time).
+  const Config& config() const { return config_; }
   // The leaders' compression (hierarchical mode with one configured), else null.
   const CompressedAllreduce* leaderCompression() const { return leaderCompression_.get(); }
 

@@ -47,6 +47,18 @@ def _cycle_group(timeout: float | None = None) -> dist.ProcessGroup:
     )
 
 
+def _timed_error(wait: Any) -> tuple[str | None, float]:
+    """Runs ``wait()``; returns (its error as "Type: message", or None) and
+    how long it took."""
+    t0 = time.monotonic()
+    try:
+        wait()
+        error = None
+    except Exception as e:  # noqa: BLE001 - the error is the result
+        error = f"{type(e).__name__}: {e}"
+    return error, time.monotonic() - t0
+
+
 def _rank_burst(ctx: RankContext) -> dict[str, Any]:
     group = _fused_group()
     g = ctx.generator()
@@ -319,22 +331,14 @@ def _rank_cycle_dead_peer(ctx: RankContext) -> dict[str, Any] | None:
     if ctx.rank == 1:
         time.sleep(0.3)
         os._exit(17)  # dies without issuing the held op's peer
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
-    except Exception as e:  # noqa: BLE001
-        error = f"{type(e).__name__}: {e}"
-    else:
-        error = None
-    elapsed = time.monotonic() - t0
+    error, elapsed = _timed_error(
+        lambda: dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+    )
     # Later fused ops fail at once instead of waiting for a round.
-    t1 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
-        second = None
-    except Exception as e:  # noqa: BLE001
-        second = f"{type(e).__name__}: {e}"
-    return {"error": error, "elapsed": elapsed, "second": second, "second_s": time.monotonic() - t1}
+    second, second_s = _timed_error(
+        lambda: dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+    )
+    return {"error": error, "elapsed": elapsed, "second": second, "second_s": second_s}
 
 
 @pytest.mark.slow
@@ -400,13 +404,7 @@ def _rank_fused_wait_timeout(ctx: RankContext, cycle: bool) -> dict[str, Any] | 
         dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
         return None
     work = dist.all_reduce(torch.ones(8), group=group, async_op=True)
-    t0 = time.monotonic()
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=1))
-        error = None
-    except Exception as e:  # noqa: BLE001
-        error = f"{type(e).__name__}: {e}"
-    elapsed = time.monotonic() - t0
+    error, elapsed = _timed_error(lambda: work.wait(timeout=datetime.timedelta(seconds=1)))
     ctx.signal("measured")
     work.wait()  # rank 1 joins: the op itself still completes
     return {"error": error, "elapsed": elapsed}
@@ -429,13 +427,9 @@ def _rank_fusion_set_timeout(ctx: RankContext) -> dict[str, Any] | None:
     if ctx.rank == 1:
         ctx.wait_signal("measured", 60)  # never joins the next round in time
         return None
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
-        error = None
-    except Exception as e:  # noqa: BLE001
-        error = f"{type(e).__name__}: {e}"
-    elapsed = time.monotonic() - t0
+    error, elapsed = _timed_error(
+        lambda: dist.all_reduce(torch.ones(8), group=group, async_op=True).wait()
+    )
     ctx.signal("measured")
     return {"error": error, "elapsed": elapsed}
 
