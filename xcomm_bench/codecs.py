@@ -17,6 +17,13 @@ repeated, so decode does the work it would do with ``--world`` ranks.
 PowerSGD's compute against torch's ``powerSGD_hook`` on DDP's real buckets
 is measured by ``python -m xcomm_bench.powersgd_compute``.
 
+It then measures throughput against memory speed: for each of ``--threads-list``
+(default 1 and 2 torch threads), one float32 bucket of ``--throughput-size``
+elements (default 16M) goes through each method's encode and decode with error
+feedback, and the rate (bucket bytes / time) is set beside the machine's copy
+bandwidth (``dst.copy_(src)`` of the same bucket, same run, same threads).
+The target is at least 25% of the single-core copy rate for every method.
+
 Example::
 
     python -m xcomm_bench codecs --sizes 1M,4M,16M --out bench-results/codecs
@@ -101,22 +108,19 @@ def torch_fp16(flat: torch.Tensor, out: torch.Tensor, world: int) -> None:
 def xcomm_int8(
     codec: _C.Int8Codec, fb: _C.ErrorFeedback, flat: torch.Tensor, world: int, out: torch.Tensor
 ) -> None:
-    acc = fb.compensate(0, flat)
+    """What one rank computes in the int8 hook; the network's part (alltoall,
+    allgather) is left out: this rank's rows stand in for what it receives."""
     shard = codec.shard_elems(flat.numel(), world)
-    packed = codec.pack_shards(acc, world)
-    sent = torch.empty_like(acc)
-    codec.unpack_all(packed, shard, sent)
-    fb.store(0, acc.sub_(sent))
-    mean = codec.reduce_shards(packed, shard).div_(world)  # world shards of this rank's size
-    mine = codec.pack(mean)
-    codec.unpack_all(mine.repeat(world), shard, out)
+    packed = codec.pack_shards_with_feedback(flat, world, fb, 0)
+    mine = codec.reduce_and_pack(packed, shard, float(world))
+    codec.unpack_all(mine.expand(world, -1), shard, out)
 
 
 def xcomm_topk(
     codec: _C.TopKCodec, flat: torch.Tensor, k: int, world: int, out: torch.Tensor
 ) -> None:
     packed = codec.encode(0, flat, k)
-    codec.decode(packed.repeat(world), k, out, float(world))
+    codec.decode(packed.expand(world, -1), k, out, float(world))
 
 
 def xcomm_randomk(
@@ -184,6 +188,121 @@ def measure(numel: int, world: int, reps: int) -> list[dict]:
     return rows
 
 
+def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up: allocations, first touch
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_throughput(numel: int, threads: int, world: int, reps: int) -> list[dict]:
+    """GB/s of each method's encode + decode (with error feedback where the
+    method has it) beside the copy bandwidth, for one thread count.
+
+    Rates are bucket bytes (float32) / time, the copy's too, so the ratio
+    reads as "this codec processes a bucket at x of the speed memory copies it".
+    """
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1)
+    flat = torch.randn(numel, generator=gen)
+    out = torch.empty_like(flat)
+    k = max(1, math.ceil(DENSITY * numel))
+    int8, feedback = _C.Int8Codec(CHUNK), _C.ErrorFeedback()
+    topk_exact = _C.TopKCodec(False, True, 4096, 0)
+    randk = _C.RandomKCodec(0, True)
+    steps = iter(range(10**9))
+    half = torch.empty(numel, dtype=torch.float16)
+    bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    methods: dict[str, Callable[[], object]] = {
+        "copy (reference)": lambda: out.copy_(flat),
+        "int8 + EF": lambda: xcomm_int8(int8, feedback, flat, world, out),
+        f"top-k {DENSITY:.0%} + EF": lambda: xcomm_topk(topk_exact, flat, k, world, out),
+        f"random-k {DENSITY:.0%} + EF": lambda: xcomm_randomk(randk, flat, next(steps), world, out),
+        "fp16 cast": lambda: (half.copy_(flat), out.copy_(half)),
+        "bf16 cast": lambda: (bf16.copy_(flat), out.copy_(bf16)),
+    }
+    seconds = {name: [] for name in methods}
+    for fn in methods.values():
+        fn()
+    for _ in range(reps):  # round-robin, so a busy moment slows every method alike
+        for name, fn in methods.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - t0)
+    nbytes = 4 * numel
+    copy_gbs = nbytes / statistics.median(seconds["copy (reference)"]) / 1e9
+    rows = []
+    for name, ts in seconds.items():
+        gbs = nbytes / statistics.median(ts) / 1e9
+        rows.append(
+            {
+                "threads": threads,
+                "numel": numel,
+                "method": name,
+                "ms": 1000 * statistics.median(ts),
+                "gb_s": gbs,
+                "copy_gb_s": copy_gbs,
+                "ratio": gbs / copy_gbs,
+                "isa": _C.codec_kernels_isa(),
+            }
+        )
+    return rows
+
+
+TARGET_RATIO = 0.25
+
+
+def format_throughput(rows: list[dict]) -> str:
+    """Markdown: per method and thread count, GB/s and the ratio to copy."""
+    single = {r["method"]: r for r in rows if r["threads"] == 1}
+    lines = [
+        "| method | threads | ms | GB/s | copy GB/s | / copy | / 1-thread copy |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        base = single.get("copy (reference)", r)
+        vs_single = r["gb_s"] / base["gb_s"] if single else float("nan")
+        flag = "" if r["method"].startswith("copy") or vs_single >= TARGET_RATIO else " (below 25%)"
+        lines.append(
+            f"| {r['method']} | {r['threads']} | {r['ms']:.2f} | {r['gb_s']:.2f} | "
+            f"{r['copy_gb_s']:.2f} | {r['ratio']:.2f} | {vs_single:.2f}{flag} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_throughput(rows: list[dict], path: Path) -> None:
+    """Bars of GB/s per method and thread count, with the copy rate and the target line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [r["method"] for r in rows if r["threads"] == rows[0]["threads"]]
+    threads = sorted({r["threads"] for r in rows})
+    width = 0.8 / len(threads)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for j, t in enumerate(threads):
+        vals = [
+            next(r["gb_s"] for r in rows if r["threads"] == t and r["method"] == m) for m in methods
+        ]
+        ax.bar([i + j * width for i in range(len(methods))], vals, width, label=f"{t} thread(s)")
+    copy1 = next(
+        r["gb_s"] for r in rows if r["threads"] == threads[0] and r["method"].startswith("copy")
+    )
+    ax.axhline(TARGET_RATIO * copy1, color="red", linestyle="--", label="25% of 1-thread copy")
+    ax.set_xticks([i + width * (len(threads) - 1) / 2 for i in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("GB/s (float32 bucket bytes / time)")
+    ax.set_title(f"encode + decode, {rows[0]['numel']:,} elements, kernels: {rows[0]['isa']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def _parse_size(text: str) -> int:
     text = text.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
@@ -227,19 +346,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--out", default="bench-results/codecs")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--throughput-size", default="16M", help="bucket for the GB/s table ('' skips)")
+    p.add_argument("--threads-list", default="1,2", help="thread counts of the GB/s table")
     args = p.parse_args(argv)
+    default_threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
-    rows: list[dict] = []
-    for size in tqdm([_parse_size(s) for s in args.sizes.split(",")], desc="codecs", unit="size"):
-        rows += measure(size, args.world, args.reps)
-    table = format_markdown(rows)
-    print(f"threads: {torch.get_num_threads()}, world {args.world}, median of {args.reps}")
-    print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "codecs.json").write_text(json.dumps(rows, indent=1))
-    (out / "codecs.md").write_text(table + "\n")
+    rows: list[dict] = []
+    sizes = [_parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    for size in tqdm(sizes, desc="codecs vs torch ops", unit="size"):
+        rows += measure(size, args.world, args.reps)
+    if rows:
+        table = format_markdown(rows)
+        print(f"threads: {torch.get_num_threads()}, world {args.world}, median of {args.reps}")
+        print(table)
+        (out / "codecs.json").write_text(json.dumps(rows, indent=1))
+        (out / "codecs.md").write_text(table + "\n")
+    if args.throughput_size:
+        numel = _parse_size(args.throughput_size)
+        tput: list[dict] = []
+        thread_counts = [int(t) for t in args.threads_list.split(",")]
+        for t in tqdm(thread_counts, desc="throughput", unit="thread count"):
+            tput += measure_throughput(numel, t, args.world, args.reps)
+        torch.set_num_threads(args.threads or default_threads)
+        table = format_throughput(tput)
+        print(
+            f"throughput: {numel:,} float32, world {args.world}, median of {args.reps}, "
+            f"kernels {_C.codec_kernels_isa()}"
+        )
+        print(table)
+        (out / "throughput.json").write_text(json.dumps(tput, indent=1))
+        (out / "throughput.md").write_text(table + "\n")
+        plot_throughput(tput, out / "throughput.png")
+        print(f"plot: {out / 'throughput.png'}")
     return 0

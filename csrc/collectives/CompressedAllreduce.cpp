@@ -104,11 +104,8 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
   a2a.timeout = opts.timeout;
   transport.alltoall_base(received, packed, even, even, a2a)->wait();
 
-  at::Tensor reduced = int8_.reduceShards(received, shard);  // float32 sum, rank order
-  if (isMean(opts)) {
-    reduced.div_(size_);
-  }
-  at::Tensor mine = int8_.pack(reduced);
+  // float32 sum in rank order, the mean's division, quantization: one pass.
+  at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
   at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
   c10d::AllgatherOptions ag;
   ag.timeout = opts.timeout;

@@ -4,15 +4,42 @@
 
 namespace xcomm {
 
+namespace {
+
+void checkSize(int64_t key, const at::Tensor& residual, const at::Tensor& input) {
+  TORCH_CHECK(residual.numel() == input.numel(), "xcomm: the error-feedback residual of bucket ",
+              key, " has ", residual.numel(), " elements but the bucket now has ", input.numel(),
+              "; buckets changed after error feedback started (start compression after DDP "
+              "rebuilt its buckets, i.e. at iteration 2 or later)");
+}
+
+}  // namespace
+
+at::Tensor ErrorFeedback::accumulator(int64_t key, const at::Tensor& input, bool* seeded) {
+  auto it = residuals_.find(key);
+  if (it != residuals_.end()) {
+    checkSize(key, it->second, input);
+    if (it->second.scalar_type() == at::kFloat && it->second.is_contiguous() &&
+        it->second.device().is_cpu()) {
+      *seeded = false;
+      return it->second;
+    }
+  }
+  at::Tensor start = it == residuals_.end()
+                         ? input.reshape({-1}).to(at::kCPU, at::kFloat, false, true)
+                         : compensate(key, input).reshape({-1}).to(at::kFloat);
+  start = start.contiguous();
+  residuals_[key] = start;
+  *seeded = true;
+  return start;
+}
+
 at::Tensor ErrorFeedback::compensate(int64_t key, const at::Tensor& input) const {
   auto it = residuals_.find(key);
   if (it == residuals_.end()) {
     return input.clone();
   }
-  TORCH_CHECK(it->second.numel() == input.numel(), "xcomm: the error-feedback residual of bucket ",
-              key, " has ", it->second.numel(), " elements but the bucket now has ", input.numel(),
-              "; buckets changed after error feedback started (start compression after DDP "
-              "rebuilt its buckets, i.e. at iteration 2 or later)");
+  checkSize(key, it->second, input);
   return input + it->second.view(input.sizes()).to(input.dtype());
 }
 

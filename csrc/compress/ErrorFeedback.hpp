@@ -13,11 +13,17 @@ class ErrorFeedback {
  public:
   // input + the residual stored for `key` (a new tensor; `input` is kept).
   at::Tensor compensate(int64_t key, const at::Tensor& input) const;
+  // The residual of `key` as a float32 accumulator for the fused codecs:
+  // they add the input into it and leave what was not sent. When `key` has
+  // no residual yet (or one of another dtype), it starts as a float32 copy of
+  // `input` and `*seeded` is set: the input is already added.
+  at::Tensor accumulator(int64_t key, const at::Tensor& input, bool* seeded);
   // Stores what was not sent: `residual` becomes the key's residual.
   void store(int64_t key, at::Tensor residual) { residuals_[key] = std::move(residual); }
   void clear() { residuals_.clear(); }
 
-  // Checkpointing: the residuals by key; load replaces them all.
+  // Checkpointing: the residuals by key; load replaces them all. The fused
+  // codecs update residuals in place, so copy what must outlive a step.
   const std::map<int64_t, at::Tensor>& state() const { return residuals_; }
   void load(std::map<int64_t, at::Tensor> state) { residuals_ = std::move(state); }
 

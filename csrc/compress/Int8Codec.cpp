@@ -1,11 +1,11 @@
 #include "compress/Int8Codec.hpp"
 
-#include <cmath>
-#include <cstring>
-#include <limits>
+#include <vector>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
+
+#include "compress/kernels/CodecKernels.hpp"
 
 namespace xcomm {
 namespace {
@@ -14,9 +14,36 @@ int64_t ceilDiv(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }
 
-constexpr int64_t kGrain = 16;  // chunks per parallel task
+// Elements per parallel task: large enough that a task outweighs its start.
+constexpr int64_t kGrainElems = 1 << 16;
+
+int64_t grainChunks(int64_t chunkElems) {
+  return std::max<int64_t>(1, kGrainElems / chunkElems);
+}
+
+bool isDenseFloat(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
+}
 
 }  // namespace
+
+at::Tensor Int8Codec::takeBuffer(int64_t bytes) const {
+  constexpr size_t kMaxPooled = 8;
+  std::lock_guard<std::mutex> lock(pool_->mu);
+  auto& buffers = pool_->buffers;
+  for (auto& b : buffers) {
+    // Only the pool holds it (no tensor, view or in-flight collective).
+    if (b.numel() == bytes && b.use_count() == 1 && b.storage().use_count() == 1) {
+      return b.view({bytes});
+    }
+  }
+  at::Tensor fresh = at::empty({bytes}, at::kByte);
+  if (buffers.size() >= kMaxPooled) {
+    buffers.erase(buffers.begin());
+  }
+  buffers.push_back(fresh);
+  return fresh.view({bytes});
+}
 
 Int8Codec::Int8Codec(int64_t chunkElems) : chunkElems_(chunkElems) {
   TORCH_CHECK_VALUE(chunkElems_ > 0, "xcomm: int8 chunk size must be positive, got ", chunkElems_);
@@ -30,47 +57,26 @@ int64_t Int8Codec::packedBytes(int64_t elems) const {
   return elems + static_cast<int64_t>(sizeof(float)) * ceilDiv(elems, chunkElems_);
 }
 
-void Int8Codec::quantize(const float* src, int64_t n, int8_t* dst, float* scales) const {
-  const int64_t chunks = ceilDiv(n, chunkElems_);
-  at::parallel_for(0, chunks, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t lo = c * chunkElems_;
-      const int64_t hi = std::min(n, lo + chunkElems_);
-      float absmax = 0.f;
-      bool finite = true;
-      for (int64_t i = lo; i < hi; ++i) {
-        const float a = std::fabs(src[i]);
-        finite &= std::isfinite(a);
-        absmax = a > absmax ? a : absmax;
-      }
-      if (!finite) {
-        scales[c] = std::numeric_limits<float>::quiet_NaN();
-        std::memset(dst + lo, 0, hi - lo);
-        continue;
-      }
-      const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
-      const float inv = 1.f / scale;
-      scales[c] = scale;
-      for (int64_t i = lo; i < hi; ++i) {
-        dst[i] = static_cast<int8_t>(std::nearbyint(src[i] * inv));
-      }
-    }
-  });
-}
-
-void Int8Codec::dequantize(const int8_t* src, const float* scales, int64_t n, float* dst,
-                           bool accumulate) const {
-  const int64_t chunks = ceilDiv(n, chunkElems_);
-  at::parallel_for(0, chunks, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t lo = c * chunkElems_;
-      const int64_t hi = std::min(n, lo + chunkElems_);
-      const float scale = scales[c];
-      if (accumulate) {
-        for (int64_t i = lo; i < hi; ++i) dst[i] += static_cast<float>(src[i]) * scale;
-      } else {
-        for (int64_t i = lo; i < hi; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-      }
+void Int8Codec::quantizeShards(const float* src, float* residual, int64_t n, int world,
+                               at::Tensor& out) const {
+  const int64_t shard = shardElems(n, world);
+  const int64_t perShard = shard / chunkElems_;
+  const int64_t bytes = out.size(1);
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const auto& k = kernels::codecKernels();
+  // Chunks of every shard in one parallel loop; a task may span two shards.
+  at::parallel_for(0, world * perShard, grainChunks(chunkElems_), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end;) {
+      const int64_t j = g / perShard;
+      const int64_t c0 = g - j * perShard;
+      const int64_t c1 = std::min(perShard, c0 + (end - g));
+      const int64_t offset = j * shard;
+      const int64_t valid = std::clamp<int64_t>(n - offset, 0, shard);
+      uint8_t* row = dst + j * bytes;
+      k.int8Encode(src ? src + offset : nullptr, residual ? residual + offset : nullptr, valid,
+                   shard, chunkElems_, c0, c1, reinterpret_cast<int8_t*>(row),
+                   reinterpret_cast<float*>(row + shard));
+      g += c1 - c0;
     }
   });
 }
@@ -78,45 +84,86 @@ void Int8Codec::dequantize(const int8_t* src, const float* scales, int64_t n, fl
 at::Tensor Int8Codec::packShards(const at::Tensor& flat, int world) const {
   TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
                    "xcomm: int8 compression needs a floating-point tensor");
+  TORCH_CHECK_VALUE(world > 0, "xcomm: int8 needs a positive world size, got ", world);
   const int64_t n = flat.numel();
-  const int64_t shard = shardElems(n, world);
-  const int64_t bytes = packedBytes(shard);
-  // Zero padding past numel quantizes to zero and costs nothing in the sum.
-  at::Tensor padded = at::zeros({world * shard}, flat.options().dtype(at::kFloat).device(at::kCPU));
-  padded.narrow(0, 0, n).copy_(flat.reshape({-1}));
-  at::Tensor out = at::empty({world, bytes}, at::TensorOptions().dtype(at::kByte));
-  const float* src = padded.data_ptr<float>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  for (int j = 0; j < world; ++j) {
-    uint8_t* row = dst + j * bytes;
-    quantize(src + j * shard, shard, reinterpret_cast<int8_t*>(row),
-             reinterpret_cast<float*>(row + shard));
+  at::Tensor src = flat.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
+  at::Tensor out = at::empty({world, packedBytes(shardElems(n, world))}, at::kByte);
+  quantizeShards(src.data_ptr<float>(), nullptr, n, world, out);
+  return out;
+}
+
+at::Tensor Int8Codec::packShardsWithFeedback(const at::Tensor& flat, int world,
+                                             ErrorFeedback& feedback, int64_t key) const {
+  TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
+                   "xcomm: int8 compression needs a floating-point tensor");
+  if (!isDenseFloat(flat)) {  // the unfused route keeps the residual in the bucket's dtype
+    at::Tensor acc = feedback.compensate(key, flat.reshape({-1}));
+    at::Tensor packed = packShards(acc, world);
+    at::Tensor sent = at::empty_like(acc);
+    unpackAll(packed, shardElems(acc.numel(), world), sent);
+    feedback.store(key, acc.sub_(sent));
+    return packed;
   }
+  const int64_t n = flat.numel();
+  bool seeded = false;
+  at::Tensor residual = feedback.accumulator(key, flat, &seeded);
+  const int64_t rowBytes = packedBytes(shardElems(n, world));
+  at::Tensor out = takeBuffer(world * rowBytes).view({world, rowBytes});
+  quantizeShards(seeded ? nullptr : flat.data_ptr<float>(), residual.data_ptr<float>(), n, world,
+                 out);
+  return out;
+}
+
+at::Tensor Int8Codec::reduceRows(const at::Tensor& received, int64_t shard, double divisor,
+                                 bool pack) const {
+  TORCH_CHECK_VALUE(
+      received.dim() == 2 && received.size(1) == packedBytes(shard) && shard % chunkElems_ == 0,
+      "xcomm: int8 payload has the wrong size");
+  at::Tensor packed = received.contiguous();
+  const int64_t chunks = shard / chunkElems_;
+  at::Tensor out = pack ? takeBuffer(packedBytes(shard)) : at::empty({shard}, at::kFloat);
+  const uint8_t* rows = packed.data_ptr<uint8_t>();
+  const int64_t rowBytes = packed.size(1);
+  const int world = static_cast<int>(packed.size(0));
+  const float div = static_cast<float>(divisor);
+  const auto& k = kernels::codecKernels();
+  at::parallel_for(0, chunks, grainChunks(chunkElems_), [&](int64_t c0, int64_t c1) {
+    std::vector<float> scratch(chunkElems_);
+    if (pack) {
+      uint8_t* dst = out.data_ptr<uint8_t>();
+      k.int8ReduceShard(rows, rowBytes, world, shard, chunkElems_, c0, c1, div, nullptr,
+                        reinterpret_cast<int8_t*>(dst), reinterpret_cast<float*>(dst + shard),
+                        scratch.data());
+    } else {
+      k.int8ReduceShard(rows, rowBytes, world, shard, chunkElems_, c0, c1, div,
+                        out.data_ptr<float>(), nullptr, nullptr, scratch.data());
+    }
+  });
   return out;
 }
 
 at::Tensor Int8Codec::reduceShards(const at::Tensor& received, int64_t shard) const {
-  TORCH_CHECK_VALUE(received.dim() == 2 && received.size(1) == packedBytes(shard),
-                    "xcomm: int8 payload has the wrong size");
-  at::Tensor packed = received.contiguous();
-  at::Tensor sum = at::zeros({shard}, at::kFloat);
-  const uint8_t* src = packed.data_ptr<uint8_t>();
-  const int64_t bytes = packed.size(1);
-  for (int64_t r = 0; r < packed.size(0); ++r) {  // rank order: same bits everywhere
-    const uint8_t* row = src + r * bytes;
-    dequantize(reinterpret_cast<const int8_t*>(row), reinterpret_cast<const float*>(row + shard),
-               shard, sum.data_ptr<float>(), /*accumulate=*/true);
-  }
-  return sum;
+  return reduceRows(received, shard, 1.0, /*pack=*/false);
+}
+
+at::Tensor Int8Codec::reduceAndPack(const at::Tensor& received, int64_t shard,
+                                    double divisor) const {
+  return reduceRows(received, shard, divisor, /*pack=*/true);
 }
 
 at::Tensor Int8Codec::pack(const at::Tensor& shard) const {
-  at::Tensor src = shard.to(at::kFloat).contiguous();
+  at::Tensor src = shard.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
   const int64_t n = src.numel();
+  // One "shard" of n elements: packShards' layout with world 1, without padding.
   at::Tensor out = at::empty({packedBytes(n)}, at::kByte);
   uint8_t* dst = out.data_ptr<uint8_t>();
-  quantize(src.data_ptr<float>(), n, reinterpret_cast<int8_t*>(dst),
-           reinterpret_cast<float*>(dst + n));
+  const float* in = src.data_ptr<float>();
+  const auto& k = kernels::codecKernels();
+  at::parallel_for(
+      0, ceilDiv(n, chunkElems_), grainChunks(chunkElems_), [&](int64_t c0, int64_t c1) {
+        k.int8Encode(in, nullptr, n, n, chunkElems_, c0, c1, reinterpret_cast<int8_t*>(dst),
+                     reinterpret_cast<float*>(dst + n));
+      });
   return out;
 }
 
@@ -126,15 +173,34 @@ void Int8Codec::unpackAll(const at::Tensor& gathered, int64_t shard, at::Tensor&
   }
   at::Tensor packed = gathered.contiguous().view({-1, packedBytes(shard)});
   const int64_t world = packed.size(0);
-  TORCH_CHECK_VALUE(out.numel() <= world * shard, "xcomm: int8 output larger than the payload");
-  at::Tensor full = at::empty({world * shard}, at::kFloat);
+  const int64_t n = out.numel();
+  TORCH_CHECK_VALUE(n <= world * shard, "xcomm: int8 output larger than the payload");
+  const bool direct = isDenseFloat(out);
+  at::Tensor full = direct ? out.view({-1}) : at::empty({n}, at::kFloat);
+  float* dst = full.data_ptr<float>();
   const uint8_t* src = packed.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < world; ++r) {
-    const uint8_t* row = src + r * packed.size(1);
-    dequantize(reinterpret_cast<const int8_t*>(row), reinterpret_cast<const float*>(row + shard),
-               shard, full.data_ptr<float>() + r * shard, /*accumulate=*/false);
+  const int64_t bytes = packed.size(1);
+  const int64_t perShard = ceilDiv(shard, chunkElems_);
+  const auto& k = kernels::codecKernels();
+  at::parallel_for(0, world * perShard, grainChunks(chunkElems_), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end;) {
+      const int64_t j = g / perShard;
+      const int64_t c0 = g - j * perShard;
+      const int64_t c1 = std::min(perShard, c0 + (end - g));
+      const int64_t offset = j * shard;
+      const int64_t valid = std::clamp<int64_t>(n - offset, 0, shard);
+      const uint8_t* row = src + j * bytes;
+      if (valid > 0) {
+        k.int8Decode(reinterpret_cast<const int8_t*>(row),
+                     reinterpret_cast<const float*>(row + shard), valid, chunkElems_, c0, c1,
+                     dst + offset);
+      }
+      g += c1 - c0;
+    }
+  });
+  if (!direct) {
+    out.view({-1}).copy_(full);
   }
-  out.view({-1}).copy_(full.narrow(0, 0, out.numel()));
 }
 
 at::Tensor Int8Codec::roundTrip(const at::Tensor& flat) const {

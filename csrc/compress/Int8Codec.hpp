@@ -11,8 +11,13 @@
 // A chunk holding NaN or Inf decodes to NaN, so a non-finite gradient stays
 // visible (as an uncompressed allreduce would leave it) instead of vanishing.
 #include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 #include <ATen/ATen.h>
+
+#include "compress/ErrorFeedback.hpp"
 
 namespace xcomm {
 
@@ -28,9 +33,17 @@ class Int8Codec {
 
   // Quantizes `flat` (any floating dtype) as `world` shards: uint8 [world, packedBytes].
   at::Tensor packShards(const at::Tensor& flat, int world) const;
+  // packShards of flat + the residual of `key`, leaving in that residual what
+  // the packed shards do not carry: error feedback and quantization in one
+  // pass over the bucket (float32; other dtypes take the unfused route).
+  at::Tensor packShardsWithFeedback(const at::Tensor& flat, int world, ErrorFeedback& feedback,
+                                    int64_t key) const;
   // Dequantizes and sums the world's versions of one shard, uint8 [world, packedBytes],
   // into float32 [shardElems], in rank order (so every run gives the same bits).
   at::Tensor reduceShards(const at::Tensor& received, int64_t shardElems) const;
+  // reduceShards, divided by `divisor`, then pack: the reduce-scatter's
+  // second half in one pass.
+  at::Tensor reduceAndPack(const at::Tensor& received, int64_t shardElems, double divisor) const;
   // Quantizes one float32 shard: uint8 [packedBytes].
   at::Tensor pack(const at::Tensor& shard) const;
   // Dequantizes the world's packed shards, uint8 [world, packedBytes], into
@@ -41,11 +54,23 @@ class Int8Codec {
   at::Tensor roundTrip(const at::Tensor& flat) const;
 
  private:
-  void quantize(const float* src, int64_t n, int8_t* dst, float* scales) const;
-  void dequantize(const int8_t* src, const float* scales, int64_t n, float* dst,
-                  bool accumulate) const;
+  // Quantizes `world` shards of `n` source elements into `out` (uint8
+  // [world, packedBytes]); src null: the values are in `residual`.
+  void quantizeShards(const float* src, float* residual, int64_t n, int world,
+                      at::Tensor& out) const;
+  at::Tensor reduceRows(const at::Tensor& received, int64_t shard, double divisor, bool pack) const;
+
+  // A byte buffer of `bytes` that nobody else holds: a step's payloads reuse
+  // the last step's memory instead of faulting in fresh pages (which several
+  // threads then contend for in the kernel).
+  at::Tensor takeBuffer(int64_t bytes) const;
 
   int64_t chunkElems_;
+  struct BufferPool {
+    std::mutex mu;
+    std::vector<at::Tensor> buffers;
+  };
+  std::shared_ptr<BufferPool> pool_ = std::make_shared<BufferPool>();
 };
 
 }  // namespace xcomm

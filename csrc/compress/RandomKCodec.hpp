@@ -17,8 +17,9 @@ class RandomKCodec {
  public:
   RandomKCodec(uint64_t seed, bool errorFeedback);
 
-  // The positions kept for (key, step): each with probability `density`,
-  // at least one; identical on every rank with the same seed.
+  // The positions kept for (key, step): k = ceil(density * numel) (at least
+  // one), one drawn in each of k equal strata, ascending; identical on every
+  // rank (and CPU) with the same seed.
   at::Tensor positions(int64_t key, int64_t step, int64_t numel, double density) const;
 
   // The selected values of `flat` (+ residual), to be allreduced. Updates the

@@ -6,16 +6,34 @@
 // so payloads are exchanged with an allgather, packed compactly as
 // [k int32 indices | k values in the gradient's dtype] per rank.
 //
-// Selection is exact (a full top-k) or approximate: a magnitude threshold is
-// estimated from a random sample of the input (as in DGC), entries above it
-// are kept, and a top-k over those few trims the set to exactly k.
+// Selection always yields the exact top-k by magnitude (ties: the lower
+// index wins; NaN ranks above Inf, so it is sent rather than buried). For
+// float32 buckets it takes one fused pass: a magnitude threshold is
+// estimated from a random sample (as in DGC), the pass adds the residual and
+// collects the entries at or above it, and a selection over those few trims
+// the set to exactly k. A sample that overshoots costs a second pass, never
+// a different answer. `approximate` is kept for the API: it only decided,
+// before the fused pass existed, whether small buckets used the sample.
 #include <cstdint>
+#include <vector>
 
 #include <ATen/ATen.h>
 
 #include "compress/ErrorFeedback.hpp"
 
 namespace xcomm {
+
+// Candidates of one selection, and the per-block scratch they are collected
+// in; kept by the codec so a step reuses the last step's memory.
+struct TopKCandidates {
+  std::vector<int32_t> indices;
+  std::vector<float> values;
+};
+struct TopKScratch {
+  std::vector<int32_t> indices;
+  std::vector<float> values;
+  std::vector<int64_t> counts;
+};
 
 class TopKCodec {
  public:
@@ -41,12 +59,18 @@ class TopKCodec {
 
  private:
   at::Tensor select(const at::Tensor& magnitudes, int64_t k);
+  at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k);
+  at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k);
+  // The sampled threshold key: usually a little under k entries' magnitude.
+  uint32_t sampleThreshold(const float* src, const float* residual, int64_t n, int64_t k);
 
   bool approximate_;
   bool useFeedback_;
   int64_t sampleSize_;
   at::Generator generator_;
   ErrorFeedback feedback_;
+  TopKScratch scratch_;
+  TopKCandidates candidates_;
 };
 
 }  // namespace xcomm

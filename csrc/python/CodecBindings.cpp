@@ -4,6 +4,7 @@
 #include "compress/Int8Codec.hpp"
 #include "compress/RandomKCodec.hpp"
 #include "compress/TopKCodec.hpp"
+#include "compress/kernels/CodecKernels.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -36,6 +37,9 @@ void bindFeedbackState(py::class_<Codec>& cls) {
 }
 
 void bindCodecs(py::module_& m) {
+  m.def(
+      "codec_kernels_isa", [] { return std::string(xcomm::kernels::codecKernels().isa); },
+      "The instruction set the codec kernels run with (default, avx2, avx512).");
   py::class_<xcomm::ErrorFeedback>(m, "ErrorFeedback", "Per-bucket error-feedback residuals.")
       .def(py::init<>())
       .def("compensate", &xcomm::ErrorFeedback::compensate, py::arg("key"), py::arg("input"),
@@ -63,6 +67,13 @@ void bindCodecs(py::module_& m) {
       .def("packed_bytes", &xcomm::Int8Codec::packedBytes, py::arg("elems"))
       .def("pack_shards", &xcomm::Int8Codec::packShards, py::arg("flat"), py::arg("world"),
            py::call_guard<py::gil_scoped_release>())
+      .def("pack_shards_with_feedback", &xcomm::Int8Codec::packShardsWithFeedback, py::arg("flat"),
+           py::arg("world"), py::arg("feedback"), py::arg("key"),
+           py::call_guard<py::gil_scoped_release>(),
+           "pack_shards of flat + the key's residual, leaving the new residual in `feedback`.")
+      .def("reduce_and_pack", &xcomm::Int8Codec::reduceAndPack, py::arg("received"),
+           py::arg("shard_elems"), py::arg("divisor"), py::call_guard<py::gil_scoped_release>(),
+           "reduce_shards(received) / divisor, quantized: pack of the reduced shard.")
       .def("reduce_shards", &xcomm::Int8Codec::reduceShards, py::arg("received"),
            py::arg("shard_elems"), py::call_guard<py::gil_scoped_release>())
       .def("pack", &xcomm::Int8Codec::pack, py::arg("shard"),

@@ -96,7 +96,8 @@ TEST_CASE("top-k sends the k largest magnitudes and keeps the rest", "[topk]") {
   auto out = at::zeros({6});
   codec.decode(packed.view({1, -1}), 3, out, 1.0);
   CHECK(at::equal(out, at::tensor(std::vector<float>{0, -5.f, 0, 3.f, 0, 4.f})));
-  auto residual = codec.errorFeedback().state().at(0);
+  // A copy: the codec updates its residuals in place.
+  auto residual = codec.errorFeedback().state().at(0).clone();
   // Conservation: sent + residual == input.
   CHECK(at::allclose(out + residual, x));
   // The residual joins the next step's input.
@@ -171,6 +172,16 @@ TEST_CASE("random-k positions are shared by seed, key and step", "[randomk]") {
   CHECK(a.positions(0, 0, 3, 1e-6).numel() == 1);  // never empty
   CHECK(a.positions(0, 0, 0, 0.5).numel() == 0);
   CHECK(a.positions(0, 0, 7, 1.0).numel() == 7);
+  // Stratified: exactly ceil(density * numel) positions, one in each stratum
+  // [i * numel / k, (i + 1) * numel / k), so ascending and distinct.
+  auto strat = a.positions(2, 9, 100003, 0.013);
+  const int64_t k = static_cast<int64_t>(std::ceil(0.013 * 100003));
+  REQUIRE(strat.numel() == k);
+  auto p = strat.accessor<int64_t, 1>();
+  for (int64_t i = 0; i < k; ++i) {
+    CHECK(p[i] >= i * 100003 / k);
+    CHECK(p[i] < (i + 1) * 100003 / k);
+  }
   CHECK_THROWS_WITH(a.positions(0, 0, 7, 0.0), Contains("density"));
 }
 

@@ -112,13 +112,11 @@ def int8_compress_hook(
     )
     view = state.residuals.view(bucket, state.feedback.store if state.error_feedback else None)
     key, flat = view.key, view.tensor
-    acc = state.feedback.compensate(key, flat) if state.error_feedback else flat
     shard = codec.shard_elems(flat.numel(), world)
-    packed = codec.pack_shards(acc, world)  # [world, bytes_per_shard]
-    if state.error_feedback:
-        sent = torch.empty_like(acc)
-        codec.unpack_all(packed, shard, sent)
-        state.feedback.store(key, acc.sub_(sent))
+    if state.error_feedback:  # one pass: add the residual, quantize, keep what was not sent
+        packed = codec.pack_shards_with_feedback(flat, world, state.feedback, key)
+    else:
+        packed = codec.pack_shards(flat, world)  # [world, bytes_per_shard]
     shard_bytes = packed.shape[1]
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world),
@@ -133,8 +131,8 @@ def int8_compress_hook(
 
     def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:
         try:
-            mean_shard = codec.reduce_shards(received, shard).div_(world)
-            work = all_gather_single(gathered, codec.pack(mean_shard), group=group, async_op=True)
+            mean_packed = codec.reduce_and_pack(received, shard, float(world))
+            work = all_gather_single(gathered, mean_packed, group=group, async_op=True)
         except BaseException as e:
             mark_issued(issued, e)
             raise

@@ -9,8 +9,9 @@ residual, ``e = a - sent``, so nothing is lost, only delayed (as in DGC).
   and summed: ``mean = (1/n) sum_r scatter(idx_r, val_r)``. Traffic per rank:
   ``(n-1) * k * (4 + itemsize)`` bytes.
 - Random-k draws the same positions on every rank from a shared seed, the
-  bucket index and the step, so a dense allreduce of the ``k`` selected values
-  is exact and no indices are sent: ``2 (n-1)/n * k * itemsize`` bytes.
+  bucket index and the step (one position in each of ``k`` equal strata of
+  the bucket), so a dense allreduce of the ``k`` selected values is exact and
+  no indices are sent: ``2 (n-1)/n * k * itemsize`` bytes.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
@@ -44,15 +45,17 @@ class TopKState(PicklableState):
     Args:
         process_group: the group to reduce over (default: the default group).
         density: fraction of entries sent per bucket, in (0, 1].
-        approximate: estimate the top-k threshold from a sample (faster on
-            large buckets) instead of a full top-k.
+        approximate: kept for compatibility; both settings select the exact
+            top-k (ties to the lower index) in one fused pass over float32
+            buckets, which estimates the threshold from a sample and falls back
+            to a full selection when the sample overshoots.
         error_feedback: keep what was not sent for the next step.
         start_iter: iterations reduced uncompressed first (>= 2 with error feedback).
         warmup_steps: after ``start_iter``, the density decays exponentially
             from ``warmup_density`` to ``density`` over this many steps (DGC's
             warm-up); 0 disables it.
         warmup_density: the density at the start of the warm-up.
-        seed: seed of the sampling in approximate mode.
+        seed: seed of the threshold's sampling.
         model: the DDP model; when given, checkpoints keep residuals per
             parameter, so a resumed run continues bit for bit even though a
             fresh DDP lays out its first buckets differently.
