@@ -188,16 +188,6 @@ def measure(numel: int, world: int, reps: int) -> list[dict]:
     return rows
 
 
-def _median_seconds(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up: allocations, first touch
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_throughput(numel: int, threads: int, world: int, reps: int) -> list[dict]:
     """GB/s of each method's encode + decode (with error feedback where the
     method has it) beside the copy bandwidth, for one thread count.

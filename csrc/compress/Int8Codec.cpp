@@ -25,6 +25,24 @@ bool isDenseFloat(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
 }
 
+// Runs fn(shard j, chunks [c0, c1) of it, element offset, valid elements) over
+// the chunks of `world` shards of `shard` elements each (`n` real elements in
+// all) in one parallel loop; a task may span two shards.
+template <typename Fn>
+void forEachShardChunks(int64_t n, int world, int64_t shard, int64_t chunkElems, Fn fn) {
+  const int64_t perShard = ceilDiv(shard, chunkElems);
+  at::parallel_for(0, world * perShard, grainChunks(chunkElems), [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end;) {
+      const int64_t j = g / perShard;
+      const int64_t c0 = g - j * perShard;
+      const int64_t c1 = std::min(perShard, c0 + (end - g));
+      const int64_t offset = j * shard;
+      fn(j, c0, c1, offset, std::clamp<int64_t>(n - offset, 0, shard));
+      g += c1 - c0;
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor Int8Codec::takeBuffer(int64_t bytes) const {
@@ -60,25 +78,17 @@ int64_t Int8Codec::packedBytes(int64_t elems) const {
 void Int8Codec::quantizeShards(const float* src, float* residual, int64_t n, int world,
                                at::Tensor& out) const {
   const int64_t shard = shardElems(n, world);
-  const int64_t perShard = shard / chunkElems_;
   const int64_t bytes = out.size(1);
   uint8_t* dst = out.data_ptr<uint8_t>();
   const auto& k = kernels::codecKernels();
-  // Chunks of every shard in one parallel loop; a task may span two shards.
-  at::parallel_for(0, world * perShard, grainChunks(chunkElems_), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end;) {
-      const int64_t j = g / perShard;
-      const int64_t c0 = g - j * perShard;
-      const int64_t c1 = std::min(perShard, c0 + (end - g));
-      const int64_t offset = j * shard;
-      const int64_t valid = std::clamp<int64_t>(n - offset, 0, shard);
-      uint8_t* row = dst + j * bytes;
-      k.int8Encode(src ? src + offset : nullptr, residual ? residual + offset : nullptr, valid,
-                   shard, chunkElems_, c0, c1, reinterpret_cast<int8_t*>(row),
-                   reinterpret_cast<float*>(row + shard));
-      g += c1 - c0;
-    }
-  });
+  forEachShardChunks(n, world, shard, chunkElems_,
+                     [&](int64_t j, int64_t c0, int64_t c1, int64_t offset, int64_t valid) {
+                       uint8_t* row = dst + j * bytes;
+                       k.int8Encode(src ? src + offset : nullptr,
+                                    residual ? residual + offset : nullptr, valid, shard,
+                                    chunkElems_, c0, c1, reinterpret_cast<int8_t*>(row),
+                                    reinterpret_cast<float*>(row + shard));
+                     });
 }
 
 at::Tensor Int8Codec::packShards(const at::Tensor& flat, int world) const {
@@ -180,24 +190,15 @@ void Int8Codec::unpackAll(const at::Tensor& gathered, int64_t shard, at::Tensor&
   float* dst = full.data_ptr<float>();
   const uint8_t* src = packed.data_ptr<uint8_t>();
   const int64_t bytes = packed.size(1);
-  const int64_t perShard = ceilDiv(shard, chunkElems_);
   const auto& k = kernels::codecKernels();
-  at::parallel_for(0, world * perShard, grainChunks(chunkElems_), [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end;) {
-      const int64_t j = g / perShard;
-      const int64_t c0 = g - j * perShard;
-      const int64_t c1 = std::min(perShard, c0 + (end - g));
-      const int64_t offset = j * shard;
-      const int64_t valid = std::clamp<int64_t>(n - offset, 0, shard);
-      const uint8_t* row = src + j * bytes;
-      if (valid > 0) {
-        k.int8Decode(reinterpret_cast<const int8_t*>(row),
-                     reinterpret_cast<const float*>(row + shard), valid, chunkElems_, c0, c1,
-                     dst + offset);
-      }
-      g += c1 - c0;
-    }
-  });
+  forEachShardChunks(n, static_cast<int>(world), shard, chunkElems_,
+                     [&](int64_t j, int64_t c0, int64_t c1, int64_t offset, int64_t valid) {
+                       if (valid == 0) return;
+                       const uint8_t* row = src + j * bytes;
+                       k.int8Decode(reinterpret_cast<const int8_t*>(row),
+                                    reinterpret_cast<const float*>(row + shard), valid, chunkElems_,
+                                    c0, c1, dst + offset);
+                     });
   if (!direct) {
     out.view({-1}).copy_(full);
   }

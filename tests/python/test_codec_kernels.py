@@ -182,6 +182,13 @@ def test_randomk_fused_route_keeps_the_invariant() -> None:
         assert torch.equal(_bits(out), _bits(ref))
     with pytest.raises(ValueError, match="outside the bucket"):
         codec.encode(4, torch.randn(10), torch.tensor([3, 10]))
+    with pytest.raises(ValueError, match="3 reduced values for 2 positions"):
+        codec.decode(torch.ones(3), torch.tensor([1, 2]), torch.empty(10), 1.0)
+
+
+def test_topk_refuses_a_negative_k() -> None:
+    with pytest.raises(ValueError, match="k >= 0"):
+        _C.TopKCodec(False, True).encode(0, torch.randn(100), -1)
 
 
 _SCRIPT = r"""
