@@ -21,6 +21,13 @@ class ErrorFeedback {
   // Stores what was not sent: `residual` becomes the key's residual.
   void store(int64_t key, at::Tensor residual) { residuals_[key] = std::move(residual); }
   void clear() { residuals_.clear(); }
+  // The live residual of `key` (updated in place by the codecs), or an
+  // undefined tensor when there is none.
+  at::Tensor find(int64_t key) const {
+    auto it = residuals_.find(key);
+    return it == residuals_.end() ? at::Tensor() : it->second;
+  }
+  void erase(int64_t key) { residuals_.erase(key); }
 
   // Checkpointing: the residuals by key; load replaces them all. The fused
   // codecs update residuals in place, so copy what must outlive a step.

@@ -68,6 +68,11 @@ at::Tensor RandomKCodec::positions(int64_t key, int64_t step, int64_t numel, dou
 }
 
 at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::Tensor& positions) {
+  return encode(key, flat, positions, useFeedback_ ? &feedback_ : nullptr);
+}
+
+at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::Tensor& positions,
+                                ErrorFeedback* fb) {
   TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
                    "xcomm: random-k needs a floating-point tensor");
   checkPositions(positions, flat.numel());
@@ -78,13 +83,13 @@ at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::T
     const int64_t* pos = positions.data_ptr<int64_t>();
     at::Tensor values = at::empty({k}, at::kFloat);
     float* val = values.data_ptr<float>();
-    if (!useFeedback_) {
+    if (fb == nullptr) {
       const float* src = flat.data_ptr<float>();
       for (int64_t i = 0; i < k; ++i) val[i] = src[pos[i]];
       return values;
     }
     bool seeded = false;
-    at::Tensor residual = feedback_.accumulator(key, flat, &seeded);
+    at::Tensor residual = fb->accumulator(key, flat, &seeded);
     float* res = residual.data_ptr<float>();
     if (!seeded) {
       const float* src = flat.data_ptr<float>();
@@ -99,11 +104,11 @@ at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::T
     return values;
   }
   at::Tensor input = flat.reshape({-1}).to(at::kCPU);
-  at::Tensor acc = useFeedback_ ? feedback_.compensate(key, input) : input;
+  at::Tensor acc = (fb != nullptr) ? fb->compensate(key, input) : input;
   at::Tensor values = acc.index_select(0, positions);
-  if (useFeedback_) {
+  if ((fb != nullptr)) {
     acc.index_fill_(0, positions, 0);
-    feedback_.store(key, acc);
+    fb->store(key, acc);
   }
   return values;
 }

@@ -25,6 +25,10 @@ class RandomKCodec {
   // The selected values of `flat` (+ residual), to be allreduced. Updates the
   // residual of `key`.
   at::Tensor encode(int64_t key, const at::Tensor& flat, const at::Tensor& positions);
+  // The same with residuals kept in `feedback` (the caller's store, shared
+  // with other codecs), or none when it is null; the codec's own is unused.
+  at::Tensor encode(int64_t key, const at::Tensor& flat, const at::Tensor& positions,
+                    ErrorFeedback* feedback);
   // Writes the reduced values, divided by `divisor`, into `out` (zero elsewhere).
   void decode(const at::Tensor& reduced, const at::Tensor& positions, at::Tensor& out,
               double divisor) const;

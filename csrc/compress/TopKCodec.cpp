@@ -123,6 +123,10 @@ at::Tensor TopKCodec::select(const at::Tensor& magnitudes, int64_t k) {
 }
 
 at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k) {
+  return encode(key, flat, k, useFeedback_ ? &feedback_ : nullptr);
+}
+
+at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb) {
   TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
                    "xcomm: top-k needs a floating-point tensor");
   TORCH_CHECK_VALUE(k >= 0, "xcomm: top-k needs k >= 0, got ", k);
@@ -130,9 +134,9 @@ at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k) {
                     "xcomm: top-k indices are int32; a bucket of ", flat.numel(),
                     " elements is too large (use smaller DDP buckets)");
   if (isDenseFloat(flat) && flat.numel() > 0) {
-    return encodeFloat(key, flat, k);
+    return encodeFloat(key, flat, k, fb);
   }
-  return encodeGeneric(key, flat, k);
+  return encodeGeneric(key, flat, k, fb);
 }
 
 uint32_t TopKCodec::sampleThreshold(const float* src, const float* residual, int64_t n, int64_t k) {
@@ -152,18 +156,19 @@ uint32_t TopKCodec::sampleThreshold(const float* src, const float* residual, int
   return kthLargestKey(std::move(keys), rank);
 }
 
-at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k) {
+at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k,
+                                  ErrorFeedback* fb) {
   const int64_t n = flat.numel();
   k = std::min<int64_t>(k, n);
   const float* src = flat.data_ptr<float>();
   at::Tensor residual;
   bool seeded = false;
-  if (useFeedback_) {
-    residual = feedback_.accumulator(key, flat, &seeded);
+  if ((fb != nullptr)) {
+    residual = fb->accumulator(key, flat, &seeded);
   }
-  float* res = useFeedback_ ? residual.data_ptr<float>() : nullptr;
-  const float* acc = useFeedback_ ? res : src;  // the values, once the scan has run
-  TopKCandidates& cand = candidates_;           // reused memory; no candidates yet
+  float* res = (fb != nullptr) ? residual.data_ptr<float>() : nullptr;
+  const float* acc = (fb != nullptr) ? res : src;  // the values, once the scan has run
+  TopKCandidates& cand = candidates_;              // reused memory; no candidates yet
   cand.indices.clear();
   cand.values.clear();
   bool scanned = false;
@@ -178,7 +183,7 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
     }
   }
   if (k > 0 && static_cast<int64_t>(cand.indices.size()) < k) {
-    if (!scanned && useFeedback_ && !seeded) {
+    if (!scanned && (fb != nullptr) && !seeded) {
       kernels::codecKernels().addInto(src, res, 0, n);  // residual += input
     }
     std::vector<uint32_t> keys(n);
@@ -187,7 +192,7 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
     });
     const uint32_t t = kthLargestKey(std::move(keys), k);
     scanAll(acc, nullptr, n, t, k, scratch_, cand);
-  } else if (k == 0 && useFeedback_ && !seeded) {
+  } else if (k == 0 && (fb != nullptr) && !seeded) {
     kernels::codecKernels().addInto(src, res, 0, n);
   }
   // Trim the candidates (index order, all >= the k-th key) to exactly k:
@@ -214,24 +219,25 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
     j += take;
   }
   TORCH_CHECK(j == k, "xcomm: internal error: top-k selected ", j, " of ", k);
-  if (useFeedback_) {
+  if ((fb != nullptr)) {
     for (int64_t i = 0; i < k; ++i) res[outIdx[i]] = 0.f;  // sent: nothing left behind
   }
   return packed;
 }
 
-at::Tensor TopKCodec::encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k) {
+at::Tensor TopKCodec::encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k,
+                                    ErrorFeedback* fb) {
   const auto dtype = flat.scalar_type();
   at::Tensor input = flat.reshape({-1}).to(at::kCPU);
-  at::Tensor acc = useFeedback_ ? feedback_.compensate(key, input) : input;
+  at::Tensor acc = (fb != nullptr) ? fb->compensate(key, input) : input;
   k = std::min<int64_t>(k, acc.numel());
   // NaN magnitudes compare as largest in topk, so a NaN is sent, not buried in the residual.
   at::Tensor indices = select(acc.abs().to(at::kFloat), k);
   at::Tensor values = acc.index_select(0, indices);
-  if (useFeedback_) {
+  if ((fb != nullptr)) {
     at::Tensor residual = acc.clone();
     residual.index_fill_(0, indices, 0);
-    feedback_.store(key, residual);
+    fb->store(key, residual);
   }
   const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
   at::Tensor packed = at::empty({packedBytes(k, dtype)}, at::kByte);

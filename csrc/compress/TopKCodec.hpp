@@ -47,6 +47,9 @@ class TopKCodec {
   // Selects k entries of `flat` (+ the bucket's residual) and packs them:
   // uint8 [packedBytes]. Updates the residual of `key`.
   at::Tensor encode(int64_t key, const at::Tensor& flat, int64_t k);
+  // The same with residuals kept in `feedback` (the caller's store, shared
+  // with other codecs), or none when it is null; the codec's own is unused.
+  at::Tensor encode(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* feedback);
   // Sums every rank's payload, uint8 [world, packedBytes], into `out`
   // (zeroed first), in rank order, then divides by `divisor`.
   void decode(const at::Tensor& gathered, int64_t k, at::Tensor& out, double divisor) const;
@@ -59,8 +62,8 @@ class TopKCodec {
 
  private:
   at::Tensor select(const at::Tensor& magnitudes, int64_t k);
-  at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k);
-  at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k);
+  at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
+  at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
   // The sampled threshold key: usually a little under k entries' magnitude.
   uint32_t sampleThreshold(const float* src, const float* residual, int64_t n, int64_t k);
 

@@ -1,4 +1,6 @@
 // Bindings of the int8, top-k and random-k codecs (xcomm._C).
+#include <optional>
+
 #include <pybind11/stl.h>
 
 #include "compress/Int8Codec.hpp"
@@ -46,6 +48,15 @@ void bindCodecs(py::module_& m) {
            py::call_guard<py::gil_scoped_release>())
       .def("store", &xcomm::ErrorFeedback::store, py::arg("key"), py::arg("residual"))
       .def("clear", &xcomm::ErrorFeedback::clear)
+      .def(
+          "get",
+          [](const xcomm::ErrorFeedback& f, int64_t key) -> std::optional<at::Tensor> {
+            at::Tensor t = f.find(key);
+            if (!t.defined()) return std::nullopt;
+            return t;
+          },
+          py::arg("key"), "The live residual of `key` (not a copy), or None.")
+      .def("erase", &xcomm::ErrorFeedback::erase, py::arg("key"))
       .def("state",
            [](const xcomm::ErrorFeedback& f) {
              std::map<int64_t, at::Tensor> copy;
@@ -93,8 +104,16 @@ void bindCodecs(py::module_& m) {
            py::arg("error_feedback"), py::arg("sample_size") = 4096, py::arg("seed") = 0)
       .def_static("k_for", &xcomm::TopKCodec::kFor, py::arg("numel"), py::arg("density"))
       .def_static("packed_bytes", &xcomm::TopKCodec::packedBytes, py::arg("k"), py::arg("dtype"))
-      .def("encode", &xcomm::TopKCodec::encode, py::arg("key"), py::arg("flat"), py::arg("k"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("encode",
+           py::overload_cast<int64_t, const at::Tensor&, int64_t>(&xcomm::TopKCodec::encode),
+           py::arg("key"), py::arg("flat"), py::arg("k"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "encode_with_feedback",
+          [](xcomm::TopKCodec& c, int64_t key, const at::Tensor& flat, int64_t k,
+             xcomm::ErrorFeedback& feedback) { return c.encode(key, flat, k, &feedback); },
+          py::arg("key"), py::arg("flat"), py::arg("k"), py::arg("feedback"),
+          py::call_guard<py::gil_scoped_release>(),
+          "encode with the residual of `key` kept in `feedback` (a shared ErrorFeedback).")
       .def(
           "decode",
           [](const xcomm::TopKCodec& c, const at::Tensor& gathered, int64_t k, at::Tensor out,
@@ -110,8 +129,19 @@ void bindCodecs(py::module_& m) {
   randk.def(py::init<uint64_t, bool>(), py::arg("seed"), py::arg("error_feedback"))
       .def("positions", &xcomm::RandomKCodec::positions, py::arg("key"), py::arg("step"),
            py::arg("numel"), py::arg("density"), py::call_guard<py::gil_scoped_release>())
-      .def("encode", &xcomm::RandomKCodec::encode, py::arg("key"), py::arg("flat"),
-           py::arg("positions"), py::call_guard<py::gil_scoped_release>())
+      .def("encode",
+           py::overload_cast<int64_t, const at::Tensor&, const at::Tensor&>(
+               &xcomm::RandomKCodec::encode),
+           py::arg("key"), py::arg("flat"), py::arg("positions"),
+           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "encode_with_feedback",
+          [](xcomm::RandomKCodec& c, int64_t key, const at::Tensor& flat,
+             const at::Tensor& positions,
+             xcomm::ErrorFeedback& feedback) { return c.encode(key, flat, positions, &feedback); },
+          py::arg("key"), py::arg("flat"), py::arg("positions"), py::arg("feedback"),
+          py::call_guard<py::gil_scoped_release>(),
+          "encode with the residual of `key` kept in `feedback` (a shared ErrorFeedback).")
       .def(
           "decode",
           [](const xcomm::RandomKCodec& c, const at::Tensor& reduced, const at::Tensor& positions,

@@ -193,12 +193,12 @@ def test_states_pickle_and_resume_bitwise(method: str) -> None:
 def test_unpickled_state_without_its_model_refuses_per_parameter_residuals() -> None:
     model = make_model()
     state = hooks.Int8State(chunk_elems=64, model=model)
-    state.residuals.load({"by": "parameter", "residuals": {"0.weight": torch.ones(3)}}, dict)
+    state.feedback.load_state_dict({"by": "parameter", "residuals": {"0.weight": torch.ones(3)}})
     clone = pickle.loads(pickle.dumps(state))
     with pytest.raises(ValueError, match="bind_model"):
-        clone.residuals.view(_FakeBucket(), None)
+        clone.feedback.view(_FakeBucket())
     clone.bind_model(model)
-    assert clone.residuals.by_parameter
+    assert clone.feedback.by_parameter
 
 
 class _FakeBucket:

@@ -7,6 +7,7 @@ Each method has a state class and a hook; register them with
 """
 
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
+from .feedback import FeedbackStore
 from .int8 import Int8State, int8_compress_hook
 from .powersgd import PowerSGDState, powersgd_hook
 from .sparse import RandomKState, TopKState, randomk_hook, topk_hook
@@ -15,6 +16,7 @@ from .stats import CompressionStats
 __all__ = [
     "CastState",
     "CompressionStats",
+    "FeedbackStore",
     "Int8State",
     "PowerSGDState",
     "RandomKState",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .feedback import FeedbackStore
 from .stats import CompressionStats, allreduce_bytes
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,16 @@ def check_start_iter(name: str, start_iter: int, error_feedback: bool) -> None:
             "DDP rebuilds its buckets after the first iteration, which would invalidate "
             "the per-bucket residuals"
         )
+
+
+def feedback_store(state: Any) -> FeedbackStore:
+    """The state's error-feedback store: the one it was given (shared with
+    other states), or a fresh one keyed by its model's parameter names."""
+    if state.feedback is None:
+        return FeedbackStore(state.model)
+    if state.model is not None:
+        state.feedback.bind(state.model)
+    return state.feedback
 
 
 def check_floating(name: str, tensor: torch.Tensor) -> None:
@@ -152,163 +163,6 @@ def mark_issued(issued: torch.futures.Future, exc: BaseException | None = None) 
         issued.set_exception(exc)
 
 
-class BucketView:
-    """What a codec works on for one bucket: a key and a flat tensor.
-
-    Usually the bucket's own buffer under the bucket's index. After a resume
-    it may be a copy in the saved run's parameter order (see
-    :class:`ResidualCheckpoint`); :meth:`write_back` then copies the result
-    into the bucket.
-    """
-
-    def __init__(
-        self,
-        key: int,
-        tensor: torch.Tensor,
-        index: torch.Tensor | None,
-        buffer: torch.Tensor,
-    ) -> None:
-        self.key = key
-        self.tensor = tensor
-        self._index = index
-        self._buffer = buffer
-
-    def write_back(self) -> torch.Tensor:
-        """Puts the view's values into the bucket's buffer and returns the buffer."""
-        if self._index is not None:
-            self._buffer.index_copy_(0, self._index, self.tensor)
-        return self._buffer
-
-
-class ResidualCheckpoint:
-    """Checkpoints error-feedback residuals by parameter name, not by bucket.
-
-    DDP lays its buckets out one way in its first iteration and another after
-    it rebuilds them, and the codecs' output depends on the layout (int8
-    chunk boundaries, top-k over the whole bucket, random-k positions). Given
-    the model, a checkpoint records the residual of every parameter and the
-    parameter order of every bucket. A resumed run whose fresh DDP holds the
-    same parameters in a bucket in another order compresses a copy laid out
-    in the saved order (:meth:`view`), so it continues bit for bit; once DDP
-    has rebuilt its buckets the layouts agree again and no copy is made.
-    When the resumed buckets group parameters differently, the residuals
-    still follow their parameters, but the result is no longer bitwise that
-    of an uninterrupted run (a warning says so once).
-
-    Without the model, residuals are saved by bucket index (exact only when
-    the resumed run's buckets match the saved ones).
-    """
-
-    def __init__(self, model: torch.nn.Module | None) -> None:
-        self._names: dict[int, str] = {}
-        if model is not None:
-            self._names = {id(p): n for n, p in model.named_parameters()}
-        # key -> [(name, numel)] in the order the codec saw them.
-        self._layouts: dict[int, list[tuple[str, int]]] = {}
-        # From a loaded checkpoint: key -> [(name, numel)], and residual pieces.
-        self._saved_layouts: dict[int, list[tuple[str, int]]] = {}
-        self._pending: dict[str, torch.Tensor] = {}
-        self._warned = False
-
-    @property
-    def by_parameter(self) -> bool:
-        return bool(self._names)
-
-    def bind(self, model: torch.nn.Module) -> None:
-        """Keys residuals by ``model``'s parameter names from now on (a state
-        unpickled or loaded without its model gets it back this way)."""
-        self._names = {id(p): n for n, p in model.named_parameters()}
-
-    def _current(self, bucket: dist.GradBucket) -> list[tuple[str, int, int]]:
-        base = bucket.buffer().storage_offset()
-        return [
-            (self._names[id(p)], g.storage_offset() - base, g.numel())
-            for p, g in zip(bucket.parameters(), bucket.gradients())
-        ]
-
-    def view(
-        self,
-        bucket: dist.GradBucket,
-        set_residual: Callable[[int, torch.Tensor], None] | None,
-    ) -> BucketView:
-        """The codec's view of ``bucket``; restores pending residuals into
-        ``set_residual(key, residual)`` (``None``: no error feedback)."""
-        buffer = bucket.buffer()
-        if not self._names:
-            if self._pending:
-                raise ValueError(
-                    "xcomm.hooks: this state holds residuals saved by parameter (a checkpoint, "
-                    "or a pickled state made with model=); give it the model before training: "
-                    "state.bind_model(ddp_model)"
-                )
-            return BucketView(bucket.index(), buffer, None, buffer)
-        current = self._current(bucket)
-        key, order, index = bucket.index(), [(n, k) for n, _, k in current], None
-        if self._saved_layouts:
-            names = {n for n, _, _ in current}
-            match = [k for k, lay in self._saved_layouts.items() if {n for n, _ in lay} == names]
-            if match:
-                key, order = match[0], self._saved_layouts[match[0]]
-                if order != [(n, k) for n, _, k in current]:
-                    offsets = {n: off for n, off, _ in current}
-                    index = (
-                        torch.cat(
-                            [
-                                torch.arange(offsets[n], offsets[n] + k, device=buffer.device)
-                                for n, k in order
-                            ]
-                        )
-                        if order
-                        else torch.empty(0, dtype=torch.long, device=buffer.device)
-                    )
-            elif not self._warned:
-                self._warned = True
-                logger.warning(
-                    "xcomm.hooks: the resumed DDP groups parameters into buckets differently "
-                    "from the checkpoint; residuals follow their parameters, but the run is "
-                    "not bitwise that of an uninterrupted one"
-                )
-        self._layouts[key] = order
-        tensor = buffer if index is None else buffer.index_select(0, index)
-        view = BucketView(key, tensor, index, buffer)
-        if set_residual is not None and self._pending:
-            residual = torch.zeros_like(tensor)
-            found, offset = False, 0
-            for name, numel in order:
-                piece = self._pending.pop(name, None)
-                if piece is not None:
-                    residual.narrow(0, offset, numel).copy_(piece.reshape(-1))
-                    found = True
-                offset += numel
-            if found:
-                set_residual(key, residual)
-        return view
-
-    def save(self, residuals: dict[int, torch.Tensor]) -> dict[str, Any]:
-        if not self._names:
-            return {"by": "bucket", "residuals": residuals}
-        per_param = dict(self._pending)
-        for key, residual in residuals.items():
-            offset = 0
-            for name, numel in self._layouts.get(key, []):
-                per_param[name] = residual.narrow(0, offset, numel).clone()
-                offset += numel
-        layouts = {k: [list(e) for e in lay] for k, lay in self._layouts.items()}
-        return {"by": "parameter", "residuals": per_param, "layouts": layouts}
-
-    def load(self, saved: dict[str, Any], load_by_bucket: Callable[[dict], None]) -> None:
-        if saved["by"] == "bucket":
-            load_by_bucket(saved["residuals"])
-            return
-        # Without the model yet, the residuals wait (view() asks for the model).
-        load_by_bucket({})
-        self._pending = {n: t.clone() for n, t in saved["residuals"].items()}
-        self._saved_layouts = {
-            int(k): [(str(n), int(c)) for n, c in lay]
-            for k, lay in saved.get("layouts", {}).items()
-        }
-
-
 class PicklableState:
     """Pickling for the dataclass hook states, so Lightning's ``ddp_spawn``,
     ``mp.spawn(args=(state,))``, ``copy.deepcopy`` and ``torch.save(state)``
@@ -325,7 +179,7 @@ class PicklableState:
         256
     """
 
-    _NOT_PICKLED = ("process_group", "model", "stats")
+    _NOT_PICKLED = ("process_group", "model", "stats", "feedback")
 
     def __getstate__(self) -> dict[str, Any]:
         config = {
@@ -343,6 +197,6 @@ class PicklableState:
         """Gives the state its DDP model after unpickling or loading, so
         residuals follow parameters again."""
         self.model = model
-        residuals = getattr(self, "residuals", None)
-        if residuals is not None:
-            residuals.bind(model)
+        feedback = getattr(self, "feedback", None)
+        if feedback is not None:
+            feedback.bind(model)

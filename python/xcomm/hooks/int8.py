@@ -26,16 +26,17 @@ from .. import _C
 from ._common import (
     IssueOrder,
     PicklableState,
-    ResidualCheckpoint,
     StepCounter,
     all_gather_single,
     allreduce_mean,
     check_floating,
     check_start_iter,
+    feedback_store,
     group_size,
     mark_issued,
     then_collective,
 )
+from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
 
 __all__ = ["Int8State", "int8_compress_hook"]
@@ -55,6 +56,8 @@ class Int8State(PicklableState):
         model: the DDP model; when given, checkpoints keep residuals per
             parameter, so a resumed run continues bit for bit even though a
             fresh DDP lays out its first buckets differently.
+        feedback: an error-feedback store to share with other states (a bucket
+            then keeps its residual when it switches method); default: its own.
 
     Example::
 
@@ -68,6 +71,7 @@ class Int8State(PicklableState):
     start_iter: int = 2
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
+    feedback: FeedbackStore | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.chunk_elems <= 0:
@@ -76,21 +80,20 @@ class Int8State(PicklableState):
             )
         check_start_iter("Int8State", self.start_iter, self.error_feedback)
         self.codec = _C.Int8Codec(self.chunk_elems)
-        self.feedback = _C.ErrorFeedback()
+        self.feedback = feedback_store(self)
         self.steps = StepCounter()
-        self.residuals = ResidualCheckpoint(self.model)
         self.order = IssueOrder()
 
     def state_dict(self) -> dict:
         return {
             "iter": self.steps.iter,
-            "feedback": self.residuals.save(self.feedback.state()),
+            "feedback": self.feedback.state_dict(),
             "stats": self.stats.as_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.steps.iter = int(d["iter"])
-        self.residuals.load(d["feedback"], self.feedback.load)
+        self.feedback.load_state_dict(d["feedback"])
         self.stats.load_dict(d["stats"])
 
 
@@ -110,12 +113,13 @@ def int8_compress_hook(
         state.codec,
         group_size(state.process_group),
     )
-    view = state.residuals.view(bucket, state.feedback.store if state.error_feedback else None)
+    view = state.feedback.view(bucket)
     key, flat = view.key, view.tensor
     shard = codec.shard_elems(flat.numel(), world)
     if state.error_feedback:  # one pass: add the residual, quantize, keep what was not sent
-        packed = codec.pack_shards_with_feedback(flat, world, state.feedback, key)
+        packed = codec.pack_shards_with_feedback(flat, world, state.feedback.feedback, key)
     else:
+        state.feedback.flush(view)
         packed = codec.pack_shards(flat, world)  # [world, bytes_per_shard]
     shard_bytes = packed.shape[1]
     state.stats.record(

@@ -24,15 +24,16 @@ import torch.distributed as dist
 from .. import _C
 from ._common import (
     PicklableState,
-    ResidualCheckpoint,
     StepCounter,
     all_gather_single,
     allreduce_mean,
     check_density,
     check_floating,
     check_start_iter,
+    feedback_store,
     group_size,
 )
+from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes
 
 __all__ = ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]
@@ -59,6 +60,8 @@ class TopKState(PicklableState):
         model: the DDP model; when given, checkpoints keep residuals per
             parameter, so a resumed run continues bit for bit even though a
             fresh DDP lays out its first buckets differently.
+        feedback: an error-feedback store to share with other states (a bucket
+            then keeps its residual when it switches method); default: its own.
 
     Example::
 
@@ -76,6 +79,7 @@ class TopKState(PicklableState):
     seed: int = 0
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
+    feedback: FeedbackStore | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_density("TopKState", self.density)
@@ -85,9 +89,11 @@ class TopKState(PicklableState):
             raise ValueError(
                 f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}"
             )
-        self.codec = _C.TopKCodec(self.approximate, self.error_feedback, 4096, self.seed)
+        self.codec = _C.TopKCodec(
+            self.approximate, False, 4096, self.seed
+        )  # residuals: self.feedback
         self.steps = StepCounter()
-        self.residuals = ResidualCheckpoint(self.model)
+        self.feedback = feedback_store(self)
 
     def current_density(self) -> float:
         """The density of this step, following the warm-up schedule."""
@@ -100,14 +106,14 @@ class TopKState(PicklableState):
     def state_dict(self) -> dict:
         return {
             "iter": self.steps.iter,
-            "feedback": self.residuals.save(self.codec.feedback_state()),
+            "feedback": self.feedback.state_dict(),
             "rng": self.codec.get_rng_state(),
             "stats": self.stats.as_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.steps.iter = int(d["iter"])
-        self.residuals.load(d["feedback"], self.codec.load_feedback_state)
+        self.feedback.load_state_dict(d["feedback"])
         self.codec.set_rng_state(d["rng"])
         self.stats.load_dict(d["stats"])
 
@@ -124,8 +130,12 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     world = group_size(state.process_group)
     k = _C.TopKCodec.k_for(buffer.numel(), density)
-    view = state.residuals.view(bucket, state.codec.set_feedback if state.error_feedback else None)
-    packed = state.codec.encode(view.key, view.tensor, k)
+    view = state.feedback.view(bucket)
+    if state.error_feedback:
+        packed = state.codec.encode_with_feedback(view.key, view.tensor, k, state.feedback.feedback)
+    else:
+        state.feedback.flush(view)
+        packed = state.codec.encode(view.key, view.tensor, k)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
@@ -152,6 +162,8 @@ class RandomKState(PicklableState):
         model: the DDP model; when given, checkpoints keep residuals per
             parameter, so a resumed run continues bit for bit even though a
             fresh DDP lays out its first buckets differently.
+        feedback: an error-feedback store to share with other states (a bucket
+            then keeps its residual when it switches method); default: its own.
 
     Example::
 
@@ -166,24 +178,25 @@ class RandomKState(PicklableState):
     start_iter: int = 2
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
+    feedback: FeedbackStore | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_density("RandomKState", self.density)
         check_start_iter("RandomKState", self.start_iter, self.error_feedback)
-        self.codec = _C.RandomKCodec(self.seed, self.error_feedback)
+        self.codec = _C.RandomKCodec(self.seed, False)  # residuals: self.feedback
         self.steps = StepCounter()
-        self.residuals = ResidualCheckpoint(self.model)
+        self.feedback = feedback_store(self)
 
     def state_dict(self) -> dict:
         return {
             "iter": self.steps.iter,
-            "feedback": self.residuals.save(self.codec.feedback_state()),
+            "feedback": self.feedback.state_dict(),
             "stats": self.stats.as_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
         self.steps.iter = int(d["iter"])
-        self.residuals.load(d["feedback"], self.codec.load_feedback_state)
+        self.feedback.load_state_dict(d["feedback"])
         self.stats.load_dict(d["stats"])
 
 
@@ -200,10 +213,16 @@ def randomk_hook(
     state.steps.after_bucket(bucket)
 
     world = group_size(state.process_group)
-    view = state.residuals.view(bucket, state.codec.set_feedback if state.error_feedback else None)
+    view = state.feedback.view(bucket)
     key = view.key
     positions = state.codec.positions(key, step, buffer.numel(), state.density)
-    values = state.codec.encode(key, view.tensor, positions)
+    if state.error_feedback:
+        values = state.codec.encode_with_feedback(
+            key, view.tensor, positions, state.feedback.feedback
+        )
+    else:
+        state.feedback.flush(view)
+        values = state.codec.encode(key, view.tensor, positions)
     state.stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world))
     fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
 
