@@ -6,6 +6,7 @@ Each method has a state class and a hook; register them with
 ``state_dict()`` / ``load_state_dict()``.
 """
 
+from .auto import AutoState, LinkModel, auto_hook
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .feedback import FeedbackStore
 from .int8 import Int8State, int8_compress_hook
@@ -14,13 +15,16 @@ from .sparse import RandomKState, TopKState, randomk_hook, topk_hook
 from .stats import CompressionStats
 
 __all__ = [
+    "AutoState",
     "CastState",
     "CompressionStats",
     "FeedbackStore",
     "Int8State",
+    "LinkModel",
     "PowerSGDState",
     "RandomKState",
     "TopKState",
+    "auto_hook",
     "bf16_cast_hook",
     "fp16_cast_hook",
     "int8_compress_hook",

@@ -1,0 +1,535 @@
+"""``auto``: per bucket, the reduction that is fastest on this link and machine.
+
+A compressor pays only when the bytes it saves on the link take longer than
+the compute it spends. :func:`auto_hook` decides that per bucket from a cost
+model with measured inputs, and re-decides as they change.
+
+For a bucket of ``n`` float elements over ``w`` ranks, method ``m`` costs
+
+    ``T(m) = c_m * n  +  C_m * latency  +  B_m(n) / bandwidth``
+
+where ``c_m`` is the codec's measured CPU time per element (encode, reduce
+and decode with error feedback; 0 for ``none``; for PowerSGD the matrix
+products, from the bucket's parameter shapes), ``C_m`` its number of
+collectives and ``B_m(n)`` the bytes its collectives put on one rank's link
+(``2 (w-1)/w * bytes`` for an allreduce, ``(w-1) * bytes`` for an allgather).
+The bucket takes ``argmin T``; it keeps its method unless another is
+``switch_margin`` faster, so noise does not flip it.
+
+Inputs, measured, never guessed:
+
+* the codecs' ``c_m``: timed once on this machine on a synthetic bucket;
+* the link's latency and bandwidth as the collectives see them (the
+  backend's own reduction cost included): every ``interval`` steps, at the
+  start of the backward pass (when no collective of the hook is in flight),
+  a probe allreduce sized to cost about ``probe_fraction`` of the step, and
+  the small allreduce that agrees the inputs (its duration is the latency).
+
+That agreement is an allreduce MAX over ranks of every input, so every rank
+computes the same choice from the same numbers, and their collectives match.
+
+Lossy methods share one :class:`~xcomm.hooks.FeedbackStore`, so a bucket
+that switches method keeps its residual (PowerSGD's per-parameter error is
+handed over too); a switch to ``none`` or a cast sends what is owed.
+
+The choice can be bounded: ``methods`` (allowed set), ``lossless_only``,
+``min_density`` (top-k), ``powersgd_rank``. :meth:`AutoState.explain` and
+``state.decisions`` tell which method each bucket uses and the predicted
+times that chose it; with the timeline on, each decision is a span on the
+track "xcomm auto", and ``xcomm.stats()`` counts buckets per method under
+``AUTO:<method>``.
+
+Example::
+
+    >>> from xcomm.hooks import AutoState, auto_hook
+    >>> state = AutoState(methods=("none", "bf16", "int8", "powersgd"))
+    >>> ddp_model.register_comm_hook(state, auto_hook)  # doctest: +SKIP
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ..opstats import record_op
+from ..trace import add_span, now_us, timeline_enabled
+from ._common import (
+    IssueOrder,
+    PicklableState,
+    allreduce_mean,
+    check_floating,
+    group_size,
+    mark_issued,
+    then_collective,
+)
+from .cast import CastState, bf16_cast_hook, fp16_cast_hook
+from .feedback import FeedbackStore
+from .int8 import Int8State, int8_compress_hook
+from .powersgd import PowerSGDState, powersgd_hook
+from .sparse import TopKState, topk_hook
+from .stats import CompressionStats
+
+__all__ = ["METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
+
+#: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
+METHODS = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
+_LOSSLESS = ("none",)
+_INT8_CHUNK = 1024
+# Order of the agreed vector: latency, seconds per wire byte, then codec costs.
+_CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
+
+
+@dataclass
+class LinkModel:
+    """A link as collectives see it: ``latency_s`` per collective plus
+    ``bytes / bandwidth_bytes_per_s`` (bytes on one rank's link)."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def seconds(self, collectives: int, wire_bytes: float) -> float:
+        return collectives * self.latency_s + wire_bytes / self.bandwidth_bytes_per_s
+
+
+def _allreduce_wire(nbytes: float, world: int) -> float:
+    return 2.0 * (world - 1) / world * nbytes
+
+
+def _powersgd_sizes(shapes: list[tuple[int, ...]], rank: int) -> tuple[float, float, float]:
+    """(P+uncompressed elements, Q elements, sum of m*n*r) as PowerSGD sends them
+    (with torch's default ``min_compression_rate`` of 2)."""
+    p_elems = q_elems = mnr = 0.0
+    for shape in shapes:
+        numel = math.prod(shape)
+        if len(shape) < 2:
+            p_elems += numel
+            continue
+        m, k = shape[0], numel // shape[0]
+        r = min(rank, m, k)
+        if (m + k) * r * 2 < m * k:
+            p_elems += m * r
+            q_elems += k * r
+            mnr += m * k * r
+        else:
+            p_elems += numel
+    return p_elems, q_elems, mnr
+
+
+def predict_seconds(
+    method: str,
+    numel: int,
+    shapes: list[tuple[int, ...]],
+    world: int,
+    link: LinkModel,
+    costs: dict[str, float],
+    *,
+    density: float,
+    rank: int,
+    itemsize: int = 4,
+) -> float:
+    """The cost model: predicted seconds to reduce one bucket with ``method``.
+
+    Example::
+
+        >>> link = LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=125e6)  # 1 Gbit/s
+        >>> predict_seconds("none", 1 << 20, [(1024, 1024)], 2, link, {},
+        ...                 density=0.01, rank=4)  # doctest: +ELLIPSIS
+        0.0336...
+    """
+    nbytes = float(numel * itemsize)
+    if method == "none":
+        return link.seconds(1, _allreduce_wire(nbytes, world))
+    if method in ("bf16", "fp16"):
+        return costs[method] * numel + link.seconds(1, _allreduce_wire(numel * 2.0, world))
+    if method == "int8":
+        packed = numel * (1.0 + 4.0 / _INT8_CHUNK)
+        wire = (world - 1) / world * packed * 2.0  # alltoall, then allgather
+        return costs["int8"] * numel + link.seconds(2, wire)
+    if method == "topk":
+        k = max(1, math.ceil(density * numel))
+        return costs["topk"] * numel + link.seconds(1, (world - 1) * k * (4.0 + itemsize))
+    if method == "powersgd":
+        p_elems, q_elems, mnr = _powersgd_sizes(shapes, rank)
+        compute = costs["powersgd_mnr"] * mnr + costs["powersgd_pass"] * numel
+        wire = _allreduce_wire(p_elems * itemsize, world) + _allreduce_wire(
+            q_elems * itemsize, world
+        )
+        return compute + link.seconds(2 if q_elems else 1, wire)
+    raise ValueError(f"xcomm.hooks.auto: unknown method {method!r}; choose from {METHODS}")
+
+
+def _time(fn: Any, repeat: int = 3) -> float:
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate_codecs(numel: int = 1 << 20, world: int = 2) -> dict[str, float]:
+    """Measures each codec's CPU seconds per element on this machine (float32,
+    encode + reduce + decode with error feedback, best of 3)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=g)
+    out = torch.empty_like(x)
+    costs: dict[str, float] = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        costs[name] = _time(lambda dtype=dtype: out.copy_(x.to(dtype).div_(world))) / numel
+    codec, fb = _C.Int8Codec(_INT8_CHUNK), _C.ErrorFeedback()
+    shard = codec.shard_elems(numel, world)
+
+    def int8() -> None:
+        packed = codec.pack_shards_with_feedback(x, world, fb, 0)
+        mean = codec.reduce_and_pack(packed, shard, float(world))
+        codec.unpack_all(mean.repeat(world), shard, out)
+
+    costs["int8"] = _time(int8) / numel
+    topk, fb2 = _C.TopKCodec(False, False), _C.ErrorFeedback()
+    k = _C.TopKCodec.k_for(numel, 0.01)
+
+    def top() -> None:
+        packed = topk.encode_with_feedback(0, x, k, fb2)
+        topk.decode(packed.repeat(world).reshape(world, -1), k, out, float(world))
+
+    costs["topk"] = _time(top) / numel
+    m = 1024
+    a = torch.randn(m, numel // m, generator=g)
+    q = torch.randn(numel // m, 4, generator=g)
+    # Two of PowerSGD's three products (M Q, M^T P, P Q^T), each m*n*r.
+    costs["powersgd_mnr"] = 1.5 * _time(lambda: a.t().mm(a.mm(q))) / (numel * 4.0)
+    costs["powersgd_pass"] = 3.0 * _time(lambda: out.add_(x)) / numel  # feedback in, out, decode
+    return costs
+
+
+@dataclass
+class AutoState(PicklableState):
+    """State of :func:`auto_hook` (see the module docstring for the model).
+
+    Args:
+        process_group: the group to reduce over (default: the default group).
+        methods: the methods it may choose from (a subset of :data:`METHODS`).
+        lossless_only: choose only methods that lose nothing (``none``).
+        min_density: the density top-k sends (its accuracy bound).
+        powersgd_rank: PowerSGD's rank (its accuracy bound).
+        interval: steps between re-evaluations.
+        start_iter: steps reduced uncompressed first (>= 2: DDP rebuilds its
+            buckets after the first), while the link is measured.
+        switch_margin: a bucket changes method only when another is predicted
+            this fraction faster.
+        probe_fraction: the share of a step the bandwidth probe may take.
+        link: a fixed :class:`LinkModel` instead of measuring (a known
+            network; tests).
+        codec_costs: fixed codec costs (seconds per element, keys as
+            :func:`calibrate_codecs` returns) instead of measuring.
+        model: the DDP model, so residuals are checkpointed by parameter.
+
+    Example::
+
+        >>> AutoState(lossless_only=True).allowed
+        ('none',)
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    methods: tuple[str, ...] = ("none", "bf16", "int8", "topk", "powersgd")
+    lossless_only: bool = False
+    min_density: float = 0.01
+    powersgd_rank: int = 4
+    interval: int = 5
+    start_iter: int = 2
+    switch_margin: float = 0.1
+    probe_fraction: float = 0.01
+    link: LinkModel | None = None
+    codec_costs: dict[str, float] | None = None
+    model: torch.nn.Module | None = field(default=None, repr=False)
+    stats: CompressionStats = field(default_factory=CompressionStats)
+
+    def __post_init__(self) -> None:
+        self.methods = tuple(self.methods)
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ValueError(
+                f"xcomm.hooks.AutoState: methods must be a non-empty subset of {METHODS}; "
+                f"got {self.methods}"
+            )
+        if self.start_iter < 2:
+            raise ValueError(
+                f"xcomm.hooks.AutoState: start_iter must be >= 2, got {self.start_iter}; "
+                "DDP rebuilds its buckets after the first iteration"
+            )
+        if self.interval < 1:
+            raise ValueError(f"xcomm.hooks.AutoState: interval must be >= 1, got {self.interval}")
+        if not (0.0 < self.min_density <= 1.0):
+            raise ValueError(
+                f"xcomm.hooks.AutoState: min_density must be in (0, 1], got {self.min_density}"
+            )
+        if self.powersgd_rank < 1:
+            raise ValueError(
+                f"xcomm.hooks.AutoState: powersgd_rank must be >= 1, got {self.powersgd_rank}"
+            )
+        allowed = [m for m in METHODS if m in self.methods]
+        if self.lossless_only:
+            allowed = [m for m in allowed if m in _LOSSLESS]
+            if not allowed:
+                raise ValueError(
+                    "xcomm.hooks.AutoState: lossless_only leaves no method: add 'none' to methods"
+                )
+        self.allowed: tuple[str, ...] = tuple(allowed)
+        self.feedback = FeedbackStore(self.model)
+        self.order = IssueOrder()
+        pg = self.process_group
+        self._int8 = Int8State(pg, _INT8_CHUNK, stats=self.stats, feedback=self.feedback)
+        self._topk = TopKState(pg, self.min_density, stats=self.stats, feedback=self.feedback)
+        self._cast = CastState(pg, stats=self.stats)
+        self._powersgd = PowerSGDState(
+            pg, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2
+        )
+        self._powersgd.stats = self.stats
+        self._int8.order = self.order
+        self._powersgd._order = self.order
+        self.iter = 0
+        self.decisions: dict[int, dict[str, Any]] = {}
+        self.switches = 0
+        self._agreed: tuple[LinkModel, dict[str, float]] | None = None
+        self._fresh_round = False
+        self._latency = 0.0
+        self._probe_bytes = 1 << 20
+        self._step_start: float | None = None
+        self._step_seconds = 0.0
+        self._local_costs: dict[str, float] | None = None
+        self._in_step = False
+
+    # -- checkpointing --
+
+    def state_dict(self) -> dict:
+        """Counters, decisions, agreed inputs and every method's state; with a
+        fixed ``link`` and ``codec_costs`` a resumed run continues bit for bit."""
+        link, costs = self._agreed if self._agreed else (None, None)
+        return {
+            "version": 1,
+            "iter": self.iter,
+            "decisions": {k: dict(v) for k, v in self.decisions.items()},
+            "agreed": None if link is None else [link.latency_s, link.bandwidth_bytes_per_s, costs],
+            "feedback": self.feedback.state_dict(),
+            "topk_rng": self._topk.codec.get_rng_state(),
+            "powersgd": self._powersgd.state_dict(),
+            "stats": self.stats.as_dict(),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("version") != 1:
+            raise ValueError(f"xcomm.hooks.AutoState: unknown state version {d.get('version')!r}")
+        self.iter = int(d["iter"])
+        self.decisions = {int(k): dict(v) for k, v in d["decisions"].items()}
+        if d["agreed"] is not None:
+            lat, bw, costs = d["agreed"]
+            self._agreed = (LinkModel(float(lat), float(bw)), dict(costs))
+        self.feedback.load_state_dict(d["feedback"])
+        self._topk.codec.set_rng_state(d["topk_rng"])
+        self._powersgd.load_state_dict(d["powersgd"])
+        self.stats.load_dict(d["stats"])
+
+    # -- explanation --
+
+    def explain(self) -> str:
+        """A table: each bucket's method and the predicted milliseconds of every
+        allowed method that chose it."""
+        lines = []
+        if self._agreed is not None:
+            link = self._agreed[0]
+            lines.append(
+                f"link: latency {link.latency_s * 1e3:.3f} ms, "
+                f"bandwidth {link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s (agreed by all ranks)"
+            )
+        for index in sorted(self.decisions):
+            d = self.decisions[index]
+            times = ", ".join(f"{m} {t * 1e3:.2f}" for m, t in d["predicted_s"].items())
+            lines.append(
+                f"bucket {index} ({d['numel']} elements): {d['method']} since step "
+                f"{d['since']}; predicted ms: {times}"
+            )
+        return "\n".join(lines)
+
+    # -- measurement and agreement --
+
+    def _round(self, group: dist.ProcessGroup | None, world: int) -> None:
+        """At the start of a re-evaluation step: probe the link, then agree on
+        every input with one allreduce MAX (its duration: the latency)."""
+        if self._local_costs is None:
+            self._local_costs = dict(self.codec_costs or calibrate_codecs(world=world))
+        seconds_per_byte = 0.0
+        if self.link is None:
+            probe = torch.zeros(max(1, self._probe_bytes // 4))
+            t0 = time.perf_counter()
+            dist.all_reduce(probe, group=group)
+            took = time.perf_counter() - t0
+            wire = _allreduce_wire(probe.numel() * 4.0, world)
+            seconds_per_byte = max(took - self._latency, 1e-9) / wire
+        local = [self._latency, seconds_per_byte, self._step_seconds]
+        local += [self._local_costs[k] for k in _CODEC_KEYS]
+        agreed = torch.tensor(local, dtype=torch.float64)
+        t0 = time.perf_counter()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        self._latency = time.perf_counter() - t0
+        values = agreed.tolist()
+        costs = dict(zip(_CODEC_KEYS, values[3:]))
+        if self.link is not None:
+            link = self.link
+        else:
+            link = LinkModel(values[0], 1.0 / max(values[1], 1e-15))
+            # Next probe: about probe_fraction of the steps between rounds.
+            budget = self.probe_fraction * self.interval * values[2]
+            self._probe_bytes = int(min(max(budget * link.bandwidth_bytes_per_s, 256e3), 32e6))
+        self._agreed = (link, costs)
+        self._fresh_round = True
+
+    def _choose(self, bucket: dist.GradBucket, world: int) -> str:
+        index, numel = bucket.index(), bucket.buffer().numel()
+        current = self.decisions.get(index)
+        fresh = self._fresh_round and (current is None or current["round"] != self.iter)
+        if current is not None and not fresh and current["numel"] == numel:
+            return current["method"]
+        assert self._agreed is not None
+        link, costs = self._agreed
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        itemsize = bucket.buffer().element_size()
+        predicted = {
+            m: predict_seconds(
+                m,
+                numel,
+                shapes,
+                world,
+                link,
+                costs,
+                density=self.min_density,
+                rank=self.powersgd_rank,
+                itemsize=itemsize,
+            )
+            for m in self.allowed
+        }
+        best = min(self.allowed, key=lambda m: predicted[m])
+        method, since = best, self.iter
+        if current is not None and current["numel"] == numel and current["method"] in predicted:
+            keep = current["method"]
+            if predicted[best] >= (1.0 - self.switch_margin) * predicted[keep]:
+                method, since = keep, current["since"]
+        if current is not None and method != current["method"]:
+            self.switches += 1
+        self.decisions[index] = {
+            "method": method,
+            "since": since,
+            "round": self.iter,
+            "numel": numel,
+            "predicted_s": predicted,
+        }
+        return method
+
+    # -- residual hand-over between PowerSGD and the shared store --
+
+    def _take_powersgd_error(self, bucket: dist.GradBucket) -> None:
+        """Adds PowerSGD's error feedback of the bucket's parameters into the
+        gradients (the method that now runs sends or keeps it)."""
+        ps = self._powersgd
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            entry = ps._keys.get(id(param))
+            if entry is None or entry[0]() is not param:
+                continue
+            error, q = ps._codec.param_state(entry[1])
+            if error is not None:
+                grad.view(-1).add_(error.to(grad.dtype))
+                ps._codec.set_param_state(entry[1], None, q)
+
+
+def _ordered(
+    state: AutoState, bucket: dist.GradBucket, issue: Any
+) -> torch.futures.Future[torch.Tensor]:
+    """Runs a one-collective method in its turn of the shared issue order."""
+    ready, issued = state.order.next_turn()
+
+    def start(f: torch.futures.Future) -> torch.futures.Future:
+        try:
+            fut = issue()
+        except BaseException as e:
+            mark_issued(issued, e)
+            raise
+        mark_issued(issued)
+        return fut
+
+    return then_collective(ready, start, bucket.buffer().device)
+
+
+def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Averages the bucket with the method the cost model predicts fastest."""
+    buffer = bucket.buffer()
+    check_floating("auto_hook", buffer)
+    group, world = state.process_group, group_size(state.process_group)
+    if not state._in_step:  # the first bucket of a step: nothing of ours in flight
+        state._in_step = True
+        now = time.perf_counter()
+        if state._step_start is not None:
+            took = now - state._step_start
+            state._step_seconds = (
+                took if state._step_seconds == 0 else 0.5 * (state._step_seconds + took)
+            )
+        state._step_start = now
+        due = state.iter < state.start_iter or (state.iter - state.start_iter) % state.interval == 0
+        if due or state._agreed is None:
+            state._round(group, world)
+    if "powersgd" in state.allowed:
+        # PowerSGD numbers parameters in the order it first sees them; seeing
+        # every bucket from the first step keeps that order the same in a
+        # resumed run, whichever bucket it compresses first.
+        state._powersgd._observe(bucket.index(), bucket, buffer)
+    step = state.iter
+    if bucket.is_last():
+        state.iter += 1
+        state._in_step = False
+    if step < state.start_iter:
+        return allreduce_mean(state, bucket, state.stats)
+
+    t0 = now_us() if timeline_enabled() else 0
+    previous = state.decisions.get(bucket.index(), {}).get("method")
+    method = state._choose(bucket, world)
+    if bucket.is_last():
+        state._fresh_round = False
+    if previous == "powersgd" and method != "powersgd":
+        state._take_powersgd_error(bucket)
+    if method in ("none", "bf16", "fp16", "powersgd"):
+        view = state.feedback.view(bucket)
+        state.feedback.flush(view)  # what earlier lossy steps owe is sent now
+        view.write_back()
+    state._int8.steps.iter = state._topk.steps.iter = step
+    state._powersgd.iter = step
+    if method == "none":
+        fut = _ordered(state, bucket, lambda: allreduce_mean(state, bucket, state.stats))
+    elif method in ("bf16", "fp16"):
+        cast = bf16_cast_hook if method == "bf16" else fp16_cast_hook
+        fut = _ordered(state, bucket, lambda: cast(state._cast, bucket))
+    elif method == "topk":
+        fut = _ordered(state, bucket, lambda: topk_hook(state._topk, bucket))
+    elif method == "int8":
+        fut = int8_compress_hook(state._int8, bucket)
+    else:
+        fut = powersgd_hook(state._powersgd, bucket)
+    record_op(f"AUTO:{method}", buffer.nbytes, 0)
+    if t0:
+        d = state.decisions[bucket.index()]
+        add_span(
+            f"auto: {method}",
+            "auto",
+            "xcomm auto",
+            t0,
+            now_us(),
+            {
+                "bucket": bucket.index(),
+                "step": step,
+                **{f"predicted_ms_{m}": round(t * 1e3, 3) for m, t in d["predicted_s"].items()},
+            },
+        )
+    return fut
