@@ -91,6 +91,7 @@ REDUCTIONS: tuple[str, ...] = (
     "powersgd",
     "torch-fp16",
     "torch-powersgd",
+    "auto",
 )
 #: Reductions whose steps are compressed only after ``start_iter`` plain steps.
 _START_ITER = 2
@@ -353,6 +354,8 @@ class DDPResult:
     speedup: float
     final_loss: float
     cpu_ms: float = math.nan
+    #: auto only: the method of each bucket at the end, e.g. "powersgd,powersgd".
+    chosen: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (a JSON/CSV row)."""
@@ -471,6 +474,15 @@ class _Runner:
                 start_powerSGD_iter=_START_ITER,
             )
             m.register_comm_hook(state, xhooks.powersgd_hook)
+        elif reduction == "auto":
+            state = xhooks.AutoState(
+                process_group=group,
+                methods=("none", "fp16", "int8", "topk", "powersgd"),
+                min_density=cfg.topk_density,
+                powersgd_rank=cfg.powersgd_rank,
+                start_iter=_START_ITER,
+            )
+            m.register_comm_hook(state, xhooks.auto_hook)
         elif reduction == "torch-fp16":
             state = group
             m.register_comm_hook(group, default_hooks.fp16_compress_hook)
@@ -489,7 +501,7 @@ class _Runner:
     def _accounted_total(self) -> float:
         """Link bytes the reduction has sent so far, counted as xcomm.hooks.stats does."""
         s = self.state.state if isinstance(self.state, _InOrder) else self.state
-        if self.reduction in ("fp16", "int8", "topk", "powersgd"):
+        if self.reduction in ("fp16", "int8", "topk", "powersgd", "auto"):
             return float(s.stats.link_bytes_sent)
         if self.reduction == "torch-powersgd":
             # Elements torch's hook sent while compressing (P, Q and the
@@ -618,10 +630,18 @@ def run_model(
                 speedup=math.nan,
                 final_loss=done[r].loss,
                 cpu_ms=statistics.median(cpu[i].tolist()) * 1e3,
+                chosen=_chosen(done[r].state),
             )
         )
     assert base is not None
     return [dataclasses.replace(row, speedup=base / row.time_ms) for row in rows]
+
+
+def _chosen(state: Any) -> str:
+    decisions = getattr(state, "decisions", None)
+    if not isinstance(decisions, dict):
+        return ""
+    return ",".join(decisions[k]["method"] for k in sorted(decisions))
 
 
 def run_rank(cfg: DDPBenchConfig, rate: str) -> int:
@@ -842,6 +862,97 @@ def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -
     return path
 
 
+def _rate_bits(rate: str) -> float:
+    """The rate in bit/s; 0 for a run without a rate ("loopback")."""
+    from .cluster.netns import parse_rate
+
+    try:
+        return float(parse_rate(rate))
+    except ValueError:
+        return 0.0
+
+
+def auto_vs_best(results: Sequence[DDPResult]) -> list[dict[str, Any]]:
+    """Per (model, rate): auto's step time against the fastest static reduction
+    (every other reduction of the same run) and against none."""
+    out = []
+    points = sorted(
+        {(r.model, r.rate) for r in results},
+        key=lambda mr: (MODELS.index(mr[0]) if mr[0] in MODELS else 99, _rate_bits(mr[1])),
+    )
+    for model, rate in points:
+        group = [r for r in results if r.model == model and r.rate == rate]
+        auto = next((r for r in group if r.reduction == "auto"), None)
+        statics = [r for r in group if r.reduction != "auto"]
+        none = next((r for r in group if r.reduction == "none"), None)
+        if auto is None or not statics or none is None:
+            continue
+        best = min(statics, key=lambda r: r.time_ms)
+        out.append(
+            {
+                "model": model,
+                "rate": rate,
+                "auto_ms": auto.time_ms,
+                "best": best.reduction,
+                "best_ms": best.time_ms,
+                "auto_over_best": auto.time_ms / best.time_ms,
+                "auto_over_none": auto.time_ms / none.time_ms,
+                "chosen": auto.chosen,
+            }
+        )
+    return out
+
+
+def format_auto_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """auto against the best static reduction, one line per (model, rate)."""
+    lines = [
+        (
+            "| model | rate | auto ms/step | auto chose (per bucket) | fastest static "
+            "| its ms/step | auto / fastest | auto / none |"
+        ),
+        "|---|---|---:|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        chosen = ", ".join(
+            f"{m} x{r['chosen'].split(',').count(m)}" for m in dict.fromkeys(r["chosen"].split(","))
+        )
+        lines.append(
+            f"| {r['model']} | {r['rate']} | {r['auto_ms']:.1f} | {chosen} | {r['best']} "
+            f"| {r['best_ms']:.1f} | {r['auto_over_best']:.3f} | {r['auto_over_none']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_auto_vs_best(path: Path, rows: Sequence[dict[str, Any]], *, title: str = "") -> Path:
+    """auto's step time over the fastest static reduction's, against link rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for model in dict.fromkeys(r["model"] for r in rows):
+        pts = [
+            (_rate_bits(r["rate"]) / 1e9, r["auto_over_best"])
+            for r in rows
+            if r["model"] == model and _rate_bits(r["rate"]) > 0
+        ]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.axhline(1.05, color="red", lw=0.8, ls="--", label="5% over the fastest")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate (Gbit/s)")
+    ax.set_ylabel("auto time/step / fastest static")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="x-small")
+    if title:
+        ax.set_title(title, fontsize="medium")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
 def load_results(path: str | Path) -> tuple[list[DDPResult], dict[str, Any]]:
     """Reads a ``ddp.json`` back: (results, metadata)."""
     data = json.loads(Path(path).read_text())
@@ -873,4 +984,14 @@ def write_reports(
             f"backend {cfg.get('backend')}, PowerSGD rank {cfg.get('powersgd_rank')}"
         )
         paths.append(plot_speedup(out / "ddp.png", results, title=title))
+    auto = auto_vs_best(results)
+    if auto:
+        (out / "ddp-auto.md").write_text(format_auto_markdown(auto) + "\n", encoding="utf-8")
+        paths.append(out / "ddp-auto.md")
+        if plot_png and any(_rate_bits(r["rate"]) > 0 for r in auto):
+            paths.append(
+                plot_auto_vs_best(
+                    out / "ddp-auto.png", auto, title="auto vs the fastest static reduction"
+                )
+            )
     return paths

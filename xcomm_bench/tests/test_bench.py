@@ -341,6 +341,11 @@ def test_ddp_smoke_runs_every_reduction_and_counts_bytes(tmp_path: Path) -> None
     assert b["powersgd"] < b["none"] / 2
     assert b["int8"] < b["fp16"] and b["topk"] < b["int8"]
     assert float(rows["none"]["speedup"]) == 1.0
+    # auto tells what it chose per bucket, and its table against the fastest is written.
+    chosen = rows["auto"]["chosen"].split(",")
+    assert chosen and set(chosen) <= {"none", "fp16", "int8", "topk", "powersgd"}
+    auto_row = (out / "ddp-auto.md").read_text().splitlines()[2]
+    assert auto_row.startswith(f"| mlp | {rows['auto']['rate']} |")
     for r in rows.values():
         assert r["steps"] == 2 and float(r["time_ms"]) > 0 and math.isfinite(r["final_loss"])
         assert float(r["speedup"]) == pytest.approx(
