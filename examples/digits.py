@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: xcomm's DDP hooks, by name.
-COMPRESSION = ["none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd"]
+COMPRESSION = ["none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd", "auto"]
 #: torch's own DDP hooks, by name.
 TORCH_HOOKS = ["none", "allreduce", "fp16", "powersgd"]
 
@@ -100,9 +100,17 @@ def register_torch_hook(model: DDP, hook: str, powersgd_rank: int = 4) -> None:
 
 
 def register_compression(
-    model: DDP, method: str, density: float = 0.05, powersgd_rank: int = 4
+    model: DDP,
+    method: str,
+    density: float = 0.05,
+    powersgd_rank: int = 4,
+    auto_link_gbit: float | None = None,
 ) -> CompressionStats | None:
-    """Registers xcomm's hook for ``method`` (:data:`COMPRESSION`); returns its statistics."""
+    """Registers xcomm's hook for ``method`` (:data:`COMPRESSION`); returns its statistics.
+
+    ``auto`` measures the link unless ``auto_link_gbit`` fixes it (to see
+    what auto's choices do to accuracy on a link this machine does not have).
+    """
     if method == "none":
         return None
     state: object
@@ -121,6 +129,14 @@ def register_compression(
             process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=10
         )
         hook = xhooks.powersgd_hook
+    elif method == "auto":
+        link = None
+        if auto_link_gbit is not None:
+            link = xhooks.LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=auto_link_gbit * 1.25e8)
+        state = xhooks.AutoState(
+            min_density=density, powersgd_rank=powersgd_rank, link=link, model=model
+        )
+        hook = xhooks.auto_hook
     else:
         raise ValueError(f"unknown compression {method!r}; choose one of {COMPRESSION}")
     model.register_comm_hook(state, hook)
@@ -143,6 +159,7 @@ class DigitsConfig:
     backend_compression: str | None = None
     density: float = 0.05
     powersgd_rank: int = 4
+    auto_link_gbit: float | None = None
     steps: int = 300
     batch_size: int = 64
     lr: float = 0.05
@@ -158,6 +175,8 @@ class DigitsResult:
     mean_step_ms: float
     wire_bytes_per_step: float
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, acc)
+    #: auto only: each bucket's method at the end.
+    chosen: str = ""
 
 
 def _wire_bytes(stats: CompressionStats | None, grad_bytes: int, world: int, step: int) -> float:
@@ -188,7 +207,9 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
     data = load_digits(cfg.seed)
     model = DDP(make_model())
     register_torch_hook(model, cfg.hook, cfg.powersgd_rank)
-    stats = register_compression(model, cfg.compression, cfg.density, cfg.powersgd_rank)
+    stats = register_compression(
+        model, cfg.compression, cfg.density, cfg.powersgd_rank, cfg.auto_link_gbit
+    )
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -231,4 +252,14 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         mean_step_ms=1000 * sum(step_times) / len(step_times),
         wire_bytes_per_step=wire_total / cfg.steps,
         history=history,
+        chosen=_auto_choice(model),
     )
+
+
+def _auto_choice(model: DDP) -> str:
+    """The methods an auto hook chose, bucket by bucket ("" without one)."""
+    for _hook, state in getattr(model, "_comm_hooks", []):
+        decisions = getattr(state, "decisions", None)
+        if isinstance(decisions, dict):
+            return ",".join(decisions[k]["method"] for k in sorted(decisions))
+    return ""

@@ -19,6 +19,9 @@ Subcommands:
     (:mod:`xcomm_bench.overlap`).
 ``fusion``
     many small async allreduces, fused vs not (:mod:`xcomm_bench.fusion`).
+``autoswitch``
+    the auto hook on an emulated link whose rate changes mid-run
+    (:mod:`xcomm_bench.autoswitch`).
 
 Examples::
 
@@ -359,6 +362,7 @@ _DELEGATED = {
     "codecs": ("codecs", "encode+decode cost of xcomm's codecs against plain torch ops"),
     "overlap": ("overlap", "GradientBucketer vs reducing after backward on emulated slow links"),
     "fusion": ("fusion", "many small async allreduces, fused vs not"),
+    "autoswitch": ("autoswitch", "auto hook on a link whose rate changes mid-run"),
 }
 
 

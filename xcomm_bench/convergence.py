@@ -43,6 +43,7 @@ class Run:
     hook: str = "none"
     backend_compression: str | None = None
     density: float = 0.05
+    auto_link_gbit: float | None = None
 
 
 RUNS: list[Run] = [
@@ -54,6 +55,8 @@ RUNS: list[Run] = [
     Run("xcomm random-k 5% hook", compression="randomk"),
     Run("xcomm random-k 50% hook", compression="randomk", density=0.5),
     Run("xcomm PowerSGD r4 hook", compression="powersgd"),
+    Run("xcomm auto hook (measured link)", compression="auto"),
+    Run("xcomm auto hook (link fixed at 0.1 Gbit/s)", compression="auto", auto_link_gbit=0.1),
     Run("xcomm backend fp16", backend_compression="fp16"),
     Run("xcomm backend int8", backend_compression="int8"),
     Run("torch fp16_compress_hook", hook="fp16"),
@@ -95,6 +98,7 @@ def _worker(run: Run, steps: int, out: str) -> int:
             hook=run.hook,
             backend_compression=run.backend_compression,
             density=run.density,
+            auto_link_gbit=run.auto_link_gbit,
             steps=steps,
             log_every=max(1, steps // 20),
             log=lambda _line: None,
@@ -143,8 +147,9 @@ def format_markdown(rows: list[dict], steps: int) -> str:
         wire, ratio_text = f"{r['wire_bytes_per_step'] / 1024:.1f}", f"{ratio:.1f}x"
         if r["run"]["hook"] != "none":  # torch's hooks keep no byte count
             wire, ratio_text = "not counted", "-"
+        label = r["run"]["label"] + (f" (chose {r['chosen']})" if r.get("chosen") else "")
         lines.append(
-            f"| {r['run']['label']} | {100 * r['final_accuracy']:.2f}% | {delta:+.2f} pp | "
+            f"| {label} | {100 * r['final_accuracy']:.2f}% | {delta:+.2f} pp | "
             f"{wire} | {ratio_text} | {r['mean_step_ms']:.2f} |"
         )
     return "\n".join(lines)

@@ -349,6 +349,17 @@ class EmulatedCluster:
                 tc("qdisc", "replace", "dev", n.bridge_port, "root", *self.tbf.tc_args(), netns=br)
         self._wait_links_up()
 
+    def set_rate(self, rate: str | float) -> None:
+        """Changes every link's rate while ranks run (``tc qdisc replace``):
+        a link that slows down or speeds up mid-run."""
+        self._check_open()
+        self.rate_bps = parse_rate(rate)
+        self.tbf = TbfConfig.for_rate(self.rate_bps)
+        for n in self.nodes:
+            tc("qdisc", "replace", "dev", n.ifname, "root", *self.tbf.tc_args(), netns=n.netns)
+            tc("qdisc", "replace", "dev", n.bridge_port, "root", *self.tbf.tc_args(),
+               netns=self.bridge_netns)  # fmt: skip
+
     def _wait_links_up(self, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
         for n in self.nodes:

@@ -440,3 +440,15 @@ def test_jumbo_mtu_is_set_and_the_rate_still_honoured(no_leftovers: None) -> Non
         result = measure_goodput(c, seconds=1.5)
     assert all("mtu 65000" in line for line in links), links
     assert 0.60 <= result.ratio <= 1.05, str(result)
+
+
+@needs_root
+def test_set_rate_changes_a_running_clusters_links(no_leftovers: None) -> None:
+    """The autoswitch benchmark slows the link mid-run: goodput follows the new rate."""
+    with EmulatedCluster(nodes=2, rate="400mbit") as c:
+        before = measure_goodput(c, seconds=1.0)
+        c.set_rate("50mbit")
+        after = measure_goodput(c, seconds=1.5)
+    assert 0.60 <= before.ratio <= 1.05, str(before)
+    assert after.rate_bps == parse_rate("50mbit")
+    assert 0.60 <= after.ratio <= 1.05, str(after)
