@@ -173,9 +173,10 @@ def _time(fn: Any, repeat: int = 3) -> float:
     return best
 
 
-def calibrate_codecs(numel: int = 1 << 20, world: int = 2) -> dict[str, float]:
+def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dict[str, float]:
     """Measures each codec's CPU seconds per element on this machine (float32,
-    encode + reduce + decode with error feedback, best of 3)."""
+    encode + reduce + decode with error feedback, best of 3), on a bucket of
+    ``numel`` elements: 16 MiB by default, out of cache as DDP's are."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=g)
     out = torch.empty_like(x)
@@ -199,12 +200,21 @@ def calibrate_codecs(numel: int = 1 << 20, world: int = 2) -> dict[str, float]:
         topk.decode(packed.repeat(world).reshape(world, -1), k, out, float(world))
 
     costs["topk"] = _time(top) / numel
-    m = 1024
-    a = torch.randn(m, numel // m, generator=g)
-    q = torch.randn(numel // m, 4, generator=g)
-    # Two of PowerSGD's three products (M Q, M^T P, P Q^T), each m*n*r.
-    costs["powersgd_mnr"] = 1.5 * _time(lambda: a.t().mm(a.mm(q))) / (numel * 4.0)
-    costs["powersgd_pass"] = 3.0 * _time(lambda: out.add_(x)) / numel  # feedback in, out, decode
+    # PowerSGD: xcomm's own codec (all three products, error feedback,
+    # orthogonalisation, decompression) on one matrix, per m*n*r.
+    ps = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+    m = 1 << (max(numel.bit_length() - 1, 0) // 2)  # a square matrix
+    buf = x[: m * (numel // m)].clone()
+    ps._codec.set_layout(0, buf, [buf.view(m, -1)], [0])
+
+    def powersgd() -> None:
+        seed = 1 if ps._codec.needs_seed(0) else None
+        wire, _q, _b, _a = ps._codec.prepare(0, buf, seed)
+        summed_q = ps._codec.reduce_p(0, wire, world)
+        ps._codec.finish(0, summed_q, world)
+
+    costs["powersgd_mnr"] = _time(powersgd) / (buf.numel() * min(rank, m))
+    costs["powersgd_pass"] = _time(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
     return costs
 
 
@@ -301,7 +311,7 @@ class AutoState(PicklableState):
         self._latency = 0.0
         self._probe_bytes = 1 << 20
         self._step_start: float | None = None
-        self._step_seconds = 0.0
+        self._step_times: list[float] = []
         self._local_costs: dict[str, float] | None = None
         self._in_step = False
 
@@ -362,7 +372,9 @@ class AutoState(PicklableState):
         """At the start of a re-evaluation step: probe the link, then agree on
         every input with one allreduce MAX (its duration: the latency)."""
         if self._local_costs is None:
-            self._local_costs = dict(self.codec_costs or calibrate_codecs(world=world))
+            self._local_costs = dict(
+                self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank)
+            )
         seconds_per_byte = 0.0
         if self.link is None:
             probe = torch.zeros(max(1, self._probe_bytes // 4))
@@ -371,7 +383,9 @@ class AutoState(PicklableState):
             took = time.perf_counter() - t0
             wire = _allreduce_wire(probe.numel() * 4.0, world)
             seconds_per_byte = max(took - self._latency, 1e-9) / wire
-        local = [self._latency, seconds_per_byte, self._step_seconds]
+        recent = sorted(self._step_times[-5:])
+        step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
+        local = [self._latency, seconds_per_byte, step_seconds]
         local += [self._local_costs[k] for k in _CODEC_KEYS]
         agreed = torch.tensor(local, dtype=torch.float64)
         t0 = time.perf_counter()
@@ -473,10 +487,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state._in_step = True
         now = time.perf_counter()
         if state._step_start is not None:
-            took = now - state._step_start
-            state._step_seconds = (
-                took if state._step_seconds == 0 else 0.5 * (state._step_seconds + took)
-            )
+            state._step_times = [*state._step_times[-9:], now - state._step_start]
         state._step_start = now
         due = state.iter < state.start_iter or (state.iter - state.start_iter) % state.interval == 0
         if due or state._agreed is None:
