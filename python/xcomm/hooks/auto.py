@@ -308,7 +308,7 @@ class AutoState(PicklableState):
         self.switches = 0
         self._agreed: tuple[LinkModel, dict[str, float]] | None = None
         self._fresh_round = False
-        self._latency = 0.0
+        self._latencies: list[float] = []
         self._probe_bytes = 1 << 20
         self._step_start: float | None = None
         self._step_times: list[float] = []
@@ -382,24 +382,30 @@ class AutoState(PicklableState):
             dist.all_reduce(probe, group=group)
             took = time.perf_counter() - t0
             wire = _allreduce_wire(probe.numel() * 4.0, world)
-            seconds_per_byte = max(took - self._latency, 1e-9) / wire
+            # Latency is the least of the recent agreement allreduces (a late
+            # rank inflates one); it may explain at most half of the probe,
+            # so a noisy latency cannot make the link look infinitely fast.
+            latency = min(self._latencies, default=0.0)
+            seconds_per_byte = max(took - latency, 0.5 * took) / wire
         recent = sorted(self._step_times[-5:])
         step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
-        local = [self._latency, seconds_per_byte, step_seconds]
+        local = [min(self._latencies, default=0.0), seconds_per_byte, step_seconds]
         local += [self._local_costs[k] for k in _CODEC_KEYS]
         agreed = torch.tensor(local, dtype=torch.float64)
         t0 = time.perf_counter()
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        self._latency = time.perf_counter() - t0
+        self._latencies = [*self._latencies[-4:], time.perf_counter() - t0]
         values = agreed.tolist()
         costs = dict(zip(_CODEC_KEYS, values[3:]))
         if self.link is not None:
             link = self.link
         else:
             link = LinkModel(values[0], 1.0 / max(values[1], 1e-15))
-            # Next probe: about probe_fraction of the steps between rounds.
+            # Next probe: about probe_fraction of the steps between rounds,
+            # growing at most 4x a round (a wrong estimate costs little).
             budget = self.probe_fraction * self.interval * values[2]
-            self._probe_bytes = int(min(max(budget * link.bandwidth_bytes_per_s, 256e3), 32e6))
+            size = min(budget * link.bandwidth_bytes_per_s, 4.0 * self._probe_bytes, 32e6)
+            self._probe_bytes = int(max(size, 256e3))
         self._agreed = (link, costs)
         self._fresh_round = True
 
