@@ -22,8 +22,9 @@ Inputs, measured, never guessed:
 * the link's latency and bandwidth as the collectives see them (the
   backend's own reduction cost included): every ``interval`` steps, at the
   start of the backward pass (when no collective of the hook is in flight),
-  a probe allreduce sized to cost about ``probe_fraction`` of the step, and
-  the small allreduce that agrees the inputs (its duration is the latency).
+  a one-element allreduce that lines the ranks up, a probe allreduce sized to
+  cost about ``probe_fraction`` of the step, and the small allreduce that
+  agrees the inputs (its duration is the latency).
 
 That agreement is an allreduce MAX over ranks of every input, so every rank
 computes the same choice from the same numbers, and their collectives match.
@@ -369,8 +370,9 @@ class AutoState(PicklableState):
     # -- measurement and agreement --
 
     def _round(self, group: dist.ProcessGroup | None, world: int) -> None:
-        """At the start of a re-evaluation step: probe the link, then agree on
-        every input with one allreduce MAX (its duration: the latency)."""
+        """At the start of a re-evaluation step: line the ranks up, probe the
+        link, then agree on every input with one allreduce MAX (its duration,
+        the ranks being in step after the probe: the latency)."""
         if self._local_costs is None:
             self._local_costs = dict(
                 self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank)
@@ -378,6 +380,10 @@ class AutoState(PicklableState):
         seconds_per_byte = 0.0
         if self.link is None:
             probe = torch.zeros(max(1, self._probe_bytes // 4))
+            # Ranks reach this point apart (their backward passes differ); a
+            # one-element allreduce lines them up, so the probe times the
+            # link, not the wait for the slower rank.
+            dist.all_reduce(torch.zeros(1), group=group)
             t0 = time.perf_counter()
             dist.all_reduce(probe, group=group)
             took = time.perf_counter() - t0
