@@ -259,7 +259,6 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
 def _auto_choice(model: DDP) -> str:
     """The methods an auto hook chose, bucket by bucket ("" without one)."""
     for _hook, state in getattr(model, "_comm_hooks", []):
-        decisions = getattr(state, "decisions", None)
-        if isinstance(decisions, dict):
-            return ",".join(decisions[k]["method"] for k in sorted(decisions))
+        if isinstance(state, xhooks.AutoState):
+            return ",".join(state.methods_by_bucket())
     return ""

@@ -67,12 +67,12 @@ def rank_main(args: argparse.Namespace) -> int:
             took = time.perf_counter() - t0
             seconds = torch.tensor([took], dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slower rank's step
-            link = state._agreed[0] if state._agreed else None
+            link = state.link_estimate
             records.append(
                 {
                     "step": step,
                     "ms": float(seconds) * 1e3,
-                    "methods": [state.decisions[k]["method"] for k in sorted(state.decisions)],
+                    "methods": state.methods_by_bucket(),
                     "gbit": None if link is None else link.bandwidth_bytes_per_s * 8 / 1e9,
                 }
             )

@@ -638,10 +638,8 @@ def run_model(
 
 
 def _chosen(state: Any) -> str:
-    decisions = getattr(state, "decisions", None)
-    if not isinstance(decisions, dict):
-        return ""
-    return ",".join(decisions[k]["method"] for k in sorted(decisions))
+    by_bucket = getattr(state, "methods_by_bucket", None)  # AutoState only
+    return ",".join(by_bucket()) if by_bucket is not None else ""
 
 
 def run_rank(cfg: DDPBenchConfig, rate: str) -> int:

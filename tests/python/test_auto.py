@@ -223,7 +223,7 @@ def _measured(ctx: RankContext) -> tuple[dict, str, dict, list]:
     xcomm.reset_stats()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     train(model, opt, batch, ctx.rank, range(6))
-    link = state._agreed[0]
+    link = state.link_estimate
     auto_ops = {k: v["calls"] for k, v in xcomm.stats().items() if k.startswith("AUTO:")}
     return (
         state.decisions,

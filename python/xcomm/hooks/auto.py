@@ -348,6 +348,15 @@ class AutoState(PicklableState):
 
     # -- explanation --
 
+    @property
+    def link_estimate(self) -> LinkModel | None:
+        """The link every rank agreed on at the last re-evaluation (None before)."""
+        return self._agreed[0] if self._agreed is not None else None
+
+    def methods_by_bucket(self) -> list[str]:
+        """Each bucket's current method, in bucket order."""
+        return [self.decisions[k]["method"] for k in sorted(self.decisions)]
+
     def explain(self) -> str:
         """A table: each bucket's method and the predicted milliseconds of every
         allowed method that chose it."""
@@ -456,21 +465,6 @@ class AutoState(PicklableState):
         }
         return method
 
-    # -- residual hand-over between PowerSGD and the shared store --
-
-    def _take_powersgd_error(self, bucket: dist.GradBucket) -> None:
-        """Adds PowerSGD's error feedback of the bucket's parameters into the
-        gradients (the method that now runs sends or keeps it)."""
-        ps = self._powersgd
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            entry = ps._keys.get(id(param))
-            if entry is None or entry[0]() is not param:
-                continue
-            error, q = ps._codec.param_state(entry[1])
-            if error is not None:
-                grad.view(-1).add_(error.to(grad.dtype))
-                ps._codec.set_param_state(entry[1], None, q)
-
 
 def _ordered(
     state: AutoState, bucket: dist.GradBucket, issue: Any
@@ -522,7 +516,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if bucket.is_last():
         state._fresh_round = False
     if previous == "powersgd" and method != "powersgd":
-        state._take_powersgd_error(bucket)
+        state._powersgd.release_error(bucket)  # the method that now runs sends it
     if method in ("none", "bf16", "fp16", "powersgd"):
         view = state.feedback.view(bucket)
         state.feedback.flush(view)  # what earlier lossy steps owe is sent now

@@ -159,11 +159,3 @@ def _release_on_failure(f: torch.futures.Future, issued: torch.futures.Future) -
         f.value()
     except BaseException as e:  # noqa: BLE001 - handed to the next turn
         mark_issued(issued, e)
-
-
-def _issue_failed(f: torch.futures.Future, issued: torch.futures.Future) -> None:
-    """Releases the next bucket's turn when this bucket's first step failed."""
-    try:
-        f.value()
-    except BaseException as e:  # noqa: BLE001 - the failure goes to the next turn too
-        mark_issued(issued, e)

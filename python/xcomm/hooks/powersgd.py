@@ -365,6 +365,20 @@ class PowerSGDState:
         self.__init__(None, **pickled["config"])
         self.load_state_dict(pickled["state"])
 
+    def release_error(self, bucket: dist.GradBucket) -> None:
+        """Adds the error feedback of ``bucket``'s parameters into their
+        gradients and forgets it (the warm-start Q stays): for a caller that
+        reduces this bucket with another method from now on, which then sends
+        or keeps what PowerSGD owed."""
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            entry = self._keys.get(id(param))
+            if entry is None or entry[0]() is not param:
+                continue
+            error, q = self._codec.param_state(entry[1])
+            if error is not None:
+                grad.view(-1).add_(error.to(grad.dtype))
+                self._codec.set_param_state(entry[1], None, q)
+
     # -- internals used by the hook --
 
     def _check_restored_shape(self, key: int, shape: tuple[int, ...]) -> None:
