@@ -86,6 +86,15 @@ def test_bad_settings_are_refused(kwargs: dict, match: str) -> None:
         hooks.AutoState(**kwargs)
 
 
+def test_bad_link_and_unknown_method_are_refused() -> None:
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s > 0"):
+        hooks.LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="latency_s must be >= 0"):
+        hooks.LinkModel(latency_s=-1.0, bandwidth_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="unknown method 'zstd'"):
+        predict_seconds("zstd", 10, [], 2, FAST, COSTS, density=0.01, rank=4)
+
+
 def _run(
     ctx: RankContext,
     links: dict[int, hooks.LinkModel | None],

@@ -94,6 +94,13 @@ class LinkModel:
     latency_s: float
     bandwidth_bytes_per_s: float
 
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and self.bandwidth_bytes_per_s > 0):
+            raise ValueError(
+                "xcomm.hooks.LinkModel: latency_s must be >= 0 and bandwidth_bytes_per_s > 0, "
+                f"got {self.latency_s} and {self.bandwidth_bytes_per_s}"
+            )
+
     def seconds(self, collectives: int, wire_bytes: float) -> float:
         return collectives * self.latency_s + wire_bytes / self.bandwidth_bytes_per_s
 
