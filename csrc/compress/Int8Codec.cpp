@@ -27,17 +27,19 @@ bool isDenseFloat(const at::Tensor& t) {
 
 // Runs fn(shard j, chunks [c0, c1) of it, element offset, valid elements) over
 // the chunks of `world` shards of `shard` elements each (`n` real elements in
-// all) in one parallel loop; a task may span two shards.
+// all, shard j starting at element j * stride) in one parallel loop; a task
+// may span two shards. stride < shard pads each shard's last chunk.
 template <typename Fn>
-void forEachShardChunks(int64_t n, int world, int64_t shard, int64_t chunkElems, Fn fn) {
+void forEachShardChunks(int64_t n, int world, int64_t shard, int64_t stride, int64_t chunkElems,
+                        Fn fn) {
   const int64_t perShard = ceilDiv(shard, chunkElems);
   at::parallel_for(0, world * perShard, grainChunks(chunkElems), [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end;) {
       const int64_t j = g / perShard;
       const int64_t c0 = g - j * perShard;
       const int64_t c1 = std::min(perShard, c0 + (end - g));
-      const int64_t offset = j * shard;
-      fn(j, c0, c1, offset, std::clamp<int64_t>(n - offset, 0, shard));
+      const int64_t offset = j * stride;
+      fn(j, c0, c1, offset, std::clamp<int64_t>(n - offset, 0, stride));
       g += c1 - c0;
     }
   });
@@ -75,13 +77,22 @@ int64_t Int8Codec::packedBytes(int64_t elems) const {
   return elems + static_cast<int64_t>(sizeof(float)) * ceilDiv(elems, chunkElems_);
 }
 
+int64_t Int8Codec::rowElems(int64_t numel, int rows) const {
+  TORCH_CHECK_VALUE(rows > 0 && numel % rows == 0, "xcomm: int8 rows need a numel (", numel,
+                    ") that splits evenly into ", rows, " rows");
+  return ceilDiv(numel / rows, chunkElems_) * chunkElems_;
+}
+
 void Int8Codec::quantizeShards(const float* src, float* residual, int64_t n, int world,
-                               at::Tensor& out) const {
-  const int64_t shard = shardElems(n, world);
+                               int64_t stride, at::Tensor& out) const {
+  const int64_t shard = stride == 0 ? shardElems(n, world) : rowElems(n, world);
+  if (stride == 0) {
+    stride = shard;
+  }
   const int64_t bytes = out.size(1);
   uint8_t* dst = out.data_ptr<uint8_t>();
   const auto& k = kernels::codecKernels();
-  forEachShardChunks(n, world, shard, chunkElems_,
+  forEachShardChunks(n, world, shard, stride, chunkElems_,
                      [&](int64_t j, int64_t c0, int64_t c1, int64_t offset, int64_t valid) {
                        uint8_t* row = dst + j * bytes;
                        k.int8Encode(src ? src + offset : nullptr,
@@ -98,7 +109,7 @@ at::Tensor Int8Codec::packShards(const at::Tensor& flat, int world) const {
   const int64_t n = flat.numel();
   at::Tensor src = flat.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
   at::Tensor out = at::empty({world, packedBytes(shardElems(n, world))}, at::kByte);
-  quantizeShards(src.data_ptr<float>(), nullptr, n, world, out);
+  quantizeShards(src.data_ptr<float>(), nullptr, n, world, 0, out);
   return out;
 }
 
@@ -119,8 +130,27 @@ at::Tensor Int8Codec::packShardsWithFeedback(const at::Tensor& flat, int world,
   at::Tensor residual = feedback.accumulator(key, flat, &seeded);
   const int64_t rowBytes = packedBytes(shardElems(n, world));
   at::Tensor out = takeBuffer(world * rowBytes).view({world, rowBytes});
-  quantizeShards(seeded ? nullptr : flat.data_ptr<float>(), residual.data_ptr<float>(), n, world,
+  quantizeShards(seeded ? nullptr : flat.data_ptr<float>(), residual.data_ptr<float>(), n, world, 0,
                  out);
+  return out;
+}
+
+at::Tensor Int8Codec::packRows(const at::Tensor& flat, int rows, ErrorFeedback* feedback,
+                               int64_t key) const {
+  TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
+                   "xcomm: int8 compression needs a floating-point tensor");
+  const int64_t n = flat.numel();
+  const int64_t rowBytes = packedBytes(rowElems(n, rows));
+  at::Tensor src = flat.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
+  at::Tensor out = takeBuffer(rows * rowBytes).view({rows, rowBytes});
+  if (feedback == nullptr) {
+    quantizeShards(src.data_ptr<float>(), nullptr, n, rows, n / rows, out);
+    return out;
+  }
+  bool seeded = false;
+  at::Tensor residual = feedback->accumulator(key, src, &seeded);
+  quantizeShards(seeded ? nullptr : src.data_ptr<float>(), residual.data_ptr<float>(), n, rows,
+                 n / rows, out);
   return out;
 }
 
@@ -191,7 +221,7 @@ void Int8Codec::unpackAll(const at::Tensor& gathered, int64_t shard, at::Tensor&
   const uint8_t* src = packed.data_ptr<uint8_t>();
   const int64_t bytes = packed.size(1);
   const auto& k = kernels::codecKernels();
-  forEachShardChunks(n, static_cast<int>(world), shard, chunkElems_,
+  forEachShardChunks(n, static_cast<int>(world), shard, shard, chunkElems_,
                      [&](int64_t j, int64_t c0, int64_t c1, int64_t offset, int64_t valid) {
                        if (valid == 0) return;
                        const uint8_t* row = src + j * bytes;

@@ -38,6 +38,16 @@ class Int8Codec {
   // pass over the bucket (float32; other dtypes take the unfused route).
   at::Tensor packShardsWithFeedback(const at::Tensor& flat, int world, ErrorFeedback& feedback,
                                     int64_t key) const;
+  // Elements of one packed row when `numel` is cut into `rows` equal rows:
+  // numel / rows rounded up to whole chunks (ValueError if it does not divide).
+  int64_t rowElems(int64_t numel, int rows) const;
+  // Quantizes `flat` cut into `rows` equal rows of numel / rows elements
+  // (a reduce-scatter's input, whose shard boundaries the caller fixes), one
+  // packed row each, padded to whole chunks: uint8 [rows, packedBytes(rowElems)].
+  // With `feedback`, the residual of `key` is added first and keeps what the
+  // rows do not carry (one pass, as packShardsWithFeedback). reduceShards with
+  // rowElems then sums a row's versions from every rank.
+  at::Tensor packRows(const at::Tensor& flat, int rows, ErrorFeedback* feedback, int64_t key) const;
   // Dequantizes and sums the world's versions of one shard, uint8 [world, packedBytes],
   // into float32 [shardElems], in rank order (so every run gives the same bits).
   at::Tensor reduceShards(const at::Tensor& received, int64_t shardElems) const;
@@ -55,8 +65,9 @@ class Int8Codec {
 
  private:
   // Quantizes `world` shards of `n` source elements into `out` (uint8
-  // [world, packedBytes]); src null: the values are in `residual`.
-  void quantizeShards(const float* src, float* residual, int64_t n, int world,
+  // [world, packedBytes]); src null: the values are in `residual`. stride 0:
+  // packShards' shards; otherwise packRows' rows of `stride` elements.
+  void quantizeShards(const float* src, float* residual, int64_t n, int world, int64_t stride,
                       at::Tensor& out) const;
   at::Tensor reduceRows(const at::Tensor& received, int64_t shard, double divisor, bool pack) const;
 

@@ -82,6 +82,16 @@ void bindCodecs(py::module_& m) {
            py::arg("world"), py::arg("feedback"), py::arg("key"),
            py::call_guard<py::gil_scoped_release>(),
            "pack_shards of flat + the key's residual, leaving the new residual in `feedback`.")
+      .def("row_elems", &xcomm::Int8Codec::rowElems, py::arg("numel"), py::arg("rows"))
+      .def(
+          "pack_rows",
+          [](const xcomm::Int8Codec& c, const at::Tensor& flat, int rows,
+             xcomm::ErrorFeedback* feedback,
+             int64_t key) { return c.packRows(flat, rows, feedback, key); },
+          py::arg("flat"), py::arg("rows"), py::arg("feedback") = nullptr, py::arg("key") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "flat cut into `rows` equal rows, each quantized and padded to whole chunks; "
+          "with `feedback`, the key's residual is added first and keeps the error.")
       .def("reduce_and_pack", &xcomm::Int8Codec::reduceAndPack, py::arg("received"),
            py::arg("shard_elems"), py::arg("divisor"), py::call_guard<py::gil_scoped_release>(),
            "reduce_shards(received) / divisor, quantized: pack of the reduced shard.")

@@ -94,6 +94,12 @@ class Options:
     def __post_init__(self) -> None:
         self.to_cpp()  # checks every field (TypeError/ValueError naming it)
 
+    @property
+    def _timeout(self) -> datetime.timedelta | None:
+        """c10d's name for ``timeout``: ``init_device_mesh`` reads it from the
+        options of a ``backend_override``."""
+        return self.timeout
+
     def to_cpp(self, timeout: datetime.timedelta | None = None) -> _C.XcommOptions:
         """The C++ options, with ``timeout`` standing in when ``self.timeout`` is None."""
         return _C.XcommOptions(

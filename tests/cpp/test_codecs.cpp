@@ -71,6 +71,48 @@ TEST_CASE("int8 reduce-scatter + allgather gives the mean on every rank", "[int8
   CHECK(at::all((out - mean).abs() <= bound + 1e-6).item<bool>());
 }
 
+TEST_CASE("int8 rows: a reduce-scatter whose shard boundaries the caller fixes", "[int8]") {
+  // FSDP2's rows are numel / world elements, rarely whole chunks: each row is
+  // padded, never shifted, and rank j's sum holds exactly its row's elements.
+  xcomm::Int8Codec codec(32);
+  const int world = 3;
+  const int64_t row = 100;  // 3 chunks + 4
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> packed;
+  for (int r = 0; r < world; ++r) {
+    inputs.push_back(randn(world * row, 200 + r));
+    packed.push_back(codec.packRows(inputs.back(), world, nullptr, 0));
+  }
+  const int64_t padded = codec.rowElems(world * row, world);
+  CHECK(padded == 128);
+  CHECK(packed[0].size(1) == codec.packedBytes(padded));
+  for (int j = 0; j < world; ++j) {
+    std::vector<at::Tensor> rows;
+    at::Tensor want = at::zeros({row});
+    at::Tensor bound = at::zeros({row});
+    for (int r = 0; r < world; ++r) {
+      rows.push_back(packed[r][j]);
+      at::Tensor mine = inputs[r].narrow(0, j * row, row);
+      want += mine;
+      bound += int8Bound(mine, 32);
+    }
+    at::Tensor sum = codec.reduceShards(at::stack(rows), padded);
+    INFO("row " << j);
+    CHECK(at::all((sum.narrow(0, 0, row) - want).abs() <= bound + 1e-6).item<bool>());
+    CHECK(at::all(sum.narrow(0, row, padded - row) == 0).item<bool>());
+  }
+  // With feedback: what the rows carry + the residual = the input, per element.
+  xcomm::ErrorFeedback feedback;
+  at::Tensor rows = codec.packRows(inputs[0], world, &feedback, 5);
+  at::Tensor sent = at::empty({world * row});
+  for (int j = 0; j < world; ++j) {
+    at::Tensor part = sent.narrow(0, j * row, row);
+    codec.unpackAll(rows[j].view({1, -1}), padded, part);
+  }
+  CHECK(at::allclose(sent + feedback.find(5), inputs[0], 1e-6, 1e-6));
+  CHECK_THROWS_WITH(codec.packRows(randn(10, 1), 3, nullptr, 0), Contains("splits evenly"));
+}
+
 TEST_CASE("int8 edge cases: empty, zeros, non-finite", "[int8]") {
   xcomm::Int8Codec codec(4);
   CHECK(codec.roundTrip(at::empty({0})).numel() == 0);

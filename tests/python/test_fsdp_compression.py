@@ -1,0 +1,303 @@
+"""FSDP2's compressed reduce-scatter (xcomm.hooks.compress_reduce_scatter).
+
+References: the math of each codec (the reduce-scatter of what every rank
+sent), FSDP2's own uncompressed reduce-scatter (``method="none"`` must be
+bitwise it), and an uninterrupted run (checkpoint and resume must be bitwise
+it). Two ranks on the xcomm backend.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_harness import RankContext, run_ranks
+from xcomm import _C
+from xcomm.hooks import (
+    CompressedReduceScatter,
+    FsdpCompressionState,
+    compress_reduce_scatter,
+)
+
+STEPS = 6
+
+
+def _decode_row(codec: Any, row: torch.Tensor, elems: int) -> torch.Tensor:
+    out = torch.empty(elems)
+    codec.unpack_all(row.reshape(1, -1), codec.row_elems(elems, 1), out)
+    return out
+
+
+@pytest.mark.parametrize("rows,row_len", [(2, 1000), (3, 64), (4, 2500)])
+def test_pack_rows_keeps_sent_plus_residual_equal_to_input(rows: int, row_len: int) -> None:
+    """Rows that are not whole chunks are padded, not shifted: row j decodes
+    to about input row j, and sent + residual = input + old residual."""
+    codec, feedback = _C.Int8Codec(256), _C.ErrorFeedback()
+    g = torch.Generator().manual_seed(rows)
+    old = torch.zeros(rows * row_len)
+    for step in range(3):
+        x = torch.randn(rows * row_len, generator=g) * (
+            1 + torch.arange(rows).repeat_interleave(row_len)
+        )
+        packed = codec.pack_rows(x, rows, feedback, 7)
+        assert packed.shape == (rows, codec.packed_bytes(codec.row_elems(x.numel(), rows)))
+        sent = torch.cat([_decode_row(codec, packed[j], row_len) for j in range(rows)])
+        residual = feedback.get(7)
+        torch.testing.assert_close(sent + residual, x + old, rtol=1e-6, atol=1e-6)
+        # int8 with per-chunk scales: each element within half a step of its chunk's scale
+        assert (sent - (x + old)).abs().max() <= (x + old).abs().max() / 127
+        old = residual.clone()
+    without = codec.pack_rows(x, rows)
+    assert torch.equal(
+        torch.cat([_decode_row(codec, without[j], row_len) for j in range(rows)]),
+        torch.cat([_decode_row(codec, codec.pack_rows(x, rows)[j], row_len) for j in range(rows)]),
+    )
+
+
+def test_pack_rows_refuses_uneven_rows() -> None:
+    with pytest.raises(ValueError, match="splits evenly"):
+        _C.Int8Codec(64).pack_rows(torch.randn(10), 3)
+
+
+def test_bad_settings_name_the_setting() -> None:
+    with pytest.raises(ValueError, match="method must be one of"):
+        FsdpCompressionState(method="int4")
+    with pytest.raises(ValueError, match="chunk_elems"):
+        FsdpCompressionState(chunk_elems=0)
+    with pytest.raises(ValueError, match="no module of the model is wrapped"):
+        compress_reduce_scatter(nn.Linear(2, 2))
+
+
+def _inputs(rank: int, numel: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(numel, generator=g)
+
+
+def _reduce_scatter_math(ctx: RankContext, method: str) -> dict[str, Any]:
+    """One compressed reduce-scatter against the codec applied to every rank's input."""
+    world, numel = ctx.world_size, 2 * 3000
+    state = FsdpCompressionState(method=method, chunk_elems=256, min_bytes=0)
+    comm = CompressedReduceScatter(state, "m")
+    results = []
+    for step in range(3):
+        x = _inputs(ctx.rank, numel, step)
+        out = comm.allocate((numel // world,), dtype=torch.float32, device=torch.device("cpu"))
+        comm(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
+        results.append(out)
+    return {"out": results, "residual": state.residual("m").clone(), "stats": state.stats.as_dict()}
+
+
+def _sent_by(method: str, inputs: list[torch.Tensor], world: int) -> list[torch.Tensor]:
+    """What each rank sends over the steps, error feedback included."""
+    codec, feedback = _C.Int8Codec(256), _C.ErrorFeedback()
+    sent, residual = [], torch.zeros_like(inputs[0])
+    for x in inputs:
+        if method == "int8":
+            packed = codec.pack_rows(x, world, feedback, 0)
+            n = x.numel() // world
+            s = torch.cat([_decode_row(codec, packed[j], n) for j in range(world)])
+        else:
+            a = x + residual
+            s = a.to(torch.bfloat16 if method == "bf16" else torch.float16).float()
+            residual = a - s
+        sent.append(s)
+    return sent
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16", "fp16"])
+def test_compressed_reduce_scatter_is_the_mean_of_what_ranks_sent(method: str) -> None:
+    world, numel = 2, 6000
+    res = run_ranks(_reduce_scatter_math, world, method)
+    sent = [_sent_by(method, [_inputs(r, numel, s) for s in range(3)], world) for r in range(world)]
+    n = numel // world
+    for rank in range(world):
+        for step in range(3):
+            expected = sum(sent[r][step][rank * n : (rank + 1) * n] for r in range(world)) / world
+            torch.testing.assert_close(res[rank]["out"][step], expected, rtol=1e-6, atol=1e-6)
+            exact = sum(_inputs(r, numel, step)[rank * n : (rank + 1) * n] for r in range(world))
+            assert not torch.equal(res[rank]["out"][step], exact / world), "nothing was compressed"
+        # bytes each rank sends: a row of every step to its peer
+        codec = _C.Int8Codec(256)
+        row = codec.packed_bytes(codec.row_elems(numel, world)) if method == "int8" else 2 * n
+        assert res[rank]["stats"]["link_bytes_sent"] == 3 * (world - 1) * row
+        assert res[rank]["stats"]["link_bytes_before"] == 3 * (world - 1) * 4 * n
+
+
+# -- FSDP2 end to end ------------------------------------------------------------
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+    )
+
+
+def _fsdp2(method: str | None, **settings: Any) -> tuple[nn.Module, FsdpCompressionState | None]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    state = None
+    if method is not None:
+        state = compress_reduce_scatter(model, method, chunk_elems=256, min_bytes=0, **settings)
+    return model, state
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(16, 64, generator=g)
+    return x, x[:, :8].sin()
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _train(ctx: RankContext, method: str | None) -> dict[str, Any]:
+    model, state = _fsdp2(method)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = _steps(model, opt, ctx.rank, range(STEPS))
+    return {
+        "params": _full(model),
+        "losses": losses,
+        "stats": state.stats.as_dict() if state else None,
+    }
+
+
+def test_fsdp2_compressed_runs_match_uncompressed() -> None:
+    """'none' is bitwise FSDP2's own reduce-scatter; bf16 and int8 (with error
+    feedback) stay close to it; every rank holds the same parameters."""
+    runs = {m: run_ranks(_train, 2, m, ref_group=False) for m in (None, "none", "bf16", "int8")}
+    ref = runs[None][0]["params"]
+    for method, ranks in runs.items():
+        for name, p in ranks[0]["params"].items():
+            assert torch.equal(p, ranks[1]["params"][name]), (method, name)
+    for name, p in runs["none"][0]["params"].items():
+        assert torch.equal(p, ref[name]), name
+    for method, tol in (("bf16", 2e-3), ("int8", 2e-3)):
+        for name, p in runs[method][0]["params"].items():
+            diff = (p - ref[name]).abs().max().item()
+            assert diff <= tol, (method, name, diff)
+        stats = runs[method][0]["stats"]
+        assert stats["link_bytes_before"] > 1.9 * stats["link_bytes_sent"], (method, stats)
+
+
+def _resume(ctx: RankContext, method: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, state = _fsdp2(method)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    _steps(model, opt, ctx.rank, range(3))
+    msd, osd = get_state_dict(model, opt)
+    path = os.path.join(ctx.tmpdir, f"rank{ctx.rank}.pt")
+    torch.save({"model": msd, "optim": osd, "xcomm": state.state_dict()}, path)
+    _steps(model, opt, ctx.rank, range(3, STEPS))
+    uninterrupted = _full(model)
+
+    model2, state2 = _fsdp2(method)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
+    saved = torch.load(path, weights_only=False)
+    set_state_dict(model2, opt2, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    state2.load_state_dict(saved["xcomm"])
+    _steps(model2, opt2, ctx.rank, range(3, STEPS))
+    return {"uninterrupted": uninterrupted, "resumed": _full(model2)}
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16"])
+def test_fsdp2_compressed_resume_is_bitwise(method: str) -> None:
+    for r in run_ranks(_resume, 2, method, ref_group=False):
+        for name, p in r["uninterrupted"].items():
+            assert torch.equal(r["resumed"][name], p), name
+
+
+def test_state_dict_refuses_an_unknown_version() -> None:
+    state = FsdpCompressionState()
+    with pytest.raises(ValueError, match="version"):
+        state.load_state_dict({"version": 99, "residuals": {}, "stats": {}})
+
+
+def _divide_factor(ctx: RankContext, method: str | None) -> dict[str, Any]:
+    """set_gradient_divide_factor makes FSDP2 ask for PREMUL_SUM: reduced uncompressed."""
+    model, state = _fsdp2(method)
+    for m in model.modules():
+        if hasattr(m, "set_gradient_divide_factor"):
+            m.set_gradient_divide_factor(4.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    _steps(model, opt, ctx.rank, range(2))
+    return {"params": _full(model), "stats": state.stats.as_dict() if state else None}
+
+
+def test_a_premul_sum_reduction_goes_uncompressed_and_exact() -> None:
+    ref = run_ranks(_divide_factor, 2, None, ref_group=False)[0]["params"]
+    got = run_ranks(_divide_factor, 2, "int8", ref_group=False)[0]
+    for name, p in got["params"].items():
+        assert torch.equal(p, ref[name]), name
+    assert got["stats"]["calls"] > 0
+    assert got["stats"]["link_bytes_sent"] == got["stats"]["link_bytes_before"]
+
+
+def _hsdp(ctx: RankContext, compressed: bool) -> dict[str, Any]:
+    """HSDP on a 2 x 2 mesh: the shard dimension's reduce-scatter through the
+    hook, the replicate dimension's all-reduce through the backend's Options."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import xcomm
+
+    override = {}
+    if compressed:
+        override = {
+            "replicate": ("xcomm", xcomm.Options(compression="bf16", compression_min_bytes=0))
+        }
+    mesh = init_device_mesh(
+        "cpu", (2, 2), mesh_dim_names=("replicate", "shard"), backend_override=override
+    )
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = None
+    if compressed:
+        state = compress_reduce_scatter(model, "int8", chunk_elems=256, min_bytes=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    xcomm.reset_stats()
+    _steps(model, opt, ctx.rank, range(3))
+    return {
+        "params": _full(model),
+        "stats": state.stats.as_dict() if state else None,
+        "xcomm": xcomm.stats(),
+    }
+
+
+def test_hsdp_compresses_both_dimensions() -> None:
+    ref = run_ranks(_hsdp, 4, False, ref_group=False, timeout=180)
+    got = run_ranks(_hsdp, 4, True, ref_group=False, timeout=180)
+    for r in got:
+        for name, p in r["params"].items():
+            assert torch.equal(p, got[0]["params"][name]), name  # every rank the same
+            torch.testing.assert_close(p, ref[0]["params"][name], rtol=0, atol=2e-3)
+        assert r["stats"]["link_bytes_before"] > 3 * r["stats"]["link_bytes_sent"]
+    rows = {k for k in got[0]["xcomm"] if "BF16" in k.upper()}
+    assert rows, f"the replicate all-reduce was not compressed: {sorted(got[0]['xcomm'])}"
