@@ -22,6 +22,9 @@ Subcommands:
 ``autoswitch``
     the auto hook on an emulated link whose rate changes mid-run
     (:mod:`xcomm_bench.autoswitch`).
+``fsdp``
+    FSDP2 step time and bytes with and without a compressed reduce-scatter
+    (:mod:`xcomm_bench.fsdp`).
 
 Examples::
 
@@ -363,6 +366,7 @@ _DELEGATED = {
     "overlap": ("overlap", "GradientBucketer vs reducing after backward on emulated slow links"),
     "fusion": ("fusion", "many small async allreduces, fused vs not"),
     "autoswitch": ("autoswitch", "auto hook on a link whose rate changes mid-run"),
+    "fsdp": ("fsdp", "FSDP2 step time and bytes, compressed reduce-scatter vs not"),
 }
 
 
