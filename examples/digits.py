@@ -33,6 +33,7 @@ from xcomm.hooks.stats import CompressionStats, allreduce_bytes
 
 __all__ = [
     "COMPRESSION",
+    "FSDP_COMPRESSION",
     "TORCH_HOOKS",
     "Digits",
     "DigitsConfig",
@@ -46,6 +47,8 @@ __all__ = [
 
 #: xcomm's DDP hooks, by name.
 COMPRESSION = ["none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd", "auto"]
+#: xcomm's FSDP2 reduce-scatters (``wrapper="fsdp2"``), by name.
+FSDP_COMPRESSION = ["none", "fp16", "bf16", "int8"]
 #: torch's own DDP hooks, by name.
 TORCH_HOOKS = ["none", "allreduce", "fp16", "powersgd"]
 
@@ -152,7 +155,9 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 class DigitsConfig:
     """One training run. ``compression`` names an xcomm hook, ``hook`` a torch
     hook (at most one of the two); ``backend_compression`` is what the process
-    group compresses itself (``xcomm.Options(compression=...)``), for the byte count."""
+    group compresses itself (``xcomm.Options(compression=...)``), for the byte count.
+    ``wrapper="fsdp2"`` shards every layer with ``fully_shard`` instead of DDP;
+    ``compression`` then names the reduce-scatter (:data:`FSDP_COMPRESSION`)."""
 
     compression: str = "none"
     hook: str = "none"
@@ -160,6 +165,7 @@ class DigitsConfig:
     density: float = 0.05
     powersgd_rank: int = 4
     auto_link_gbit: float | None = None
+    wrapper: str = "ddp"
     steps: int = 300
     batch_size: int = 64
     lr: float = 0.05
@@ -205,11 +211,16 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         raise ValueError(f"batch_size {cfg.batch_size} must divide by world size {world_size}")
     torch.manual_seed(cfg.seed)
     data = load_digits(cfg.seed)
-    model = DDP(make_model())
-    register_torch_hook(model, cfg.hook, cfg.powersgd_rank)
-    stats = register_compression(
-        model, cfg.compression, cfg.density, cfg.powersgd_rank, cfg.auto_link_gbit
-    )
+    if cfg.wrapper == "fsdp2":
+        model, stats = _fsdp2_model(cfg)
+    elif cfg.wrapper == "ddp":
+        model = DDP(make_model())
+        register_torch_hook(model, cfg.hook, cfg.powersgd_rank)
+        stats = register_compression(
+            model, cfg.compression, cfg.density, cfg.powersgd_rank, cfg.auto_link_gbit
+        )
+    else:
+        raise ValueError(f"unknown wrapper {cfg.wrapper!r}; choose 'ddp' or 'fsdp2'")
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -254,6 +265,25 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         history=history,
         chosen=_auto_choice(model),
     )
+
+
+def _fsdp2_model(cfg: DigitsConfig) -> tuple[torch.nn.Module, CompressionStats]:
+    """The model with every layer and the root under ``fully_shard``, and the
+    reduce-scatter ``cfg.compression`` names ("none": FSDP2's own, counted)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if cfg.hook != "none" or cfg.compression not in FSDP_COMPRESSION:
+        raise ValueError(
+            f"fsdp2 takes compression in {FSDP_COMPRESSION} and no torch hook, "
+            f"got {cfg.compression!r} / {cfg.hook!r}"
+        )
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    state = xhooks.compress_reduce_scatter(model, cfg.compression, min_bytes=0)
+    return model, state.stats
 
 
 def _auto_choice(model: DDP) -> str:

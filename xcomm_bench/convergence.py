@@ -2,7 +2,8 @@
 
 ``python -m xcomm_bench convergence`` trains scikit-learn's digits with DDP on
 2 local ranks over xcomm, once per reduction (uncompressed, each of xcomm's
-hooks, compression inside the backend, and torch's own hooks for reference),
+hooks, compression inside the backend, and torch's own hooks for reference;
+then FSDP2 with each of xcomm's reduce-scatters, compared with FSDP2 uncompressed),
 with the same seed, batches and number of steps. It prints a table of final
 test accuracy, its difference from the uncompressed run in percentage points,
 and bytes on the wire per step; writes ``convergence.{json,md,png}`` (the
@@ -44,6 +45,7 @@ class Run:
     backend_compression: str | None = None
     density: float = 0.05
     auto_link_gbit: float | None = None
+    wrapper: str = "ddp"
 
 
 RUNS: list[Run] = [
@@ -61,6 +63,9 @@ RUNS: list[Run] = [
     Run("xcomm backend int8", backend_compression="int8"),
     Run("torch fp16_compress_hook", hook="fp16"),
     Run("torch powerSGD_hook r4", hook="powersgd"),
+    Run("FSDP2 uncompressed", wrapper="fsdp2"),
+    Run("FSDP2 bf16 reduce-scatter", compression="bf16", wrapper="fsdp2"),
+    Run("FSDP2 int8 reduce-scatter", compression="int8", wrapper="fsdp2"),
 ]
 
 
@@ -99,6 +104,7 @@ def _worker(run: Run, steps: int, out: str) -> int:
             backend_compression=run.backend_compression,
             density=run.density,
             auto_link_gbit=run.auto_link_gbit,
+            wrapper=run.wrapper,
             steps=steps,
             log_every=max(1, steps // 20),
             log=lambda _line: None,
@@ -133,7 +139,7 @@ def run_all(runs: list[Run], steps: int, progress: bool = True) -> list[dict]:
 
 
 def format_markdown(rows: list[dict], steps: int) -> str:
-    base = rows[0]
+    bases = {r["run"].get("wrapper", "ddp"): r for r in reversed(rows)}  # each wrapper's first
     lines = [
         (
             f"| reduction | final test accuracy ({steps} steps) | vs uncompressed | "
@@ -142,6 +148,7 @@ def format_markdown(rows: list[dict], steps: int) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        base = bases[r["run"].get("wrapper", "ddp")]
         delta = 100 * (r["final_accuracy"] - base["final_accuracy"])
         ratio = base["wire_bytes_per_step"] / max(r["wire_bytes_per_step"], 1e-9)
         wire, ratio_text = f"{r['wire_bytes_per_step'] / 1024:.1f}", f"{ratio:.1f}x"

@@ -195,7 +195,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
             return code
         result["rates"][rate] = json.loads(worker_out.read_text())
         worker_out.unlink()
-    (out / "fsdp.json").write_text(json.dumps(result, indent=1))
+        (out / "fsdp.json").write_text(json.dumps(result, indent=1))  # kept if a later rate fails
     (out / "fsdp.md").write_text(table(result))
     plot(out / "fsdp.png", result)
     print(table(result))

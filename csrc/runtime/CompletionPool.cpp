@@ -3,42 +3,44 @@
 namespace xcomm {
 
 CompletionPool::~CompletionPool() {
+  std::vector<std::thread> threads;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
+    threads.swap(threads_);
   }
-  cv_.notify_all();
-  for (auto& t : threads_) {
-    if (t.joinable() && t.get_id() != std::this_thread::get_id()) {
-      t.join();
+  state_->cv.notify_all();
+  for (auto& t : threads) {
+    if (t.get_id() == std::this_thread::get_id()) {
+      t.detach();  // destroyed from one of its own tasks
     } else if (t.joinable()) {
-      t.detach();  // destroyed from one of its own callbacks
+      t.join();
     }
   }
 }
 
 void CompletionPool::run(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
-    if (tasks_.size() > idle_ && threads_.size() < maxThreads_) {
-      threads_.emplace_back([this] { loop(); });
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->tasks.push_back(std::move(task));
+    if (state_->tasks.size() > state_->idle && threads_.size() < maxThreads_) {
+      threads_.emplace_back([state = state_] { loop(state); });
     }
   }
-  cv_.notify_one();
+  state_->cv.notify_one();
 }
 
-void CompletionPool::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+void CompletionPool::loop(const std::shared_ptr<State>& state) {
+  std::unique_lock<std::mutex> lock(state->mutex);
   while (true) {
-    ++idle_;
-    cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-    --idle_;
-    if (tasks_.empty()) {
+    ++state->idle;
+    state->cv.wait(lock, [&] { return state->stopping || !state->tasks.empty(); });
+    --state->idle;
+    if (state->tasks.empty()) {
       return;  // stopping, nothing left to run
     }
-    auto task = std::move(tasks_.front());
-    tasks_.pop_front();
+    auto task = std::move(state->tasks.front());
+    state->tasks.pop_front();
     lock.unlock();
     task();  // a work's completion reports its own errors
     // Destroyed before the lock is taken again: what the task holds (the

@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -27,15 +28,21 @@ class CompletionPool {
   void run(std::function<void()> task);
 
  private:
-  void loop();
+  // What the threads touch, shared with them: a task may drop the last
+  // reference to the pool's owner, destroying the pool on one of its own
+  // threads, which then detaches and finishes on this state alone.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<std::function<void()>> tasks;
+    size_t idle = 0;
+    bool stopping = false;
+  };
+  static void loop(const std::shared_ptr<State>& state);
 
   const size_t maxThreads_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;
-  std::vector<std::thread> threads_;
-  size_t idle_ = 0;
-  bool stopping_ = false;
+  std::shared_ptr<State> state_ = std::make_shared<State>();
+  std::vector<std::thread> threads_;  // guarded by state_->mutex
 };
 
 }  // namespace xcomm

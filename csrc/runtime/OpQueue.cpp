@@ -4,7 +4,8 @@
 
 namespace xcomm {
 
-OpQueue::OpQueue(std::string name) : name_(std::move(name)), worker_([this] { run(); }) {}
+OpQueue::OpQueue(std::string name)
+    : name_(std::move(name)), worker_([state = state_] { run(state); }) {}
 
 OpQueue::~OpQueue() {
   shutdown();
@@ -12,35 +13,41 @@ OpQueue::~OpQueue() {
 
 void OpQueue::push(Task task) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!stopping_, "xcomm: ", name_, " was shut down; no new operations can be issued");
-    tasks_.push_back(std::move(task));
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    TORCH_CHECK(!state_->stopping, "xcomm: ", name_,
+                " was shut down; no new operations can be issued");
+    state_->tasks.push_back(std::move(task));
   }
-  cv_.notify_one();
+  state_->cv.notify_one();
 }
 
 void OpQueue::shutdown() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stopping = true;
   }
-  cv_.notify_all();
-  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) {
+  state_->cv.notify_all();
+  if (!worker_.joinable()) {
+    return;
+  }
+  if (worker_.get_id() == std::this_thread::get_id()) {
+    worker_.detach();  // called from a task: the worker drains and exits on its own
+  } else {
     worker_.join();
   }
 }
 
-void OpQueue::run() {
+void OpQueue::run(const std::shared_ptr<State>& state) {
   while (true) {
     Task task;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-      if (tasks_.empty()) {
+      std::unique_lock<std::mutex> lock(state->mutex);
+      state->cv.wait(lock, [&] { return state->stopping || !state->tasks.empty(); });
+      if (state->tasks.empty()) {
         return;  // stopping and drained
       }
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+      task = std::move(state->tasks.front());
+      state->tasks.pop_front();
     }
     task();  // tasks report their own errors through their Work
   }

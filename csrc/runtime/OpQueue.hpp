@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -28,13 +29,19 @@ class OpQueue {
   void shutdown();
 
  private:
-  void run();
+  // What the worker touches, shared with it: the last reference to the
+  // queue's owner may go inside a task, so the queue can be destroyed on its
+  // own worker, which then detaches and finishes on this state alone.
+  struct State {
+    std::mutex mutex;
+    std::condition_variable cv;
+    std::deque<Task> tasks;
+    bool stopping = false;
+  };
+  static void run(const std::shared_ptr<State>& state);
 
   const std::string name_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<Task> tasks_;
-  bool stopping_ = false;
+  std::shared_ptr<State> state_ = std::make_shared<State>();
   std::thread worker_;
 };
 

@@ -81,7 +81,7 @@ def _inputs(rank: int, numel: int, step: int) -> torch.Tensor:
 def _reduce_scatter_math(ctx: RankContext, method: str) -> dict[str, Any]:
     """One compressed reduce-scatter against the codec applied to every rank's input."""
     world, numel = ctx.world_size, 2 * 3000
-    state = FsdpCompressionState(method=method, chunk_elems=256, min_bytes=0)
+    state = FsdpCompressionState(method=method, chunk_elems=256, min_bytes=0, error_feedback=True)
     comm = CompressedReduceScatter(state, "m")
     results = []
     for step in range(3):
@@ -206,7 +206,7 @@ def test_fsdp2_compressed_runs_match_uncompressed() -> None:
 def _resume(ctx: RankContext, method: str) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model, state = _fsdp2(method)
+    model, state = _fsdp2(method, error_feedback=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     _steps(model, opt, ctx.rank, range(3))
     msd, osd = get_state_dict(model, opt)
@@ -215,7 +215,7 @@ def _resume(ctx: RankContext, method: str) -> dict[str, Any]:
     _steps(model, opt, ctx.rank, range(3, STEPS))
     uninterrupted = _full(model)
 
-    model2, state2 = _fsdp2(method)
+    model2, state2 = _fsdp2(method, error_feedback=True)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9)
     saved = torch.load(path, weights_only=False)
     set_state_dict(model2, opt2, model_state_dict=saved["model"], optim_state_dict=saved["optim"])

@@ -69,7 +69,8 @@ def test_convergence_trains_the_examples_digits_task(tmp_path: Path) -> None:
     """The convergence benchmark trains examples/digits.py on 2 loopback ranks per run."""
     out = tmp_path / "conv"
     cmd = module_command("xcomm_bench", "convergence", "--steps", "40", "--no-progress")
-    cmd += ["--only", "uncompressed,xcomm int8 hook", "--out", str(out)]
+    only = "uncompressed,xcomm int8 hook,FSDP2 uncompressed,FSDP2 int8 reduce-scatter"
+    cmd += ["--only", only, "--out", str(out)]
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -81,7 +82,7 @@ def test_convergence_trains_the_examples_digits_task(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["run"]["label"]: r for r in json.loads((out / "convergence.json").read_text())}
-    assert list(rows) == ["uncompressed", "xcomm int8 hook"]
+    assert list(rows) == only.split(",")
     assert all(r["final_accuracy"] > 0.5 for r in rows.values())
     # 2 ranks, ring allreduce of 85,002 float32 gradients: 4 bytes each per step.
     assert rows["uncompressed"]["wire_bytes_per_step"] == pytest.approx(4 * 85_002)
@@ -89,4 +90,8 @@ def test_convergence_trains_the_examples_digits_task(tmp_path: Path) -> None:
         rows["xcomm int8 hook"]["wire_bytes_per_step"]
         < rows["uncompressed"]["wire_bytes_per_step"] / 3
     )
+    # FSDP2: a reduce-scatter of the same gradients, half the ring allreduce's bytes.
+    fsdp, fsdp_int8 = rows["FSDP2 uncompressed"], rows["FSDP2 int8 reduce-scatter"]
+    assert fsdp["wire_bytes_per_step"] == pytest.approx(2 * 85_002)
+    assert fsdp_int8["wire_bytes_per_step"] < fsdp["wire_bytes_per_step"] / 3
     assert (out / "convergence.png").stat().st_size > 0

@@ -14,10 +14,11 @@ with one that moves fewer bytes:
 * ``"int8"``: rows quantized with one float32 scale per chunk of
   ``chunk_elems`` elements (``q = round(a / s)``, ``s = max|a_chunk| / 127``),
   the same all-to-all, a float32 sum in rank order. About 4x fewer bytes.
-* ``"none"``: FSDP2's own ``reduce_scatter_tensor`` (for A/B runs).
+* ``"none"``: FSDP2's own reduce-scatter (for A/B runs).
 
-**Error feedback** (``error_feedback=True``): each rank keeps what its rows did
-not carry, ``e_r' = a_r - decode(encode(a_r))``, and adds it to the next step's
+**Error feedback** (on for int8 by default; ``error_feedback=True`` turns it
+on for the casts too, which torch's cast hooks go without): each rank keeps
+what its rows did not carry, ``e_r' = a_r - decode(encode(a_r))``, and adds it to the next step's
 input, so ``sent + residual = g + old residual`` holds element by element.
 The residual is float32 and the size of the module's *unsharded* gradient on
 every rank (the error is made at the sender, before sharding), the memory of
@@ -73,6 +74,10 @@ FSDP_STATE_VERSION = 1
 
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
+#: ``reduce_scatter_tensor`` under its newer name where torch has it (2.13+
+#: warns that the old name is deprecated).
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 def _reduce_scatter_base() -> type:
     try:
@@ -92,7 +97,9 @@ class FsdpCompressionState:
         chunk_elems: elements per int8 scale; smaller is more precise and
             costs ``4 / chunk_elems`` bytes per element more.
         error_feedback: carry what a lossy method did not send into the next
-            step (per module, per rank).
+            step (per module, per rank). ``None`` (default): for int8, whose
+            codec does it in the same pass; not for the casts, where it would
+            cost three more passes over the gradient for an error of 2^-8.
         min_bytes: inputs smaller than this go uncompressed (latency, not
             bandwidth, bounds them).
 
@@ -105,7 +112,7 @@ class FsdpCompressionState:
 
     method: str = "int8"
     chunk_elems: int = 1024
-    error_feedback: bool = True
+    error_feedback: bool | None = None
     min_bytes: int = 64 * 1024
     stats: CompressionStats = field(default_factory=CompressionStats)
 
@@ -123,6 +130,8 @@ class FsdpCompressionState:
             raise ValueError(
                 f"xcomm.hooks.FsdpCompressionState: min_bytes must be >= 0, got {self.min_bytes}"
             )
+        if self.error_feedback is None:
+            self.error_feedback = self.method == "int8"
         self.codec = _C.Int8Codec(self.chunk_elems)
         self.feedback = _C.ErrorFeedback()
         self.keys: dict[str, int] = {}
@@ -207,7 +216,7 @@ class CompressedReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
             or not input_tensor.is_floating_point()
         ):
             state.stats.record(rs_bytes, rs_bytes)
-            return dist.reduce_scatter_tensor(
+            return _reduce_scatter_single(
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
         if state.method == "int8":
