@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,12 @@ def launch(backend: str, outdir: str, share_store: bool, timeout: float) -> tupl
 
 def run_torchrun(backend: str, outdir: str) -> tuple[list[dict[str, Any]], list[str]]:
     code, text = launch(backend, outdir, share_store=False, timeout=RUN_TIMEOUT)
+    if backend == "gloo" and code not in (None, 0):
+        # The reference only: plain torch 2.14.1 + Gloo once aborted in the
+        # restarted attempt ("terminate called without an active exception",
+        # xcomm not loaded). xcomm's own run gets no second chance.
+        shutil.rmtree(outdir, ignore_errors=True)
+        code, text = launch(backend, outdir, share_store=False, timeout=RUN_TIMEOUT)
     assert code is not None, f"torchrun on {backend} hung:\n{text[-4000:]}"
     assert code == 0, f"torchrun on {backend} failed:\n{text[-6000:]}"
     assert "injected failure on rank 1" in text, text[-3000:]
