@@ -32,19 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .internode import _tx_bytes as internode_tx_bytes
 from .launch import module_command, run_ranks
 
 METHODS = ("none", "bf16", "int8")
 
 
 def _tx_bytes() -> int:
-    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == ifname:
-                return int(rest.split()[8])
-    raise RuntimeError(f"interface {ifname} not in /proc/net/dev")
+    """Bytes this node's NIC sent so far (the interface Gloo uses)."""
+    return internode_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
 
 
 def _sharded(spec: Any, method: str, min_bytes: int) -> tuple[torch.nn.Module, Any]:
