@@ -29,10 +29,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from xcomm import hooks as xhooks
+from xcomm.diloco import DiLoCo, nesterov_sgd
 from xcomm.hooks.stats import CompressionStats, allreduce_bytes
 
 __all__ = [
     "COMPRESSION",
+    "DILOCO_COMPRESSION",
     "FSDP_COMPRESSION",
     "TORCH_HOOKS",
     "Digits",
@@ -49,6 +51,8 @@ __all__ = [
 COMPRESSION = ["none", "fp16", "bf16", "int8", "topk", "randomk", "powersgd", "auto"]
 #: xcomm's FSDP2 reduce-scatters (``wrapper="fsdp2"``), by name.
 FSDP_COMPRESSION = ["none", "fp16", "bf16", "int8"]
+#: xcomm's DiLoCo outer steps (``wrapper="diloco"``), by how they send pseudo-gradients.
+DILOCO_COMPRESSION = ["none", "fp16", "bf16", "int8"]
 #: torch's own DDP hooks, by name.
 TORCH_HOOKS = ["none", "allreduce", "fp16", "powersgd"]
 
@@ -157,7 +161,14 @@ class DigitsConfig:
     hook (at most one of the two); ``backend_compression`` is what the process
     group compresses itself (``xcomm.Options(compression=...)``), for the byte count.
     ``wrapper="fsdp2"`` shards every layer with ``fully_shard`` instead of DDP;
-    ``compression`` then names the reduce-scatter (:data:`FSDP_COMPRESSION`)."""
+    ``compression`` then names the reduce-scatter (:data:`FSDP_COMPRESSION`).
+    ``wrapper="diloco"`` trains without DDP, each rank on its part of every
+    global batch, and averages the models every ``sync_every`` steps with
+    :class:`xcomm.diloco.DiLoCo` (``compression`` in :data:`DILOCO_COMPRESSION`;
+    ``fragments`` / ``overlap_steps`` stream it); the final model is agreed by
+    one more outer step when the last step is not one. The outer optimizer is
+    Nesterov SGD with lr 0.7 and momentum 0.5: DiLoCo's momentum 0.9 swung
+    the accuracy of this small task by 1-3 pp between outer steps."""
 
     compression: str = "none"
     hook: str = "none"
@@ -166,6 +177,11 @@ class DigitsConfig:
     powersgd_rank: int = 4
     auto_link_gbit: float | None = None
     wrapper: str = "ddp"
+    sync_every: int = 20
+    fragments: int = 1
+    overlap_steps: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
     steps: int = 300
     batch_size: int = 64
     lr: float = 0.05
@@ -211,8 +227,12 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         raise ValueError(f"batch_size {cfg.batch_size} must divide by world size {world_size}")
     torch.manual_seed(cfg.seed)
     data = load_digits(cfg.seed)
+    diloco = None
     if cfg.wrapper == "fsdp2":
         model, stats = _fsdp2_model(cfg)
+    elif cfg.wrapper == "diloco":
+        model, diloco = _diloco_model(cfg)
+        stats = diloco.stats
     elif cfg.wrapper == "ddp":
         model = DDP(make_model())
         register_torch_hook(model, cfg.hook, cfg.powersgd_rank)
@@ -220,7 +240,7 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
             model, cfg.compression, cfg.density, cfg.powersgd_rank, cfg.auto_link_gbit
         )
     else:
-        raise ValueError(f"unknown wrapper {cfg.wrapper!r}; choose 'ddp' or 'fsdp2'")
+        raise ValueError(f"unknown wrapper {cfg.wrapper!r}; choose 'ddp', 'fsdp2' or 'diloco'")
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -242,6 +262,8 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
+        if diloco is not None:
+            diloco.step()
         step_times.append(time.perf_counter() - t0)
         if cfg.log_every and (step % cfg.log_every == 0 or step == cfg.steps):
             acc = accuracy(model, data.x_test, data.y_test)
@@ -256,6 +278,10 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
                     f"time/step {1000 * sum(recent) / len(recent):.2f} ms  "
                     f"wire/step {per_step / 1024:.1f} KiB"
                 )
+    if diloco is not None:
+        if any(f.pending is not None for f in diloco.fragments) or cfg.steps % cfg.sync_every:
+            diloco.sync()  # evaluate the agreed model, not rank 0's local one
+        diloco.close()
     wire_total = _wire_bytes(stats, grad_bytes, world_size, cfg.steps)
     return DigitsResult(
         final_accuracy=accuracy(model, data.x_test, data.y_test),
@@ -284,6 +310,25 @@ def _fsdp2_model(cfg: DigitsConfig) -> tuple[torch.nn.Module, CompressionStats]:
     fully_shard(model)
     state = xhooks.compress_reduce_scatter(model, cfg.compression, min_bytes=0)
     return model, state.stats
+
+
+def _diloco_model(cfg: DigitsConfig) -> tuple[torch.nn.Module, DiLoCo]:
+    """The model, trained locally, and the DiLoCo that averages it."""
+    if cfg.hook != "none" or cfg.compression not in DILOCO_COMPRESSION:
+        raise ValueError(
+            f"diloco takes compression in {DILOCO_COMPRESSION} and no torch hook, "
+            f"got {cfg.compression!r} / {cfg.hook!r}"
+        )
+    model = make_model()
+    diloco = DiLoCo(
+        model,
+        sync_every=cfg.sync_every,
+        method=cfg.compression,
+        fragments=cfg.fragments,
+        overlap_steps=cfg.overlap_steps,
+        outer_optimizer=nesterov_sgd(cfg.outer_lr, cfg.outer_momentum),
+    )
+    return model, diloco
 
 
 def _auto_choice(model: DDP) -> str:

@@ -3,7 +3,8 @@
 ``python -m xcomm_bench convergence`` trains scikit-learn's digits with DDP on
 2 local ranks over xcomm, once per reduction (uncompressed, each of xcomm's
 hooks, compression inside the backend, and torch's own hooks for reference;
-then FSDP2 with each of xcomm's reduce-scatters, compared with FSDP2 uncompressed),
+then FSDP2 with each of xcomm's reduce-scatters, compared with FSDP2 uncompressed;
+then DiLoCo (local SGD, an outer step every 20 steps) compared with DDP),
 with the same seed, batches and number of steps. It prints a table of final
 test accuracy, its difference from the uncompressed run in percentage points,
 and bytes on the wire per step; writes ``convergence.{json,md,png}`` (the
@@ -46,6 +47,11 @@ class Run:
     density: float = 0.05
     auto_link_gbit: float | None = None
     wrapper: str = "ddp"
+    sync_every: int = 20
+    fragments: int = 1
+    overlap_steps: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.5
 
 
 RUNS: list[Run] = [
@@ -66,6 +72,15 @@ RUNS: list[Run] = [
     Run("FSDP2 uncompressed", wrapper="fsdp2"),
     Run("FSDP2 bf16 reduce-scatter", compression="bf16", wrapper="fsdp2"),
     Run("FSDP2 int8 reduce-scatter", compression="int8", wrapper="fsdp2"),
+    Run("DiLoCo H=20 fp32 outer step", wrapper="diloco"),
+    Run("DiLoCo H=20 int8 outer step", compression="int8", wrapper="diloco"),
+    Run(
+        "Streaming DiLoCo H=20 4 fragments int8 overlap 2",
+        compression="int8",
+        wrapper="diloco",
+        fragments=4,
+        overlap_steps=2,
+    ),
 ]
 
 
@@ -105,6 +120,11 @@ def _worker(run: Run, steps: int, out: str) -> int:
             density=run.density,
             auto_link_gbit=run.auto_link_gbit,
             wrapper=run.wrapper,
+            sync_every=run.sync_every,
+            fragments=run.fragments,
+            overlap_steps=run.overlap_steps,
+            outer_lr=run.outer_lr,
+            outer_momentum=run.outer_momentum,
             steps=steps,
             log_every=max(1, steps // 20),
             log=lambda _line: None,
@@ -139,7 +159,10 @@ def run_all(runs: list[Run], steps: int, progress: bool = True) -> list[dict]:
 
 
 def format_markdown(rows: list[dict], steps: int) -> str:
-    bases = {r["run"].get("wrapper", "ddp"): r for r in reversed(rows)}  # each wrapper's first
+    # Each wrapper's first run is its base; DiLoCo's is DDP's (same samples, fewer syncs).
+    bases = {r["run"].get("wrapper", "ddp"): r for r in reversed(rows)}
+    if "ddp" in bases:
+        bases["diloco"] = bases["ddp"]
     lines = [
         (
             f"| reduction | final test accuracy ({steps} steps) | vs uncompressed | "

@@ -28,8 +28,8 @@ to its next pseudo-gradient, so over the run nothing a rank computed is lost.
 The mean every rank receives is the same bits on every rank, so ``theta_g``
 is identical everywhere.
 
-**Streaming** (Streaming DiLoCo): ``fragments=F`` cuts the parameters into
-``F`` fragments of about equal size, synced in turn: fragment ``f`` at inner
+**Streaming** (Streaming DiLoCo): ``fragments=F`` cuts the parameters, laid
+end to end, into ``F`` runs of equal size, synced in turn: fragment ``f`` at inner
 steps ``t = (f + 1) H / F + k H``, so the link carries ``1/F`` of the model at
 a time. ``overlap_steps=tau`` lets a fragment's exchange run in the background
 while ``tau`` more inner steps run (``0 <= tau < H``); when it lands, the
@@ -112,14 +112,32 @@ class _Pending:
 
 
 class _Fragment:
-    """A run of parameters synced together, with its agreed values and outer optimizer."""
+    """A run of elements synced together, with its agreed values and outer optimizer.
+
+    The fragment is the elements ``[start, end)`` of all parameters' local
+    tensors laid end to end, so fragments balance whatever the layer sizes."""
 
     def __init__(
-        self, index: int, params: list[torch.Tensor], offset: int, outer: OuterOptimizerFactory
+        self,
+        index: int,
+        params: list[torch.Tensor],
+        start: int,
+        end: int,
+        offset: int,
+        outer: OuterOptimizerFactory,
     ) -> None:
         self.index = index
-        self.params = params
+        self.start, self.end = start, end
         self.offset = offset
+        # (parameter, first, last) for each parameter the run touches.
+        self.pieces: list[tuple[torch.Tensor, int, int]] = []
+        at = 0
+        for p in params:
+            n = _local(p).numel()
+            lo, hi = max(start, at), min(end, at + n)
+            if lo < hi:
+                self.pieces.append((p, lo - at, hi - at))
+            at += n
         with torch.no_grad():
             self.agreed = torch.nn.Parameter(self.gather_local())
         self.outer = outer([self.agreed])
@@ -127,37 +145,24 @@ class _Fragment:
 
     @property
     def numel(self) -> int:
-        return self.agreed.numel()
+        return self.end - self.start
 
     def gather_local(self) -> torch.Tensor:
-        """This rank's parameters of the fragment as one float32 vector (a copy)."""
-        return torch.cat([_local(p).detach().reshape(-1).float() for p in self.params])
+        """This rank's elements of the fragment as one float32 vector (a copy)."""
+        return torch.cat([_local(p).detach().view(-1)[lo:hi].float() for p, lo, hi in self.pieces])
 
     def scatter_local(self, flat: torch.Tensor) -> None:
-        """Writes ``flat`` into this rank's parameters of the fragment."""
+        """Writes ``flat`` into this rank's elements of the fragment."""
         with torch.no_grad():
-            offset = 0
-            for p in self.params:
-                t = _local(p)
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-
-def _split(params: list[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
-    """``params`` in order, cut into ``parts`` runs of about equal element count."""
-    total = sum(_local(p).numel() for p in params)
-    runs: list[list[torch.Tensor]] = [[] for _ in range(parts)]
-    seen = 0
-    for p in params:
-        # The run whose share of the elements this parameter's middle falls in.
-        middle = seen + _local(p).numel() / 2
-        runs[min(parts - 1, int(middle * parts / max(total, 1)))].append(p)
-        seen += _local(p).numel()
-    return runs
+            at = 0
+            for p, lo, hi in self.pieces:
+                _local(p).view(-1)[lo:hi].copy_(flat[at : at + hi - lo])
+                at += hi - lo
 
 
 def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizerFactory:
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum.
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD when
+    ``momentum`` is 0; ``lr=1, momentum=0`` averages the models, FedAvg).
 
     Example::
 
@@ -168,7 +173,7 @@ def nesterov_sgd(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizerFactor
     """
 
     def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=True)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     return make
 
@@ -227,10 +232,11 @@ class DiLoCo:
             )
         if sync_every < 1:
             raise ValueError(f"xcomm.diloco.DiLoCo: sync_every must be >= 1, got {sync_every}")
-        if not 1 <= fragments <= min(sync_every, len(params)):
+        total = sum(_local(p).numel() for p in params)
+        if not 1 <= fragments <= min(sync_every, total):
             raise ValueError(
-                f"xcomm.diloco.DiLoCo: fragments must be in [1, min(sync_every, parameters)] = "
-                f"[1, {min(sync_every, len(params))}], got {fragments}"
+                f"xcomm.diloco.DiLoCo: fragments must be in [1, min(sync_every, elements)] = "
+                f"[1, {min(sync_every, total)}], got {fragments}"
             )
         if not 0 <= overlap_steps < sync_every:
             raise ValueError(
@@ -247,6 +253,11 @@ class DiLoCo:
             if not p.is_floating_point():
                 raise TypeError(
                     f"xcomm.diloco.DiLoCo: parameters must be floating point, got {p.dtype}"
+                )
+            if not _local(p).is_contiguous():
+                raise ValueError(
+                    "xcomm.diloco.DiLoCo: parameters must be contiguous; got one of shape "
+                    f"{tuple(p.shape)} with strides {_local(p).stride()}"
                 )
             if method == "int8" and _local(p).device.type != "cpu":
                 raise TypeError(
@@ -265,9 +276,12 @@ class DiLoCo:
         self.codec = _C.Int8Codec(chunk_elems)
         self.feedback = _C.ErrorFeedback()
         make_outer = outer_optimizer or nesterov_sgd()
+        bounds = [total * i // fragments for i in range(fragments + 1)]
         self.fragments = [
-            _Fragment(i, run, (i + 1) * sync_every // fragments, make_outer)
-            for i, run in enumerate(_split(params, fragments))
+            _Fragment(
+                i, params, bounds[i], bounds[i + 1], (i + 1) * sync_every // fragments, make_outer
+            )
+            for i in range(fragments)
         ]
         self._check_agreement()
         if sync_initial:

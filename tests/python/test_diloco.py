@@ -86,11 +86,10 @@ def _train(ctx: RankContext, steps: int, settings: dict[str, Any]) -> dict[str, 
         diloco.step()
         agreed_after[step] = _flat([f.agreed for f in diloco.fragments]).clone()
     diloco.close()
-    index = {id(p): i for i, p in enumerate(model.parameters())}
     return {
         "params": _flat(list(model.parameters())).clone(),
         "agreed": agreed_after,
-        "fragments": [[index[id(p)] for p in f.params] for f in diloco.fragments],
+        "fragments": [(f.start, f.end) for f in diloco.fragments],
         "stats": diloco.stats.as_dict(),
     }
 
@@ -99,29 +98,32 @@ def _replay(
     world: int,
     steps: int,
     sync_every: int,
-    fragments: list[list[int]],
+    fragments: list[tuple[int, int]],
     overlap: int = 0,
     mix: float = 0.0,
     outer_lr: float = 0.7,
 ) -> torch.Tensor:
-    """DiLoCo / Streaming DiLoCo for ``world`` ranks, written out directly."""
+    """DiLoCo / Streaming DiLoCo for ``world`` ranks, written out directly;
+    ``fragments`` are element ranges of the parameters laid end to end."""
     models = [_model() for _ in range(world)]
     opts = [_inner_opt(m) for m in models]
     params = [list(m.parameters()) for m in models]
-    agreed = [nn.Parameter(_flat([params[0][i] for i in frag]).clone()) for frag in fragments]
+    agreed = [nn.Parameter(_flat(params[0])[lo:hi].clone()) for lo, hi in fragments]
     outer = [torch.optim.SGD([a], lr=outer_lr, momentum=0.9, nesterov=True) for a in agreed]
     n_frag = len(fragments)
     offsets = [(k + 1) * sync_every // n_frag for k in range(n_frag)]
     in_flight: dict[int, tuple[int, torch.Tensor]] = {}
 
     def local(r: int, k: int) -> torch.Tensor:
-        return _flat([params[r][i] for i in fragments[k]]).float()
+        lo, hi = fragments[k]
+        return _flat(params[r])[lo:hi].clone()
 
-    def write(r: int, k: int, flat: torch.Tensor) -> None:
+    def write(r: int, k: int, values: torch.Tensor) -> None:
+        flat = _flat(params[r]).clone()
+        flat[fragments[k][0] : fragments[k][1]] = values
         with torch.no_grad():
             at = 0
-            for i in fragments[k]:
-                p = params[r][i]
+            for p in params[r]:
                 p.copy_(flat[at : at + p.numel()].view_as(p))
                 at += p.numel()
 
@@ -171,7 +173,8 @@ def test_streaming_diloco_is_the_math() -> None:
     landed with mix 0.5: Streaming DiLoCo's schedule, step for step."""
     settings = {"sync_every": 4, "method": "none", "fragments": 2, "overlap_steps": 1}
     res = run_ranks(_train, 2, 13, settings, ref_group=False)
-    assert len(res[0]["fragments"]) == 2 and all(res[0]["fragments"])
+    numel = res[0]["params"].numel()
+    assert res[0]["fragments"] == [(0, numel // 2), (numel // 2, numel)]  # cut inside a layer
     expected = _replay(2, 13, 4, res[0]["fragments"], overlap=1, mix=0.5)
     for r in range(2):
         torch.testing.assert_close(res[r]["params"], expected[r], rtol=1e-6, atol=1e-7)
@@ -406,3 +409,11 @@ def test_nesterov_sgd_is_diloco_s_outer_optimizer() -> None:
     p.grad = torch.full((3,), 0.5)
     opt.step()
     torch.testing.assert_close(p.detach(), torch.full((3,), 1 - 0.7 * (0.5 + 0.9 * 0.5)))
+
+
+def test_nesterov_sgd_without_momentum_is_plain_sgd() -> None:
+    p = nn.Parameter(torch.ones(3))
+    opt = nesterov_sgd(lr=1.0, momentum=0.0)([p])
+    p.grad = torch.full((3,), 0.25)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((3,), 0.75))
