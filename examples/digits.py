@@ -199,6 +199,8 @@ class DigitsResult:
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, acc)
     #: auto only: each bucket's method at the end.
     chosen: str = ""
+    #: Seconds from the first step to the trained (for DiLoCo: agreed) model.
+    train_seconds: float = 0.0
 
 
 def _wire_bytes(stats: CompressionStats | None, grad_bytes: int, world: int, step: int) -> float:
@@ -251,6 +253,7 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
     history: list[tuple[int, float, float]] = []
     wire_before = 0.0
     loss = torch.zeros(())
+    begin = time.perf_counter()
     for step in range(1, cfg.steps + 1):
         # Each global batch is split across ranks, so the run does the same
         # arithmetic whatever the world size.
@@ -282,6 +285,7 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         if any(f.pending is not None for f in diloco.fragments) or cfg.steps % cfg.sync_every:
             diloco.sync()  # evaluate the agreed model, not rank 0's local one
         diloco.close()
+    train_seconds = time.perf_counter() - begin
     wire_total = _wire_bytes(stats, grad_bytes, world_size, cfg.steps)
     return DigitsResult(
         final_accuracy=accuracy(model, data.x_test, data.y_test),
@@ -290,6 +294,7 @@ def train_digits(rank: int, world_size: int, cfg: DigitsConfig) -> DigitsResult:
         wire_bytes_per_step=wire_total / cfg.steps,
         history=history,
         chosen=_auto_choice(model),
+        train_seconds=train_seconds,
     )
 
 

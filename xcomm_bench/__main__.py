@@ -25,6 +25,9 @@ Subcommands:
 ``fsdp``
     FSDP2 step time and bytes with and without a compressed reduce-scatter
     (:mod:`xcomm_bench.fsdp`).
+``diloco``
+    DiLoCo against DDP on digits: accuracy, bytes per sample and wall-clock
+    time at emulated link rates (:mod:`xcomm_bench.diloco`).
 
 Examples::
 
@@ -367,6 +370,7 @@ _DELEGATED = {
     "fusion": ("fusion", "many small async allreduces, fused vs not"),
     "autoswitch": ("autoswitch", "auto hook on a link whose rate changes mid-run"),
     "fsdp": ("fsdp", "FSDP2 step time and bytes, compressed reduce-scatter vs not"),
+    "diloco": ("diloco", "DiLoCo vs DDP on digits: accuracy, bytes/sample, wall-clock"),
 }
 
 
