@@ -48,6 +48,8 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
   const auto& compression = plan_.backendCompression;
   if (compression.method != Compression::kNone) {
     compressed_ = std::make_unique<CompressedAllreduce>(compression, size_);
+    compressedReduceScatter_ = std::make_unique<CompressedReduceScatter>(
+        compression, size_, compressed_->sharedCounters());
     if (compressed_->needsOwnTransport()) {
       TORCH_CHECK_VALUE(inner_.cpuCompressed, "xcomm: ", compressionName(compression.method),
                         " allreduce compression needs a second CPU backend for its own "
@@ -460,6 +462,19 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::reduceOp(op, opts.reduceOp, input.scalar_type());
   checks::reduceScatterBase(output, input, size_);
+  if (compressedReduceScatter_ && compressedReduceScatter_->applies(input, opts)) {
+    auto& inner = backendFor(input, op);  // flushes held ops: every rank issues in program order
+    const int64_t startUs = Timeline::nowUs();
+    std::function<void()> finalize;
+    auto innerWork = compressedReduceScatter_->start(inner, output, input, opts, finalize);
+    auto work = c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::_REDUCE_SCATTER_BASE,
+                                                   std::move(innerWork), std::move(finalize),
+                                                   listValue({output}), tensorListType());
+    recordOnCompletion(work, compressedReduceScatter_->statsName(),
+                       input.numel() * input.element_size(),
+                       compressedReduceScatter_->payloadBytes(input), startUs);
+    return work;
+  }
   return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}),
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(input));

@@ -19,6 +19,7 @@
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
 #include "collectives/CompressedAllreduce.hpp"
+#include "collectives/CompressedReduceScatter.hpp"
 #include "common/TorchCompat.hpp"
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
@@ -176,6 +177,7 @@ class XcommBackend : public c10d::Backend {
   InnerBackends inner_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   std::unique_ptr<CompressedAllreduce> compressed_;
+  std::unique_ptr<CompressedReduceScatter> compressedReduceScatter_;
   // Completes int8 works off their worker: a callback may wait for another
   // int8 allreduce of this group, which the worker must be free to run.
   std::unique_ptr<CompletionPool> compressCompletions_;

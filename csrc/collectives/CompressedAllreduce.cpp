@@ -86,9 +86,9 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   c10d::AllreduceOptions sumOpts = opts;
   sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto work = transport.allreduce(wire, sumOpts);
-  counters_.calls++;
-  counters_.linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_.linkBytesSent += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
+  counters_->calls++;
+  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_->linkBytesSent += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
   finalize = [tensor, low = wire[0]]() mutable { tensor.copy_(low); };
   return work;
 }
@@ -114,9 +114,9 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
   if (!tensor.is_contiguous()) {
     tensor.copy_(flat.view(tensor.sizes()));
   }
-  counters_.calls++;
-  counters_.linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_.linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
+  counters_->calls++;
+  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_->linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
 }
 
 }  // namespace xcomm

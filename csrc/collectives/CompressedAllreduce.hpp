@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,10 +43,12 @@ struct CompressionConfig {
   void validate() const;
 };
 
-// Link bytes per rank: what a ring allreduce of the uncompressed tensors
-// would have sent, and what the compressed allreduces sent (the ring
-// equivalent for casts, alltoall + allgather for int8). xcomm.stats() counts
-// payloads instead (bytes_in / bytes_on_wire).
+// Link bytes per rank: what a bandwidth-optimal collective on the
+// uncompressed tensors would have sent (a ring allreduce; an all-to-all
+// reduce-scatter), and what the compressed ones sent (the ring equivalent for
+// casts, alltoall + allgather for int8, the all-to-all of a reduce-scatter).
+// One set per group, shared by its compressed allreduce and reduce-scatter.
+// xcomm.stats() counts payloads instead (bytes_in / bytes_on_wire).
 struct CompressionCounters {
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> linkBytesBefore{0};
@@ -57,7 +60,9 @@ class CompressedAllreduce {
   CompressedAllreduce(CompressionConfig config, int size);
 
   const CompressionConfig& config() const { return config_; }
-  const CompressionCounters& counters() const { return counters_; }
+  const CompressionCounters& counters() const { return *counters_; }
+  // For the group's other compressed collectives to count into.
+  std::shared_ptr<CompressionCounters> sharedCounters() const { return counters_; }
   // Its row in xcomm.stats(), e.g. ALLREDUCE_INT8.
   const std::string& statsName() const { return statsName_; }
 
@@ -83,7 +88,7 @@ class CompressedAllreduce {
   std::string statsName_;
   int size_;
   Int8Codec int8_;
-  CompressionCounters counters_;
+  std::shared_ptr<CompressionCounters> counters_ = std::make_shared<CompressionCounters>();
 };
 
 }  // namespace xcomm

@@ -51,8 +51,8 @@ PYBIND11_MODULE(_C, m) {
             d["link_bytes_sent"] = c ? c->counters().linkBytesSent.load() : 0;
             return d;
           },
-          "Compressed allreduces of this group: calls, bytes a ring allreduce would have "
-          "sent per rank, bytes sent per rank.")
+          "Compressed allreduces and reduce-scatters of this group: calls, bytes a ring "
+          "allreduce (all-to-all reduce-scatter) would have sent per rank, bytes sent per rank.")
       .def_static(
           "create_with_store",
           [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

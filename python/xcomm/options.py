@@ -43,7 +43,10 @@ class Options:
             In a group whose ranks span hosts with several ranks per host
             (the hierarchical shared-memory allreduce), only the step
             between hosts is compressed: sums inside a host stay exact and
-            only the bytes that cross hosts shrink.
+            only the bytes that cross hosts shrink. ``reduce_scatter_tensor``
+            (FSDP2's gradient reduce-scatter) on a group that is not
+            hierarchical is compressed too: rows cast or quantized, one
+            all-to-all, an exact sum of the decoded rows on each shard's owner.
         compression_min_bytes: Smaller tensors are reduced uncompressed
             (latency, not bandwidth, bounds them).
         int8_chunk_elems: Elements per int8 scale; smaller is more precise

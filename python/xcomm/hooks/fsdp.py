@@ -30,6 +30,11 @@ for that is not SUM or AVG (``set_gradient_divide_factor`` makes it
 PREMUL_SUM), or an input under ``min_bytes``, goes through the uncompressed
 reduce-scatter (counted in ``state.stats`` as sent uncompressed).
 
+**Without a hook.** FSDP2 on a group made with
+``xcomm.Options(compression=...)`` has its reduce-scatters compressed by the
+backend (same all-to-all and exact sum, no error feedback); this hook adds
+the error feedback and per-model control.
+
 **HSDP.** FSDP2 all-reduces the shards between replicas itself, with
 ``dist.all_reduce`` on the replicate dimension's group; give that group
 ``xcomm.Options(compression=...)`` (``init_device_mesh``'s
