@@ -3,7 +3,9 @@
 Two emulated nodes (one rank each, ``--rates`` in turn) train a model wrapped
 with ``fully_shard`` (every child with parameters, then the root). Each rank
 builds one copy of the model per method (``none``: FSDP2's own reduce-scatter,
-``bf16``, ``int8`` with error feedback, see :mod:`xcomm.hooks.fsdp`) and runs
+``bf16``, ``int8`` with error feedback, see :mod:`xcomm.hooks.fsdp`;
+``backend-bf16`` / ``backend-int8``: no hook, FSDP2 on a group made with
+``xcomm.Options(compression=...)``, which compresses the reduce-scatter) and runs
 their steps interleaved, so every method sees the same machine and link
 moment. A step's time is the slower rank's; bytes are what the node's NIC
 sent (all-gathers of parameters included, which compression leaves alone)
@@ -43,17 +45,50 @@ def _tx_bytes() -> int:
     return internode_tx_bytes(os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
 
 
+class _BackendCounts:
+    """The reduce-scatter bytes of a group compressing in the backend, read
+    from its ``compression_stats`` (the hook states' ``stats`` interface)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._backend = group._get_backend(torch.device("cpu"))
+        self._base = 0
+
+    def reset(self) -> None:
+        self._base = self._backend.compression_stats["link_bytes_sent"]
+
+    @property
+    def link_bytes_sent(self) -> int:
+        return self._backend.compression_stats["link_bytes_sent"] - self._base
+
+    @property
+    def stats(self) -> _BackendCounts:
+        return self
+
+
 def _sharded(spec: Any, method: str, min_bytes: int) -> tuple[torch.nn.Module, Any]:
+    """The model under ``fully_shard``: with the hook's ``method``, or, for
+    ``backend-<codec>``, on a group whose backend compresses reduce-scatters."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    import xcomm
     from xcomm.hooks import compress_reduce_scatter
 
+    mesh, group = None, None
+    if method.startswith("backend-"):
+        options = xcomm.Options(
+            compression=method.removeprefix("backend-"), compression_min_bytes=min_bytes
+        )
+        group = dist.new_group(backend="xcomm", pg_options=options)
+        mesh = DeviceMesh.from_group(group, device_type="cpu")
     torch.manual_seed(1234)
     model = spec.build()
     for child in model.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if group is not None:
+        return model, _BackendCounts(group)
     return model, compress_reduce_scatter(model, method, min_bytes=min_bytes)
 
 

@@ -11,14 +11,17 @@ from xcomm_bench.fsdp import main, plot, table
 def test_smoke_run_reports_every_method_and_the_bytes_saved(tmp_path: Path) -> None:
     out = tmp_path / "fsdp"
     argv = ["--smoke", "--rates", "loopback", "--steps", "2", "--min-bytes", "0"]
-    assert main([*argv, "--out", str(out)]) == 0
+    methods = ["none", "bf16", "int8", "backend-int8"]
+    assert main([*argv, "--methods", ",".join(methods), "--out", str(out)]) == 0
     result = json.loads((out / "fsdp.json").read_text())
     rows = result["rates"]["loopback"]
-    assert list(rows) == ["none", "bf16", "int8"]
+    assert list(rows) == methods
     assert all(r["ms"] > 0 and len(r["ms_all"]) == 2 for r in rows.values())
     none, bf16, int8 = (rows[m]["rs_mb_per_step"] for m in ("none", "bf16", "int8"))
     # tiny layers: int8 pays for its scales and whole 1024-element chunks
     assert none > 0 and bf16 < 0.51 * none and int8 < bf16, rows
+    # the backend's int8 reduce-scatter: the hook's bytes (same rows), without a hook
+    assert rows["backend-int8"]["rs_mb_per_step"] == int8, rows
     assert "| loopback | int8 |" in (out / "fsdp.md").read_text()
     assert (out / "fsdp.png").read_bytes()[:4] == b"\x89PNG"
 
