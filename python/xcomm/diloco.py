@@ -105,10 +105,12 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Pending:
-    """An exchange started at inner step ``sent_at``; its mean lands at ``apply_at``."""
+    """An exchange whose mean lands at inner step ``apply_at``; ``overlapped``
+    when inner steps ran meanwhile (the landing then mixes)."""
 
     apply_at: int
     future: concurrent.futures.Future
+    overlapped: bool
 
 
 class _Fragment:
@@ -305,7 +307,8 @@ class DiLoCo:
 
     def sync(self) -> None:
         """Lands every exchange in flight, then runs an outer step of every
-        fragment now (e.g. before evaluating or saving the final model)."""
+        fragment now, after which every rank holds the agreed parameters
+        (e.g. before evaluating or saving the final model)."""
         for f in self.fragments:
             if f.pending is not None:
                 self._land(f)
@@ -321,19 +324,22 @@ class DiLoCo:
     def _send(self, f: _Fragment, t: int, overlap: int | None = None) -> None:
         overlap = self.overlap_steps if overlap is None else overlap
         delta = f.agreed.detach() - f.gather_local()
-        f.pending = _Pending(t + overlap, self._worker.submit(self._mean, f.index, delta))
+        f.pending = _Pending(
+            t + overlap, self._worker.submit(self._mean, f.index, delta), overlap > 0
+        )
         if overlap == 0:
             self._land(f)
 
     def _land(self, f: _Fragment) -> None:
         assert f.pending is not None
         mean = f.pending.future.result()  # raises what the exchange raised
+        mixed = self.mix > 0 and f.pending.overlapped
         f.pending = None
         f.agreed.grad = mean
         f.outer.step()
         f.outer.zero_grad(set_to_none=True)
         with torch.no_grad():
-            if self.mix and self.overlap_steps:
+            if mixed:
                 f.scatter_local(torch.lerp(f.agreed.detach(), f.gather_local(), self.mix))
             else:
                 f.scatter_local(f.agreed.detach())
@@ -461,6 +467,7 @@ class DiLoCo:
                 pending = {
                     "apply_at": f.pending.apply_at,
                     "mean": f.pending.future.result().clone(),
+                    "overlapped": f.pending.overlapped,
                 }
             residual = self.feedback.get(f.index)
             fragments.append(
@@ -513,6 +520,8 @@ class DiLoCo:
             if s["pending"] is not None:
                 done: concurrent.futures.Future = concurrent.futures.Future()
                 done.set_result(s["pending"]["mean"].clone())
-                f.pending = _Pending(int(s["pending"]["apply_at"]), done)
+                f.pending = _Pending(
+                    int(s["pending"]["apply_at"]), done, bool(s["pending"]["overlapped"])
+                )
         self.inner_steps = int(d["inner_steps"])
         self.stats.load_dict(d["stats"])

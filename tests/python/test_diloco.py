@@ -417,3 +417,22 @@ def test_nesterov_sgd_without_momentum_is_plain_sgd() -> None:
     p.grad = torch.full((3,), 0.25)
     opt.step()
     torch.testing.assert_close(p.detach(), torch.full((3,), 0.75))
+
+
+def _sync_at_the_end(ctx: RankContext) -> torch.Tensor:
+    model = _model()
+    opt = _inner_opt(model)
+    diloco = DiLoCo(model, sync_every=4, method="int8", fragments=2, overlap_steps=2)
+    for step in range(1, 8):  # fragment 0 in flight (sent at 6), 1 local step since 4
+        _inner_step(model, opt, ctx.rank, step)
+        diloco.step()
+    diloco.sync()
+    diloco.close()
+    return _flat(list(model.parameters())).clone()
+
+
+def test_sync_leaves_every_rank_on_the_agreed_model() -> None:
+    """sync() lands what is in flight (mixing, as scheduled) and then runs an
+    outer step that is not overlapped: no mixing, the same model everywhere."""
+    res = run_ranks(_sync_at_the_end, 2, ref_group=False)
+    assert torch.equal(res[0], res[1])
