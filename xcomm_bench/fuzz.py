@@ -17,9 +17,9 @@ order is fixed, ``torch.testing.assert_close`` otherwise. An op that raises on
 one backend must raise on the other. A hang is the run's timeout.
 
 Compression is lossy only where xcomm applies it: a float32/float64 SUM
-all_reduce of at least ``compression_min_bytes`` (8 KiB here, above the
-4 KiB fusion threshold, so fused bursts and small ops stay exact and are
-checked as such). Those results are checked against a bound derived from the
+all_reduce or reduce_scatter_tensor of at least ``compression_min_bytes``
+(8 KiB here, above the 4 KiB fusion threshold, so fused bursts and small ops
+stay exact and are checked as such). Those results are checked against a bound derived from the
 codec, per element ``i``, over the ``g`` ranks of the group with inputs
 ``x_r`` (``A_i = sum_r |x_r,i|``, ``eps = 2**-24``):
 
@@ -34,6 +34,9 @@ codec, per element ``i``, over the ``g`` ranks of the group with inputs
   quantised again before the allgather, with error at most
   ``(max_k |ref| + e1) / 254``. The bound is ``e1 + (max_k |ref| + e1) / 254``
   plus ``4 g eps sum_r M_r,k`` for float32 accumulation on both sides.
+- reduce_scatter_tensor: the same bounds over this rank's row of every
+  input (its rows are encoded alone, chunks starting at the row; there is no
+  second quantisation, so the allreduce's bound holds with room to spare).
 
 Every lossy op whose result is not bitwise the reference is counted
 (``lossy_inexact``), so a run also shows that compression really happened.
@@ -278,7 +281,9 @@ def _issue(
 
 def _lossy(config: Config, spec: dict[str, Any], torch: Any) -> bool:
     """Whether xcomm compresses this op (see ``xcomm.Options.compression``)."""
-    if config.compression == "none" or spec["op"] != "all_reduce" or spec["red"] != "SUM":
+    if config.compression == "none" or spec["red"] != "SUM":
+        return False
+    if spec["op"] not in ("all_reduce", "reduce_scatter_tensor"):
         return False
     if spec["dtype"] not in ("float32", "float64"):
         return False
@@ -421,6 +426,10 @@ def _worker(args: argparse.Namespace) -> None:
             bound = None
             if err is None and _lossy(config, spec, torch):
                 inputs = [_input(torch, spec, idx, m, spec["n"]) for m in members]
+                if spec["op"] == "reduce_scatter_tensor":  # this rank's row of every input
+                    k = spec["n"] // len(members)
+                    j = members.index(rank)
+                    inputs = [x[j * k : (j + 1) * k] for x in inputs]
                 bound = _bound(torch, config.compression, inputs, ref_outs[0])
                 lossy_ops += 1
                 lossy_inexact += not torch.equal(outs[0], ref_outs[0])
