@@ -16,9 +16,12 @@ The mode comes from the environment (``XCOMM_CONFORMANCE_MODE``):
   to ``"xcomm"`` and makes ``get_backend`` report ``"gloo"`` for an xcomm
   group, so the suite takes its gloo branches against xcomm.
 
-``XCOMM_CONFORMANCE_PROFILER_NAMES=0`` turns off the suite's checks of
-profiler event names (``gloo:all_reduce`` once per op), so that the rest of
-those tests runs in the ``standin`` mode.
+The suite checks that each collective is exactly one profiler event named
+``<backend>:<op>``, for the backends it lists. xcomm records one
+``xcomm:<op>`` event per op, so the ``xcomm`` mode adds xcomm to those lists,
+and the ``standin`` mode looks for ``xcomm:<op>`` where the suite asks for
+``gloo:<op>`` (the inner Gloo's events must not stand in for xcomm's).
+``XCOMM_CONFORMANCE_PROFILER_NAMES=0`` turns those checks off.
 
 In the ``xcomm`` and ``standin`` modes every rank writes a proof file per test:
 the type of the default group's CPU backend when the test started and the
@@ -107,23 +110,39 @@ if MODE == "standin":
     install_standin()
 
 from torch.testing._internal import common_distributed
+from torch.testing._internal.distributed import distributed_test as _suite
 from torch.testing._internal.distributed.distributed_test import (
     DistributedTest,
     TestDistBackend,
 )
 
+_PROFILING_LISTS = (
+    _suite.PROFILING_SUPPORTED_BACKENDS,
+    _suite.CUDA_PROFILING_SUPPORTED_BACKENDS,
+    _suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS,
+)
 if os.environ.get("XCOMM_CONFORMANCE_PROFILER_NAMES", "1") == "0":
     # The suite checks for profiler events named "<backend>:<op>" (exactly
     # one per op) for the backends in these lists; emptying them skips only
     # that check, so the rest of each collective test (its results) still runs.
-    from torch.testing._internal.distributed import distributed_test as _suite
-
-    for _lst in (
-        _suite.PROFILING_SUPPORTED_BACKENDS,
-        _suite.CUDA_PROFILING_SUPPORTED_BACKENDS,
-        _suite.SEND_RECV_PROFILING_SUPPORTED_BACKENDS,
-    ):
+    for _lst in _PROFILING_LISTS:
         _lst.clear()
+elif MODE == "xcomm":
+    # The suite checks event names only for the backends it lists; xcomm
+    # records "xcomm:<op>" as they do "<name>:<op>", so hold it to the check.
+    for _lst in _PROFILING_LISTS:
+        _lst.append("xcomm")
+elif MODE == "standin":
+    # The suite looks for "<get_backend()>:<op>", and the stand-in reports
+    # "gloo" for an xcomm group; the backend answering is xcomm, whose events
+    # are "xcomm:<op>" (exactly one per op, as Gloo's). Look for those: the
+    # inner Gloo's own "gloo:<op>" events must not count for xcomm.
+    _real_get_profiling_event = _suite.get_profiling_event
+
+    def _xcomm_profiling_event(event_name: str, *args: Any, **kwargs: Any) -> Any:
+        return _real_get_profiling_event(re.sub(r"^gloo:", "xcomm:", event_name), *args, **kwargs)
+
+    _suite.get_profiling_event = _xcomm_profiling_event
 
 # torch's own per-test timeout: below the runner's hard timeout, so a hung
 # test is reported by torch (with the ranks' stacks in the log) before the

@@ -272,12 +272,12 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::broadcast(std::vector<at::Tensor>&
                                                         const c10d::BroadcastOptions& opts) {
   if (!flat() || !plainCpu(tensors)) {
     return viaFallback(
-        c10d::OpType::BROADCAST, "xcomm:gloo:broadcast", tensors, opts.asyncOp, opts.timeout,
+        c10d::OpType::BROADCAST, "shm:gloo:broadcast", tensors, opts.asyncOp, opts.timeout,
         dtypeOf(tensors), 0, static_cast<int>(opts.rootRank), denseBytes(tensors),
         [this, tensors, opts]() mutable { return fallback_->broadcast(tensors, opts); });
   }
   const int root = static_cast<int>(opts.rootRank);
-  return submit(c10d::OpType::BROADCAST, "xcomm:shm:broadcast", tensors, opts.asyncOp, opts.timeout,
+  return submit(c10d::OpType::BROADCAST, "shm:broadcast", tensors, opts.asyncOp, opts.timeout,
                 [this, tensors, root](Clock::time_point deadline) mutable {
                   for (auto& t : tensors) shm::broadcast(*transport_, t, root, deadline);
                 });
@@ -288,12 +288,12 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce(std::vector<at::Tensor>&
   const auto op = opts.reduceOp.op_;
   if (!reducible(tensors, op)) {
     return viaFallback(
-        c10d::OpType::ALLREDUCE, "xcomm:gloo:all_reduce", tensors, opts.asyncOp, opts.timeout,
+        c10d::OpType::ALLREDUCE, "shm:gloo:all_reduce", tensors, opts.asyncOp, opts.timeout,
         dtypeOf(tensors), redOpOf(opts.reduceOp), 0, denseBytes(tensors),
         [this, tensors, opts]() mutable { return fallback_->allreduce(tensors, opts); });
   }
-  return submit(c10d::OpType::ALLREDUCE, "xcomm:shm:all_reduce", tensors, opts.asyncOp,
-                opts.timeout, [this, tensors, op](Clock::time_point deadline) mutable {
+  return submit(c10d::OpType::ALLREDUCE, "shm:all_reduce", tensors, opts.asyncOp, opts.timeout,
+                [this, tensors, op](Clock::time_point deadline) mutable {
                   for (auto& t : tensors) allreduceOne(t, op, deadline);
                 });
 }
@@ -303,11 +303,11 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce_coalesced(
   const auto op = opts.reduceOp.op_;
   if (!reducible(tensors, op)) {
     return viaFallback(
-        c10d::OpType::ALLREDUCE_COALESCED, "xcomm:gloo:all_reduce_coalesced", tensors, opts.asyncOp,
+        c10d::OpType::ALLREDUCE_COALESCED, "shm:gloo:all_reduce_coalesced", tensors, opts.asyncOp,
         opts.timeout, dtypeOf(tensors), redOpOf(opts.reduceOp), 0, denseBytes(tensors),
         [this, tensors, opts]() mutable { return fallback_->allreduce_coalesced(tensors, opts); });
   }
-  return submit(c10d::OpType::ALLREDUCE_COALESCED, "xcomm:shm:all_reduce_coalesced", tensors,
+  return submit(c10d::OpType::ALLREDUCE_COALESCED, "shm:all_reduce_coalesced", tensors,
                 opts.asyncOp, opts.timeout,
                 [this, tensors, op](Clock::time_point deadline) mutable {
                   for (auto& t : tensors) allreduceOne(t, op, deadline);
@@ -319,14 +319,14 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
     const c10d::AllgatherOptions& opts) {
   auto flatOutputs = flatten(outputs);
   if (!flat() || !plainCpu(inputs) || !plainCpu(flatOutputs)) {
-    return viaFallback(c10d::OpType::ALLGATHER, "xcomm:gloo:all_gather", flatOutputs, opts.asyncOp,
+    return viaFallback(c10d::OpType::ALLGATHER, "shm:gloo:all_gather", flatOutputs, opts.asyncOp,
                        opts.timeout, dtypeOf(inputs), 0, 0, denseBytes(inputs),
                        [this, outputs, inputs, opts]() mutable {
                          return fallback_->allgather(outputs, inputs, opts);
                        });
   }
-  return submit(c10d::OpType::ALLGATHER, "xcomm:shm:all_gather", flatOutputs, opts.asyncOp,
-                opts.timeout, [this, outputs, inputs](Clock::time_point deadline) mutable {
+  return submit(c10d::OpType::ALLGATHER, "shm:all_gather", flatOutputs, opts.asyncOp, opts.timeout,
+                [this, outputs, inputs](Clock::time_point deadline) mutable {
                   for (size_t i = 0; i < inputs.size(); ++i)
                     shm::allgather(*transport_, inputs[i], outputs[i], deadline);
                 });
@@ -335,7 +335,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather(
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                               const c10d::AllgatherOptions& opts) {
   if (!flat() || !plainCpu({output, input}) || !concatOf(output, input, size_)) {
-    return viaFallback(c10d::OpType::_ALLGATHER_BASE, "xcomm:gloo:_allgather_base", {output},
+    return viaFallback(c10d::OpType::_ALLGATHER_BASE, "shm:gloo:_allgather_base", {output},
                        opts.asyncOp, opts.timeout, input.scalar_type(), 0, 0, denseBytes({input}),
                        [this, output, input, opts]() mutable {
                          return fallback_->_allgather_base(output, input, opts);
@@ -354,9 +354,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
     concat = concat && concatOf(outputs[i], inputs[i], size_);
   }
   if (!flat() || !concat || !plainCpu(outputs) || !plainCpu(inputs)) {
-    return viaFallback(c10d::OpType::COALESCED, "xcomm:gloo:allgather_into_tensor_coalesced",
-                       outputs, opts.asyncOp, opts.timeout, dtypeOf(inputs), 0, 0,
-                       denseBytes(inputs), [this, outputs, inputs, opts]() mutable {
+    return viaFallback(c10d::OpType::COALESCED, "shm:gloo:allgather_into_tensor_coalesced", outputs,
+                       opts.asyncOp, opts.timeout, dtypeOf(inputs), 0, 0, denseBytes(inputs),
+                       [this, outputs, inputs, opts]() mutable {
                          return fallback_->allgather_into_tensor_coalesced(outputs, inputs, opts);
                        });
   }
@@ -364,7 +364,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_into_tensor_coalesced(
   for (size_t i = 0; i < inputs.size(); ++i) {
     lists.push_back(piecesPerRank(outputs[i], inputs[i], size_));
   }
-  return submit(c10d::OpType::COALESCED, "xcomm:shm:all_gather_into_tensor_coalesced", outputs,
+  return submit(c10d::OpType::COALESCED, "shm:all_gather_into_tensor_coalesced", outputs,
                 opts.asyncOp, opts.timeout,
                 [this, lists, inputs](Clock::time_point deadline) mutable {
                   for (size_t i = 0; i < inputs.size(); ++i)
@@ -377,14 +377,14 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const auto op = opts.reduceOp.op_;
   if (!flat() || !reducible(outputs, op) || !plainCpu(flatten(inputs))) {
-    return viaFallback(c10d::OpType::REDUCE_SCATTER, "xcomm:gloo:reduce_scatter", outputs,
+    return viaFallback(c10d::OpType::REDUCE_SCATTER, "shm:gloo:reduce_scatter", outputs,
                        opts.asyncOp, opts.timeout, dtypeOf(outputs), redOpOf(opts.reduceOp), 0,
                        denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
                          return fallback_->reduce_scatter(outputs, inputs, opts);
                        });
   }
   return submit(
-      c10d::OpType::REDUCE_SCATTER, "xcomm:shm:reduce_scatter", outputs, opts.asyncOp, opts.timeout,
+      c10d::OpType::REDUCE_SCATTER, "shm:reduce_scatter", outputs, opts.asyncOp, opts.timeout,
       [this, outputs, inputs, op](Clock::time_point deadline) mutable {
         for (size_t i = 0; i < outputs.size(); ++i)
           shm::reduceScatter(*transport_, outputs[i], inputs[i], op, deadline);
@@ -396,7 +396,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   if (!flat() || !reducible({output, input}, opts.reduceOp.op_) ||
       !concatOf(input, output, size_)) {
-    return viaFallback(c10d::OpType::_REDUCE_SCATTER_BASE, "xcomm:gloo:_reduce_scatter_base",
+    return viaFallback(c10d::OpType::_REDUCE_SCATTER_BASE, "shm:gloo:_reduce_scatter_base",
                        {output}, opts.asyncOp, opts.timeout, output.scalar_type(),
                        redOpOf(opts.reduceOp), 0, denseBytes({output}),
                        [this, output, input, opts]() mutable {
@@ -417,10 +417,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
     concat = concat && concatOf(inputs[i], outputs[i], size_);
   }
   if (!flat() || !concat || !reducible(outputs, op) || !plainCpu(inputs)) {
-    return viaFallback(c10d::OpType::COALESCED, "xcomm:gloo:reduce_scatter_tensor_coalesced",
-                       outputs, opts.asyncOp, opts.timeout, dtypeOf(outputs),
-                       redOpOf(opts.reduceOp), 0, denseBytes(outputs),
-                       [this, outputs, inputs, opts]() mutable {
+    return viaFallback(c10d::OpType::COALESCED, "shm:gloo:reduce_scatter_tensor_coalesced", outputs,
+                       opts.asyncOp, opts.timeout, dtypeOf(outputs), redOpOf(opts.reduceOp), 0,
+                       denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
                          return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
                        });
   }
@@ -429,7 +428,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
     lists.push_back(piecesPerRank(inputs[i], outputs[i], size_));
   }
   return submit(
-      c10d::OpType::COALESCED, "xcomm:shm:reduce_scatter_tensor_coalesced", outputs, opts.asyncOp,
+      c10d::OpType::COALESCED, "shm:reduce_scatter_tensor_coalesced", outputs, opts.asyncOp,
       opts.timeout,
       [this, outputs, lists, op](Clock::time_point deadline) mutable {
         for (size_t i = 0; i < outputs.size(); ++i)
@@ -440,14 +439,14 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions& opts) {
   if (!flat()) return fallback_->barrier(opts);
-  return submit(c10d::OpType::BARRIER, "xcomm:shm:barrier", {}, opts.asyncOp, opts.timeout,
+  return submit(c10d::OpType::BARRIER, "shm:barrier", {}, opts.asyncOp, opts.timeout,
                 [this](Clock::time_point deadline) { shm::barrier(*transport_, deadline); });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return viaFallback(c10d::OpType::ALLGATHER_COALESCED, "xcomm:gloo:all_gather_coalesced",
+  return viaFallback(c10d::OpType::ALLGATHER_COALESCED, "shm:gloo:all_gather_coalesced",
                      flatten(outputs), opts.asyncOp, opts.timeout, dtypeOf(inputs), 0, 0,
                      denseBytes(inputs), [this, outputs, inputs, opts]() mutable {
                        return fallback_->allgather_coalesced(outputs, inputs, opts);
@@ -456,7 +455,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::ReduceOptions& opts) {
-  return viaFallback(c10d::OpType::REDUCE, "xcomm:gloo:reduce", tensors, opts.asyncOp, opts.timeout,
+  return viaFallback(c10d::OpType::REDUCE, "shm:gloo:reduce", tensors, opts.asyncOp, opts.timeout,
                      dtypeOf(tensors), redOpOf(opts.reduceOp), static_cast<int>(opts.rootRank),
                      denseBytes(tensors),
                      [this, tensors, opts]() mutable { return fallback_->reduce(tensors, opts); });
@@ -466,7 +465,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::gather(std::vector<std::vector<at:
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::GatherOptions& opts) {
   return viaFallback(
-      c10d::OpType::GATHER, "xcomm:gloo:gather", flatten(outputs), opts.asyncOp, opts.timeout,
+      c10d::OpType::GATHER, "shm:gloo:gather", flatten(outputs), opts.asyncOp, opts.timeout,
       dtypeOf(inputs), 0, static_cast<int>(opts.rootRank), denseBytes(inputs),
       [this, outputs, inputs, opts]() mutable { return fallback_->gather(outputs, inputs, opts); });
 }
@@ -474,9 +473,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::gather(std::vector<std::vector<at:
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::scatter(std::vector<at::Tensor>& outputs,
                                                       std::vector<std::vector<at::Tensor>>& inputs,
                                                       const c10d::ScatterOptions& opts) {
-  return viaFallback(c10d::OpType::SCATTER, "xcomm:gloo:scatter", outputs, opts.asyncOp,
-                     opts.timeout, dtypeOf(outputs), 0, static_cast<int>(opts.rootRank),
-                     denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
+  return viaFallback(c10d::OpType::SCATTER, "shm:gloo:scatter", outputs, opts.asyncOp, opts.timeout,
+                     dtypeOf(outputs), 0, static_cast<int>(opts.rootRank), denseBytes(outputs),
+                     [this, outputs, inputs, opts]() mutable {
                        return fallback_->scatter(outputs, inputs, opts);
                      });
 }
@@ -486,7 +485,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& inputSplits,
                                                             const c10d::AllToAllOptions& opts) {
   // Sizes may differ between ranks (uneven splits): only the op and dtype must agree.
-  return viaFallback(c10d::OpType::ALLTOALL_BASE, "xcomm:gloo:all_to_all_single", {output},
+  return viaFallback(c10d::OpType::ALLTOALL_BASE, "shm:gloo:all_to_all_single", {output},
                      opts.asyncOp, opts.timeout, input.scalar_type(), 0, 0, 0,
                      [this, output, input, outputSplits, inputSplits, opts]() mutable {
                        return fallback_->alltoall_base(output, input, outputSplits, inputSplits,
@@ -497,7 +496,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
-  return viaFallback(c10d::OpType::ALLTOALL, "xcomm:gloo:all_to_all", outputs, opts.asyncOp,
+  return viaFallback(c10d::OpType::ALLTOALL, "shm:gloo:all_to_all", outputs, opts.asyncOp,
                      opts.timeout, dtypeOf(inputs), 0, 0, 0,
                      [this, outputs, inputs, opts]() mutable {
                        return fallback_->alltoall(outputs, inputs, opts);

@@ -73,7 +73,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::broadcast(std::vector<at::Tensor
   auto ch = nextChannel();
   auto timeout = timeoutOf(opts.timeout);
   const int root = static_cast<int>(opts.rootRank);
-  return enqueue(collectives_, c10d::OpType::BROADCAST, "xcomm:broadcast", tensors,
+  return enqueue(collectives_, c10d::OpType::BROADCAST, "store:broadcast", tensors,
                  [this, ch, tensors, root, timeout]() mutable {
                    for (size_t i = 0; i < tensors.size(); ++i)
                      flat::broadcast(transport_, ch + "." + std::to_string(i), tensors[i], root,
@@ -87,7 +87,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::allreduce(std::vector<at::Tensor
   auto ch = nextChannel();
   auto timeout = timeoutOf(opts.timeout);
   const auto op = opts.reduceOp.op_;
-  return enqueue(collectives_, c10d::OpType::ALLREDUCE, "xcomm:all_reduce", tensors,
+  return enqueue(collectives_, c10d::OpType::ALLREDUCE, "store:all_reduce", tensors,
                  [this, ch, tensors, op, timeout]() mutable {
                    for (size_t i = 0; i < tensors.size(); ++i)
                      flat::allreduce(transport_, ch + "." + std::to_string(i), tensors[i], op,
@@ -107,7 +107,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::reduce(std::vector<at::Tensor>& 
   auto timeout = timeoutOf(opts.timeout);
   const auto op = opts.reduceOp.op_;
   const int root = static_cast<int>(opts.rootRank);
-  return enqueue(collectives_, c10d::OpType::REDUCE, "xcomm:reduce", tensors,
+  return enqueue(collectives_, c10d::OpType::REDUCE, "store:reduce", tensors,
                  [this, ch, tensors, root, op, timeout]() mutable {
                    flat::reduce(transport_, ch, tensors[0], root, op, timeout);
                    return -1;
@@ -119,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::allgather(
     const c10d::AllgatherOptions& opts) {
   auto ch = nextChannel();
   auto timeout = timeoutOf(opts.timeout);
-  return enqueue(collectives_, c10d::OpType::ALLGATHER, "xcomm:all_gather", flatten(outputs),
+  return enqueue(collectives_, c10d::OpType::ALLGATHER, "store:all_gather", flatten(outputs),
                  [this, ch, outputs, inputs, timeout]() mutable {
                    for (size_t i = 0; i < inputs.size(); ++i)
                      flat::allgather(transport_, ch + "." + std::to_string(i), inputs[i],
@@ -142,7 +142,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::gather(
   auto timeout = timeoutOf(opts.timeout);
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> rootOutputs = outputs.empty() ? std::vector<at::Tensor>{} : outputs[0];
-  return enqueue(collectives_, c10d::OpType::GATHER, "xcomm:gather", rootOutputs,
+  return enqueue(collectives_, c10d::OpType::GATHER, "store:gather", rootOutputs,
                  [this, ch, rootOutputs, inputs, root, timeout]() mutable {
                    flat::gather(transport_, ch, inputs[0], rootOutputs, root, timeout);
                    return -1;
@@ -156,7 +156,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::scatter(
   auto timeout = timeoutOf(opts.timeout);
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> rootInputs = inputs.empty() ? std::vector<at::Tensor>{} : inputs[0];
-  return enqueue(collectives_, c10d::OpType::SCATTER, "xcomm:scatter", outputs,
+  return enqueue(collectives_, c10d::OpType::SCATTER, "store:scatter", outputs,
                  [this, ch, outputs, rootInputs, root, timeout]() mutable {
                    flat::scatter(transport_, ch, outputs[0], rootInputs, root, timeout);
                    return -1;
@@ -169,7 +169,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::reduce_scatter(
   auto ch = nextChannel();
   auto timeout = timeoutOf(opts.timeout);
   const auto op = opts.reduceOp.op_;
-  return enqueue(collectives_, c10d::OpType::REDUCE_SCATTER, "xcomm:reduce_scatter", outputs,
+  return enqueue(collectives_, c10d::OpType::REDUCE_SCATTER, "store:reduce_scatter", outputs,
                  [this, ch, outputs, inputs, op, timeout]() mutable {
                    for (size_t i = 0; i < outputs.size(); ++i)
                      flat::reduceScatter(transport_, ch + "." + std::to_string(i), outputs[i],
@@ -203,7 +203,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::alltoall(std::vector<at::Tensor>
                                                          const c10d::AllToAllOptions& opts) {
   auto ch = nextChannel();
   auto timeout = timeoutOf(opts.timeout);
-  return enqueue(collectives_, c10d::OpType::ALLTOALL, "xcomm:all_to_all", outputs,
+  return enqueue(collectives_, c10d::OpType::ALLTOALL, "store:all_to_all", outputs,
                  [this, ch, outputs, inputs, timeout]() mutable {
                    flat::alltoall(transport_, ch, outputs, inputs, timeout);
                    return -1;
@@ -221,7 +221,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::send(std::vector<at::Tensor>& te
   // A store write does not wait for the receiver, so a send completes at once.
   transport_.send(dstRank, p2pChannel(rank_, dstRank, tag, n), t.data_ptr(),
                   t.numel() * t.element_size());
-  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::SEND, "xcomm:send",
+  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::SEND, "store:send",
                                               c10::IValue(tensors), tensorListType());
   work->markSucceeded();
   return work;
@@ -229,7 +229,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::send(std::vector<at::Tensor>& te
 
 c10::intrusive_ptr<c10d::Work> StoreCpuBackend::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                      int tag) {
-  return enqueue(p2p_, c10d::OpType::RECV, "xcomm:recv", tensors,
+  return enqueue(p2p_, c10d::OpType::RECV, "store:recv", tensors,
                  [this, tensors, srcRank, tag]() mutable {
                    at::Tensor& t = tensors[0];
                    const uint64_t n = received_[{srcRank, tag}]++;
@@ -241,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::recv(std::vector<at::Tensor>& te
 
 c10::intrusive_ptr<c10d::Work> StoreCpuBackend::recvAnysource(std::vector<at::Tensor>& tensors,
                                                               int tag) {
-  return enqueue(p2p_, c10d::OpType::RECVANYSOURCE, "xcomm:recv_any_source", tensors,
+  return enqueue(p2p_, c10d::OpType::RECVANYSOURCE, "store:recv_any_source", tensors,
                  [this, tensors, tag]() mutable {
                    at::Tensor& t = tensors[0];
                    std::vector<int> sources;
@@ -261,7 +261,7 @@ c10::intrusive_ptr<c10d::Work> StoreCpuBackend::recvAnysource(std::vector<at::Te
 c10::intrusive_ptr<c10d::Work> StoreCpuBackend::barrier(const c10d::BarrierOptions& opts) {
   auto ch = nextChannel();
   auto timeout = timeoutOf(opts.timeout);
-  return enqueue(collectives_, c10d::OpType::BARRIER, "xcomm:barrier", {}, [this, ch, timeout]() {
+  return enqueue(collectives_, c10d::OpType::BARRIER, "store:barrier", {}, [this, ch, timeout]() {
     flat::barrier(transport_, ch, timeout);
     return -1;
   });

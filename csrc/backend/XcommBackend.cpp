@@ -129,19 +129,14 @@ bool XcommBackend::backendHasPremul(const at::Tensor& t) const {
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
-                                                  c10d::OpType type, const TensorStaging& staging,
-                                                  c10::IValue result, int64_t issuedUs,
-                                                  uint64_t bytes) {
-  return wrap(std::move(inner), type, staging.copyBack(), std::move(result), issuedUs, bytes);
-}
-
-c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
                                                   c10d::OpType type, std::function<void()> finalize,
                                                   c10::IValue result, int64_t issuedUs,
-                                                  uint64_t bytes) {
+                                                  uint64_t bytes, const std::string& op,
+                                                  const std::vector<at::Tensor>& inputs) {
   auto resultType = result.type();
   auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
-                                                 std::move(result), std::move(resultType));
+                                                 std::move(result), std::move(resultType),
+                                                 profilingTitle(op), inputs);
   // xcomm.stats() and the timeline, timed from the issue: an inner backend may run
   // a small op inline and be done before it returns.
   recordOnCompletion(work, c10d::opTypeToString(type), bytes, bytes, issuedUs);
@@ -151,6 +146,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work>
 template <typename Call>
 c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, const at::Tensor& first,
                                                       c10d::OpType type, c10::IValue result,
+                                                      const std::vector<at::Tensor>& inputs,
                                                       Call&& call) {
   auto& inner = backendFor(first, op);
   // Counted before the op is issued: nothing may fail once it is.
@@ -158,7 +154,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, const at::
   const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
   auto work = call(inner, staging);
-  return wrap(std::move(work), type, staging, std::move(result), issuedUs, bytes);
+  return wrap(std::move(work), type, staging.copyBack(), std::move(result), issuedUs, bytes, op,
+              inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -166,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& 
   constexpr const char* op = "broadcast";
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
-  return delegate(op, tensors[0], c10d::OpType::BROADCAST, listValue(tensors),
+  return delegate(op, tensors[0], c10d::OpType::BROADCAST, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.inOut(tensors);
                     return inner.broadcast(staged, opts);
@@ -207,14 +204,14 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   }
   if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
     return fusion_->enqueue(inner_.cpu, rank_, staged[0], innerOpts, std::move(finalize),
-                            listValue(tensors));
+                            listValue(tensors), profilingTitle("all_reduce:fused"));
   }
   flushFused();
   auto result = listValue(tensors);
   const uint64_t bytes = payloadBytes(result);  // before the op is issued
   auto work = inner.allreduce(staged, innerOpts);
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, std::move(finalize), std::move(result),
-              issuedUs, bytes);
+              issuedUs, bytes, op, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
@@ -223,18 +220,20 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   const std::string& statsName = compressed_->statsName();
   const uint64_t bytesIn = tensor.numel() * tensor.element_size();
   const uint64_t bytesOnWire = compressed_->payloadBytes(tensor);
+  const char* title =
+      profilingTitle(std::string("all_reduce:") + compressionName(compressed_->config().method));
   if (!compressed_->needsOwnTransport()) {
     std::function<void()> finalize;
     auto inner = compressed_->startCast(backendFor(tensor, "all_reduce"), tensor, opts, finalize);
-    auto work = c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::ALLREDUCE, std::move(inner),
-                                                   std::move(finalize), listValue({tensor}),
-                                                   tensorListType());
+    auto work = c10::make_intrusive<DelegatedWork>(
+        rank_, c10d::OpType::ALLREDUCE, std::move(inner), std::move(finalize), listValue({tensor}),
+        tensorListType(), title, std::vector<at::Tensor>{tensor});
     recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
     return work;
   }
   auto work =
-      c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, "xcomm:int8_all_reduce",
-                                      listValue({tensor}), tensorListType());
+      c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, title, listValue({tensor}),
+                                      tensorListType(), std::vector<at::Tensor>{tensor});
   auto* algorithm = compressed_.get();
   auto compressedBackend = inner_.cpuCompressed;
   auto* completions = compressCompletions_.get();
@@ -264,7 +263,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
   constexpr const char* op = "all_reduce_coalesced";
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  return delegate(op, tensors[0], c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors),
+  return delegate(op, tensors[0], c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
                     auto staged = premul.inOut(staging, tensors);
@@ -278,7 +277,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  return delegate(op, tensors[0], c10d::OpType::REDUCE, listValue(tensors),
+  return delegate(op, tensors[0], c10d::OpType::REDUCE, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
                     // Lowered, a non-root rank sends a scaled copy, so its tensor
@@ -303,7 +302,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
       checks::sameDeviceAndDtype(op, out, inputs[i], "output", "input");
     }
   }
-  return delegate(op, inputs[0], c10d::OpType::ALLGATHER, listOfListsValue(outputs),
+  return delegate(op, inputs[0], c10d::OpType::ALLGATHER, listOfListsValue(outputs), inputs,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
@@ -318,7 +317,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output,
   checks::tensorList(op, {output}, "output");
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::allgatherBase(output, input, size_);
-  return delegate(op, input, c10d::OpType::_ALLGATHER_BASE, listValue({output}),
+  return delegate(op, input, c10d::OpType::_ALLGATHER_BASE, listValue({output}), {input},
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(input);
                     auto stagedOut = staging.out(output);
@@ -338,7 +337,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
     checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
     checks::allgatherBase(outputs[i], inputs[i], size_);
   }
-  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs),
+  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs), inputs,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
@@ -365,7 +364,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::
     TORCH_CHECK_VALUE(outputs.empty(), "xcomm.gather: only the root (rank ", opts.rootRank,
                       ") passes a gather list");
   }
-  return delegate(op, inputs[0], c10d::OpType::GATHER, listOfListsValue(outputs),
+  return delegate(op, inputs[0], c10d::OpType::GATHER, listOfListsValue(outputs), inputs,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
@@ -421,7 +420,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& ou
     TORCH_CHECK_VALUE(inputs.empty(), "xcomm.scatter: only the root (rank ", opts.rootRank,
                       ") passes a scatter list");
   }
-  return delegate(op, outputs[0], c10d::OpType::SCATTER, listValue(outputs),
+  const auto sent = inputs.empty() ? std::vector<at::Tensor>{} : inputs[0];  // the root's
+  return delegate(op, outputs[0], c10d::OpType::SCATTER, listValue(outputs), sent,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     std::vector<std::vector<at::Tensor>> stagedIn;
                     for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
@@ -444,7 +444,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
       checks::sameDeviceAndDtype(op, in, outputs[i], "input", "output");
     }
   }
-  return delegate(op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs),
+  std::vector<at::Tensor> flatInputs;
+  for (const auto& list : inputs) flatInputs.insert(flatInputs.end(), list.begin(), list.end());
+  return delegate(op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs), flatInputs,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(outputs[0]));
                     std::vector<std::vector<at::Tensor>> stagedIn;
@@ -467,15 +469,17 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
     const int64_t startUs = Timeline::nowUs();
     std::function<void()> finalize;
     auto innerWork = compressedReduceScatter_->start(inner, output, input, opts, finalize);
-    auto work = c10::make_intrusive<DelegatedWork>(rank_, c10d::OpType::_REDUCE_SCATTER_BASE,
-                                                   std::move(innerWork), std::move(finalize),
-                                                   listValue({output}), tensorListType());
+    auto work = c10::make_intrusive<DelegatedWork>(
+        rank_, c10d::OpType::_REDUCE_SCATTER_BASE, std::move(innerWork), std::move(finalize),
+        listValue({output}), tensorListType(),
+        profilingTitle(std::string(op) + ":" + compressionName(plan_.backendCompression.method)),
+        std::vector<at::Tensor>{input});
     recordOnCompletion(work, compressedReduceScatter_->statsName(),
                        input.numel() * input.element_size(),
                        compressedReduceScatter_->payloadBytes(input), startUs);
     return work;
   }
-  return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}),
+  return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}), {input},
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(input));
                     auto stagedIn = premul.in(staging, input);
@@ -497,7 +501,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
     checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
     checks::reduceScatterBase(outputs[i], inputs[i], size_);
   }
-  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs),
+  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs), inputs,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(inputs[0]));
                     auto stagedIn = premul.in(staging, inputs);
@@ -517,7 +521,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, a
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::splits(op, inputSplits, input, size_, "input");
   checks::splits(op, outputSplits, output, size_, "output");
-  return delegate(op, input, c10d::OpType::ALLTOALL_BASE, listValue({output}),
+  return delegate(op, input, c10d::OpType::ALLTOALL_BASE, listValue({output}), {input},
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(input);
                     auto stagedOut = staging.out(output);
@@ -537,7 +541,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& o
       "xcomm.all_to_all: needs one input and one output tensor per rank (", size_, "), got ",
       inputs.size(), " inputs and ", outputs.size(), " outputs");
   checks::sameDeviceAndDtype(op, outputs[0], inputs[0], "output", "input");
-  return delegate(op, inputs[0], c10d::OpType::ALLTOALL, listValue(outputs),
+  return delegate(op, inputs[0], c10d::OpType::ALLTOALL, listValue(outputs), inputs,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
@@ -551,7 +555,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
-  return delegate(op, tensors[0], c10d::OpType::SEND, listValue(tensors),
+  return delegate(op, tensors[0], c10d::OpType::SEND, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.in(tensors);
                     return inner.send(staged, dstRank, tag);
@@ -564,7 +568,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  return delegate(op, tensors[0], c10d::OpType::RECV, listValue(tensors),
+  return delegate(op, tensors[0], c10d::OpType::RECV, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recv(staged, srcRank, tag);
@@ -576,7 +580,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   constexpr const char* op = "recv";
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  return delegate(op, tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors),
+  return delegate(op, tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recvAnysource(staged, tag);
@@ -589,7 +593,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions&
   auto& inner = useCuda ? *inner_.cuda : *inner_.cpu;
   const int64_t issuedUs = Timeline::nowUs();
   auto work = inner.barrier(opts);
-  return wrap(std::move(work), c10d::OpType::BARRIER, TensorStaging{}, listValue({}), issuedUs, 0);
+  return wrap(std::move(work), c10d::OpType::BARRIER, {}, listValue({}), issuedUs, 0, "barrier",
+              {});
 }
 
 c10d::Backend& XcommBackend::cpuGloo() {
@@ -610,7 +615,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_coalesced(
                       list.size());
   }
   return delegate(op, inputs[0], c10d::OpType::ALLGATHER_COALESCED, listOfListsValue(outputs),
-                  [&](c10d::Backend& inner, TensorStaging&) {
+                  inputs, [&](c10d::Backend& inner, TensorStaging&) {
                     return inner.allgather_coalesced(outputs, inputs, opts);
                   });
 }

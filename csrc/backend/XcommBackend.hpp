@@ -158,16 +158,19 @@ class XcommBackend : public c10d::Backend {
   // inner backend for `first` (sending what fusion holds), note the issue time,
   // let `call(inner, staging)` stage the tensors and start the
   // inner backend's op, and wrap its work with `result` as the op's result.
+  // `inputs` are what the profiler shows as the op's input shapes (Gloo's choice:
+  // what this rank contributes).
   template <typename Call>
   c10::intrusive_ptr<c10d::Work> delegate(const char* op, const at::Tensor& first,
-                                          c10d::OpType type, c10::IValue result, Call&& call);
-  c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
-                                      const TensorStaging& staging, c10::IValue result,
-                                      int64_t issuedUs, uint64_t bytes);
-  // The same with `finalize` run once the inner work succeeded (after any copy-back).
+                                          c10d::OpType type, c10::IValue result,
+                                          const std::vector<at::Tensor>& inputs, Call&& call);
+  // The work the caller gets: `inner` plus `finalize`, run once the inner work
+  // succeeded (after any copy-back); counted in xcomm.stats() and the
+  // timeline, and one "xcomm:<op>" event under torch.profiler.
   c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
                                       std::function<void()> finalize, c10::IValue result,
-                                      int64_t issuedUs, uint64_t bytes);
+                                      int64_t issuedUs, uint64_t bytes, const std::string& op,
+                                      const std::vector<at::Tensor>& inputs);
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);

@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <unordered_set>
+
 namespace xcomm {
 namespace {
 
@@ -22,6 +24,13 @@ std::vector<at::Tensor> tensorsOf(const c10::IValue& value) {
 
 }  // namespace
 
+const char* profilingTitle(const std::string& op) {
+  static std::mutex mutex;
+  static std::unordered_set<std::string> titles;  // node-based: c_str() stays put
+  std::lock_guard<std::mutex> lock(mutex);
+  return titles.insert("xcomm:" + op).first->c_str();
+}
+
 c10::TypePtr tensorListType() {
   return c10::ListType::create(c10::TensorType::get());
 }
@@ -41,29 +50,40 @@ void RunOnce::run() {
 
 DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c10d::Work> inner,
                              std::function<void()> finalize, c10::IValue result,
-                             c10::TypePtr resultType)
-    : Work(rank, opType), inner_(std::move(inner)), result_(std::move(result)) {
+                             c10::TypePtr resultType, const char* profilingTitle,
+                             const std::vector<at::Tensor>& inputs)
+    : Work(rank, opType, profilingTitle, inputs),
+      inner_(std::move(inner)),
+      result_(std::move(result)) {
   TORCH_INTERNAL_ASSERT(inner_, "DelegatedWork needs an inner work");
   try {
     innerFuture_ = inner_->getFuture();
   } catch (const c10::Error&) {
     // Point-to-point works have no future; wait() finalizes them.
   }
-  if (!finalize) {
-    return;
+  if (finalize) {
+    finalize_ = std::make_shared<RunOnce>(std::move(finalize));
+    if (innerFuture_) {
+      auto finalizeOnce = finalize_;
+      auto value = result_;
+      chained_ = innerFuture_->then(
+          [finalizeOnce, value](c10::ivalue::Future& /*done*/) -> c10::IValue {
+            finalizeOnce->run();
+            return value;
+          },
+          std::move(resultType));
+    }
   }
-  finalize_ = std::make_shared<RunOnce>(std::move(finalize));
-  if (!innerFuture_) {
-    return;
+  // Set by Work's constructor only while a profiler records. This work never
+  // calls finish(), so the event ends when the op is done: with its future,
+  // or (point to point) in wait().
+  if (recordFunctionEndCallback_) {
+    endProfiling_ = std::make_shared<RunOnce>(std::move(recordFunctionEndCallback_));
+    recordFunctionEndCallback_ = nullptr;
+    if (auto done = chained_ ? chained_ : innerFuture_) {
+      done->addCallback([end = endProfiling_](c10::ivalue::Future&) { end->run(); });
+    }
   }
-  auto finalizeOnce = finalize_;
-  auto value = result_;
-  chained_ = innerFuture_->then(
-      [finalizeOnce, value](c10::ivalue::Future& /*done*/) -> c10::IValue {
-        finalizeOnce->run();
-        return value;
-      },
-      std::move(resultType));
 }
 
 bool DelegatedWork::isCompleted() {
@@ -108,6 +128,7 @@ void DelegatedWork::synchronize() {
 
 bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
   const bool ok = inner_->wait(timeout);
+  if (endProfiling_ && !innerFuture_) endProfiling_->run();
   if (!finalize_) {
     return ok;
   }
@@ -135,8 +156,9 @@ uint64_t DelegatedWork::getSequencenumber() const {
 }
 
 FutureWork::FutureWork(int rank, c10d::OpType opType, const char* profilingTitle,
-                       c10::IValue result, c10::TypePtr resultType)
-    : Work(rank, opType, profilingTitle),
+                       c10::IValue result, c10::TypePtr resultType,
+                       const std::vector<at::Tensor>& inputs)
+    : Work(rank, opType, profilingTitle, inputs),
       result_(std::move(result)),
       future_(c10::make_intrusive<c10::ivalue::Future>(std::move(resultType))) {}
 

@@ -7,6 +7,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -15,6 +17,10 @@ namespace xcomm {
 
 // The future type of collectives whose result is a list of tensors.
 c10::TypePtr tensorListType();
+
+// "xcomm:<op>" as a string that lives as long as the process: the profiler
+// keeps the pointer a Work hands it, not a copy.
+const char* profilingTitle(const std::string& op);
 
 // Runs a callable exactly once, from whichever thread gets there first; later
 // callers block until it finished. An exception is rethrown to every caller.
@@ -33,8 +39,11 @@ class DelegatedWork : public c10d::Work {
  public:
   // `finalize` may be empty. When set, it runs once after `inner` succeeded and
   // before this work counts as complete; the future then holds `result`.
+  // Under torch.profiler the op is one async event `profilingTitle` (with
+  // `inputs`' shapes) that ends when this work completes, as Gloo's do.
   DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c10d::Work> inner,
-                std::function<void()> finalize, c10::IValue result, c10::TypePtr resultType);
+                std::function<void()> finalize, c10::IValue result, c10::TypePtr resultType,
+                const char* profilingTitle = nullptr, const std::vector<at::Tensor>& inputs = {});
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -53,12 +62,14 @@ class DelegatedWork : public c10d::Work {
   std::shared_ptr<RunOnce> finalize_;                    // null when nothing is staged
   c10::intrusive_ptr<c10::ivalue::Future> chained_;      // inner's future + finalize
   c10::IValue result_;
+  // Ends the profiler event; a point-to-point work (no future) ends it in wait().
+  std::shared_ptr<RunOnce> endProfiling_;
 };
 
 class FutureWork : public c10d::Work {
  public:
   FutureWork(int rank, c10d::OpType opType, const char* profilingTitle, c10::IValue result,
-             c10::TypePtr resultType);
+             c10::TypePtr resultType, const std::vector<at::Tensor>& inputs = {});
 
   void markSucceeded(int sourceRank = -1);
   void markFailed(std::exception_ptr error);

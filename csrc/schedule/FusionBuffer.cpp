@@ -32,8 +32,9 @@ bool elementwise(const c10d::ReduceOp& op) {
 // ---------------------------------------------------------------- FusedWork
 
 FusedWork::FusedWork(int rank, std::weak_ptr<FusionBuffer> buffer, c10::IValue result,
-                     std::function<void()> finalize)
-    : Work(rank, c10d::OpType::ALLREDUCE),
+                     std::function<void()> finalize, const char* profilingTitle,
+                     const std::vector<at::Tensor>& inputs)
+    : Work(rank, c10d::OpType::ALLREDUCE, profilingTitle, inputs),
       buffer_(std::move(buffer)),
       result_(std::move(result)),
       finalize_(std::move(finalize)),
@@ -116,10 +117,12 @@ bool FusionBuffer::accepts(const at::Tensor& tensor, const c10d::AllreduceOption
 
 c10::intrusive_ptr<c10d::Work> FusionBuffer::enqueue(
     const c10::intrusive_ptr<c10d::Backend>& transport, int rank, at::Tensor tensor,
-    const c10d::AllreduceOptions& opts, std::function<void()> finalize, c10::IValue result) {
+    const c10d::AllreduceOptions& opts, std::function<void()> finalize, c10::IValue result,
+    const char* profilingTitle) {
   TORCH_CHECK(accepts(tensor, opts), "xcomm: internal error: a tensor fusion cannot hold");
-  auto work = c10::make_intrusive<FusedWork>(rank, weak_from_this(), std::move(result),
-                                             std::move(finalize));
+  auto work =
+      c10::make_intrusive<FusedWork>(rank, weak_from_this(), std::move(result), std::move(finalize),
+                                     profilingTitle, std::vector<at::Tensor>{tensor});
   hold({std::move(tensor), work, transport, opts, {}});
   return work;
 }

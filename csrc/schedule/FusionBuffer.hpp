@@ -28,8 +28,11 @@ class FusionBuffer;
 // The Work of one held allreduce; completes when its fused transfer does.
 class FusedWork : public c10d::Work {
  public:
+  // Under torch.profiler: one async event `profilingTitle` from enqueue to
+  // completion, with the op's input shape.
   FusedWork(int rank, std::weak_ptr<FusionBuffer> buffer, c10::IValue result,
-            std::function<void()> finalize);
+            std::function<void()> finalize, const char* profilingTitle = nullptr,
+            const std::vector<at::Tensor>& inputs = {});
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -76,7 +79,8 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
   c10::intrusive_ptr<c10d::Work> enqueue(const c10::intrusive_ptr<c10d::Backend>& transport,
                                          int rank, at::Tensor tensor,
                                          const c10d::AllreduceOptions& opts,
-                                         std::function<void()> finalize, c10::IValue result);
+                                         std::function<void()> finalize, c10::IValue result,
+                                         const char* profilingTitle = nullptr);
 
   // Sends everything held so far before returning. Called before any other
   // op is issued, so transfers keep program order. Thread-safe.

@@ -126,19 +126,101 @@ def test_a_timeout_set_after_creation_applies() -> None:
     assert 1.5 < res[0]["seconds"] < 5.5, res[0]
 
 
-def _rank_profiler_names(ctx: RankContext) -> list[str]:
-    from torch.profiler import profile
+#: xcomm groups whose ops take different routes, each profiled against gloo.
+_PROFILED_GROUPS = {
+    "shm": {},
+    "noshm": {"shm": False},
+    "int8": {"shm": False, "compression": "int8", "compression_min_bytes": 0},
+    "bf16-shm": {"compression": "bf16", "compression_min_bytes": 0},
+    "fusion": {"shm": False, "fusion_threshold_bytes": 1 << 16},
+}
 
-    t = torch.ones(4)
-    with profile() as prof:
-        dist.all_reduce(t)
-        dist.broadcast(t, 0)
-        dist.all_gather([torch.zeros(4) for _ in range(ctx.world_size)], t)
-    return sorted({e.name for e in prof.events()})
+
+def _profiled_ops(ctx: RankContext, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Runs each collective once under the profiler on ``group``; returns the
+    backend events (``<name>:...``, not c10d's dispatcher ones) of each."""
+    from torch.autograd.profiler import profile
+
+    w, r = ctx.world_size, ctx.rank
+    t = torch.ones(8, 4) * (r + 1)
+    ops: dict[str, Any] = {
+        "all_reduce": lambda: dist.all_reduce(t, group=group),
+        "all_reduce:async": lambda: dist.all_reduce(t, group=group, async_op=True).wait(),
+        "broadcast": lambda: dist.broadcast(t, 0, group=group),
+        "reduce": lambda: dist.reduce(t, 0, group=group),
+        "all_gather": lambda: dist.all_gather(
+            [torch.empty(8, 4) for _ in range(w)], t, group=group
+        ),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            torch.empty(8 * w, 4), t, group=group
+        ),
+        "gather": lambda: dist.gather(
+            t, [torch.empty(8, 4) for _ in range(w)] if r == 0 else None, 0, group=group
+        ),
+        "scatter": lambda: dist.scatter(
+            torch.empty(8, 4), [t.clone() for _ in range(w)] if r == 0 else None, 0, group=group
+        ),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            torch.empty(8, 4), torch.ones(8 * w, 4), group=group
+        ),
+        "all_to_all_single": lambda: dist.all_to_all_single(
+            torch.empty(8 * w, 4), torch.ones(8 * w, 4), group=group
+        ),
+        "barrier": lambda: dist.barrier(group=group),
+        "send_recv": lambda: (
+            dist.send(t, 1, group=group) if r == 0 else dist.recv(t, 0, group=group)
+        ),
+    }
+    out = {}
+    for name, fn in ops.items():
+        with profile(record_shapes=True) as prof:
+            fn()
+        out[name] = [
+            (e.name, [list(s) for s in e.input_shapes], e.is_async, e.count)
+            for e in prof.function_events
+            if e.name.split(":")[0] in ("xcomm", "gloo", "shm", "store")
+        ]
+    return out
 
 
-def test_profiler_events_name_the_collective() -> None:
-    for names in run_ranks(_rank_profiler_names, 2):
-        joined = " ".join(names)
-        for op in ("all_reduce", "broadcast", "all_gather"):
-            assert any(op in n and "xcomm" in n for n in names), (op, joined)
+def _rank_profiler_events(ctx: RankContext) -> dict[str, Any]:
+    import xcomm
+
+    groups = {
+        k: dist.new_group(backend="xcomm", pg_options=xcomm.Options(**o))
+        for k, o in _PROFILED_GROUPS.items()
+    }
+    res = {"gloo": _profiled_ops(ctx, ctx.ref)}
+    for k, g in groups.items():
+        res[k] = _profiled_ops(ctx, g)
+    return res
+
+
+def test_each_op_is_one_profiler_event_named_xcomm_op_with_gloos_input_shapes() -> None:
+    """Like Gloo's ``gloo:<op>``, every xcomm op is exactly one async
+    ``xcomm:<op>`` event (``xcomm:<op>:<how>`` when compressed or fused), on
+    every route, with the shapes Gloo records; the route's own events
+    (``shm:...``, the inner ``gloo:...``) never start with ``xcomm:``."""
+    for rank, res in enumerate(run_ranks(_rank_profiler_events, 2)):
+        for group, ops in res.items():
+            if group == "gloo":
+                continue
+            for op, events in ops.items():
+                name = {"all_reduce:async": "all_reduce", "send_recv": ("send", "recv")[rank]}
+                name = name.get(op, op)
+                mine = [e for e in events if e[0].startswith("xcomm:")]
+                where = (rank, group, op, events)
+                assert len(mine) == 1, where
+                title, shapes, is_async, count = mine[0]
+                assert title == f"xcomm:{name}" or title.startswith(f"xcomm:{name}:"), where
+                assert is_async and count == 1, where
+                ref = [e for e in res["gloo"][op] if e[0].startswith("gloo:")]
+                assert len(ref) == 1, (rank, op, res["gloo"][op])
+                assert shapes == ref[0][1], (where, ref)
+        # How an op was transformed shows in its name.
+        assert any(e[0] == "xcomm:all_reduce:int8" for e in res["int8"]["all_reduce"])
+        assert any(e[0] == "xcomm:all_reduce:bf16" for e in res["bf16-shm"]["all_reduce"])
+        assert any(
+            e[0] == "xcomm:reduce_scatter_tensor:int8" for e in res["int8"]["reduce_scatter_tensor"]
+        )
+        assert any(e[0] == "xcomm:all_reduce:fused" for e in res["fusion"]["all_reduce:async"])
