@@ -58,6 +58,9 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
       compressQueue_ = std::make_unique<OpQueue>("xcomm compressed allreduce");
     }
   }
+  if (inner_.cpu && !(inner_.shm && !inner_.shm->hierarchical())) {
+    alltoallReduceScatter_ = std::make_unique<AlltoallReduceScatter>(size_);
+  }
   init();
 }
 
@@ -128,11 +131,12 @@ bool XcommBackend::backendHasPremul(const at::Tensor& t) const {
   return t.device().is_cuda();
 }
 
-c10::intrusive_ptr<c10d::Work> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
-                                                  c10d::OpType type, std::function<void()> finalize,
-                                                  c10::IValue result, int64_t issuedUs,
-                                                  uint64_t bytes, const std::string& op,
-                                                  const std::vector<at::Tensor>& inputs) {
+c10::intrusive_ptr<DelegatedWork> XcommBackend::wrap(c10::intrusive_ptr<c10d::Work> inner,
+                                                     c10d::OpType type,
+                                                     std::function<void()> finalize,
+                                                     c10::IValue result, int64_t issuedUs,
+                                                     uint64_t bytes, const std::string& op,
+                                                     const std::vector<at::Tensor>& inputs) {
   auto resultType = result.type();
   auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                                  std::move(result), std::move(resultType),
@@ -477,6 +481,18 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
     recordOnCompletion(work, compressedReduceScatter_->statsName(),
                        input.numel() * input.element_size(),
                        compressedReduceScatter_->payloadBytes(input), startUs);
+    return work;
+  }
+  if (alltoallReduceScatter_ && alltoallReduceScatter_->applies(output, input, opts)) {
+    auto& inner = backendFor(input, op);  // flushes held ops first
+    auto result = listValue({output});
+    const uint64_t bytes = payloadBytes(result);
+    const int64_t issuedUs = Timeline::nowUs();
+    std::function<void()> finalize;
+    auto transfer = alltoallReduceScatter_->start(inner, output, input, opts, finalize);
+    auto work = wrap(std::move(transfer), c10d::OpType::_REDUCE_SCATTER_BASE, std::move(finalize),
+                     std::move(result), issuedUs, bytes, op, {input});
+    work->hideFuture();  // as Gloo's reduce-scatter: no future
     return work;
   }
   return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}), {input},

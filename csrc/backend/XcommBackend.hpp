@@ -18,6 +18,8 @@
 #include "backend/ShmCpuBackend.hpp"
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
+#include "backend/XcommWork.hpp"
+#include "collectives/AlltoallReduceScatter.hpp"
 #include "collectives/CompressedAllreduce.hpp"
 #include "collectives/CompressedReduceScatter.hpp"
 #include "common/TorchCompat.hpp"
@@ -167,10 +169,10 @@ class XcommBackend : public c10d::Backend {
   // The work the caller gets: `inner` plus `finalize`, run once the inner work
   // succeeded (after any copy-back); counted in xcomm.stats() and the
   // timeline, and one "xcomm:<op>" event under torch.profiler.
-  c10::intrusive_ptr<c10d::Work> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
-                                      std::function<void()> finalize, c10::IValue result,
-                                      int64_t issuedUs, uint64_t bytes, const std::string& op,
-                                      const std::vector<at::Tensor>& inputs);
+  c10::intrusive_ptr<DelegatedWork> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
+                                         std::function<void()> finalize, c10::IValue result,
+                                         int64_t issuedUs, uint64_t bytes, const std::string& op,
+                                         const std::vector<at::Tensor>& inputs);
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);
@@ -181,6 +183,9 @@ class XcommBackend : public c10d::Backend {
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   std::unique_ptr<CompressedAllreduce> compressed_;
   std::unique_ptr<CompressedReduceScatter> compressedReduceScatter_;
+  // Uncompressed reduce-scatter on a CPU group whose data does not move over
+  // shared memory: half Gloo's bytes (null in a flat shared-memory group).
+  std::unique_ptr<AlltoallReduceScatter> alltoallReduceScatter_;
   // Completes int8 works off their worker: a callback may wait for another
   // int8 allreduce of this group, which the worker must be free to run.
   std::unique_ptr<CompletionPool> compressCompletions_;

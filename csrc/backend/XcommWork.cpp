@@ -148,6 +148,7 @@ void DelegatedWork::abort() {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> DelegatedWork::getFuture() {
+  TORCH_CHECK(!futureHidden_, "Work::getFuture not implemented.");
   return chained_ ? chained_ : inner_->getFuture();
 }
 

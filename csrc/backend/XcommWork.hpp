@@ -55,6 +55,9 @@ class DelegatedWork : public c10d::Work {
   void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override;
+  // getFuture() then raises as Gloo's does for works that have none (its
+  // reduce-scatters), so code moving between the two sees the same API.
+  void hideFuture() { futureHidden_ = true; }
 
  private:
   c10::intrusive_ptr<c10d::Work> inner_;
@@ -64,6 +67,7 @@ class DelegatedWork : public c10d::Work {
   c10::IValue result_;
   // Ends the profiler event; a point-to-point work (no future) ends it in wait().
   std::shared_ptr<RunOnce> endProfiling_;
+  bool futureHidden_ = false;
 };
 
 class FutureWork : public c10d::Work {

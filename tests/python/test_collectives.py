@@ -537,10 +537,13 @@ def _rank_reduce_scatter(ctx: RankContext) -> list[str]:
     return chk.items
 
 
+@pytest.mark.parametrize("shm", ["shm", "noshm"])
 @pytest.mark.parametrize("world_size", world_size_params())
-def test_reduce_scatter(world_size: int) -> None:
-    """reduce_scatter (list form) and reduce_scatter_tensor, every dtype x op."""
-    assert_no_mismatches(run_ranks(_rank_reduce_scatter, world_size))
+def test_reduce_scatter(world_size: int, shm: str) -> None:
+    """reduce_scatter (list form) and reduce_scatter_tensor, every dtype x op;
+    without shared memory, reduce_scatter_tensor is xcomm's all-to-all route."""
+    env = {"XCOMM_SHM": "0"} if shm == "noshm" else {}
+    assert_no_mismatches(run_ranks(_rank_reduce_scatter, world_size, env=env))
 
 
 # --------------------------------------------------------------------------- #
