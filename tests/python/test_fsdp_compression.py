@@ -21,8 +21,10 @@ from xcomm import _C
 from xcomm.hooks import (
     CompressedReduceScatter,
     FsdpCompressionState,
+    LinkModel,
     compress_reduce_scatter,
 )
+from xcomm.hooks.fsdp import predict_reduce_scatter_seconds
 
 STEPS = 6
 
@@ -301,3 +303,143 @@ def test_hsdp_compresses_both_dimensions() -> None:
         assert r["stats"]["link_bytes_before"] > 3 * r["stats"]["link_bytes_sent"]
     rows = {k for k in got[0]["xcomm"] if "BF16" in k.upper()}
     assert rows, f"the replicate all-reduce was not compressed: {sorted(got[0]['xcomm'])}"
+
+
+# -- auto ------------------------------------------------------------------------
+
+#: Codec costs (seconds per element) and links for the fixed-input auto tests.
+COSTS = {"bf16": 1e-9, "fp16": 1e-9, "int8": 2e-9}
+FAST = LinkModel(latency_s=1e-5, bandwidth_bytes_per_s=1e13)
+SLOW = LinkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e6)
+
+
+def test_reduce_scatter_cost_model_is_the_documented_formula() -> None:
+    n, lat = 1 << 20, 2e-4
+    links = {"reduce_scatter": LinkModel(lat, 1e8), "all_to_all": LinkModel(lat, 2e8)}
+    kw = {"chunk_elems": 256}
+    assert predict_reduce_scatter_seconds("none", n, links, COSTS, **kw) == lat + 4 * n / 1e8
+    bf16 = predict_reduce_scatter_seconds("bf16", n, links, COSTS, **kw)
+    assert bf16 == pytest.approx(1e-9 * n + lat + 2 * n / 2e8)
+    int8 = predict_reduce_scatter_seconds("int8", n, links, COSTS, **kw)
+    assert int8 == pytest.approx(2e-9 * n + lat + n * (1 + 4 / 256) / 2e8)
+    with pytest.raises(ValueError, match="unknown method"):
+        predict_reduce_scatter_seconds("topk", n, links, COSTS, **kw)
+
+
+def test_auto_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="methods must be a non-empty subset"):
+        FsdpCompressionState(method="auto", methods=("none", "powersgd"))
+    with pytest.raises(ValueError, match="lossless_only leaves no method"):
+        FsdpCompressionState(method="auto", methods=("int8",), lossless_only=True)
+    with pytest.raises(ValueError, match="interval"):
+        FsdpCompressionState(method="auto", interval=0)
+    assert FsdpCompressionState(method="auto", lossless_only=True).allowed == ("none",)
+
+
+def _auto(ctx: RankContext, links: dict[int, Any], steps: int, **settings: Any) -> dict[str, Any]:
+    """FSDP2 with auto; ``links`` maps a step to the fixed link from then on
+    (None: measured). Returns parameters, each step's methods by module, the
+    residuals left and the explanation."""
+    import xcomm
+
+    kw = {"codec_costs": COSTS} if links.get(0) is not None else {}
+    model, state = _fsdp2("auto", link=links.get(0), interval=2, **kw, **settings)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    xcomm.reset_stats()
+    history = []
+    for step in range(steps):
+        if step in links:
+            state.link = links[step]
+        _steps(model, opt, ctx.rank, range(step, step + 1))
+        history.append({k: d["method"] for k, d in state.decisions.items()})
+    link = state.link_estimate
+    return {
+        "params": _full(model),
+        "history": history,
+        "residuals": sorted(n for n in state.keys if state.residual(n) is not None),
+        "explain": state.explain(),
+        "link": {k: [v.latency_s, v.bandwidth_bytes_per_s] for k, v in link.items()},
+        "auto_ops": {k: v["calls"] for k, v in xcomm.stats().items() if k.startswith("AUTO:")},
+        "stats": state.stats.as_dict(),
+    }
+
+
+def test_auto_leaves_a_fast_link_uncompressed_and_compresses_a_slow_one() -> None:
+    none = run_ranks(_train, 2, None, ref_group=False)[0]["params"]
+    for link, expect in ((FAST, "none"), (SLOW, "int8")):
+        res = run_ranks(_auto, 2, {0: link}, STEPS, ref_group=False)
+        for r in res:
+            assert r["history"] == res[0]["history"]  # every rank chose alike
+            for name, p in r["params"].items():
+                assert torch.equal(p, res[0]["params"][name]), name
+        final = res[0]["history"][-1]
+        assert len(final) == 3 and set(final.values()) == {expect}, final  # the 3 Linears
+        assert "predicted ms" in res[0]["explain"]
+        if expect == "none":  # bitwise FSDP2's own reduce-scatter
+            for name, p in res[0]["params"].items():
+                assert torch.equal(p, none[name]), name
+
+
+def test_auto_switches_when_the_link_changes_and_sends_int8s_residual() -> None:
+    res = run_ranks(_auto, 2, {0: SLOW, 3: FAST}, 7, ref_group=False)
+    history = res[0]["history"]
+    assert set(history[1].values()) == {"int8"}, history
+    # The link sped up before step 3: a re-evaluation (every 2 steps) by step 4.
+    assert set(history[4].values()) == {"none"}, history
+    for r in res:
+        assert r["residuals"] == [], "a module left int8 without sending its residual"
+        assert r["history"] == history
+
+
+def test_auto_with_lossless_only_is_fsdp2s_own_reduce_scatter() -> None:
+    none = run_ranks(_train, 2, None, ref_group=False)[0]["params"]
+    res = run_ranks(_auto, 2, {0: SLOW}, STEPS, ref_group=False, lossless_only=True)[0]
+    assert set(res["history"][-1].values()) == {"none"}
+    for name, p in res["params"].items():
+        assert torch.equal(p, none[name]), name
+
+
+def test_auto_measures_the_link_and_every_rank_agrees() -> None:
+    res = run_ranks(_auto, 2, {}, 4, ref_group=False)
+    assert res[0]["history"] == res[1]["history"] and res[0]["history"][-1]
+    assert res[0]["link"] == res[1]["link"]
+    for lat, bw in res[0]["link"].values():
+        assert lat > 0 and bw > 0
+    assert "Gbit/s of input" in res[0]["explain"]
+    assert sum(res[0]["auto_ops"].values()) == 4 * 3  # 4 steps x 3 Linears
+
+
+def _auto_resume(ctx: RankContext) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build() -> tuple[nn.Module, FsdpCompressionState, torch.optim.Optimizer]:
+        model, state = _fsdp2("auto", link=SLOW, codec_costs=COSTS, interval=2)
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model, state, opt = build()
+    _steps(model, opt, ctx.rank, range(3))
+    msd, osd = get_state_dict(model, opt)
+    path = os.path.join(ctx.tmpdir, f"rank{ctx.rank}.pt")
+    torch.save({"model": msd, "optim": osd, "xcomm": state.state_dict()}, path)
+    state.link = FAST  # the resumed run sees the same change at the same step
+    _steps(model, opt, ctx.rank, range(3, STEPS))
+    uninterrupted = _full(model)
+
+    model2, state2, opt2 = build()
+    saved = torch.load(path, weights_only=False)
+    set_state_dict(model2, opt2, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    state2.load_state_dict(saved["xcomm"])
+    state2.link = FAST
+    _steps(model2, opt2, ctx.rank, range(3, STEPS))
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": _full(model2),
+        "decisions": (state.decisions, state2.decisions),
+    }
+
+
+def test_auto_resume_is_bitwise() -> None:
+    for r in run_ranks(_auto_resume, 2, ref_group=False):
+        assert r["decisions"][0] == r["decisions"][1]
+        for name, p in r["uninterrupted"].items():
+            assert torch.equal(r["resumed"][name], p), name

@@ -50,7 +50,6 @@ Example::
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +68,7 @@ from ._common import (
     mark_issued,
     then_collective,
 )
+from ._measure import LinkModel, MeasuredLink, MethodChoices, best_seconds
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .feedback import FeedbackStore
 from .int8 import Int8State, int8_compress_hook
@@ -84,25 +84,6 @@ _LOSSLESS = ("none",)
 _INT8_CHUNK = 1024
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
-
-
-@dataclass
-class LinkModel:
-    """A link as collectives see it: ``latency_s`` per collective plus
-    ``bytes / bandwidth_bytes_per_s`` (bytes on one rank's link)."""
-
-    latency_s: float
-    bandwidth_bytes_per_s: float
-
-    def __post_init__(self) -> None:
-        if not (self.latency_s >= 0 and self.bandwidth_bytes_per_s > 0):
-            raise ValueError(
-                "xcomm.hooks.LinkModel: latency_s must be >= 0 and bandwidth_bytes_per_s > 0, "
-                f"got {self.latency_s} and {self.bandwidth_bytes_per_s}"
-            )
-
-    def seconds(self, collectives: int, wire_bytes: float) -> float:
-        return collectives * self.latency_s + wire_bytes / self.bandwidth_bytes_per_s
 
 
 def _allreduce_wire(nbytes: float, world: int) -> float:
@@ -172,15 +153,6 @@ def predict_seconds(
     raise ValueError(f"xcomm.hooks.auto: unknown method {method!r}; choose from {METHODS}")
 
 
-def _time(fn: Any, repeat: int = 3) -> float:
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dict[str, float]:
     """Measures each codec's CPU seconds per element on this machine (float32,
     encode + reduce + decode with error feedback, best of 3), on a bucket of
@@ -190,7 +162,7 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
     out = torch.empty_like(x)
     costs: dict[str, float] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        costs[name] = _time(lambda dtype=dtype: out.copy_(x.to(dtype).div_(world))) / numel
+        costs[name] = best_seconds(lambda dtype=dtype: out.copy_(x.to(dtype).div_(world))) / numel
     codec, fb = _C.Int8Codec(_INT8_CHUNK), _C.ErrorFeedback()
     shard = codec.shard_elems(numel, world)
 
@@ -199,7 +171,7 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
         mean = codec.reduce_and_pack(packed, shard, float(world))
         codec.unpack_all(mean.repeat(world), shard, out)
 
-    costs["int8"] = _time(int8) / numel
+    costs["int8"] = best_seconds(int8) / numel
     topk, fb2 = _C.TopKCodec(False, False), _C.ErrorFeedback()
     k = _C.TopKCodec.k_for(numel, 0.01)
 
@@ -207,7 +179,7 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
         packed = topk.encode_with_feedback(0, x, k, fb2)
         topk.decode(packed.repeat(world).reshape(world, -1), k, out, float(world))
 
-    costs["topk"] = _time(top) / numel
+    costs["topk"] = best_seconds(top) / numel
     # PowerSGD: xcomm's own codec (all three products, error feedback,
     # orthogonalisation, decompression) on one matrix, per m*n*r.
     ps = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
@@ -221,8 +193,8 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
         summed_q = ps._codec.reduce_p(0, wire, world)
         ps._codec.finish(0, summed_q, world)
 
-    costs["powersgd_mnr"] = _time(powersgd) / (buf.numel() * min(rank, m))
-    costs["powersgd_pass"] = _time(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
+    costs["powersgd_mnr"] = best_seconds(powersgd) / (buf.numel() * min(rank, m))
+    costs["powersgd_pass"] = best_seconds(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
     return costs
 
 
@@ -312,16 +284,24 @@ class AutoState(PicklableState):
         self._int8.order = self.order
         self._powersgd._order = self.order
         self.iter = 0
-        self.decisions: dict[int, dict[str, Any]] = {}
-        self.switches = 0
+        self._choices = MethodChoices(self.switch_margin)
+        self._measure = MeasuredLink(
+            ("allreduce",), _CODEC_KEYS, self.probe_fraction, self.interval
+        )
         self._agreed: tuple[LinkModel, dict[str, float]] | None = None
         self._fresh_round = False
-        self._latencies: list[float] = []
-        self._probe_bytes = 1 << 20
-        self._step_start: float | None = None
-        self._step_times: list[float] = []
-        self._local_costs: dict[str, float] | None = None
         self._in_step = False
+
+    @property
+    def decisions(self) -> dict[int, dict[str, Any]]:
+        """Each bucket's method, the step it started, and the predicted
+        seconds of every allowed method that chose it."""
+        return self._choices.decisions
+
+    @property
+    def switches(self) -> int:
+        """How many times a bucket changed method."""
+        return self._choices.switches
 
     # -- checkpointing --
 
@@ -344,7 +324,7 @@ class AutoState(PicklableState):
         if d.get("version") != 1:
             raise ValueError(f"xcomm.hooks.AutoState: unknown state version {d.get('version')!r}")
         self.iter = int(d["iter"])
-        self.decisions = {int(k): dict(v) for k, v in d["decisions"].items()}
+        self._choices.decisions = {int(k): dict(v) for k, v in d["decisions"].items()}
         if d["agreed"] is not None:
             lat, bw, costs = d["agreed"]
             self._agreed = (LinkModel(float(lat), float(bw)), dict(costs))
@@ -367,76 +347,40 @@ class AutoState(PicklableState):
     def explain(self) -> str:
         """A table: each bucket's method and the predicted milliseconds of every
         allowed method that chose it."""
-        lines = []
+        link_line = None
         if self._agreed is not None:
             link = self._agreed[0]
-            lines.append(
+            link_line = (
                 f"link: latency {link.latency_s * 1e3:.3f} ms, "
                 f"bandwidth {link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s (agreed by all ranks)"
             )
-        for index in sorted(self.decisions):
-            d = self.decisions[index]
-            times = ", ".join(f"{m} {t * 1e3:.2f}" for m, t in d["predicted_s"].items())
-            lines.append(
-                f"bucket {index} ({d['numel']} elements): {d['method']} since step "
-                f"{d['since']}; predicted ms: {times}"
-            )
-        return "\n".join(lines)
+        return self._choices.explain("bucket", link_line)
 
     # -- measurement and agreement --
 
     def _round(self, group: dist.ProcessGroup | None, world: int) -> None:
-        """At the start of a re-evaluation step: line the ranks up, probe the
-        link, then agree on every input with one allreduce MAX (its duration,
-        the ranks being in step after the probe: the latency)."""
-        if self._local_costs is None:
-            self._local_costs = dict(
-                self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank)
-            )
-        seconds_per_byte = 0.0
-        if self.link is None:
-            probe = torch.zeros(max(1, self._probe_bytes // 4))
-            # Ranks reach this point apart (their backward passes differ); a
-            # one-element allreduce lines them up, so the probe times the
-            # link, not the wait for the slower rank.
-            dist.all_reduce(torch.zeros(1), group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(probe, group=group)
-            took = time.perf_counter() - t0
-            wire = _allreduce_wire(probe.numel() * 4.0, world)
-            # Latency is the least of the recent agreement allreduces (a late
-            # rank inflates one); it may explain at most half of the probe,
-            # so a noisy latency cannot make the link look infinitely fast.
-            latency = min(self._latencies, default=0.0)
-            seconds_per_byte = max(took - latency, 0.5 * took) / wire
-        recent = sorted(self._step_times[-5:])
-        step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
-        local = [min(self._latencies, default=0.0), seconds_per_byte, step_seconds]
-        local += [self._local_costs[k] for k in _CODEC_KEYS]
-        agreed = torch.tensor(local, dtype=torch.float64)
-        t0 = time.perf_counter()
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        self._latencies = [*self._latencies[-4:], time.perf_counter() - t0]
-        values = agreed.tolist()
-        costs = dict(zip(_CODEC_KEYS, values[3:]))
-        if self.link is not None:
-            link = self.link
-        else:
-            link = LinkModel(values[0], 1.0 / max(values[1], 1e-15))
-            # Next probe: about probe_fraction of the steps between rounds,
-            # growing at most 4x a round (a wrong estimate costs little).
-            budget = self.probe_fraction * self.interval * values[2]
-            size = min(budget * link.bandwidth_bytes_per_s, 4.0 * self._probe_bytes, 32e6)
-            self._probe_bytes = int(max(size, 256e3))
-        self._agreed = (link, costs)
+        """At the start of a re-evaluation step: probe the link with one
+        allreduce and agree on every input (:class:`MeasuredLink`)."""
+
+        def probe(nbytes: int) -> float:
+            t = torch.zeros(max(1, nbytes // 4))
+            dist.all_reduce(t, group=group)
+            return _allreduce_wire(t.numel() * 4.0, world)
+
+        links, costs = self._measure.agree(
+            group,
+            {"allreduce": probe},
+            lambda: self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank),
+            fixed=None if self.link is None else {"allreduce": self.link},
+        )
+        self._agreed = (links["allreduce"], costs)
         self._fresh_round = True
 
     def _choose(self, bucket: dist.GradBucket, world: int) -> str:
         index, numel = bucket.index(), bucket.buffer().numel()
-        current = self.decisions.get(index)
-        fresh = self._fresh_round and (current is None or current["round"] != self.iter)
-        if current is not None and not fresh and current["numel"] == numel:
-            return current["method"]
+        method = self._choices.current(index, numel, self.iter, self._fresh_round)
+        if method is not None:
+            return method
         assert self._agreed is not None
         link, costs = self._agreed
         shapes = [tuple(p.shape) for p in bucket.parameters()]
@@ -455,22 +399,7 @@ class AutoState(PicklableState):
             )
             for m in self.allowed
         }
-        best = min(self.allowed, key=lambda m: predicted[m])
-        method, since = best, self.iter
-        if current is not None and current["numel"] == numel and current["method"] in predicted:
-            keep = current["method"]
-            if predicted[best] >= (1.0 - self.switch_margin) * predicted[keep]:
-                method, since = keep, current["since"]
-        if current is not None and method != current["method"]:
-            self.switches += 1
-        self.decisions[index] = {
-            "method": method,
-            "since": since,
-            "round": self.iter,
-            "numel": numel,
-            "predicted_s": predicted,
-        }
-        return method
+        return self._choices.choose(index, numel, self.iter, predicted)
 
 
 def _ordered(
@@ -498,10 +427,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     group, world = state.process_group, group_size(state.process_group)
     if not state._in_step:  # the first bucket of a step: nothing of ours in flight
         state._in_step = True
-        now = time.perf_counter()
-        if state._step_start is not None:
-            state._step_times = [*state._step_times[-9:], now - state._step_start]
-        state._step_start = now
+        state._measure.step_started()
         due = state.iter < state.start_iter or (state.iter - state.start_iter) % state.interval == 0
         if due or state._agreed is None:
             state._round(group, world)

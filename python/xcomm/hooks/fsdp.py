@@ -15,6 +15,24 @@ with one that moves fewer bytes:
   ``chunk_elems`` elements (``q = round(a / s)``, ``s = max|a_chunk| / 127``),
   the same all-to-all, a float32 sum in rank order. About 4x fewer bytes.
 * ``"none"``: FSDP2's own reduce-scatter (for A/B runs).
+* ``"auto"``: per module, the fastest of ``methods`` (default none, bf16,
+  int8) on this link and machine, re-decided every ``interval`` steps. The
+  cost of reducing a module's ``n`` float32 elements is predicted as
+
+      ``T(none) = L + 4n / b_rs``,
+      ``T(m) = c_m n + L + B_m n / b_a2a``  (``B`` = 2 for the casts,
+      ``1 + 4 / chunk_elems`` for int8)
+
+  with the latency ``L``, the reduce-scatter's and the all-to-all's
+  throughput ``b_rs`` / ``b_a2a`` measured by probing them on the group
+  (whatever route the group's backend takes), and each codec's CPU seconds
+  per element ``c_m`` timed once on this machine; an allreduce MAX makes
+  every input the same on every rank, so every rank picks the same method
+  (their collectives match). A module keeps its method unless another is
+  ``switch_margin`` faster. A module leaving int8 sends its residual with its
+  next reduce-scatter. :meth:`FsdpCompressionState.explain` says what each
+  module uses and why; ``xcomm.stats()`` counts ``AUTO:<method>``; with the
+  timeline on, each decision is a span on the track "xcomm auto".
 
 **Error feedback** (on for int8 by default; ``error_feedback=True`` turns it
 on for the casts too, which torch's cast hooks go without): each rank keeps
@@ -62,6 +80,9 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ..opstats import record_op
+from ..trace import add_span, now_us, timeline_enabled
+from ._measure import LinkModel, MeasuredLink, MethodChoices, best_seconds
 from .stats import CompressionStats, alltoall_bytes
 
 __all__ = [
@@ -69,13 +90,21 @@ __all__ = [
     "CompressedReduceScatter",
     "FsdpCompressionState",
     "compress_reduce_scatter",
+    "predict_reduce_scatter_seconds",
 ]
 
-#: Values of ``method``.
-FSDP_METHODS: tuple[str, ...] = ("none", "bf16", "fp16", "int8")
+#: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
+FSDP_AUTO_METHODS: tuple[str, ...] = ("none", "bf16", "fp16", "int8")
 
-#: The version :meth:`FsdpCompressionState.state_dict` writes.
-FSDP_STATE_VERSION = 1
+#: Values of ``method``.
+FSDP_METHODS: tuple[str, ...] = (*FSDP_AUTO_METHODS, "auto")
+
+#: The version :meth:`FsdpCompressionState.state_dict` writes (1: before auto).
+FSDP_STATE_VERSION = 2
+
+#: The collectives ``auto`` probes: FSDP2's own reduce-scatter ("none") and
+#: the all-to-all every compressed method uses.
+_PROBES = ("reduce_scatter", "all_to_all")
 
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,6 +119,69 @@ def _reduce_scatter_base() -> type:
     except ImportError:  # pragma: no cover - torch without FSDP2's comm hooks
         return object
     return ReduceScatter
+
+
+def predict_reduce_scatter_seconds(
+    method: str,
+    numel: int,
+    links: dict[str, LinkModel],
+    costs: dict[str, float],
+    *,
+    chunk_elems: int,
+    itemsize: int = 4,
+) -> float:
+    """``auto``'s cost model (module docstring): predicted seconds to
+    reduce-scatter ``numel`` elements with ``method``. ``links`` gives the
+    ``"reduce_scatter"`` and ``"all_to_all"`` links in bytes of input per
+    second.
+
+    Example::
+
+        >>> links = {k: LinkModel(1e-4, 125e6) for k in ("reduce_scatter", "all_to_all")}
+        >>> round(predict_reduce_scatter_seconds("none", 1 << 20, links, {}, chunk_elems=1024), 4)
+        0.0337
+    """
+    if method == "none":
+        return links["reduce_scatter"].seconds(1, numel * itemsize)
+    if method in ("bf16", "fp16"):
+        return costs[method] * numel + links["all_to_all"].seconds(1, numel * 2.0)
+    if method == "int8":
+        return costs["int8"] * numel + links["all_to_all"].seconds(
+            1, numel * (1.0 + 4.0 / chunk_elems)
+        )
+    raise ValueError(
+        f"xcomm.hooks.fsdp: unknown method {method!r}; choose from {FSDP_AUTO_METHODS}"
+    )
+
+
+def calibrate_reduce_scatter_codecs(
+    world: int, chunk_elems: int, numel: int = 1 << 22
+) -> dict[str, float]:
+    """Each compressed method's CPU seconds per element on this machine
+    (float32: encode, then decode and sum the ``world`` received rows; int8
+    with error feedback), best of 3, on ``numel`` elements (16 MiB: out of
+    cache, as gradients are)."""
+    numel -= numel % world
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
+    costs: dict[str, float] = {}
+    for name, dtype in _CAST_DTYPES.items():
+
+        def cast(dtype: torch.dtype = dtype) -> None:
+            rows = x.to(dtype).view(world, -1)
+            total = rows[0].float()
+            for j in range(1, world):
+                total += rows[j]
+
+        costs[name] = best_seconds(cast) / numel
+    codec, feedback = _C.Int8Codec(chunk_elems), _C.ErrorFeedback()
+    padded = codec.row_elems(numel, world)
+
+    def int8() -> None:
+        rows = codec.pack_rows(x, world, feedback, 0)
+        codec.reduce_shards(rows, padded)
+
+    costs["int8"] = best_seconds(int8) / numel
+    return costs
 
 
 @dataclass
@@ -107,6 +199,20 @@ class FsdpCompressionState:
             cost three more passes over the gradient for an error of 2^-8.
         min_bytes: inputs smaller than this go uncompressed (latency, not
             bandwidth, bounds them).
+        methods: with ``method="auto"``, what it may choose from (a subset
+            of ``("none", "bf16", "fp16", "int8")``).
+        lossless_only: with ``method="auto"``, choose only ``"none"``.
+        interval: with ``method="auto"``, steps between re-evaluations.
+        switch_margin: with ``method="auto"``, a module changes method only
+            when another is predicted this fraction faster.
+        probe_fraction: with ``method="auto"``, the share of the steps
+            between re-evaluations the link probes may take.
+        link: with ``method="auto"``, a fixed :class:`~xcomm.hooks.LinkModel`
+            (bytes on one rank's link per second) instead of probing; the
+            reduce-scatter is then assumed to move ``(w-1)/w`` of its input,
+            as an all-to-all does.
+        codec_costs: with ``method="auto"``, fixed codec costs (seconds per
+            element, keys ``bf16``, ``fp16``, ``int8``) instead of timing them.
 
     Example::
 
@@ -119,14 +225,34 @@ class FsdpCompressionState:
     chunk_elems: int = 1024
     error_feedback: bool | None = None
     min_bytes: int = 64 * 1024
+    methods: tuple[str, ...] = ("none", "bf16", "int8")
+    lossless_only: bool = False
+    interval: int = 5
+    switch_margin: float = 0.1
+    probe_fraction: float = 0.01
+    link: LinkModel | None = None
+    codec_costs: dict[str, float] | None = None
     stats: CompressionStats = field(default_factory=CompressionStats)
 
     def __post_init__(self) -> None:
+        name = "xcomm.hooks.FsdpCompressionState"
         if self.method not in FSDP_METHODS:
+            raise ValueError(f"{name}: method must be one of {FSDP_METHODS}, got {self.method!r}")
+        self.methods = tuple(self.methods)
+        if not self.methods or any(m not in FSDP_AUTO_METHODS for m in self.methods):
             raise ValueError(
-                f"xcomm.hooks.FsdpCompressionState: method must be one of {FSDP_METHODS}, "
-                f"got {self.method!r}"
+                f"{name}: methods must be a non-empty subset of {FSDP_AUTO_METHODS}, "
+                f"got {self.methods}"
             )
+        allowed = [m for m in FSDP_AUTO_METHODS if m in self.methods]
+        if self.lossless_only:
+            allowed = [m for m in allowed if m == "none"]
+            if not allowed:
+                raise ValueError(f"{name}: lossless_only leaves no method: add 'none' to methods")
+        #: What ``auto`` chooses from.
+        self.allowed: tuple[str, ...] = tuple(allowed)
+        if self.interval < 1:
+            raise ValueError(f"{name}: interval must be >= 1, got {self.interval}")
         if self.chunk_elems <= 0:
             raise ValueError(
                 f"xcomm.hooks.FsdpCompressionState: chunk_elems must be > 0, got {self.chunk_elems}"
@@ -135,11 +261,106 @@ class FsdpCompressionState:
             raise ValueError(
                 f"xcomm.hooks.FsdpCompressionState: min_bytes must be >= 0, got {self.min_bytes}"
             )
+        # The casts carry feedback only when asked to; int8 (alone or under
+        # auto) unless told not to.
+        self._cast_feedback = bool(self.error_feedback)
         if self.error_feedback is None:
-            self.error_feedback = self.method == "int8"
+            self.error_feedback = self.method in ("int8", "auto")
         self.codec = _C.Int8Codec(self.chunk_elems)
         self.feedback = _C.ErrorFeedback()
         self.keys: dict[str, int] = {}
+        # auto: steps are counted at the first module's reduce-scatter.
+        self.iter = 0
+        self._first_module: str | None = None
+        self._measure = MeasuredLink(
+            _PROBES, FSDP_AUTO_METHODS[1:], self.probe_fraction, self.interval
+        )
+        self._choices = MethodChoices(self.switch_margin)
+        self._fresh_round = False
+
+    @property
+    def decisions(self) -> dict[str, dict[str, Any]]:
+        """``auto``: each module's method, the step it started and the
+        predicted seconds of every allowed method that chose it."""
+        return self._choices.decisions
+
+    @property
+    def link_estimate(self) -> dict[str, LinkModel] | None:
+        """``auto``: the links (input bytes per second of a reduce-scatter and
+        of an all-to-all) every rank agreed on last (None before)."""
+        return self._measure.agreed[0] if self._measure.agreed else None
+
+    def explain(self) -> str:
+        """``auto``: each module's method and the predicted milliseconds of
+        every allowed method that chose it."""
+        line = None
+        if (links := self.link_estimate) is not None:
+            line = f"latency {links['all_to_all'].latency_s * 1e3:.3f} ms; " + ", ".join(
+                f"{k} {link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s of input"
+                for k, link in links.items()
+            )
+            line += " (agreed by all ranks)"
+        return self._choices.explain("module", line)
+
+    def choose(
+        self, name: str, numel: int, group: dist.ProcessGroup, world: int, cpu: bool = True
+    ) -> str:
+        """``auto``: the method for module ``name``'s reduce-scatter of
+        ``numel`` elements (int8 only for CPU gradients). Counts steps (one per
+        call of the first module), and at a re-evaluation step's first call
+        probes and agrees the inputs."""
+        if self._first_module is None:
+            self._first_module = name
+        elif name == self._first_module:
+            self.iter += 1
+        if name == self._first_module:
+            self._measure.step_started()
+            self._fresh_round = False
+            if self.iter % self.interval == 0 or self._measure.agreed is None:
+                self._agree(group, world)
+        method = self._choices.current(name, numel, self.iter, self._fresh_round)
+        if method is None:
+            links, costs = self._measure.agreed  # type: ignore[misc]
+            predicted = {
+                m: predict_reduce_scatter_seconds(
+                    m, numel, links, costs, chunk_elems=self.chunk_elems
+                )
+                for m in self.allowed
+                if cpu or m != "int8"
+            }
+            if not predicted:
+                raise TypeError(
+                    "xcomm.hooks.FsdpCompressionState: auto may only choose int8, which runs "
+                    "on CPU gradients; add 'bf16' or 'none' to methods for other devices"
+                )
+            method = self._choices.choose(name, numel, self.iter, predicted)
+        return method
+
+    def _agree(self, group: dist.ProcessGroup, world: int) -> None:
+        def reduce_scatter(nbytes: int) -> float:
+            n = max(world, nbytes // 4 // world * world)
+            out = torch.empty(n // world)
+            _reduce_scatter_single(out, torch.zeros(n), group=group)
+            return n * 4.0
+
+        def all_to_all(nbytes: int) -> float:
+            n = max(world, nbytes // 4 // world * world)
+            dist.all_to_all_single(torch.empty(n), torch.zeros(n), group=group)
+            return n * 4.0
+
+        fixed = None
+        if self.link is not None:  # NIC bytes -> bytes of input, for an all-to-all
+            per_input = LinkModel(
+                self.link.latency_s, self.link.bandwidth_bytes_per_s * world / max(world - 1, 1)
+            )
+            fixed = dict.fromkeys(_PROBES, per_input)
+        self._measure.agree(
+            group,
+            {"reduce_scatter": reduce_scatter, "all_to_all": all_to_all},
+            lambda: self.codec_costs or calibrate_reduce_scatter_codecs(world, self.chunk_elems),
+            fixed=fixed,
+        )
+        self._fresh_round = True
 
     def key(self, name: str) -> int:
         """The error-feedback key of the module named ``name``."""
@@ -155,6 +376,7 @@ class FsdpCompressionState:
         """This rank's residuals by module name, and the byte counts.
 
         Residuals differ between ranks: save one per rank."""
+        agreed = self._measure.agreed
         return {
             "version": FSDP_STATE_VERSION,
             "method": self.method,
@@ -162,19 +384,41 @@ class FsdpCompressionState:
                 name: r.clone() for name in self.keys if (r := self.residual(name)) is not None
             },
             "stats": self.stats.as_dict(),
+            "auto": {
+                "iter": self.iter,
+                "first_module": self._first_module,
+                "decisions": {k: dict(v) for k, v in self.decisions.items()},
+                "agreed": None
+                if agreed is None
+                else (
+                    {k: [v.latency_s, v.bandwidth_bytes_per_s] for k, v in agreed[0].items()},
+                    dict(agreed[1]),
+                ),
+            },
         }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         version = d.get("version")
-        if version != FSDP_STATE_VERSION:
+        if version not in (1, FSDP_STATE_VERSION):
             raise ValueError(
                 f"xcomm.hooks.FsdpCompressionState: checkpoint version {version!r} is not "
-                f"{FSDP_STATE_VERSION}"
+                f"1 or {FSDP_STATE_VERSION}"
             )
         self.feedback.clear()
         for name, r in d["residuals"].items():
             self.feedback.store(self.key(name), r.clone())
         self.stats.load_dict(d["stats"])
+        auto = d.get("auto")  # version 1 has none
+        if auto is not None:
+            self.iter = int(auto["iter"])
+            self._first_module = auto["first_module"]
+            self._choices.decisions = {k: dict(v) for k, v in auto["decisions"].items()}
+            if auto["agreed"] is not None:
+                links, costs = auto["agreed"]
+                self._measure.agreed = (
+                    {k: LinkModel(*v) for k, v in links.items()},
+                    dict(costs),
+                )
 
 
 class CompressedReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
@@ -224,10 +468,42 @@ class CompressedReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
             return _reduce_scatter_single(
                 output_tensor, input_tensor, op=op, group=group, async_op=async_op
             )
-        if state.method == "int8":
+        method = state.method
+        if method == "auto":
+            t0 = now_us() if timeline_enabled() else 0
+            method = state.choose(
+                self.name, input_tensor.numel(), group, world, input_tensor.device.type == "cpu"
+            )
+            record_op(f"AUTO:{method}", input_tensor.nbytes, 0)
+            if t0:
+                predicted = state.decisions[self.name]["predicted_s"]
+                add_span(
+                    f"auto: {method}",
+                    "auto",
+                    "xcomm auto",
+                    t0,
+                    now_us(),
+                    {
+                        "module": self.name,
+                        "step": state.iter,
+                        **{f"predicted_ms_{m}": round(t * 1e3, 3) for m, t in predicted.items()},
+                    },
+                )
+            if method != "int8" and not (method != "none" and state._cast_feedback):
+                # What int8 left unsent goes with this reduce-scatter.
+                residual = state.feedback.get(self.key)
+                if residual is not None:
+                    input_tensor = input_tensor + residual.view_as(input_tensor)
+                    state.feedback.erase(self.key)
+            if method == "none":
+                state.stats.record(rs_bytes, rs_bytes)
+                return _reduce_scatter_single(
+                    output_tensor, input_tensor, op=op, group=group, async_op=async_op
+                )
+        if method == "int8":
             total = self._int8(input_tensor, group, world)
         else:
-            total = self._cast(input_tensor, group, world, _CAST_DTYPES[state.method])
+            total = self._cast(input_tensor, group, world, _CAST_DTYPES[method])
         if mean:
             total.div_(world)
         output_tensor.copy_(total)
@@ -253,12 +529,12 @@ class CompressedReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
     ) -> torch.Tensor:
         state = self.state
         a = flat.float()
-        if state.error_feedback:
+        if state._cast_feedback:
             r = state.feedback.get(self.key)
             if r is not None:
                 a = a + r.view_as(a)
         low = a.to(dtype)
-        if state.error_feedback:
+        if state._cast_feedback:
             state.feedback.store(self.key, a - low.float())
         received = torch.empty_like(low)
         dist.all_to_all_single(received, low, group=group)

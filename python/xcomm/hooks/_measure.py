@@ -1,0 +1,215 @@
+"""The measured inputs of ``auto``'s cost models, agreed by every rank.
+
+Both ``auto`` choosers (:mod:`.auto` for DDP buckets, :mod:`.fsdp` for
+FSDP2's reduce-scatters) predict each method's time from the same kind of
+inputs: the link's latency, its seconds per byte for the collectives the
+methods use, and each codec's CPU seconds per element on this machine. The
+link is measured by the collectives themselves (probes on the group), the
+codecs by timing them once; then one allreduce MAX makes every input the
+same on every rank, so every rank computes the same choice and their
+collectives match. :class:`MeasuredLink` does that part;
+:class:`MethodChoices` keeps each key's choice with hysteresis.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class LinkModel:
+    """A link as collectives see it: ``latency_s`` per collective plus
+    ``bytes / bandwidth_bytes_per_s`` (bytes on one rank's link).
+
+    Example::
+
+        >>> LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=125e6).seconds(2, 125e6)
+        1.0002
+    """
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and self.bandwidth_bytes_per_s > 0):
+            raise ValueError(
+                "xcomm.hooks.LinkModel: latency_s must be >= 0 and bandwidth_bytes_per_s > 0, "
+                f"got {self.latency_s} and {self.bandwidth_bytes_per_s}"
+            )
+
+    def seconds(self, collectives: int, wire_bytes: float) -> float:
+        return collectives * self.latency_s + wire_bytes / self.bandwidth_bytes_per_s
+
+
+def best_seconds(fn: Callable[[], Any], repeat: int = 3) -> float:
+    """The least wall time of ``repeat`` calls of ``fn``."""
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+#: A probe: issues one collective of about ``nbytes`` on the group and
+#: returns the bytes it put on this rank's link, in the unit its link is
+#: modelled in.
+Probe = Callable[[int], float]
+
+
+class MeasuredLink:
+    """Measures the link (one probe per collective kind) and each codec's
+    cost, and agrees them across ranks.
+
+    Each round: a one-element allreduce lines the ranks up (their backward
+    passes end apart; the probe must time the link, not the wait for the
+    slower rank), each probe runs, and one allreduce MAX agrees every input
+    (its duration, the ranks being in step: the latency). The latency is the
+    least of the recent agreements and may explain at most half of a probe,
+    so a noisy latency cannot make the link look infinitely fast. Probes are
+    sized to cost about ``probe_fraction`` of the steps between rounds,
+    growing at most 4x a round.
+
+    Args:
+        kinds: the probes' names, in the order their links are agreed.
+        codec_keys: the codec costs to agree, in order.
+        probe_fraction: the share of the steps between rounds the probes may take.
+        interval: steps between rounds.
+    """
+
+    def __init__(
+        self,
+        kinds: tuple[str, ...],
+        codec_keys: tuple[str, ...],
+        probe_fraction: float,
+        interval: int,
+    ) -> None:
+        self.kinds = kinds
+        self.codec_keys = codec_keys
+        self.probe_fraction = probe_fraction
+        self.interval = interval
+        self.probe_bytes = 1 << 20
+        self.latencies: list[float] = []
+        self.step_times: list[float] = []
+        self._step_start: float | None = None
+        self.local_costs: dict[str, float] | None = None
+        #: The links (by kind) and codec costs every rank agreed on last.
+        self.agreed: tuple[dict[str, LinkModel], dict[str, float]] | None = None
+
+    def step_started(self) -> None:
+        """Called at the start of each step: the probes' budget is a share of
+        the median recent step time."""
+        now = time.perf_counter()
+        if self._step_start is not None:
+            self.step_times = [*self.step_times[-9:], now - self._step_start]
+        self._step_start = now
+
+    def agree(
+        self,
+        group: dist.ProcessGroup | None,
+        probes: Mapping[str, Probe] | None,
+        calibrate: Callable[[], dict[str, float]],
+        *,
+        fixed: Mapping[str, LinkModel] | None = None,
+    ) -> tuple[dict[str, LinkModel], dict[str, float]]:
+        """One round: probe (unless ``fixed`` links are given), agree, and
+        return the agreed links by kind and codec costs."""
+        if self.local_costs is None:
+            self.local_costs = dict(calibrate())
+        seconds_per_byte = dict.fromkeys(self.kinds, 0.0)
+        if fixed is None:
+            assert probes is not None
+            dist.all_reduce(torch.zeros(1), group=group)  # line the ranks up
+            latency = min(self.latencies, default=0.0)
+            for kind in self.kinds:
+                t0 = time.perf_counter()
+                wire = probes[kind](self.probe_bytes)
+                took = time.perf_counter() - t0
+                seconds_per_byte[kind] = max(took - latency, 0.5 * took) / wire
+        recent = sorted(self.step_times[-5:])
+        step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
+        local = [min(self.latencies, default=0.0), step_seconds]
+        local += [seconds_per_byte[k] for k in self.kinds]
+        local += [self.local_costs[k] for k in self.codec_keys]
+        agreed = torch.tensor(local, dtype=torch.float64)
+        t0 = time.perf_counter()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
+        values = agreed.tolist()
+        n = len(self.kinds)
+        costs = dict(zip(self.codec_keys, values[2 + n :]))
+        if fixed is not None:
+            links = dict(fixed)
+        else:
+            links = {
+                k: LinkModel(values[0], 1.0 / max(s, 1e-15))
+                for k, s in zip(self.kinds, values[2 : 2 + n])
+            }
+            slowest = min(link.bandwidth_bytes_per_s for link in links.values())
+            budget = self.probe_fraction * self.interval * values[1] / n
+            size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
+            self.probe_bytes = int(max(size, 256e3))
+        self.agreed = (links, costs)
+        return self.agreed
+
+
+class MethodChoices:
+    """Each key's method (a DDP bucket, an FSDP2 module), chosen as the least
+    predicted time; a key keeps its method unless another is predicted
+    ``switch_margin`` faster, so noise does not flip it.
+
+    ``decisions[key]`` holds the method, the step it started (``since``), the
+    step it was last evaluated (``round``), the key's size and every allowed
+    method's predicted seconds.
+    """
+
+    def __init__(self, switch_margin: float) -> None:
+        self.switch_margin = switch_margin
+        self.decisions: dict[Any, dict[str, Any]] = {}
+        self.switches = 0
+
+    def current(self, key: Any, numel: int, step: int, fresh: bool) -> str | None:
+        """The key's method if it need not be re-evaluated now, else None."""
+        d = self.decisions.get(key)
+        if d is None or d["numel"] != numel or (fresh and d["round"] != step):
+            return None
+        return d["method"]
+
+    def choose(self, key: Any, numel: int, step: int, predicted: dict[str, float]) -> str:
+        current = self.decisions.get(key)
+        best = min(predicted, key=lambda m: predicted[m])  # ties: the first (cheapest codec)
+        method, since = best, step
+        if current is not None and current["numel"] == numel and current["method"] in predicted:
+            keep = current["method"]
+            if predicted[best] >= (1.0 - self.switch_margin) * predicted[keep]:
+                method, since = keep, current["since"]
+        if current is not None and method != current["method"]:
+            self.switches += 1
+        self.decisions[key] = {
+            "method": method,
+            "since": since,
+            "round": step,
+            "numel": numel,
+            "predicted_s": predicted,
+        }
+        return method
+
+    def explain(self, what: str, link_line: str | None) -> str:
+        """A table: each key's method and the predicted milliseconds of every
+        allowed method that chose it."""
+        lines = [link_line] if link_line else []
+        for key in sorted(self.decisions):
+            d = self.decisions[key]
+            times = ", ".join(f"{m} {t * 1e3:.2f}" for m, t in d["predicted_s"].items())
+            lines.append(
+                f"{what} {key} ({d['numel']} elements): {d['method']} since step "
+                f"{d['since']}; predicted ms: {times}"
+            )
+        return "\n".join(lines)
