@@ -2,10 +2,12 @@
 
 Two emulated nodes (one rank each, ``--rates`` in turn) train a model wrapped
 with ``fully_shard`` (every child with parameters, then the root). Each rank
-builds one copy of the model per method (``none``: FSDP2's own reduce-scatter,
-``bf16``, ``int8`` with error feedback, see :mod:`xcomm.hooks.fsdp`;
-``backend-bf16`` / ``backend-int8``: no hook, FSDP2 on a group made with
-``xcomm.Options(compression=...)``, which compresses the reduce-scatter) and runs
+builds one copy of the model per method (``none``: FSDP2's own reduce-scatter
+on xcomm, ``bf16``, ``int8`` with error feedback, ``auto``, see
+:mod:`xcomm.hooks.fsdp`; ``backend-bf16`` / ``backend-int8``: no hook, FSDP2 on
+a group made with ``xcomm.Options(compression=...)``, which compresses the
+reduce-scatter; ``gloo``: FSDP2 on a plain Gloo group, what it gets without
+xcomm) and runs
 their steps interleaved, so every method sees the same machine and link
 moment. A step's time is the slower rank's; bytes are what the node's NIC
 sent (all-gathers of parameters included, which compression leaves alone)
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from .internode import _tx_bytes as internode_tx_bytes
 from .launch import module_command, run_ranks
 
-METHODS = ("none", "bf16", "int8")
+METHODS = ("gloo", "none", "bf16", "int8", "auto")
 
 
 def _tx_bytes() -> int:
@@ -65,6 +67,19 @@ class _BackendCounts:
         return self
 
 
+class _NoCounts:
+    """A plain Gloo group counts nothing: its reduce-scatter bytes are unknown."""
+
+    def reset(self) -> None:
+        pass
+
+    link_bytes_sent = None
+
+    @property
+    def stats(self) -> _NoCounts:
+        return self
+
+
 def _sharded(spec: Any, method: str, min_bytes: int) -> tuple[torch.nn.Module, Any]:
     """The model under ``fully_shard``: with the hook's ``method``, or, for
     ``backend-<codec>``, on a group whose backend compresses reduce-scatters."""
@@ -75,7 +90,10 @@ def _sharded(spec: Any, method: str, min_bytes: int) -> tuple[torch.nn.Module, A
     from xcomm.hooks import compress_reduce_scatter
 
     mesh, group = None, None
-    if method.startswith("backend-"):
+    if method == "gloo":
+        group = dist.new_group(backend="gloo")
+        mesh = DeviceMesh.from_group(group, device_type="cpu")
+    elif method.startswith("backend-"):
         options = xcomm.Options(
             compression=method.removeprefix("backend-"), compression_min_bytes=min_bytes
         )
@@ -87,6 +105,8 @@ def _sharded(spec: Any, method: str, min_bytes: int) -> tuple[torch.nn.Module, A
         if any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if method == "gloo":
+        return model, _NoCounts()
     if group is not None:
         return model, _BackendCounts(group)
     return model, compress_reduce_scatter(model, method, min_bytes=min_bytes)
@@ -135,10 +155,16 @@ def rank_main(args: argparse.Namespace) -> int:
                     "ms": statistics.median(times[m]) * 1e3,
                     "ms_all": [t * 1e3 for t in times[m]],
                     "nic_mb_per_step": nic[m] / args.steps / 1e6,
-                    "rs_mb_per_step": runs[m][1].stats.link_bytes_sent / args.steps / 1e6,
+                    "rs_mb_per_step": None
+                    if (sent := runs[m][1].stats.link_bytes_sent) is None
+                    else sent / args.steps / 1e6,
                 }
                 for m in runs
             }
+            if "auto" in runs:
+                result["auto"]["methods"] = sorted(
+                    {d["method"] for d in runs["auto"][1].decisions.values()}
+                )
             Path(args.worker_out).write_text(json.dumps(result))
         return 0
     finally:
@@ -160,9 +186,10 @@ def table(result: dict[str, Any]) -> str:
         base = rows["none"]["ms"] if "none" in rows else None
         for m, r in rows.items():
             ratio = f"{base / r['ms']:.2f}x" if base else "-"
+            rs = "-" if r["rs_mb_per_step"] is None else f"{r['rs_mb_per_step']:.1f}"
+            name = f"auto ({', '.join(r['methods'])})" if "methods" in r else m
             lines.append(
-                f"| {rate} | {m} | {r['ms']:.0f} | {ratio} | {r['nic_mb_per_step']:.1f} | "
-                f"{r['rs_mb_per_step']:.1f} |"
+                f"| {rate} | {name} | {r['ms']:.0f} | {ratio} | {r['nic_mb_per_step']:.1f} | {rs} |"
             )
     return "\n".join(lines) + "\n"
 

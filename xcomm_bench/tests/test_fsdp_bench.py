@@ -11,7 +11,7 @@ from xcomm_bench.fsdp import main, plot, table
 def test_smoke_run_reports_every_method_and_the_bytes_saved(tmp_path: Path) -> None:
     out = tmp_path / "fsdp"
     argv = ["--smoke", "--rates", "loopback", "--steps", "2", "--min-bytes", "0"]
-    methods = ["none", "bf16", "int8", "backend-int8"]
+    methods = ["gloo", "none", "bf16", "int8", "backend-int8", "auto"]
     assert main([*argv, "--methods", ",".join(methods), "--out", str(out)]) == 0
     result = json.loads((out / "fsdp.json").read_text())
     rows = result["rates"]["loopback"]
@@ -22,7 +22,10 @@ def test_smoke_run_reports_every_method_and_the_bytes_saved(tmp_path: Path) -> N
     assert none > 0 and bf16 < 0.51 * none and int8 < bf16, rows
     # the backend's int8 reduce-scatter: the hook's bytes (same rows), without a hook
     assert rows["backend-int8"]["rs_mb_per_step"] == int8, rows
-    assert "| loopback | int8 |" in (out / "fsdp.md").read_text()
+    assert rows["gloo"]["rs_mb_per_step"] is None  # a plain Gloo group counts nothing
+    assert rows["auto"]["methods"], rows["auto"]  # what auto chose, in the table too
+    md = (out / "fsdp.md").read_text()
+    assert "| loopback | int8 |" in md and "| loopback | auto (" in md
     assert (out / "fsdp.png").read_bytes()[:4] == b"\x89PNG"
 
 
