@@ -10,9 +10,9 @@ namespace xcomm {
 bool AlltoallReduceScatter::applies(const at::Tensor& output, const at::Tensor& input,
                                     const c10d::ReduceScatterOptions& opts) const {
   const auto op = opts.reduceOp.op_;
-  // AVG is left to Gloo, which refuses it on CPU: xcomm answers as Gloo does.
-  const bool elementwise = op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::MAX ||
-                           op == c10d::ReduceOp::MIN || op == c10d::ReduceOp::PRODUCT;
+  const bool elementwise = op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG ||
+                           op == c10d::ReduceOp::MAX || op == c10d::ReduceOp::MIN ||
+                           op == c10d::ReduceOp::PRODUCT;
   // The input must be the outputs laid end to end along dim 0, as Gloo
   // insists (it refuses other shapes; so does xcomm, by leaving them to it).
   const bool concat = input.dim() > 0 && output.dim() > 0 &&

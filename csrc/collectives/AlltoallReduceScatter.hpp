@@ -21,8 +21,8 @@ class AlltoallReduceScatter {
   explicit AlltoallReduceScatter(int size) : size_(size) {}
 
   // Whether it takes this reduce-scatter: a non-empty contiguous dense CPU
-  // input of a dtype the vector reductions handle, under SUM, MAX, MIN or
-  // PRODUCT (the ops Gloo has), in a group of 2 or more.
+  // input of a dtype the vector reductions handle, under SUM, AVG (floating
+  // point: FSDP2 asks for it), MAX, MIN or PRODUCT, in a group of 2 or more.
   bool applies(const at::Tensor& output, const at::Tensor& input,
                const c10d::ReduceScatterOptions& opts) const;
 
