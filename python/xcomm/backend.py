@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, compat
 from .options import Options
 
 __all__ = ["create_backend", "group_plan"]
@@ -54,6 +54,7 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         raise TypeError(
             f"xcomm: pg_options must be an xcomm.Options, got {type(pg_options).__name__}"
         )
+    compat.mark_group_made()
     timeout = pg_options.timeout or dist_backend_opts.timeout
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))

@@ -1,4 +1,9 @@
-"""Where torch's Python layer gates a feature on the backend's *name*.
+"""Where torch's Python layer falls short of what xcomm needs.
+
+**Exit.** :func:`release_before_exit` runs at interpreter exit (registered by
+:func:`install`); see its docstring.
+
+**Names.** Where torch's Python layer gates a feature on the backend's *name*:
 
 ``torch.distributed.monitored_barrier`` raises "only implemented for GLOO
 backend" for any group whose backend is not named ``"gloo"``, before the call
@@ -18,8 +23,10 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -54,9 +61,47 @@ def _is_xcomm(group: dist.ProcessGroup | None) -> bool:
         return False
 
 
+#: How long :func:`release_before_exit` lets other threads run.
+EXIT_GRACE_S = 0.05
+_made_groups = False
+
+
+def mark_group_made() -> None:
+    """Called by xcomm's backend creator: this process made an xcomm group
+    (torch forgets its groups on ``destroy_process_group``)."""
+    global _made_groups
+    _made_groups = True
+
+
+def release_before_exit() -> None:
+    """At interpreter exit, before Python finalizes: lets the communication
+    threads drop, with the GIL free, what they still hold.
+
+    A Gloo worker (or one of xcomm's) drops its last reference to a finished
+    op's tensors just after the op completes. When the main thread has moved
+    on, that tensor's Python object may live only through that reference, so
+    the drop takes the GIL; if Python is finalizing by then, CPython ends the
+    thread with ``pthread_exit``, whose forced unwind through a C++
+    destructor (noexcept) aborts the process: "terminate called without an
+    active exception", after every step has finished (seen with plain Gloo
+    too; a core showed ``ProcessGroupGloo::runLoop`` -> ``~AsyncAlltoallWork``
+    -> ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). The window is
+    microseconds; a short sleep in an ``atexit`` handler (which runs before
+    finalization starts) closes it. Only where xcomm made a group or a
+    process group is still live.
+
+    Example::
+
+        >>> release_before_exit()  # no process group in this process: returns at once
+    """
+    if _made_groups or (dist.is_available() and dist.is_initialized()):
+        time.sleep(EXIT_GRACE_S)
+
+
 def install() -> None:
     """Routes ``dist.monitored_barrier`` on xcomm groups to :func:`monitored_barrier`
-    (idempotent; other groups keep torch's function)."""
+    (other groups keep torch's function) and registers
+    :func:`release_before_exit` (idempotent)."""
     original = dist.monitored_barrier
     if getattr(original, "_xcomm_wrapped", False):
         return
@@ -70,3 +115,4 @@ def install() -> None:
     routed._xcomm_wrapped = True  # type: ignore[attr-defined]
     dist.monitored_barrier = routed
     c10d.monitored_barrier = routed
+    atexit.register(release_before_exit)
