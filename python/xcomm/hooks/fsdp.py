@@ -113,14 +113,6 @@ _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _reduce_scatter_base() -> type:
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    except ImportError:  # pragma: no cover - torch without FSDP2's comm hooks
-        return object
-    return ReduceScatter
-
-
 def predict_reduce_scatter_seconds(
     method: str,
     numel: int,
@@ -421,10 +413,13 @@ class FsdpCompressionState:
                 )
 
 
-class CompressedReduceScatter(_reduce_scatter_base()):  # type: ignore[misc]
+class CompressedReduceScatter:
     """FSDP2's reduce-scatter for one module, compressed as ``state`` says.
 
-    Runs synchronously (FSDP2 calls it so, on its reduce-scatter stream).
+    Implements FSDP2's ``ReduceScatter`` interface (``allocate`` and
+    ``__call__``; FSDP2 checks nothing else) without subclassing it: importing
+    FSDP2 costs half a second, which every user of :mod:`xcomm.hooks` would
+    pay. Runs synchronously (FSDP2 calls it so, on its reduce-scatter stream).
     """
 
     def __init__(self, state: FsdpCompressionState, name: str) -> None:
