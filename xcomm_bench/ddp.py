@@ -25,7 +25,11 @@ Reductions: ``none`` (DDP's own allreduce), xcomm's hooks ``fp16``,
 ``int8``, ``topk``, ``powersgd`` (:mod:`xcomm.hooks`) and torch's built-ins
 ``torch-fp16`` (``default_hooks.fp16_compress_hook``) and ``torch-powersgd``
 (``powerSGD_hook.powerSGD_hook``). Both PowerSGDs use the same rank
-(default 4) and ``start_powerSGD_iter=2``.
+(default 4) and ``start_powerSGD_iter=2``. ``auto`` is xcomm's ``auto_hook``;
+``backend-bf16``, ``backend-int8`` and ``backend-auto`` register no hook:
+DDP runs on a group made with ``xcomm.Options(compression=...)``, whose
+backend compresses the allreduces itself (no error feedback; accounted bytes
+are the group's ``compression_stats``).
 
 Warm-up: the first ``warmup`` steps (default 3: DDP rebuilds its buckets
 after step 1, PowerSGD compresses from step 3 and allocates its state then)
@@ -92,7 +96,26 @@ REDUCTIONS: tuple[str, ...] = (
     "torch-fp16",
     "torch-powersgd",
     "auto",
+    "backend-bf16",
+    "backend-int8",
+    "backend-auto",
 )
+#: Groups whose backend compresses, one per ``backend-*`` reduction, made once
+#: (in the same order on every rank) and shared by every model.
+_BACKEND_GROUPS: dict[str, Any] = {}
+
+
+def _backend_group(reduction: str, group: Any) -> Any:
+    if reduction not in _BACKEND_GROUPS:
+        import xcomm
+
+        options = xcomm.Options(compression=reduction.removeprefix("backend-"))
+        _BACKEND_GROUPS[reduction] = dist.new_group(
+            dist.get_process_group_ranks(group), backend="xcomm", pg_options=options
+        )
+    return _BACKEND_GROUPS[reduction]
+
+
 #: Reductions whose steps are compressed only after ``start_iter`` plain steps.
 _START_ITER = 2
 
@@ -426,6 +449,8 @@ class _Runner:
 
         torch.manual_seed(1234)  # same initial weights on every rank, every reduction
         self.reduction = reduction
+        if reduction.startswith("backend-"):
+            group = _backend_group(reduction, group)
         self.module = spec.build()
         self.params = sum(p.numel() for p in self.module.parameters())
         self.grad_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
@@ -456,6 +481,8 @@ class _Runner:
         m = self.model
         if reduction == "none":
             return None
+        if reduction.startswith("backend-"):
+            return group._get_backend(torch.device("cpu"))  # its compression_stats count
         if reduction == "fp16":
             state: Any = xhooks.CastState(process_group=group)
             m.register_comm_hook(state, xhooks.fp16_cast_hook)
@@ -503,6 +530,8 @@ class _Runner:
         s = self.state.state if isinstance(self.state, _InOrder) else self.state
         if self.reduction in ("fp16", "int8", "topk", "powersgd", "auto"):
             return float(s.stats.link_bytes_sent)
+        if self.reduction.startswith("backend-"):
+            return float(self.state.compression_stats["link_bytes_sent"])
         if self.reduction == "torch-powersgd":
             # Elements torch's hook sent while compressing (P, Q and the
             # uncompressed tensors, each in an allreduce), float32. Timed steps
@@ -638,8 +667,15 @@ def run_model(
 
 
 def _chosen(state: Any) -> str:
+    """auto's choice: each bucket's method (the hook), or ``method*count`` per
+    method over every allreduce (the backend's ``compression="auto"``)."""
     by_bucket = getattr(state, "methods_by_bucket", None)  # AutoState only
-    return ",".join(by_bucket()) if by_bucket is not None else ""
+    if by_bucket is not None:
+        return ",".join(by_bucket())
+    backend_auto = getattr(state, "compression_stats", {}).get("auto")
+    if backend_auto:
+        return ",".join(f"{m}*{n}" for m, n in backend_auto["chosen"].items() if n)
+    return ""
 
 
 def run_rank(cfg: DDPBenchConfig, rate: str) -> int:
@@ -870,9 +906,19 @@ def _rate_bits(rate: str) -> float:
         return 0.0
 
 
-def auto_vs_best(results: Sequence[DDPResult]) -> list[dict[str, Any]]:
-    """Per (model, rate): auto's step time against the fastest static reduction
-    (every other reduction of the same run) and against none."""
+#: The static reductions each auto is compared with: the hook's against every
+#: other reduction of the run, the backend's against what it chooses from.
+_AUTO_PEERS: dict[str, tuple[str, ...] | None] = {
+    "auto": None,
+    "backend-auto": ("none", "backend-bf16", "backend-int8"),
+}
+
+
+def auto_vs_best(results: Sequence[DDPResult], auto_name: str = "auto") -> list[dict[str, Any]]:
+    """Per (model, rate): an auto's step time against the fastest static
+    reduction (for the hook, every other non-auto reduction of the same run;
+    for ``backend-auto``, none and the backend's bf16 and int8) and against none."""
+    peers = _AUTO_PEERS[auto_name]
     out = []
     points = sorted(
         {(r.model, r.rate) for r in results},
@@ -880,8 +926,12 @@ def auto_vs_best(results: Sequence[DDPResult]) -> list[dict[str, Any]]:
     )
     for model, rate in points:
         group = [r for r in results if r.model == model and r.rate == rate]
-        auto = next((r for r in group if r.reduction == "auto"), None)
-        statics = [r for r in group if r.reduction != "auto"]
+        auto = next((r for r in group if r.reduction == auto_name), None)
+        statics = [
+            r
+            for r in group
+            if r.reduction not in _AUTO_PEERS and (peers is None or r.reduction in peers)
+        ]
         none = next((r for r in group if r.reduction == "none"), None)
         if auto is None or not statics or none is None:
             continue
@@ -911,9 +961,11 @@ def format_auto_markdown(rows: Sequence[dict[str, Any]]) -> str:
         "|---|---|---:|---|---|---:|---:|---:|",
     ]
     for r in rows:
-        chosen = ", ".join(
-            f"{m} x{r['chosen'].split(',').count(m)}" for m in dict.fromkeys(r["chosen"].split(","))
-        )
+        counts: dict[str, int] = {}
+        for item in filter(None, r["chosen"].split(",")):
+            name, _, n = item.partition("*")
+            counts[name] = counts.get(name, 0) + int(n or 1)
+        chosen = ", ".join(f"{m} x{n}" for m, n in counts.items())
         lines.append(
             f"| {r['model']} | {r['rate']} | {r['auto_ms']:.1f} | {chosen} | {r['best']} "
             f"| {r['best_ms']:.1f} | {r['auto_over_best']:.3f} | {r['auto_over_none']:.3f} |"
@@ -982,14 +1034,16 @@ def write_reports(
             f"backend {cfg.get('backend')}, PowerSGD rank {cfg.get('powersgd_rank')}"
         )
         paths.append(plot_speedup(out / "ddp.png", results, title=title))
-    auto = auto_vs_best(results)
-    if auto:
-        (out / "ddp-auto.md").write_text(format_auto_markdown(auto) + "\n", encoding="utf-8")
-        paths.append(out / "ddp-auto.md")
+    for name, stem in (("auto", "ddp-auto"), ("backend-auto", "ddp-backend-auto")):
+        auto = auto_vs_best(results, name)
+        if not auto:
+            continue
+        (out / f"{stem}.md").write_text(format_auto_markdown(auto) + "\n", encoding="utf-8")
+        paths.append(out / f"{stem}.md")
         if plot_png and any(_rate_bits(r["rate"]) > 0 for r in auto):
             paths.append(
                 plot_auto_vs_best(
-                    out / "ddp-auto.png", auto, title="auto vs the fastest static reduction"
+                    out / f"{stem}.png", auto, title=f"{name} vs the fastest static reduction"
                 )
             )
     return paths

@@ -127,10 +127,11 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
     groups.push_back({"xcomm/leaders", "the hierarchical allreduce's step between hosts",
                       localRank == 0, localRank == 0 ? host : -1, hosts});
   }
-  if (backendCompression.method == Compression::kInt8) {
+  if (backendCompression.method == Compression::kInt8 ||
+      backendCompression.method == Compression::kAuto) {
     groups.push_back({"xcomm/gloo-int8",
-                      "int8 allreduce: its two collectives run on a worker thread and must not "
-                      "interleave with the caller's ops",
+                      "int8/auto allreduce: its collectives (and auto's link probes) run on a "
+                      "worker thread and must not interleave with the caller's ops",
                       true, rank, size});
   }
   if (fusionThresholdBytes > 0) {

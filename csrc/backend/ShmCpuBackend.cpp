@@ -145,15 +145,9 @@ void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point
       // Divide before compressing: the low-precision sum then cannot overflow
       // where the mean does not.
       if (op == RedOp::AVG) tensor.div_(size_);
-      if (leaderCompression_->needsOwnTransport()) {
-        // int8: alltoall + allgather on the leaders' Gloo, which only this
-        // backend's (ordered) ops use.
-        leaderCompression_->runInt8(*leaders_, tensor, leaderOpts);
-      } else {
-        std::function<void()> finalize;
-        leaderCompression_->startCast(*leaders_, tensor, leaderOpts, finalize)->wait();
-        finalize();
-      }
+      // On the leaders' Gloo, which only this backend's (ordered) ops use:
+      // int8's two collectives and auto's link probes included.
+      leaderCompression_->run(*leaders_, tensor, leaderOpts);
     }
   }
   shm::broadcast(*transport_, tensor, /*root=*/0, deadline);

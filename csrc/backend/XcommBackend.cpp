@@ -1,5 +1,7 @@
 #include "backend/XcommBackend.hpp"
 
+#include <cctype>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -241,12 +243,27 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   auto* algorithm = compressed_.get();
   auto compressedBackend = inner_.cpuCompressed;
   auto* completions = compressCompletions_.get();
-  compressQueue_->push([work, algorithm, compressedBackend, tensor, opts, completions] {
+  // auto's ops are counted once it chose: ALLREDUCE_AUTO_NONE/_BF16/_INT8.
+  const bool chooses = algorithm->autoCompression() != nullptr;
+  compressQueue_->push([work, algorithm, compressedBackend, tensor, opts, completions, chooses,
+                        statsName, bytesIn, startUs] {
     std::exception_ptr error;
+    Compression ran = Compression::kAuto;
     try {
-      algorithm->runInt8(*compressedBackend, tensor, opts);
+      ran = algorithm->run(*compressedBackend, tensor, opts);
     } catch (...) {
       error = std::current_exception();
+    }
+    if (chooses) {
+      std::string name = statsName;
+      if (ran != Compression::kAuto) {
+        name += '_';
+        for (const char* c = compressionName(ran); *c; ++c) {
+          name += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+        }
+      }
+      recordCompleted(name, bytesIn, algorithm->payloadBytes(tensor, ran), startUs,
+                      error != nullptr);
     }
     // Off the worker: a callback that waits for the next int8 allreduce must
     // not hold the thread that would run it.
@@ -258,7 +275,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
       }
     });
   });
-  recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
+  if (!chooses) recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
   return work;
 }
 

@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "collectives/AutoCompression.hpp"
+
 namespace xcomm {
 namespace {
 
@@ -23,8 +25,9 @@ Compression parseCompression(const std::string& name) {
   if (name == "fp16") return Compression::kFp16;
   if (name == "bf16") return Compression::kBf16;
   if (name == "int8") return Compression::kInt8;
+  if (name == "auto") return Compression::kAuto;
   TORCH_CHECK_VALUE(false, "xcomm: unknown allreduce compression '", name,
-                    "'; choose one of none, fp16, bf16, int8");
+                    "'; choose one of none, fp16, bf16, int8, auto");
 }
 
 const char* compressionName(Compression c) {
@@ -37,6 +40,8 @@ const char* compressionName(Compression c) {
       return "bf16";
     case Compression::kInt8:
       return "int8";
+    case Compression::kAuto:
+      return "auto";
   }
   return "?";
 }
@@ -54,7 +59,12 @@ CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
   for (const char* c = compressionName(config_.method); *c; ++c) {
     statsName_ += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
   }
+  if (config_.method == Compression::kAuto) {
+    auto_ = std::make_unique<AutoCompression>(size, config_.int8ChunkElems);
+  }
 }
+
+CompressedAllreduce::~CompressedAllreduce() = default;
 
 bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
                                   const c10d::AllreduceOptions& opts) const {
@@ -70,17 +80,34 @@ bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
 }
 
 int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor) const {
-  if (config_.method == Compression::kInt8) {
-    return size_ * int8_.packedBytes(int8_.shardElems(tensor.numel(), size_));
+  return payloadBytes(tensor, config_.method);
+}
+
+int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor, Compression method) const {
+  switch (method) {
+    case Compression::kInt8:
+      return size_ * int8_.packedBytes(int8_.shardElems(tensor.numel(), size_));
+    case Compression::kFp16:
+    case Compression::kBf16:
+      return tensor.numel() * 2;
+    default:  // none; auto, not known before it chose
+      return tensor.numel() * tensor.element_size();
   }
-  return tensor.numel() * 2;  // fp16 / bf16
 }
 
 c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
                                                               const at::Tensor& tensor,
                                                               const c10d::AllreduceOptions& opts,
                                                               std::function<void()>& finalize) {
-  const auto low = config_.method == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+  return startCast(transport, tensor, opts, finalize, config_.method);
+}
+
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
+                                                              const at::Tensor& tensor,
+                                                              const c10d::AllreduceOptions& opts,
+                                                              std::function<void()>& finalize,
+                                                              Compression method) {
+  const auto low = method == Compression::kFp16 ? at::kHalf : at::kBFloat16;
   at::Tensor scaled = isMean(opts) ? tensor.div(size_) : tensor;
   std::vector<at::Tensor> wire{scaled.to(low).contiguous()};
   c10d::AllreduceOptions sumOpts = opts;
@@ -91,6 +118,39 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   counters_->linkBytesSent += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
   finalize = [tensor, low = wire[0]]() mutable { tensor.copy_(low); };
   return work;
+}
+
+Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor& tensor,
+                                     const c10d::AllreduceOptions& opts) {
+  const Compression method =
+      auto_ ? auto_->choose(transport, tensor.numel(), tensor.element_size(), opts.timeout)
+            : config_.method;
+  switch (method) {
+    case Compression::kInt8:
+      runInt8(transport, tensor, opts);
+      break;
+    case Compression::kFp16:
+    case Compression::kBf16: {
+      std::function<void()> finalize;
+      startCast(transport, tensor, opts, finalize, method)->wait();
+      finalize();
+      break;
+    }
+    default: {  // none: Gloo has no AVG, so a SUM, then the division
+      at::Tensor flat = tensor.is_contiguous() ? tensor : tensor.contiguous();
+      std::vector<at::Tensor> one{flat};
+      c10d::AllreduceOptions sum = opts;
+      sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+      transport.allreduce(one, sum)->wait();
+      if (isMean(opts)) flat.div_(size_);
+      if (!tensor.is_contiguous()) tensor.copy_(flat);
+      const int64_t bytes = ringBytes(tensor.numel() * tensor.element_size(), size_);
+      counters_->calls++;
+      counters_->linkBytesBefore += bytes;
+      counters_->linkBytesSent += bytes;
+    }
+  }
+  return method;
 }
 
 void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,

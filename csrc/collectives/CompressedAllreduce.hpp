@@ -29,9 +29,11 @@
 
 namespace xcomm {
 
-enum class Compression { kNone, kFp16, kBf16, kInt8 };
+// kAuto: per allreduce, whichever of none, bf16 and int8 is predicted
+// fastest (collectives/AutoCompression.hpp).
+enum class Compression { kNone, kFp16, kBf16, kInt8, kAuto };
 
-// "none", "fp16", "bf16", "int8" (ValueError naming the choices otherwise).
+// "none", "fp16", "bf16", "int8", "auto" (ValueError naming the choices otherwise).
 Compression parseCompression(const std::string& name);
 const char* compressionName(Compression c);
 
@@ -55,9 +57,12 @@ struct CompressionCounters {
   std::atomic<int64_t> linkBytesSent{0};
 };
 
+class AutoCompression;
+
 class CompressedAllreduce {
  public:
   CompressedAllreduce(CompressionConfig config, int size);
+  ~CompressedAllreduce();
 
   const CompressionConfig& config() const { return config_; }
   const CompressionCounters& counters() const { return *counters_; }
@@ -68,9 +73,15 @@ class CompressedAllreduce {
 
   // Whether this allreduce is compressed.
   bool applies(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) const;
-  bool needsOwnTransport() const { return config_.method == Compression::kInt8; }
-  // The compressed payload of `tensor` (what xcomm.stats() counts as on the wire).
+  // int8 and auto run on a worker thread, over a transport of their own
+  // (run()); the casts are issued on the caller's thread (startCast).
+  bool needsOwnTransport() const {
+    return config_.method == Compression::kInt8 || config_.method == Compression::kAuto;
+  }
+  // The compressed payload of `tensor` with `method` (what xcomm.stats()
+  // counts as on the wire; the group's method by default, not auto).
   int64_t payloadBytes(const at::Tensor& tensor) const;
+  int64_t payloadBytes(const at::Tensor& tensor, Compression method) const;
 
   // Cast methods: issues the low-precision SUM on `transport` and returns its
   // work; `finalize` (run once the work succeeded) writes the result into `tensor`.
@@ -78,16 +89,30 @@ class CompressedAllreduce {
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize);
 
+  // The whole allreduce on `transport`, waited for: the group's method, or
+  // for auto the one it chooses now (which may first measure the link on
+  // `transport`). Returns the method that ran. Call it on one thread, in
+  // issue order. SUM or AVG of one float tensor (applies()).
+  Compression run(c10d::Backend& transport, const at::Tensor& tensor,
+                  const c10d::AllreduceOptions& opts);
+  // Null unless the group's method is auto.
+  const AutoCompression* autoCompression() const { return auto_.get(); }
+
   // int8: runs both collectives on `transport` and waits for them (call it on
   // a worker thread, in issue order); the result lands in `tensor`.
   void runInt8(c10d::Backend& transport, const at::Tensor& tensor,
                const c10d::AllreduceOptions& opts);
 
  private:
+  c10::intrusive_ptr<c10d::Work> startCast(c10d::Backend& transport, const at::Tensor& tensor,
+                                           const c10d::AllreduceOptions& opts,
+                                           std::function<void()>& finalize, Compression method);
+
   CompressionConfig config_;
   std::string statsName_;
   int size_;
   Int8Codec int8_;
+  std::unique_ptr<AutoCompression> auto_;
   std::shared_ptr<CompressionCounters> counters_ = std::make_shared<CompressionCounters>();
 };
 

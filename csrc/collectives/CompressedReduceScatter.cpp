@@ -27,7 +27,10 @@ CompressedReduceScatter::CompressedReduceScatter(CompressionConfig config, int s
 
 bool CompressedReduceScatter::applies(const at::Tensor& input,
                                       const c10d::ReduceScatterOptions& opts) const {
-  if (config_.method == Compression::kNone || size_ < 2) return false;
+  // auto chooses per allreduce only: its reduce-scatters go uncompressed.
+  if (config_.method == Compression::kNone || config_.method == Compression::kAuto || size_ < 2) {
+    return false;
+  }
   const auto op = opts.reduceOp.op_;
   return input.device().is_cpu() && input.layout() == at::kStrided &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&

@@ -62,19 +62,23 @@ void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::s
     return;
   }
   future->addCallback([op, bytes, wireBytes, startUs](c10::ivalue::Future& done) {
-    const int64_t endUs = Timeline::nowUs();
-    const bool failed = done.hasError();
-    // Delegated ops are handed to the transport at once: no xcomm queue.
-    StatsRegistry::global().record(op, bytes, wireBytes, 0.0, (endUs - startUs) * 1e-6, failed);
-    Timeline::global().add(TraceSpan{op,
-                                     "transfer",
-                                     "xcomm backend ops",
-                                     startUs,
-                                     endUs - startUs,
-                                     {{"bytes", std::to_string(bytes)},
-                                      {"bytes_on_wire", std::to_string(wireBytes)},
-                                      {"status", failed ? "error" : "ok"}}});
+    recordCompleted(op, bytes, wireBytes, startUs, done.hasError());
   });
+}
+
+void recordCompleted(const std::string& op, uint64_t bytes, uint64_t wireBytes, int64_t startUs,
+                     bool failed) {
+  const int64_t endUs = Timeline::nowUs();
+  // Delegated ops are handed to the transport at once: no xcomm queue.
+  StatsRegistry::global().record(op, bytes, wireBytes, 0.0, (endUs - startUs) * 1e-6, failed);
+  Timeline::global().add(TraceSpan{op,
+                                   "transfer",
+                                   "xcomm backend ops",
+                                   startUs,
+                                   endUs - startUs,
+                                   {{"bytes", std::to_string(bytes)},
+                                    {"bytes_on_wire", std::to_string(wireBytes)},
+                                    {"status", failed ? "error" : "ok"}}});
 }
 
 }  // namespace xcomm

@@ -49,4 +49,9 @@ uint64_t payloadBytes(const c10::IValue& value);
 void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                         uint64_t bytes, uint64_t wireBytes, int64_t startUs);
 
+// Records an op that just completed (or failed), issued at `startUs`: the
+// global stats and a timeline span, as recordOnCompletion does.
+void recordCompleted(const std::string& op, uint64_t bytes, uint64_t wireBytes, int64_t startUs,
+                     bool failed);
+
 }  // namespace xcomm

@@ -57,9 +57,9 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
                            typeName(compression));
     }
     const auto name = compression.cast<std::string>();
-    TORCH_CHECK_VALUE(name == "fp16" || name == "bf16" || name == "int8",
+    TORCH_CHECK_VALUE(name == "fp16" || name == "bf16" || name == "int8" || name == "auto",
                       "xcomm.Options: compression must be one of None, 'fp16', 'bf16', 'int8', "
-                      "got '",
+                      "'auto', got '",
                       name, "'");
     options->compression.method = xcomm::parseCompression(name);
   }

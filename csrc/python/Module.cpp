@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/XcommBackend.hpp"
+#include "collectives/AutoCompression.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
 
@@ -49,10 +50,31 @@ PYBIND11_MODULE(_C, m) {
             d["calls"] = c ? c->counters().calls.load() : 0;
             d["link_bytes_before"] = c ? c->counters().linkBytesBefore.load() : 0;
             d["link_bytes_sent"] = c ? c->counters().linkBytesSent.load() : 0;
+            if (const auto* a = c ? c->autoCompression() : nullptr) {
+              const auto r = a->report();
+              py::dict choices;
+              for (size_t i = 0; i < xcomm::AutoCompression::kMethods.size(); ++i) {
+                choices[xcomm::compressionName(xcomm::AutoCompression::kMethods[i])] = r.chosen[i];
+              }
+              py::dict in;
+              in["latency_s"] = r.inputs.latencySeconds;
+              in["bandwidth_bytes_per_s"] =
+                  r.inputs.secondsPerByte > 0 ? 1.0 / r.inputs.secondsPerByte : 0.0;
+              in["bf16_s_per_elem"] = r.inputs.bf16SecondsPerElem;
+              in["int8_s_per_elem"] = r.inputs.int8SecondsPerElem;
+              py::dict a2;
+              a2["rounds"] = r.rounds;
+              a2["chosen"] = choices;
+              a2["inputs"] = in;
+              a2["last"] = r.last;
+              d["auto"] = a2;
+            }
             return d;
           },
           "Compressed allreduces and reduce-scatters of this group: calls, bytes a ring "
-          "allreduce (all-to-all reduce-scatter) would have sent per rank, bytes sent per rank.")
+          "allreduce (all-to-all reduce-scatter) would have sent per rank, bytes sent per rank; "
+          "with compression='auto', also what it chose (counts per method), the inputs every "
+          "rank agreed on, and its last choice with the predictions behind it.")
       .def_static(
           "create_with_store",
           [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

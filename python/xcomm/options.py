@@ -17,7 +17,7 @@ from . import _C
 __all__ = ["COMPRESSIONS", "Options"]
 
 #: Values of ``Options.compression``.
-COMPRESSIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "int8")
+COMPRESSIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "int8", "auto")
 
 _DEFAULTS = _C.XcommOptions()
 
@@ -35,7 +35,14 @@ class Options:
             only calls ``all_reduce`` sends fewer bytes: ``"fp16"`` or
             ``"bf16"`` (cast, reduce in low precision, cast back: 2x fewer
             bytes), ``"int8"`` (per-chunk scales, a compressed reduce-scatter
-            then allgather: about 4x fewer bytes than float32), or ``None``.
+            then allgather: about 4x fewer bytes than float32), ``"auto"``
+            (per allreduce, whichever of none, bf16 and int8 a cost model
+            with measured inputs predicts fastest: the codecs timed once on
+            this machine, the link probed by the group's own collectives
+            every 64 compressible allreduces, every input agreed by all
+            ranks so they choose alike; ``compression_stats["auto"]`` on the
+            group's backend says what it chose and why; its
+            reduce-scatters go uncompressed), or ``None``.
             Lossy and stateless; it applies to a lone float32/float64 CPU
             tensor under SUM or AVG of at least ``compression_min_bytes``,
             and everything else is reduced exactly. Every rank gets bitwise

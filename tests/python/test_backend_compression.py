@@ -219,6 +219,7 @@ def test_a_callback_may_wait_for_the_next_int8_allreduce() -> None:
     "kwargs, error, match",
     [
         ({"compression": "zip"}, ValueError, "compression"),
+        ({"compression": "zip"}, ValueError, "'auto'"),
         ({"compression": "int8", "int8_chunk_elems": 0}, ValueError, "int8_chunk_elems"),
         ({"compression": "fp16", "compression_min_bytes": -1}, ValueError, "min_bytes"),
         ({"compression": "fp16", "compression_min_bytes": 1.5}, TypeError, "min_bytes"),
@@ -227,6 +228,96 @@ def test_a_callback_may_wait_for_the_next_int8_allreduce() -> None:
 def test_bad_options_are_clear_errors(kwargs: dict[str, Any], error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         xcomm.Options(**kwargs)
+
+
+# -- compression="auto" ----------------------------------------------------------------
+
+#: Links auto is pinned to (XCOMM_AUTO_LINK: latency s, bytes/s), and the
+#: method each makes it choose for the tensors below.
+_LINKS = {"slow": ("1e-4,1e6", "int8"), "fast": ("1e-5,1e13", "none")}
+
+
+def _rank_auto(ctx: RankContext) -> dict[str, Any]:
+    """Allreduces of several sizes on an auto group, each against the three
+    references (exact, bf16 cast, int8 codec) it may equal."""
+    group = _group("auto")
+    results = []
+    for i, (numel, op) in enumerate(
+        [(5000, dist.ReduceOp.SUM), (20000, dist.ReduceOp.AVG), (100, dist.ReduceOp.SUM)] * 3
+    ):
+        x = make_input(ctx, torch.float32, (numel,), salt=i)
+        got = x.clone()
+        dist.all_reduce(got, op=op, group=group)
+        mean = op == dist.ReduceOp.AVG
+        exact = x.clone()
+        dist.all_reduce(exact, group=ctx.ref)
+        if mean:
+            exact /= ctx.world_size
+        wire = (x / ctx.world_size if mean else x).to(torch.bfloat16)
+        dist.all_reduce(wire, group=ctx.ref)
+        refs = {"none": exact, "bf16": wire.float(), "int8": _int8_reference(x, ctx.ref, mean)}
+        results.append({"got": got, "refs": refs, "compressible": numel * 4 >= 1024})
+    stats = group._get_backend(torch.device("cpu")).compression_stats
+    rows = {k: v["calls"] for k, v in xcomm.stats().items() if k.startswith("ALLREDUCE_AUTO")}
+    return {"results": results, "auto": stats["auto"], "rows": rows}
+
+
+@pytest.mark.parametrize(
+    "env, expect",
+    [
+        ({"XCOMM_AUTO_LINK": _LINKS["slow"][0]}, "int8"),
+        ({"XCOMM_AUTO_LINK": _LINKS["fast"][0]}, "none"),
+        ({"XCOMM_AUTO_LINK": _LINKS["slow"][0], "XCOMM_AUTO_METHODS": "none,bf16"}, "bf16"),
+        ({}, None),  # the link measured: whatever it chose, bitwise that method
+    ],
+    ids=["slow-link", "fast-link", "slow-link-bounded", "measured"],
+)
+def test_auto_runs_the_method_it_predicts_fastest_on_every_rank_alike(
+    env: dict[str, str], expect: str | None
+) -> None:
+    per_rank = run_ranks(_rank_auto, 2, env={"XCOMM_SHM": "0", **env})
+    first = per_rank[0]
+    assert first["auto"]["rounds"] >= 1
+    compressible = sum(r["compressible"] for r in first["results"])
+    assert sum(first["auto"]["chosen"].values()) == compressible  # the 100-element ones are not
+    assert sum(first["rows"].values()) == compressible
+    if expect is not None:
+        assert first["auto"]["chosen"][expect] == compressible, first["auto"]
+    for rank, r in enumerate(per_rank):
+        # every rank agreed on the same inputs, so chose the same methods
+        assert r["auto"]["chosen"] == first["auto"]["chosen"], (rank, r["auto"])
+        assert r["auto"]["inputs"] == first["auto"]["inputs"], (rank, r["auto"])
+        for i, res in enumerate(r["results"]):
+            assert torch.equal(res["got"], first["results"][i]["got"]), (rank, i)
+            if not res["compressible"]:
+                assert torch.equal(res["got"], res["refs"]["none"]), i
+                continue
+            matches = [m for m, ref in res["refs"].items() if torch.equal(res["got"], ref)]
+            assert matches, f"op {i}: equals no method's result"
+            if expect is not None:
+                assert expect in matches, (i, matches)
+    assert "->" in first["auto"]["last"]  # the last choice, with its predictions
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({"XCOMM_AUTO_LINK": "fast"}, "XCOMM_AUTO_LINK"),
+        ({"XCOMM_AUTO_LINK": "1e-4,0"}, "XCOMM_AUTO_LINK"),
+        ({"XCOMM_AUTO_METHODS": "none,zstd"}, "XCOMM_AUTO_METHODS"),
+    ],
+)
+def test_bad_auto_settings_name_the_variable(env: dict[str, str], match: str) -> None:
+    for message in run_ranks(_rank_make_auto_group, 1, env=env):
+        assert match in message, message
+
+
+def _rank_make_auto_group(ctx: RankContext) -> str:
+    try:
+        _group("auto")
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 # -- reduce_scatter_tensor ------------------------------------------------------------

@@ -1,0 +1,45 @@
+// Options(compression="auto"): the cost model against its formula, and the
+// choice it implies at the two ends of the link range.
+#include "collectives/AutoCompression.hpp"
+
+// After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
+#include <catch2/catch.hpp>
+
+using xcomm::AutoCompression;
+using xcomm::AutoInputs;
+using xcomm::Compression;
+
+TEST_CASE("auto's predictions are the documented formula", "[auto]") {
+  const AutoInputs in{1e-4, 1e-9, 2e-9, 3e-9};  // 1 GB/s
+  const int64_t n = 1 << 20, chunk = 256;
+  const int w = 4;
+  const double ring = 2.0 * (w - 1) / w;
+  CHECK(AutoCompression::predict(Compression::kNone, n, 4, w, chunk, in) ==
+        Approx(1e-4 + ring * n * 4 * 1e-9));
+  CHECK(AutoCompression::predict(Compression::kBf16, n, 4, w, chunk, in) ==
+        Approx(2e-9 * n + 1e-4 + ring * n * 2 * 1e-9));
+  CHECK(AutoCompression::predict(Compression::kInt8, n, 4, w, chunk, in) ==
+        Approx(3e-9 * n + 2e-4 + ring * n * (1 + 4.0 / chunk) * 1e-9));
+  // float64 doubles none's bytes; the codecs' wire stays the same
+  CHECK(AutoCompression::predict(Compression::kNone, n, 8, w, chunk, in) ==
+        Approx(1e-4 + ring * n * 8 * 1e-9));
+}
+
+TEST_CASE("auto's model prefers none on a fast link and int8 on a slow one", "[auto]") {
+  const int64_t n = 1 << 22, chunk = 1024;
+  auto best = [&](double secondsPerByte) {
+    const AutoInputs in{1e-4, secondsPerByte, 1e-9, 2e-9};
+    Compression pick = Compression::kNone;
+    double least = 1e300;
+    for (Compression m : AutoCompression::kMethods) {
+      const double t = AutoCompression::predict(m, n, 4, 2, chunk, in);
+      if (t < least) {
+        least = t;
+        pick = m;
+      }
+    }
+    return pick;
+  };
+  CHECK(best(1.0 / 100e9) == Compression::kNone);   // 100 GB/s: no codec pays
+  CHECK(best(1.0 / 12.5e6) == Compression::kInt8);  // 0.1 Gbit/s: the fewest bytes win
+}
