@@ -127,8 +127,7 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
     groups.push_back({"xcomm/leaders", "the hierarchical allreduce's step between hosts",
                       localRank == 0, localRank == 0 ? host : -1, hosts});
   }
-  if (backendCompression.method == Compression::kInt8 ||
-      backendCompression.method == Compression::kAuto) {
+  if (backendMethod() == Compression::kInt8 || backendMethod() == Compression::kAuto) {
     groups.push_back({"xcomm/gloo-int8",
                       "int8/auto allreduce: its collectives (and auto's link probes) run on a "
                       "worker thread and must not interleave with the caller's ops",
@@ -152,8 +151,11 @@ std::string GroupPlan::describe() const {
         << localSize;
   }
   out << "\n";
-  out << "compression: backend " << compressionName(backendCompression.method) << ", leaders' step "
-      << compressionName(leaderCompression.method) << "\n";
+  out << "compression: backend " << compressionName(backendCompression.method);
+  if (backendMethod() != backendCompression.method) {
+    out << " (none: one host, data moves through shared memory)";
+  }
+  out << ", leaders' step " << compressionName(leaderCompression.method) << "\n";
   out << "fusion: ";
   if (fusionThresholdBytes == 0) {
     out << "off\n";

@@ -69,6 +69,13 @@ struct GroupPlan {
   GroupPlan fallbackToPlain(const std::string& reason) const;
 
   bool usesShm() const { return shape != GroupShape::kPlain; }
+  // What XcommBackend's allreduce does with backendCompression: auto on one
+  // host is none (shared memory moves data at memory speed: no codec pays).
+  Compression backendMethod() const {
+    const bool autoOnOneHost =
+        backendCompression.method == Compression::kAuto && shape == GroupShape::kSingleHostShm;
+    return autoOnOneHost ? Compression::kNone : backendCompression.method;
+  }
   bool isLeader() const { return shape == GroupShape::kHierarchical && localRank == 0; }
   // Every auxiliary group this plan needs, members or not.
   std::vector<AuxGroup> auxGroups() const;

@@ -48,7 +48,7 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
                 t ? t->getSize() : -1, ") differ from the group's (", rank_, "/", size_, ")");
   }
   const auto& compression = plan_.backendCompression;
-  if (compression.method != Compression::kNone) {
+  if (plan_.backendMethod() != Compression::kNone) {
     compressed_ = std::make_unique<CompressedAllreduce>(compression, size_);
     compressedReduceScatter_ = std::make_unique<CompressedReduceScatter>(
         compression, size_, compressed_->sharedCounters());

@@ -144,17 +144,19 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   allreduceAndWait(transport, probe, c10d::ReduceOp::SUM, timeout);
   const double took = seconds(t0);
   const double wire = 2.0 * (size_ - 1) / size_ * static_cast<double>(probe.numel()) * 4.0;
-  // The latency may explain at most half of the probe, so a noisy latency
-  // cannot make the link look infinitely fast.
-  const double latency = latency_ < 0 ? 0.0 : latency_;
+  // The latency is the least of the recent agreements (a late rank inflates
+  // one) and may explain at most half of the probe, so a noisy latency cannot
+  // make the link look infinitely fast.
+  const double latency =
+      agreements_.empty() ? 0.0 : *std::min_element(agreements_.begin(), agreements_.end());
   const double perByte = std::max(took - latency, 0.5 * took) / wire;
 
   at::Tensor agreed = at::tensor({latency, perByte, localBf16_, localInt8_, sinceLast},
                                  at::TensorOptions().dtype(at::kDouble));
   const auto t1 = Clock::now();
   allreduceAndWait(transport, agreed, c10d::ReduceOp::MAX, timeout);
-  const double agreement = seconds(t1);
-  latency_ = latency_ < 0 ? agreement : std::min(latency_, agreement);
+  agreements_.push_back(seconds(t1));
+  if (agreements_.size() > 5) agreements_.pop_front();
   lastRound_ = Clock::now();
 
   const double* v = agreed.data_ptr<double>();

@@ -25,6 +25,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -88,7 +89,7 @@ class AutoCompression {
   int64_t probeBytes_ = 1 << 20;
   bool calibrated_ = false;
   double localBf16_ = 0, localInt8_ = 0;
-  double latency_ = -1;  // least recent agreement time; -1 before the first
+  std::deque<double> agreements_;  // the last few agreement times: the least is the latency
   std::chrono::steady_clock::time_point lastRound_;
   mutable std::mutex mutex_;  // guards report_ (read from other threads)
   AutoReport report_;

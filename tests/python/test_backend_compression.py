@@ -299,6 +299,28 @@ def test_auto_runs_the_method_it_predicts_fastest_on_every_rank_alike(
     assert "->" in first["auto"]["last"]  # the last choice, with its predictions
 
 
+def _rank_auto_on_one_host(ctx: RankContext) -> dict[str, Any]:
+    group = _group("auto")
+    x = make_input(ctx, torch.float32, (5000,), salt=1)
+    got, exact = x.clone(), x.clone()
+    dist.all_reduce(got, group=group)
+    dist.all_reduce(exact, group=ctx.ref)
+    backend = group._get_backend(torch.device("cpu"))
+    return {
+        "stats": backend.compression_stats,
+        "plan": xcomm.group_plan(group)["description"],
+        "exact": torch.equal(got, exact),
+    }
+
+
+def test_auto_on_one_host_leaves_shared_memory_uncompressed() -> None:
+    """Shared memory moves data at memory speed, where no codec pays: auto
+    on a single-host group is none, and says so."""
+    for r in run_ranks(_rank_auto_on_one_host, 2):
+        assert r["exact"] and "auto" not in r["stats"], r["stats"]
+        assert "backend auto (none: one host" in r["plan"], r["plan"]
+
+
 @pytest.mark.parametrize(
     "env, match",
     [
