@@ -672,7 +672,11 @@ def _chosen(state: Any) -> str:
     by_bucket = getattr(state, "methods_by_bucket", None)  # AutoState only
     if by_bucket is not None:
         return ",".join(by_bucket())
-    backend_auto = getattr(state, "compression_stats", {}).get("auto")
+    from xcomm import _C
+
+    backend_auto = (
+        state.compression_stats.get("auto") if isinstance(state, _C.XcommBackend) else None
+    )
     if backend_auto:
         return ",".join(f"{m}*{n}" for m, n in backend_auto["chosen"].items() if n)
     return ""
