@@ -134,10 +134,9 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
     report_.inputs = AutoInputs{fixedLatency_, 1.0 / fixedBandwidth_, c[0], c[1]};
     return;
   }
-  // Line the ranks up, then a probe twice back to back, timing the second:
-  // the first drains what a link lets through faster than its sustained rate
+  // A probe twice back to back, timing the second: the first lines the ranks
+  // up and drains what a link lets through faster than its sustained rate
   // after an idle moment (a token bucket's burst, switch buffers).
-  allreduceAndWait(transport, at::zeros({1}), c10d::ReduceOp::SUM, timeout);
   at::Tensor probe = at::zeros({std::max<int64_t>(1, probeBytes_ / 4)});
   allreduceAndWait(transport, probe, c10d::ReduceOp::SUM, timeout);
   const auto t0 = Clock::now();
@@ -162,11 +161,11 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   const double* v = agreed.data_ptr<double>();
   AutoInputs in{v[0], v[1], v[2], v[3]};
   // The next probe: about 1% of the time between rounds (both runs of it),
-  // growing at most 4x a round, between 256 kB and 32 MB.
+  // growing at most 4x a round, between 16 kB and 32 MB.
   const double budget = 0.01 * v[4] / 2.0;
   const double next = std::min(
       {budget / std::max(in.secondsPerByte, 1e-15), 4.0 * static_cast<double>(probeBytes_), 32e6});
-  probeBytes_ = static_cast<int64_t>(std::max(next, 256e3));
+  probeBytes_ = static_cast<int64_t>(std::max(next, 16e3));
   std::lock_guard<std::mutex> lock(mutex_);
   report_.rounds++;
   report_.inputs = in;

@@ -68,19 +68,20 @@ class MeasuredLink:
     """Measures the link (one probe per collective kind) and each codec's
     cost, and agrees them across ranks.
 
-    Each round: a one-element allreduce lines the ranks up (their backward
-    passes end apart; the probe must time the link, not the wait for the
-    slower rank), each probe runs twice back to back and the second is
-    timed, and one allreduce MAX agrees every input (its duration, the ranks
-    being in step: the latency). The untimed first run drains what a link
-    lets through faster than its sustained rate after an idle moment (a
-    token-bucket burst, switch buffers): gradients go out back to back, at
-    the sustained rate, and a probe that fit in the burst read a 3 Gbit/s
-    emulated link as several times faster. The latency is the least of the
-    recent agreements and may explain at most half of a probe, so a noisy
-    latency cannot make the link look infinitely fast. Probes are sized to
-    cost about ``probe_fraction`` of the steps between rounds, growing at
-    most 4x a round.
+    Each round: each probe runs twice back to back and the second is timed,
+    then one allreduce MAX agrees every input (its duration, the ranks being
+    in step: the latency). The untimed first run lines the ranks up (their
+    backward passes end apart; the timed one must time the link, not the
+    wait for the slower rank) and drains what a link lets through faster
+    than its sustained rate after an idle moment (a token-bucket burst,
+    switch buffers): gradients go out back to back, at the sustained rate,
+    and a probe that fit in the burst read a 3 Gbit/s emulated link as
+    several times faster. The latency is the least of the recent agreements
+    and may explain at most half of a probe, so a noisy latency cannot make
+    the link look infinitely fast. Probes are sized to cost about
+    ``probe_fraction`` of the steps between rounds (at least 16 kB), growing
+    at most 4x a round: a fixed floor of 256 kB cost a small model 10% of its
+    steps at 0.1 Gbit/s.
 
     Args:
         kinds: the probes' names, in the order their links are agreed.
@@ -131,10 +132,9 @@ class MeasuredLink:
         seconds_per_byte = dict.fromkeys(self.kinds, 0.0)
         if fixed is None:
             assert probes is not None
-            dist.all_reduce(torch.zeros(1), group=group)  # line the ranks up
             latency = min(self.latencies, default=0.0)
             for kind in self.kinds:
-                probes[kind](self.probe_bytes)  # drains a burst; untimed
+                probes[kind](self.probe_bytes)  # lines the ranks up, drains a burst
                 t0 = time.perf_counter()
                 wire = probes[kind](self.probe_bytes)
                 took = time.perf_counter() - t0
@@ -161,7 +161,7 @@ class MeasuredLink:
             slowest = min(link.bandwidth_bytes_per_s for link in links.values())
             budget = self.probe_fraction * self.interval * values[1] / (2 * n)
             size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
-            self.probe_bytes = int(max(size, 256e3))
+            self.probe_bytes = int(max(size, 16e3))
         self.agreed = (links, costs)
         return self.agreed
 

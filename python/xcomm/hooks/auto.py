@@ -22,9 +22,10 @@ Inputs, measured, never guessed:
 * the link's latency and bandwidth as the collectives see them (the
   backend's own reduction cost included): every ``interval`` steps, at the
   start of the backward pass (when no collective of the hook is in flight),
-  a one-element allreduce that lines the ranks up, a probe allreduce sized to
-  cost about ``probe_fraction`` of the step, and the small allreduce that
-  agrees the inputs (its duration is the latency).
+  a probe allreduce run twice (the first, untimed, lines the ranks up and
+  drains a link's burst; both together sized to cost about
+  ``probe_fraction`` of the steps between rounds), and the small allreduce
+  that agrees the inputs (its duration is the latency).
 
 That agreement is an allreduce MAX over ranks of every input, so every rank
 computes the same choice from the same numbers, and their collectives match.
