@@ -161,11 +161,11 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   const double* v = agreed.data_ptr<double>();
   AutoInputs in{v[0], v[1], v[2], v[3]};
   // The next probe: about 1% of the time between rounds (both runs of it),
-  // growing at most 4x a round, between 16 kB and 32 MB.
+  // growing at most 4x a round, between 64 kB (less measures a burst) and 32 MB.
   const double budget = 0.01 * v[4] / 2.0;
   const double next = std::min(
       {budget / std::max(in.secondsPerByte, 1e-15), 4.0 * static_cast<double>(probeBytes_), 32e6});
-  probeBytes_ = static_cast<int64_t>(std::max(next, 16e3));
+  probeBytes_ = static_cast<int64_t>(std::max(next, 64e3));
   std::lock_guard<std::mutex> lock(mutex_);
   report_.rounds++;
   report_.inputs = in;

@@ -251,3 +251,32 @@ def test_measured_link_agrees_across_ranks_and_is_explained() -> None:
     assert "Gbit/s" in explain
     # 4 compressed steps, one bucket each.
     assert sum(auto_ops.values()) == 4 * len(decisions0)
+
+
+def _rank_round_spacing(ctx: RankContext, link_bytes_per_s: float) -> dict[str, int]:
+    """MeasuredLink on one rank with a probe that takes as long as a link of
+    ``link_bytes_per_s`` would, and 20 ms steps."""
+    import time as _time
+
+    from xcomm.hooks._measure import MeasuredLink
+
+    def probe(nbytes: int) -> float:
+        _time.sleep(nbytes / link_bytes_per_s)
+        return float(nbytes)
+
+    m = MeasuredLink(("allreduce",), (), probe_fraction=0.01, interval=5)
+    m.step_times = [0.02] * 5
+    m.agree(None, {"allreduce": probe}, dict, step=10)
+    return {"next_round": m.next_round, "probe_bytes": m.probe_bytes}
+
+
+def test_rounds_are_spaced_so_probes_take_about_their_share_of_the_time() -> None:
+    """A fast link: every ``interval`` steps. A slow one, where even the
+    smallest probe outweighs 1% of 5 steps of 20 ms: rounds spaced so they
+    take about 1% of the time (two 64 kB probes at 1 MB/s: ~0.13 s, i.e.
+    one round per ~640 steps of 20 ms)."""
+    fast = run_ranks(_rank_round_spacing, 1, 1e11)[0]
+    assert fast["next_round"] == 15, fast
+    slow = run_ranks(_rank_round_spacing, 1, 1e6)[0]
+    assert slow["probe_bytes"] == 64_000, slow
+    assert 10 + 500 <= slow["next_round"] <= 10 + 900, slow

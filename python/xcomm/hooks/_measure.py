@@ -78,17 +78,26 @@ class MeasuredLink:
     and a probe that fit in the burst read a 3 Gbit/s emulated link as
     several times faster. The latency is the least of the recent agreements
     and may explain at most half of a probe, so a noisy latency cannot make
-    the link look infinitely fast. Probes are sized to cost about
-    ``probe_fraction`` of the steps between rounds (at least 16 kB), growing
-    at most 4x a round: a fixed floor of 256 kB cost a small model 10% of its
-    steps at 0.1 Gbit/s.
+    the link look infinitely fast.
+
+    Probes are sized to cost about ``probe_fraction`` of the ``interval``
+    steps between rounds, growing at most 4x a round, and are at least 64 kB
+    (a smaller one measures a link's burst, not the link). Where a round
+    costs more than that (a small model on a slow link: 20 ms steps at 0.1
+    Gbit/s), rounds are spaced further apart so they still take about
+    ``probe_fraction`` of the training time. The next round is due at step
+    :attr:`next_round`, computed from agreed values only, so every rank runs
+    it at the same step.
 
     Args:
         kinds: the probes' names, in the order their links are agreed.
         codec_keys: the codec costs to agree, in order.
-        probe_fraction: the share of the steps between rounds the probes may take.
-        interval: steps between rounds.
+        probe_fraction: the share of the training time rounds may take.
+        interval: the fewest steps between rounds.
     """
+
+    #: The smallest probe, bytes.
+    MIN_PROBE_BYTES = 64e3
 
     def __init__(
         self,
@@ -105,17 +114,22 @@ class MeasuredLink:
         self.latencies: list[float] = []
         self.step_times: list[float] = []
         self._step_start: float | None = None
+        self._round_in_step = False
         self.local_costs: dict[str, float] | None = None
         #: The links (by kind) and codec costs every rank agreed on last.
         self.agreed: tuple[dict[str, LinkModel], dict[str, float]] | None = None
+        #: The step at which the next round is due.
+        self.next_round = 0
 
     def step_started(self) -> None:
         """Called at the start of each step: the probes' budget is a share of
-        the median recent step time."""
+        the median recent step time (of steps without a round: a round's own
+        cost must not size the next)."""
         now = time.perf_counter()
-        if self._step_start is not None:
+        if self._step_start is not None and not self._round_in_step:
             self.step_times = [*self.step_times[-9:], now - self._step_start]
         self._step_start = now
+        self._round_in_step = False
 
     def agree(
         self,
@@ -123,12 +137,15 @@ class MeasuredLink:
         probes: Mapping[str, Probe] | None,
         calibrate: Callable[[], dict[str, float]],
         *,
+        step: int,
         fixed: Mapping[str, LinkModel] | None = None,
     ) -> tuple[dict[str, LinkModel], dict[str, float]]:
-        """One round: probe (unless ``fixed`` links are given), agree, and
-        return the agreed links by kind and codec costs."""
+        """One round at ``step``: probe (unless ``fixed`` links are given),
+        agree, schedule the next round; returns the agreed links by kind and
+        codec costs."""
         if self.local_costs is None:
             self.local_costs = dict(calibrate())
+        self._round_in_step = True
         seconds_per_byte = dict.fromkeys(self.kinds, 0.0)
         if fixed is None:
             assert probes is not None
@@ -149,19 +166,27 @@ class MeasuredLink:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
         values = agreed.tolist()
-        n = len(self.kinds)
+        latency, step_seconds, n = values[0], values[1], len(self.kinds)
         costs = dict(zip(self.codec_keys, values[2 + n :]))
+        stride = self.interval
         if fixed is not None:
             links = dict(fixed)
         else:
             links = {
-                k: LinkModel(values[0], 1.0 / max(s, 1e-15))
+                k: LinkModel(latency, 1.0 / max(s, 1e-15))
                 for k, s in zip(self.kinds, values[2 : 2 + n])
             }
             slowest = min(link.bandwidth_bytes_per_s for link in links.values())
-            budget = self.probe_fraction * self.interval * values[1] / (2 * n)
+            budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
             size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
-            self.probe_bytes = int(max(size, 16e3))
+            self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
+            # What the next round will cost: every probe twice, the agreement.
+            round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
+            if step_seconds > 0:
+                stride = max(
+                    stride, math.ceil(round_seconds / (self.probe_fraction * step_seconds))
+                )
+        self.next_round = step + stride
         self.agreed = (links, costs)
         return self.agreed
 

@@ -313,6 +313,7 @@ class AutoState(PicklableState):
         return {
             "version": 1,
             "iter": self.iter,
+            "next_round": self._measure.next_round,
             "decisions": {k: dict(v) for k, v in self.decisions.items()},
             "agreed": None if link is None else [link.latency_s, link.bandwidth_bytes_per_s, costs],
             "feedback": self.feedback.state_dict(),
@@ -325,6 +326,11 @@ class AutoState(PicklableState):
         if d.get("version") != 1:
             raise ValueError(f"xcomm.hooks.AutoState: unknown state version {d.get('version')!r}")
         self.iter = int(d["iter"])
+        # Checkpoints from before rounds were spaced by cost: every interval steps.
+        rounds_done = max(0, math.ceil((self.iter - self.start_iter) / self.interval))
+        self._measure.next_round = int(
+            d.get("next_round", self.start_iter + rounds_done * self.interval)
+        )
         self._choices.decisions = {int(k): dict(v) for k, v in d["decisions"].items()}
         if d["agreed"] is not None:
             lat, bw, costs = d["agreed"]
@@ -372,8 +378,11 @@ class AutoState(PicklableState):
             group,
             {"allreduce": probe},
             lambda: self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank),
+            step=self.iter,
             fixed=None if self.link is None else {"allreduce": self.link},
         )
+        if self.iter < self.start_iter:  # one round to start with, the next at start_iter
+            self._measure.next_round = self.start_iter
         self._agreed = (links["allreduce"], costs)
         self._fresh_round = True
 
@@ -429,7 +438,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     if not state._in_step:  # the first bucket of a step: nothing of ours in flight
         state._in_step = True
         state._measure.step_started()
-        due = state.iter < state.start_iter or (state.iter - state.start_iter) % state.interval == 0
+        due = state.iter >= state._measure.next_round
         if due or state._agreed is None:
             state._round(group, world)
     if "powersgd" in state.allowed:

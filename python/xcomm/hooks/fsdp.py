@@ -308,7 +308,7 @@ class FsdpCompressionState:
         if name == self._first_module:
             self._measure.step_started()
             self._fresh_round = False
-            if self.iter % self.interval == 0 or self._measure.agreed is None:
+            if self.iter >= self._measure.next_round or self._measure.agreed is None:
                 self._agree(group, world)
         method = self._choices.current(name, numel, self.iter, self._fresh_round)
         if method is None:
@@ -350,6 +350,7 @@ class FsdpCompressionState:
             group,
             {"reduce_scatter": reduce_scatter, "all_to_all": all_to_all},
             lambda: self.codec_costs or calibrate_reduce_scatter_codecs(world, self.chunk_elems),
+            step=self.iter,
             fixed=fixed,
         )
         self._fresh_round = True
@@ -378,6 +379,7 @@ class FsdpCompressionState:
             "stats": self.stats.as_dict(),
             "auto": {
                 "iter": self.iter,
+                "next_round": self._measure.next_round,
                 "first_module": self._first_module,
                 "decisions": {k: dict(v) for k, v in self.decisions.items()},
                 "agreed": None
@@ -403,6 +405,7 @@ class FsdpCompressionState:
         auto = d.get("auto")  # version 1 has none
         if auto is not None:
             self.iter = int(auto["iter"])
+            self._measure.next_round = int(auto["next_round"])
             self._first_module = auto["first_module"]
             self._choices.decisions = {k: dict(v) for k, v in auto["decisions"].items()}
             if auto["agreed"] is not None:
