@@ -23,9 +23,14 @@ read -r -a versions <<<"${XCOMM_TEST_TORCH:-2.13.0 2.14.1}"
 # parts that are not. Keep this list short: each entry is a reason to look.
 ONCE_ONLY=(
   tests/python/test_style.py
+  xcomm_bench/tests/test_autoswitch.py
   xcomm_bench/tests/test_bench.py
   xcomm_bench/tests/test_cluster.py
+  xcomm_bench/tests/test_codecs_bench.py
+  xcomm_bench/tests/test_diloco_bench.py
   xcomm_bench/tests/test_engine_bench.py
+  xcomm_bench/tests/test_fsdp_bench.py
+  xcomm_bench/tests/test_launch.py
 )
 
 failed=()
