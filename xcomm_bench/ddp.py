@@ -379,6 +379,9 @@ class DDPResult:
     cpu_ms: float = math.nan
     #: auto only: the method of each bucket at the end, e.g. "powersgd,powersgd".
     chosen: str = ""
+    #: auto only: why, at the end (the hook's ``explain()``; the backend's
+    #: agreed inputs and last choice).
+    explain: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (a JSON/CSV row)."""
@@ -660,10 +663,22 @@ def run_model(
                 final_loss=done[r].loss,
                 cpu_ms=statistics.median(cpu[i].tolist()) * 1e3,
                 chosen=_chosen(done[r].state),
+                explain=_explain(done[r].state),
             )
         )
     assert base is not None
     return [dataclasses.replace(row, speedup=base / row.time_ms) for row in rows]
+
+
+def _explain(state: Any) -> str:
+    from xcomm import _C
+
+    if hasattr(state, "explain"):  # AutoState
+        return str(state.explain())
+    if isinstance(state, _C.XcommBackend) and "auto" in state.compression_stats:
+        a = state.compression_stats["auto"]
+        return f"inputs {a['inputs']}; last: {a['last']}"
+    return ""
 
 
 def _chosen(state: Any) -> str:

@@ -78,7 +78,10 @@ class MeasuredLink:
     and a probe that fit in the burst read a 3 Gbit/s emulated link as
     several times faster. The latency is the least of the recent agreements
     and may explain at most half of a probe, so a noisy latency cannot make
-    the link look infinitely fast.
+    the link look infinitely fast. The link used is the median of the last
+    three rounds' agreed readings, so one noisy probe (a 3 Gbit/s emulated
+    link once read under 1 Gbit/s, once over 8) cannot flip a choice; a real
+    change shows from the second round after it.
 
     Probes are sized to cost about ``probe_fraction`` of the ``interval``
     steps between rounds, growing at most 4x a round, and are at least 64 kB
@@ -120,6 +123,7 @@ class MeasuredLink:
         self.agreed: tuple[dict[str, LinkModel], dict[str, float]] | None = None
         #: The step at which the next round is due.
         self.next_round = 0
+        self._readings: list[list[float]] = []  # agreed seconds/byte per kind, last 3 rounds
 
     def step_started(self) -> None:
         """Called at the start of each step: the probes' budget is a share of
@@ -172,10 +176,11 @@ class MeasuredLink:
         if fixed is not None:
             links = dict(fixed)
         else:
-            links = {
-                k: LinkModel(latency, 1.0 / max(s, 1e-15))
-                for k, s in zip(self.kinds, values[2 : 2 + n])
-            }
+            self._readings = [*self._readings[-2:], values[2 : 2 + n]]
+            median = [
+                sorted(r[i] for r in self._readings)[len(self._readings) // 2] for i in range(n)
+            ]
+            links = {k: LinkModel(latency, 1.0 / max(s, 1e-15)) for k, s in zip(self.kinds, median)}
             slowest = min(link.bandwidth_bytes_per_s for link in links.values())
             budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
             size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
