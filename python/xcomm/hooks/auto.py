@@ -20,8 +20,9 @@ Inputs, measured, never guessed:
 
 * the codecs' ``c_m``: timed once on this machine on a synthetic bucket;
 * the link's latency and bandwidth as the collectives see them (the
-  backend's own reduction cost included): every ``interval`` steps, at the
-  start of the backward pass (when no collective of the hook is in flight),
+  backend's own reduction cost included): every ``interval`` steps (later
+  where a round would cost more than ``probe_fraction`` of the steps
+  between), at the start of the backward pass (when no collective of the hook is in flight),
   a probe allreduce run twice (the first, untimed, lines the ranks up and
   drains a link's burst; both together sized to cost about
   ``probe_fraction`` of the steps between rounds), and the small allreduce
@@ -209,7 +210,8 @@ class AutoState(PicklableState):
         lossless_only: choose only methods that lose nothing (``none``).
         min_density: the density top-k sends (its accuracy bound).
         powersgd_rank: PowerSGD's rank (its accuracy bound).
-        interval: steps between re-evaluations.
+        interval: steps between re-evaluations (at least; more where a
+            round would cost more than ``probe_fraction`` of them).
         start_iter: steps reduced uncompressed first (>= 2: DDP rebuilds its
             buckets after the first), while the link is measured.
         switch_margin: a bucket changes method only when another is predicted
