@@ -613,8 +613,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   constexpr const char* op = "recv";
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  return delegate(op, tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors), tensors,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  // Named as Gloo names it under torch.profiler: "xcomm:recvAnySource".
+  return delegate("recvAnySource", tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors),
+                  tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recvAnysource(staged, tag);
                   });
