@@ -37,12 +37,17 @@ codec, per element ``i``, over the ``g`` ranks of the group with inputs
 - reduce_scatter_tensor: the same bounds over this rank's row of every
   input (its rows are encoded alone, chunks starting at the row; there is no
   second quantisation, so the allreduce's bound holds with room to spare).
+- auto: the larger of the bf16 and int8 bounds, for the all_reduces it may
+  compress (none where shm is on: a single-host group's auto sends
+  uncompressed; its reduce-scatters are never compressed). Its link is
+  measured (probes on the group's own transport between the program's ops),
+  so what it picks is whatever this machine's loopback favours.
 
 Every lossy op whose result is not bitwise the reference is counted
 (``lossy_inexact``), so a run also shows that compression really happened.
 
 Each ``Options`` combination (shm on/off x fusion off / on demand / cycle x
-compression none / fp16 / bf16 / int8, named ``<shm|noshm>-<fusion>-<compression>``)
+compression none / fp16 / bf16 / int8 / auto, named ``<shm|noshm>-<fusion>-<compression>``)
 is one run of fresh ranks, so a crash or hang is pinned to its configuration.
 ``--inject-mismatch K`` (hidden, for the tests) perturbs the first non-empty
 xcomm result from op ``K`` on, to show that the fuzzer reports a difference.
@@ -99,7 +104,7 @@ FUSION_THRESHOLD_BYTES = 4096
 class Config:
     shm: bool
     fusion: str  # "off" | "ondemand" | "cycle"
-    compression: str  # "none" | "fp16" | "bf16" | "int8"
+    compression: str  # "none" | "fp16" | "bf16" | "int8" | "auto"
 
     @property
     def name(self) -> str:
@@ -121,7 +126,7 @@ class Config:
 CONFIGS = [
     Config(shm, fusion, comp)
     for shm, fusion, comp in itertools.product(
-        (True, False), ("off", "ondemand", "cycle"), ("none", "fp16", "bf16", "int8")
+        (True, False), ("off", "ondemand", "cycle"), ("none", "fp16", "bf16", "int8", "auto")
     )
 ]
 
@@ -285,6 +290,8 @@ def _lossy(config: Config, spec: dict[str, Any], torch: Any) -> bool:
         return False
     if spec["op"] not in ("all_reduce", "reduce_scatter_tensor"):
         return False
+    if config.compression == "auto" and (config.shm or spec["op"] != "all_reduce"):
+        return False  # auto sends none on a single host, and reduce-scatters as they are
     if spec["dtype"] not in ("float32", "float64"):
         return False
     return spec["n"] * getattr(torch, spec["dtype"]).itemsize >= COMPRESSION_MIN_BYTES
@@ -293,6 +300,8 @@ def _lossy(config: Config, spec: dict[str, Any], torch: Any) -> bool:
 def _bound(
     torch: Any, compression: str, inputs: list[Any], ref: Any
 ) -> Any:  # per-element bound of |got - ref| (the module docstring derives it)
+    if compression == "auto":  # whichever of none, bf16 and int8 it chose
+        return torch.maximum(_bound(torch, "bf16", inputs, ref), _bound(torch, "int8", inputs, ref))
     eps = 2.0**-24
     g = len(inputs)
     xs = torch.stack([x.double().abs() for x in inputs])  # [g, n]
