@@ -59,7 +59,7 @@ for v in "${versions[@]}"; do
   ctest --test-dir "$build_dir" --output-on-failure --timeout 300 || failed+=("torch $v: ctest")
 
   echo "== Python tests (pytest), torch $v"
-  "$py" -m pytest tests/python xcomm_bench/tests tests/clients --timeout=900 -q \
+  "$py" -m pytest tests/python xcomm_bench/tests tests/clients --timeout=900 -q --durations=25 \
     "${select[@]}" "$@" || failed+=("torch $v: pytest")
 done
 
