@@ -60,11 +60,13 @@ def rank_main(args: argparse.Namespace) -> int:
         records = []
         for step in range(args.steps):
             x, y = spec.batch(gen)
+            due = state.next_round
             t0 = time.perf_counter()
             opt.zero_grad()
             loss_fn(model(x), y).backward()
             opt.step()
             took = time.perf_counter() - t0
+            measured = state.next_round > due  # this step ran a measuring round
             seconds = torch.tensor([took], dtype=torch.float64)
             dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slower rank's step
             link = state.link_estimate
@@ -74,6 +76,7 @@ def rank_main(args: argparse.Namespace) -> int:
                     "ms": float(seconds) * 1e3,
                     "methods": state.methods_by_bucket(),
                     "gbit": None if link is None else link.bandwidth_bytes_per_s * 8 / 1e9,
+                    "round": measured,
                 }
             )
             if rank == 0:
@@ -99,6 +102,16 @@ def plot(path: Path, result: dict[str, Any]) -> Path:
     steps = [r["step"] for r in recs]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.0, 4.6), sharex=True)
     ax1.plot(steps, [r["ms"] for r in recs], marker="o", ms=3)
+    rounds = [r for r in recs if r.get("round")]
+    ax1.plot(
+        [r["step"] for r in rounds],
+        [r["ms"] for r in rounds],
+        "x",
+        color="black",
+        ms=6,
+        label="measuring round",
+    )
+    ax1.legend(fontsize="x-small", loc="upper left")
     ax1.set_yscale("log")
     ax1.set_ylabel("step time (ms)")
     for b in range(max(len(r["methods"]) for r in recs)):
@@ -170,7 +183,10 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
     plot(out / "autoswitch.png", result)
     for r in result["records"]:
         gbit = "-" if r["gbit"] is None else f"{r['gbit']:.3f}"
-        print(f"step {r['step']:3d}  {r['ms']:9.1f} ms  link {gbit:>7} Gbit/s  {r['methods']}")
+        mark = "  round" if r.get("round") else ""
+        print(
+            f"step {r['step']:3d}  {r['ms']:9.1f} ms  link {gbit:>7} Gbit/s  {r['methods']}{mark}"
+        )
     print(f"wrote {out}/autoswitch.json, autoswitch.png, timeline.json", flush=True)
     return 0
 

@@ -280,3 +280,83 @@ def test_rounds_are_spaced_so_probes_take_about_their_share_of_the_time() -> Non
     slow = run_ranks(_rank_round_spacing, 1, 1e6)[0]
     assert slow["probe_bytes"] == 64_000, slow
     assert 10 + 500 <= slow["next_round"] <= 10 + 900, slow
+
+
+class _FakeLink:
+    """A link of a given rate and latency, timed by a fake clock: probes and
+    the agreement advance it, so MeasuredLink's rounds read exactly the rate
+    (no processes; one rank, whose readings are the agreed ones)."""
+
+    LATENCY = 7e-4
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from xcomm.hooks import _measure
+
+        self.now = 0.0
+        self.bits_per_s = 10e9
+        clock = type("Clock", (), {"perf_counter": staticmethod(lambda: self.now)})
+        monkeypatch.setattr(_measure, "time", clock)
+        monkeypatch.setattr(_measure.dist, "all_reduce", lambda *a, **k: self._advance(0))
+        self.measure = _measure.MeasuredLink(("allreduce",), (), probe_fraction=0.01, interval=5)
+
+    def _advance(self, nbytes: float) -> float:
+        self.now += self.LATENCY + nbytes * 8 / self.bits_per_s
+        return nbytes
+
+    def step(self, step: int) -> bool:
+        """One 130 ms training step; whether it ran a round."""
+        self.measure.step_started()
+        ran = step >= self.measure.next_round or self.measure.agreed is None
+        if ran:
+            self.measure.agree(None, {"allreduce": self._advance}, dict, step=step)
+        self.now += 0.13
+        return ran
+
+    def gbit(self) -> float:
+        assert self.measure.agreed is not None
+        return self.measure.agreed[0]["allreduce"].bandwidth_bytes_per_s * 8 / 1e9
+
+
+def test_a_changed_link_is_confirmed_at_the_next_step_and_followed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    link = _FakeLink(monkeypatch)
+    rounds, seen = [], {}
+    for step in range(40):
+        link.bits_per_s = 0.1e9 if 12 <= step < 26 else 10e9
+        if link.step(step):
+            rounds.append(step)
+        seen[step] = link.gbit()
+    # Slowed after step 11: the first round after it reads it, the round at
+    # the next step confirms it, and the agreed link follows.
+    first = next(s for s in rounds if s >= 12)
+    assert first + 1 in rounds
+    assert seen[first + 1] == pytest.approx(0.1, rel=0.05)
+    assert first + 1 - 12 <= 5
+    # Sped up again after step 25: probes grow out of the latency (4x a
+    # round, rounds at once while readings disagree) until the link reads fast.
+    back = next(s for s in rounds if s >= 26)
+    fast = next(s for s in range(back, 40) if seen[s] > 5)
+    assert fast - back <= 4 and all(s in rounds for s in range(back, fast + 1))
+    # Between changes, rounds are spaced again (no round at every step).
+    assert len(rounds) < 20
+
+
+def test_one_noisy_reading_is_outvoted_at_the_cost_of_one_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    link = _FakeLink(monkeypatch)
+    rounds, seen = [], {}
+    for step in range(30):
+        due = step >= link.measure.next_round
+        # One probe crosses a moment of congestion: only the round at the
+        # first step after 15 that has one reads 0.1 Gbit/s.
+        noisy = due and step >= 15 and not any(r >= 15 for r in rounds)
+        link.bits_per_s = 0.1e9 if noisy else 10e9
+        if link.step(step):
+            rounds.append(step)
+        seen[step] = link.gbit()
+    noise = next(s for s in rounds if s >= 15)
+    assert noise + 1 in rounds  # confirmed at once
+    assert noise + 2 not in rounds  # and no more: the confirmation agreed with the rest
+    assert min(seen[s] for s in range(noise, 30)) > 1  # the choice never saw the noise

@@ -80,8 +80,11 @@ class MeasuredLink:
     and may explain at most half of a probe, so a noisy latency cannot make
     the link look infinitely fast. The link used is the median of the last
     three rounds' agreed readings, so one noisy probe (a 3 Gbit/s emulated
-    link once read under 1 Gbit/s, once over 8) cannot flip a choice; a real
-    change shows from the second round after it.
+    link once read under 1 Gbit/s, once over 8) cannot flip a choice. A
+    reading more than 2x off the median makes the next round due at the next
+    step (up to three in a row), so a real change is followed within a step
+    or two of the round that saw it, and a noisy one is outvoted at the cost
+    of one round. Probes are sized from the newest reading.
 
     Probes are sized to cost about ``probe_fraction`` of the ``interval``
     steps between rounds, growing at most 4x a round, and are at least 64 kB
@@ -101,6 +104,10 @@ class MeasuredLink:
 
     #: The smallest probe, bytes.
     MIN_PROBE_BYTES = 64e3
+    #: A reading this far off the median is confirmed by a round at the next step.
+    CHANGE_FACTOR = 2.0
+    #: The most rounds in a row due at the next step.
+    MAX_CONFIRMATIONS = 3
 
     def __init__(
         self,
@@ -124,6 +131,15 @@ class MeasuredLink:
         #: The step at which the next round is due.
         self.next_round = 0
         self._readings: list[list[float]] = []  # agreed seconds/byte per kind, last 3 rounds
+        self._confirmations = 0  # rounds in a row due at once to confirm a change
+
+    def _median(self) -> list[float] | None:
+        """Per kind, the median of the recent readings (seconds per byte);
+        of two, the slower."""
+        if not self._readings:
+            return None
+        mid = len(self._readings) // 2
+        return [sorted(r[i] for r in self._readings)[mid] for i in range(len(self.kinds))]
 
     def step_started(self) -> None:
         """Called at the start of each step: the probes' budget is a share of
@@ -176,12 +192,15 @@ class MeasuredLink:
         if fixed is not None:
             links = dict(fixed)
         else:
-            self._readings = [*self._readings[-2:], values[2 : 2 + n]]
-            median = [
-                sorted(r[i] for r in self._readings)[len(self._readings) // 2] for i in range(n)
-            ]
+            newest = values[2 : 2 + n]
+            self._readings = [*self._readings[-2:], newest]
+            median = self._median()
+            assert median is not None
             links = {k: LinkModel(latency, 1.0 / max(s, 1e-15)) for k, s in zip(self.kinds, median)}
-            slowest = min(link.bandwidth_bytes_per_s for link in links.values())
+            # Probes are sized for the newest reading: after the link slowed
+            # the next round stays cheap, after it sped up the probe grows
+            # (at most 4x a round) out of the latency that hides a fast link.
+            slowest = 1.0 / max(max(newest), 1e-15)
             budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
             size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
             self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
@@ -191,6 +210,18 @@ class MeasuredLink:
                 stride = max(
                     stride, math.ceil(round_seconds / (self.probe_fraction * step_seconds))
                 )
+            # A reading more than 2x off the median is a change of the link
+            # or a noisy probe: the next step's round tells which (a second
+            # reading like it moves the median; one like the others outvotes
+            # it). At most MAX_CONFIRMATIONS rounds in a row.
+            changed = any(
+                max(a, b) > self.CHANGE_FACTOR * min(a, b) for a, b in zip(newest, median)
+            )
+            if changed and self._confirmations < self.MAX_CONFIRMATIONS:
+                stride = 1
+                self._confirmations += 1
+            else:
+                self._confirmations = 0
         self.next_round = step + stride
         self.agreed = (links, costs)
         return self.agreed

@@ -349,6 +349,11 @@ class AutoState(PicklableState):
         """The link every rank agreed on at the last re-evaluation (None before)."""
         return self._agreed[0] if self._agreed is not None else None
 
+    @property
+    def next_round(self) -> int:
+        """The step at which the next measuring round is due (the same on every rank)."""
+        return self._measure.next_round
+
     def methods_by_bucket(self) -> list[str]:
         """Each bucket's current method, in bucket order."""
         return [self.decisions[k]["method"] for k in sorted(self.decisions)]
