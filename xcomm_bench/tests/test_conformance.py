@@ -58,6 +58,10 @@ CURATED = [
     "test_send_recv",
     "test_send_recv_any_source",
     "test_send_recv_with_tag",
+    # their profiler events by name: "recvAnySource", and names compared
+    # with the one asked for (both failed before af6cc72)
+    "test_send_recv_any_source_torch_profiler",
+    "test_send_recv_with_tag_autograd_profiler",
     "test_isend",
     "test_irecv",
     "test_batch_isend_irecv_gloo",

@@ -81,10 +81,12 @@ class MeasuredLink:
     the link look infinitely fast. The link used is the median of the last
     three rounds' agreed readings, so one noisy probe (a 3 Gbit/s emulated
     link once read under 1 Gbit/s, once over 8) cannot flip a choice. A
-    reading more than 2x off the median makes the next round due at the next
-    step (up to three in a row), so a real change is followed within a step
-    or two of the round that saw it, and a noisy one is outvoted at the cost
-    of one round. Probes are sized from the newest reading.
+    reading more than 2x off the median (before or after it joined) makes
+    the next round due at the next step (up to three in a row), so a real
+    change is followed within a step of the round that saw it, and a noisy
+    one is outvoted at the cost of one round. Probes are sized from the
+    faster of the median and the newest reading: a probe too small for its
+    link reads it slow, and sizing from that reading would keep it small.
 
     Probes are sized to cost about ``probe_fraction`` of the ``interval``
     steps between rounds, growing at most 4x a round, and are at least 64 kB
@@ -193,14 +195,18 @@ class MeasuredLink:
             links = dict(fixed)
         else:
             newest = values[2 : 2 + n]
+            before = self._median()
             self._readings = [*self._readings[-2:], newest]
             median = self._median()
             assert median is not None
             links = {k: LinkModel(latency, 1.0 / max(s, 1e-15)) for k, s in zip(self.kinds, median)}
-            # Probes are sized for the newest reading: after the link slowed
-            # the next round stays cheap, after it sped up the probe grows
-            # (at most 4x a round) out of the latency that hides a fast link.
-            slowest = 1.0 / max(max(newest), 1e-15)
+            # Probes are sized for the faster of the median and the newest
+            # reading: a probe too small for the link reads it slower than
+            # it is (per-op costs the latency does not hold), and a probe
+            # sized from that reading would stay small. After a link sped
+            # up the probe grows (at most 4x a round); after it slowed, a
+            # round or two cost more until the median follows.
+            slowest = 1.0 / max(max(min(a, b) for a, b in zip(median, newest)), 1e-15)
             budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
             size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
             self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
@@ -215,7 +221,9 @@ class MeasuredLink:
             # reading like it moves the median; one like the others outvotes
             # it). At most MAX_CONFIRMATIONS rounds in a row.
             changed = any(
-                max(a, b) > self.CHANGE_FACTOR * min(a, b) for a, b in zip(newest, median)
+                max(a, b) > self.CHANGE_FACTOR * min(a, b)
+                for ref in (median, before or median)
+                for a, b in zip(newest, ref)
             )
             if changed and self._confirmations < self.MAX_CONFIRMATIONS:
                 stride = 1
