@@ -4,6 +4,7 @@ switches that keep the error feedback, and checkpoint-resume (bitwise)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -303,12 +304,12 @@ class _FakeLink:
         self.now += self.LATENCY + nbytes * 8 / self.bits_per_s
         return nbytes
 
-    def step(self, step: int) -> bool:
+    def step(self, step: int, matters: Any = None) -> bool:
         """One 130 ms training step; whether it ran a round."""
         self.measure.step_started()
         ran = step >= self.measure.next_round or self.measure.agreed is None
         if ran:
-            self.measure.agree(None, {"allreduce": self._advance}, dict, step=step)
+            self.measure.agree(None, {"allreduce": self._advance}, dict, step=step, matters=matters)
         self.now += 0.13
         return ran
 
@@ -360,3 +361,24 @@ def test_one_noisy_reading_is_outvoted_at_the_cost_of_one_round(
     assert noise + 1 in rounds  # confirmed at once
     assert noise + 2 not in rounds  # and no more: the confirmation agreed with the rest
     assert min(seen[s] for s in range(noise, 30)) > 1  # the choice never saw the noise
+
+
+def test_a_changed_reading_that_would_change_no_choice_is_not_confirmed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    link = _FakeLink(monkeypatch)
+    asked: list[float] = []
+
+    def matters(links: dict[str, Any], costs: dict[str, float]) -> bool:
+        asked.append(links["allreduce"].bandwidth_bytes_per_s * 8 / 1e9)
+        return False  # every choice stays what it is at either rate
+
+    rounds = []
+    for step in range(30):
+        link.bits_per_s = 0.1e9 if step >= 12 else 10e9
+        if link.step(step, matters):
+            rounds.append(step)
+    # Asked about the slow reading (the newest, not the median), and no
+    # round followed at the next step: rounds stay spaced.
+    assert any(g == pytest.approx(0.1, rel=0.05) for g in asked)
+    assert all(b - a > 1 for a, b in itertools.pairwise(rounds)), rounds

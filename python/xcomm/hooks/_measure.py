@@ -81,8 +81,9 @@ class MeasuredLink:
     the link look infinitely fast. The link used is the median of the last
     three rounds' agreed readings, so one noisy probe (a 3 Gbit/s emulated
     link once read under 1 Gbit/s, once over 8) cannot flip a choice. A
-    reading more than 2x off the median (before or after it joined) makes
-    the next round due at the next step (up to three in a row), so a real
+    reading more than 2x off the median (before or after it joined), where it
+    would change a choice, makes the next round due at the next step (up to
+    three in a row), so a real
     change is followed within a step of the round that saw it, and a noisy
     one is outvoted at the cost of one round. Probes are sized from the
     faster of the median and the newest reading: a probe too small for its
@@ -161,10 +162,13 @@ class MeasuredLink:
         *,
         step: int,
         fixed: Mapping[str, LinkModel] | None = None,
+        matters: Callable[[dict[str, LinkModel], dict[str, float]], bool] | None = None,
     ) -> tuple[dict[str, LinkModel], dict[str, float]]:
         """One round at ``step``: probe (unless ``fixed`` links are given),
         agree, schedule the next round; returns the agreed links by kind and
-        codec costs."""
+        codec costs. ``matters(links, costs)`` says whether the newest
+        reading, were it the link, would change a choice: only then is a
+        reading far off the median confirmed at the next step."""
         if self.local_costs is None:
             self.local_costs = dict(calibrate())
         self._round_in_step = True
@@ -225,6 +229,11 @@ class MeasuredLink:
                 for ref in (median, before or median)
                 for a, b in zip(newest, ref)
             )
+            if changed and matters is not None:
+                latest = {
+                    k: LinkModel(latency, 1.0 / max(v, 1e-15)) for k, v in zip(self.kinds, newest)
+                }
+                changed = matters(latest, costs)
             if changed and self._confirmations < self.MAX_CONFIRMATIONS:
                 stride = 1
                 self._confirmations += 1
@@ -256,6 +265,14 @@ class MethodChoices:
         if d is None or d["numel"] != numel or (fresh and d["round"] != step):
             return None
         return d["method"]
+
+    def would_switch(self, key: Any, predicted: dict[str, float]) -> bool:
+        """Whether ``predicted`` times would move the key off its method."""
+        current = self.decisions.get(key)
+        if current is None or current["method"] not in predicted:
+            return False
+        best = min(predicted, key=lambda m: predicted[m])
+        return predicted[best] < (1.0 - self.switch_margin) * predicted[current["method"]]
 
     def choose(self, key: Any, numel: int, step: int, predicted: dict[str, float]) -> str:
         current = self.decisions.get(key)

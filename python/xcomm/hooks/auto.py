@@ -294,6 +294,9 @@ class AutoState(PicklableState):
         self._agreed: tuple[LinkModel, dict[str, float]] | None = None
         self._fresh_round = False
         self._in_step = False
+        # Each bucket's (numel, parameter shapes, itemsize), to ask whether a
+        # new reading of the link would change its method.
+        self._bucket_inputs: dict[int, tuple[int, list[tuple[int, ...]], int]] = {}
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -387,6 +390,12 @@ class AutoState(PicklableState):
             lambda: self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank),
             step=self.iter,
             fixed=None if self.link is None else {"allreduce": self.link},
+            matters=lambda links, costs: any(
+                self._choices.would_switch(
+                    index, self._predict(*inputs, world, links["allreduce"], costs)
+                )
+                for index, inputs in self._bucket_inputs.items()
+            ),
         )
         if self.iter < self.start_iter:  # one round to start with, the next at start_iter
             self._measure.next_round = self.start_iter
@@ -402,7 +411,21 @@ class AutoState(PicklableState):
         link, costs = self._agreed
         shapes = [tuple(p.shape) for p in bucket.parameters()]
         itemsize = bucket.buffer().element_size()
-        predicted = {
+        self._bucket_inputs[index] = (numel, shapes, itemsize)
+        predicted = self._predict(numel, shapes, itemsize, world, link, costs)
+        return self._choices.choose(index, numel, self.iter, predicted)
+
+    def _predict(
+        self,
+        numel: int,
+        shapes: list[tuple[int, ...]],
+        itemsize: int,
+        world: int,
+        link: LinkModel,
+        costs: dict[str, float],
+    ) -> dict[str, float]:
+        """Every allowed method's predicted seconds for one bucket."""
+        return {
             m: predict_seconds(
                 m,
                 numel,
@@ -416,7 +439,6 @@ class AutoState(PicklableState):
             )
             for m in self.allowed
         }
-        return self._choices.choose(index, numel, self.iter, predicted)
 
 
 def _ordered(

@@ -269,6 +269,9 @@ class FsdpCompressionState:
         )
         self._choices = MethodChoices(self.switch_margin)
         self._fresh_round = False
+        # Each module's (numel, on CPU), to ask whether a new reading of the
+        # link would change its method.
+        self._module_inputs: dict[str, tuple[int, bool]] = {}
 
     @property
     def decisions(self) -> dict[str, dict[str, Any]]:
@@ -313,13 +316,8 @@ class FsdpCompressionState:
         method = self._choices.current(name, numel, self.iter, self._fresh_round)
         if method is None:
             links, costs = self._measure.agreed  # type: ignore[misc]
-            predicted = {
-                m: predict_reduce_scatter_seconds(
-                    m, numel, links, costs, chunk_elems=self.chunk_elems
-                )
-                for m in self.allowed
-                if cpu or m != "int8"
-            }
+            self._module_inputs[name] = (numel, cpu)
+            predicted = self._predict(numel, cpu, links, costs)
             if not predicted:
                 raise TypeError(
                     "xcomm.hooks.FsdpCompressionState: auto may only choose int8, which runs "
@@ -327,6 +325,16 @@ class FsdpCompressionState:
                 )
             method = self._choices.choose(name, numel, self.iter, predicted)
         return method
+
+    def _predict(
+        self, numel: int, cpu: bool, links: dict[str, LinkModel], costs: dict[str, float]
+    ) -> dict[str, float]:
+        """Every allowed method's predicted seconds for one module's reduce-scatter."""
+        return {
+            m: predict_reduce_scatter_seconds(m, numel, links, costs, chunk_elems=self.chunk_elems)
+            for m in self.allowed
+            if cpu or m != "int8"
+        }
 
     def _agree(self, group: dist.ProcessGroup, world: int) -> None:
         def reduce_scatter(nbytes: int) -> float:
@@ -352,6 +360,10 @@ class FsdpCompressionState:
             lambda: self.codec_costs or calibrate_reduce_scatter_codecs(world, self.chunk_elems),
             step=self.iter,
             fixed=fixed,
+            matters=lambda links, costs: any(
+                self._choices.would_switch(name, self._predict(numel, cpu, links, costs))
+                for name, (numel, cpu) in self._module_inputs.items()
+            ),
         )
         self._fresh_round = True
 
