@@ -317,17 +317,29 @@ class _FakeLink:
         assert self.measure.agreed is not None
         return self.measure.agreed[0]["allreduce"].bandwidth_bytes_per_s * 8 / 1e9
 
+    def run(
+        self, steps: int, bits_per_s: Any, matters: Any = None
+    ) -> tuple[list[int], dict[int, float]]:
+        """``steps`` steps with the link at ``bits_per_s(step, due, rounds)``
+        (``due``: a round is due this step; ``rounds``: the steps that ran
+        one so far); the rounds' steps and the agreed Gbit/s after each step."""
+        rounds: list[int] = []
+        seen: dict[int, float] = {}
+        for step in range(steps):
+            due = step >= self.measure.next_round
+            self.bits_per_s = bits_per_s(step, due, rounds)
+            if self.step(step, matters):
+                rounds.append(step)
+            seen[step] = self.gbit()
+        return rounds, seen
+
 
 def test_a_changed_link_is_confirmed_at_the_next_step_and_followed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    link = _FakeLink(monkeypatch)
-    rounds, seen = [], {}
-    for step in range(40):
-        link.bits_per_s = 0.1e9 if 12 <= step < 26 else 10e9
-        if link.step(step):
-            rounds.append(step)
-        seen[step] = link.gbit()
+    rounds, seen = _FakeLink(monkeypatch).run(
+        40, lambda step, due, rounds: 0.1e9 if 12 <= step < 26 else 10e9
+    )
     # Slowed after step 11: the first round after it reads it, the round at
     # the next step confirms it, and the agreed link follows.
     first = next(s for s in rounds if s >= 12)
@@ -346,17 +358,14 @@ def test_a_changed_link_is_confirmed_at_the_next_step_and_followed(
 def test_one_noisy_reading_is_outvoted_at_the_cost_of_one_round(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    link = _FakeLink(monkeypatch)
-    rounds, seen = [], {}
-    for step in range(30):
-        due = step >= link.measure.next_round
+
+    def rate(step: int, due: bool, rounds: list[int]) -> float:
         # One probe crosses a moment of congestion: only the round at the
         # first step after 15 that has one reads 0.1 Gbit/s.
         noisy = due and step >= 15 and not any(r >= 15 for r in rounds)
-        link.bits_per_s = 0.1e9 if noisy else 10e9
-        if link.step(step):
-            rounds.append(step)
-        seen[step] = link.gbit()
+        return 0.1e9 if noisy else 10e9
+
+    rounds, seen = _FakeLink(monkeypatch).run(30, rate)
     noise = next(s for s in rounds if s >= 15)
     assert noise + 1 in rounds  # confirmed at once
     assert noise + 2 not in rounds  # and no more: the confirmation agreed with the rest
@@ -366,18 +375,15 @@ def test_one_noisy_reading_is_outvoted_at_the_cost_of_one_round(
 def test_a_changed_reading_that_would_change_no_choice_is_not_confirmed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    link = _FakeLink(monkeypatch)
     asked: list[float] = []
 
     def matters(links: dict[str, Any], costs: dict[str, float]) -> bool:
         asked.append(links["allreduce"].bandwidth_bytes_per_s * 8 / 1e9)
         return False  # every choice stays what it is at either rate
 
-    rounds = []
-    for step in range(30):
-        link.bits_per_s = 0.1e9 if step >= 12 else 10e9
-        if link.step(step, matters):
-            rounds.append(step)
+    rounds, _ = _FakeLink(monkeypatch).run(
+        30, lambda step, due, rounds: 0.1e9 if step >= 12 else 10e9, matters
+    )
     # Asked about the slow reading (the newest, not the median), and no
     # round followed at the next step: rounds stay spaced.
     assert any(g == pytest.approx(0.1, rel=0.05) for g in asked)

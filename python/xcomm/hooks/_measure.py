@@ -83,11 +83,11 @@ class MeasuredLink:
     link once read under 1 Gbit/s, once over 8) cannot flip a choice. A
     reading more than 2x off the median (before or after it joined), where it
     would change a choice, makes the next round due at the next step (up to
-    three in a row), so a real
-    change is followed within a step of the round that saw it, and a noisy
-    one is outvoted at the cost of one round. Probes are sized from the
-    faster of the median and the newest reading: a probe too small for its
-    link reads it slow, and sizing from that reading would keep it small.
+    three in a row), so a real change is followed within a step of the round
+    that saw it, and a noisy one is outvoted at the cost of one round. Probes
+    are sized from the faster of the median and the newest reading: a probe
+    too small for its link reads it slow, and sizing from that reading would
+    keep it small.
 
     Probes are sized to cost about ``probe_fraction`` of the ``interval``
     steps between rounds, growing at most 4x a round, and are at least 64 kB
@@ -203,7 +203,14 @@ class MeasuredLink:
             self._readings = [*self._readings[-2:], newest]
             median = self._median()
             assert median is not None
-            links = {k: LinkModel(latency, 1.0 / max(s, 1e-15)) for k, s in zip(self.kinds, median)}
+
+            def as_links(seconds_per_byte: list[float]) -> dict[str, LinkModel]:
+                return {
+                    k: LinkModel(latency, 1.0 / max(s, 1e-15))
+                    for k, s in zip(self.kinds, seconds_per_byte)
+                }
+
+            links = as_links(median)
             # Probes are sized for the faster of the median and the newest
             # reading: a probe too small for the link reads it slower than
             # it is (per-op costs the latency does not hold), and a probe
@@ -230,10 +237,7 @@ class MeasuredLink:
                 for a, b in zip(newest, ref)
             )
             if changed and matters is not None:
-                latest = {
-                    k: LinkModel(latency, 1.0 / max(v, 1e-15)) for k, v in zip(self.kinds, newest)
-                }
-                changed = matters(latest, costs)
+                changed = matters(as_links(newest), costs)
             if changed and self._confirmations < self.MAX_CONFIRMATIONS:
                 stride = 1
                 self._confirmations += 1

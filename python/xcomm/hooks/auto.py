@@ -22,11 +22,11 @@ Inputs, measured, never guessed:
 * the link's latency and bandwidth as the collectives see them (the
   backend's own reduction cost included): every ``interval`` steps (later
   where a round would cost more than ``probe_fraction`` of the steps
-  between), at the start of the backward pass (when no collective of the hook is in flight),
-  a probe allreduce run twice (the first, untimed, lines the ranks up and
-  drains a link's burst; both together sized to cost about
-  ``probe_fraction`` of the steps between rounds), and the small allreduce
-  that agrees the inputs (its duration is the latency).
+  between), at the start of the backward pass (when no collective of the
+  hook is in flight), a probe allreduce run twice (the first, untimed,
+  lines the ranks up and drains a link's burst; both together sized to cost
+  about ``probe_fraction`` of the steps between rounds), and the small
+  allreduce that agrees the inputs (its duration is the latency).
 
 That agreement is an allreduce MAX over ranks of every input, so every rank
 computes the same choice from the same numbers, and their collectives match.
