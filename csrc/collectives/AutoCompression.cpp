@@ -159,13 +159,26 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   lastRound_ = Clock::now();
 
   const double* v = agreed.data_ptr<double>();
-  AutoInputs in{v[0], v[1], v[2], v[3]};
+  // The link used is the median of the last three agreed readings (of two,
+  // the slower), so one noisy probe cannot flip the choices until the next
+  // round. The readings are agreed values: the median is the same everywhere.
+  readings_.push_back(v[1]);
+  if (readings_.size() > 3) readings_.pop_front();
+  std::vector<double> sorted(readings_.begin(), readings_.end());
+  std::sort(sorted.begin(), sorted.end());
+  AutoInputs in{v[0], sorted[sorted.size() / 2], v[2], v[3]};
   // The next probe: about 1% of the time between rounds (both runs of it),
-  // growing at most 4x a round, between 64 kB (less measures a burst) and 32 MB.
-  const double budget = 0.01 * v[4] / 2.0;
-  const double next = std::min(
-      {budget / std::max(in.secondsPerByte, 1e-15), 4.0 * static_cast<double>(probeBytes_), 32e6});
-  probeBytes_ = static_cast<int64_t>(std::max(next, 64e3));
+  // growing at most 4x a round, between 64 kB (less measures a burst) and
+  // 32 MB; sized from the faster of the median and the newest reading (a
+  // probe too small for its link reads it slow, and sizing from that reading
+  // would keep it small). The first round has no time between rounds to size
+  // from: the probe keeps its size rather than shrinking to the smallest.
+  if (v[4] > 0) {
+    const double budget = 0.01 * v[4] / 2.0;
+    const double fastest = std::max(std::min(in.secondsPerByte, v[1]), 1e-15);
+    const double next = std::min({budget / fastest, 4.0 * static_cast<double>(probeBytes_), 32e6});
+    probeBytes_ = static_cast<int64_t>(std::max(next, 64e3));
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   report_.rounds++;
   report_.inputs = in;

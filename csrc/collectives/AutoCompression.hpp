@@ -89,6 +89,7 @@ class AutoCompression {
   int64_t probeBytes_ = 1 << 20;
   bool calibrated_ = false;
   double localBf16_ = 0, localInt8_ = 0;
+  std::deque<double> readings_;    // the last three agreed seconds per byte
   std::deque<double> agreements_;  // the last few agreement times: the least is the latency
   std::chrono::steady_clock::time_point lastRound_;
   mutable std::mutex mutex_;  // guards report_ (read from other threads)

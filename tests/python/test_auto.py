@@ -388,3 +388,26 @@ def test_a_changed_reading_that_would_change_no_choice_is_not_confirmed(
     # round followed at the next step: rounds stay spaced.
     assert any(g == pytest.approx(0.1, rel=0.05) for g in asked)
     assert all(b - a > 1 for a, b in itertools.pairwise(rounds)), rounds
+
+
+def test_the_first_round_keeps_its_probe_size_until_a_step_was_timed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No step has been timed at the first round, so there is no budget to
+    size the next probe from: it keeps its size (a 64 kB probe at the next
+    round read an emulated 10 Gbit/s link as 0.13 Gbit/s and chose PowerSGD
+    over top-k for the MLP's first 8 steps), and is sized from the budget once
+    steps are timed."""
+    link = _FakeLink(monkeypatch)
+    first = link.measure.probe_bytes
+    assert link.step(0)  # the first round: no step timed yet
+    assert link.measure.probe_bytes == first
+    link.measure.next_round = 1
+    assert link.step(1)  # step 0 had a round: its time does not count
+    assert link.measure.probe_bytes == first
+    for step in range(2, 4):
+        link.step(step)
+    link.measure.next_round = 4
+    assert link.step(4)
+    # 1% of 5 steps of 130 ms over two runs at 10 Gbit/s: 3.25 ms, 4.06 MB.
+    assert link.measure.probe_bytes == pytest.approx(0.01 * 5 * 0.13 / 2 * 10e9 / 8, rel=0.01)

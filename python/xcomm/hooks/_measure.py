@@ -218,9 +218,14 @@ class MeasuredLink:
             # up the probe grows (at most 4x a round); after it slowed, a
             # round or two cost more until the median follows.
             slowest = 1.0 / max(max(min(a, b) for a, b in zip(median, newest)), 1e-15)
-            budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
-            size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
-            self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
+            if step_seconds > 0:
+                # Before any step without a round has been timed (the first
+                # round) there is no budget to size from: the probe keeps its
+                # size rather than shrinking to the smallest, which would
+                # read a fast link several times too slow at the next round.
+                budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
+                size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
+                self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
             # What the next round will cost: every probe twice, the agreement.
             round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
             if step_seconds > 0:
