@@ -186,6 +186,13 @@ def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a("--steps", type=int, default=None, help="timed steps per measurement (default 8; smoke 2)")
     a("--warmup", type=int, default=3, help="untimed steps first, >= 3 (default 3)")
     a("--rounds", type=int, default=2, help="rounds the timed steps are interleaved in (default 2)")
+    a(
+        "--min-seconds",
+        type=float,
+        default=0.0,
+        help="raise the timed steps so the fastest reduction's take about this long "
+        "(default 0: exactly --steps)",
+    )
     a("--no-interleave", action="store_true", help="run each reduction's steps in one block")
     a("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank, both hooks (default 4)")
     a("--topk-density", type=float, default=0.01, help="top-k density (default 0.01)")
@@ -219,6 +226,7 @@ def ddp_config_from_args(args: argparse.Namespace) -> DDPBenchConfig:
         steps=args.steps if args.steps is not None else (2 if args.smoke else 8),
         warmup=args.warmup,
         rounds=args.rounds,
+        min_seconds=args.min_seconds,
         interleave=not args.no_interleave,
         powersgd_rank=args.powersgd_rank,
         topk_density=args.topk_density,

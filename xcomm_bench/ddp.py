@@ -244,6 +244,11 @@ class DDPBenchConfig:
         steps: Timed steps per (model, reduction, rate).
         warmup: Untimed steps first (>= 3: bucket rebuild, then PowerSGD's first step).
         rounds: Rounds the timed steps are split into when interleaving.
+        min_seconds: More timed steps where ``steps`` of the fastest reduction
+            (timed on its last warm-up step, the slowest rank's) would take
+            less than this: a point whose steps take 25 ms gets as many
+            samples of time as one whose steps take 150 ms. The same count on
+            every rank and for every reduction of a model. 0: ``steps``.
         interleave: Build all reductions' models, then time them round-robin.
         powersgd_rank: ``matrix_approximation_rank`` of both PowerSGDs.
         topk_density: Fraction of entries top-k sends.
@@ -266,6 +271,7 @@ class DDPBenchConfig:
     steps: int = 8
     warmup: int = 3
     rounds: int = 2
+    min_seconds: float = 0.0
     interleave: bool = True
     powersgd_rank: int = 4
     topk_density: float = 0.01
@@ -294,6 +300,8 @@ class DDPBenchConfig:
             )
         if self.steps < 1 or self.rounds < 1:
             raise ValueError(f"steps and rounds must be >= 1, got {self.steps}, {self.rounds}")
+        if not self.min_seconds >= 0:
+            raise ValueError(f"min_seconds must be >= 0, got {self.min_seconds}")
         if self.nodes < 0 or self.ranks_per_node < 1:
             raise ValueError("nodes must be >= 0 and ranks_per_node >= 1")
         if self.world_size < 2:
@@ -332,6 +340,7 @@ class DDPBenchConfig:
             "--steps", str(self.steps),
             "--warmup", str(self.warmup),
             "--rounds", str(self.rounds),
+            "--min-seconds", repr(self.min_seconds),
             "--powersgd-rank", str(self.powersgd_rank),
             "--topk-density", repr(self.topk_density),
             "--backend", self.backend,
@@ -470,6 +479,7 @@ class _Runner:
         self.gen = torch.Generator().manual_seed(100 + rank)
         self.batch = spec.batch
         self.times: list[float] = []
+        self.last_warm = math.inf  # the last untimed step's seconds
         self.cpu: list[float] = []
         self.accounted = 0.0
         self.tx = 0
@@ -569,6 +579,8 @@ class _Runner:
             if timed:
                 self.times.append(dt)
                 self.cpu.append(dc)
+            else:
+                self.last_warm = dt
         if timed:
             self.accounted += self._accounted_total() - acc0 + steps * self._per_step_formula()
             self.tx += _tx_bytes(ifname) - tx0
@@ -590,22 +602,38 @@ def _split(total: int, parts: int) -> list[int]:
 
 
 def _schedule(
-    spec: ModelSpec, cfg: DDPBenchConfig, group: Any, rank: int
+    spec: ModelSpec,
+    cfg: DDPBenchConfig,
+    group: Any,
+    rank: int,
+    timed_steps: Callable[[list[_Runner]], int],
 ) -> Iterator[tuple[_Runner, int, bool]]:
-    """Yields (runner, steps, timed) blocks in the order they must run (same on every rank)."""
+    """Yields (runner, steps, timed) blocks in the order they must run (same on
+    every rank); ``timed_steps(runners)`` gives the timed steps once the
+    runners are warm."""
     reductions = cfg.ordered_reductions
     if cfg.interleave:
         runners = [_Runner(spec, r, cfg, group, rank) for r in reductions]
         for runner in runners:
             yield runner, cfg.warmup, False
-        for chunk in _split(cfg.steps, cfg.rounds):
+        for chunk in _split(timed_steps(runners), cfg.rounds):
             for runner in runners:
                 yield runner, chunk, True
     else:
         for r in reductions:
             runner = _Runner(spec, r, cfg, group, rank)
             yield runner, cfg.warmup, False
-            yield runner, cfg.steps, True
+            yield runner, timed_steps([runner]), True
+
+
+def _timed_steps(cfg: DDPBenchConfig, runners: list[_Runner], coord: Any) -> int:
+    """``cfg.steps``, or more where the fastest runner's would take less than
+    ``cfg.min_seconds`` (its last warm-up step, the slowest rank's)."""
+    if cfg.min_seconds <= 0:
+        return cfg.steps
+    fastest = torch.tensor([min(r.last_warm for r in runners)], dtype=torch.float64)
+    dist.all_reduce(fastest, op=dist.ReduceOp.MAX, group=coord)
+    return max(cfg.steps, math.ceil(cfg.min_seconds / max(float(fastest), 1e-6)))
 
 
 def run_model(
@@ -621,7 +649,15 @@ def run_model(
     """Measures every reduction on one model; returns the same results on every rank."""
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") if cfg.nodes else None
     done: dict[str, _Runner] = {}
-    for runner, steps, timed in _schedule(spec, cfg, group, rank):
+
+    def timed_steps(runners: list[_Runner]) -> int:
+        steps = _timed_steps(cfg, runners, coord)
+        if steps != cfg.steps:  # the bar planned cfg.steps per reduction
+            bar.total += (steps - cfg.steps) * len(runners)
+            bar.refresh()
+        return steps
+
+    for runner, steps, timed in _schedule(spec, cfg, group, rank, timed_steps):
         bar.set_postfix_str(f"{spec.name} {runner.reduction}", refresh=True)
         dist.barrier(group=coord)
         runner.run(steps, timed, ifname)

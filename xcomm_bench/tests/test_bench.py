@@ -8,6 +8,7 @@ reaches every rank the benchmarks start.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -272,6 +273,7 @@ def test_ddp_config_round_trip_and_checks() -> None:
         nodes=2,
         steps=5,
         rounds=3,
+        min_seconds=1.5,
         interleave=False,
         powersgd_rank=2,
         topk_density=0.05,
@@ -290,8 +292,34 @@ def test_ddp_config_round_trip_and_checks() -> None:
         DDPBenchConfig(warmup=2).validate()
     with pytest.raises(ValueError, match="unknown reductions"):
         DDPBenchConfig(reductions=["fp8"]).validate()
+    with pytest.raises(ValueError, match="min_seconds must be >= 0"):
+        DDPBenchConfig(min_seconds=-1).validate()
     with pytest.raises(ValueError, match=r"0\.1-10 Gbit/s"):
         DDPBenchConfig(rates=["40gbit"]).validate()
+
+
+def test_ddp_min_seconds_gives_fast_points_more_timed_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fastest reduction's last warm-up step sets the count: 16 steps of
+    25 ms are 0.4 s, so 2 s asks 80; a slow point keeps ``steps``; the
+    slowest rank's reading decides (the MAX agreement)."""
+    from types import SimpleNamespace
+
+    from xcomm_bench import ddp
+
+    cfg = ddp.DDPBenchConfig(steps=16, min_seconds=2.0)
+    runners = [SimpleNamespace(last_warm=t) for t in (0.025, 0.040, 0.4)]
+    monkeypatch.setattr(ddp.dist, "all_reduce", lambda t, **kw: None)
+    assert ddp._timed_steps(cfg, runners, None) == 80
+    assert ddp._timed_steps(cfg, [SimpleNamespace(last_warm=0.2)], None) == 16
+    assert ddp._timed_steps(dataclasses.replace(cfg, min_seconds=0), runners, None) == 16
+
+    def slower_rank(t: torch.Tensor, **kw: object) -> None:
+        t.fill_(0.05)  # another rank's fastest step took 50 ms
+
+    monkeypatch.setattr(ddp.dist, "all_reduce", slower_rank)
+    assert ddp._timed_steps(cfg, runners, None) == 40
 
 
 def test_ddp_models_have_the_documented_sizes() -> None:
