@@ -411,3 +411,25 @@ def test_the_first_round_keeps_its_probe_size_until_a_step_was_timed(
     assert link.step(4)
     # 1% of 5 steps of 130 ms over two runs at 10 Gbit/s: 3.25 ms, 4.06 MB.
     assert link.measure.probe_bytes == pytest.approx(0.01 * 5 * 0.13 / 2 * 10e9 / 8, rel=0.01)
+
+
+def test_the_agreed_latency_is_the_least_over_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first rank at an agreement also waits for the others to finish the
+    probe (milliseconds apart at 0.1 Gbit/s), which no collective pays by
+    itself: the latency every rank uses is the last-arriving rank's reading,
+    agreed in the same one allreduce MAX as the rest (negated)."""
+    from xcomm.hooks import _measure
+
+    m = _measure.MeasuredLink(("allreduce",), ("topk",), probe_fraction=0.01, interval=5)
+    m.latencies = [2e-3, 2.5e-3]  # this rank waited at its agreements
+
+    def with_other_rank(t: torch.Tensor, **kw: Any) -> None:
+        other = t.clone()
+        other[0] = -3e-4  # the other rank's least agreement: 0.3 ms
+        other[-1] = 2 * t[-1]  # and a slower codec
+        torch.maximum(t, other, out=t)
+
+    monkeypatch.setattr(_measure.dist, "all_reduce", with_other_rank)
+    links, costs = m.agree(None, {"allreduce": float}, lambda: {"topk": 1e-9}, step=0)
+    assert links["allreduce"].latency_s == pytest.approx(3e-4)
+    assert costs["topk"] == pytest.approx(2e-9)  # every other input: the MAX

@@ -78,9 +78,11 @@ class MeasuredLink:
     and a probe that fit in the burst read a 3 Gbit/s emulated link as
     several times faster. The latency is the least of the recent agreements
     and may explain at most half of a probe, so a noisy latency cannot make
-    the link look infinitely fast. The link used is the median of the last
-    three rounds' agreed readings, so one noisy probe (a 3 Gbit/s emulated
-    link once read under 1 Gbit/s, once over 8) cannot flip a choice. A
+    the link look infinitely fast; the agreed latency is the least over
+    ranks (the first rank at an agreement also waits for the others). The
+    link used is the median of the last three rounds' agreed readings, so
+    one noisy probe (a 3 Gbit/s emulated link once read under 1 Gbit/s, once
+    over 8) cannot flip a choice. A
     reading more than 2x off the median (before or after it joined), where it
     would change a choice, makes the next round due at the next step (up to
     three in a row), so a real change is followed within a step of the round
@@ -184,7 +186,12 @@ class MeasuredLink:
                 seconds_per_byte[kind] = max(took - latency, 0.5 * took) / wire
         recent = sorted(self.step_times[-5:])
         step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
-        local = [min(self.latencies, default=0.0), step_seconds]
+        # The latency is agreed as the least over ranks (negated, so the one
+        # MAX agrees it): the rank that reaches the agreement first also
+        # waits for the others to finish the probe (at 0.1 Gbit/s a ring's
+        # last chunk lands milliseconds apart on the two ranks), which is not
+        # a cost each collective pays; the last to arrive waits for none.
+        local = [-min(self.latencies, default=0.0), step_seconds]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
         agreed = torch.tensor(local, dtype=torch.float64)
@@ -192,7 +199,7 @@ class MeasuredLink:
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
         values = agreed.tolist()
-        latency, step_seconds, n = values[0], values[1], len(self.kinds)
+        latency, step_seconds, n = -values[0], values[1], len(self.kinds)
         costs = dict(zip(self.codec_keys, values[2 + n :]))
         stride = self.interval
         if fixed is not None:
