@@ -353,7 +353,10 @@ void ShmTransport::waitFor(int peer, uint32_t target,
     }
     if (now >= nextLivenessCheck) {
       nextLivenessCheck = now + kSleepSlice;
-      if (!processAlive(ctl.pid, ctl.startTime)) {
+      // A peer that arrived and then exited (its part done) is no failure:
+      // its arrival was written before it exited, so look once more.
+      if (!processAlive(ctl.pid, ctl.startTime) &&
+          !reached(ctl.arrived.load(std::memory_order_acquire), target)) {
         fail(std::string("xcomm shm: ") + op + " failed: rank " + std::to_string(peer) + " (pid " +
              std::to_string(ctl.pid) + ") died");
       }
