@@ -82,14 +82,13 @@ class MeasuredLink:
     ranks (the first rank at an agreement also waits for the others). The
     link used is the median of the last three rounds' agreed readings, so
     one noisy probe (a 3 Gbit/s emulated link once read under 1 Gbit/s, once
-    over 8) cannot flip a choice. A
-    reading more than 2x off the median (before or after it joined), where it
-    would change a choice, makes the next round due at the next step (up to
-    three in a row), so a real change is followed within a step of the round
-    that saw it, and a noisy one is outvoted at the cost of one round. Probes
-    are sized from the faster of the median and the newest reading: a probe
-    too small for its link reads it slow, and sizing from that reading would
-    keep it small.
+    over 8) cannot flip a choice. A reading more than 2x off the median
+    (before or after it joined), where it would change a choice, makes the
+    next round due at the next step (up to three in a row), so a real change
+    is followed within a step of the round that saw it, and a noisy one is
+    outvoted at the cost of one round. Probes are sized from the faster of
+    the median and the newest reading: a probe too small for its link reads
+    it slow, and sizing from that reading would keep it small.
 
     Probes are sized to cost about ``probe_fraction`` of the ``interval``
     steps between rounds, growing at most 4x a round, and are at least 64 kB
@@ -225,17 +224,17 @@ class MeasuredLink:
             # up the probe grows (at most 4x a round); after it slowed, a
             # round or two cost more until the median follows.
             slowest = 1.0 / max(max(min(a, b) for a, b in zip(median, newest)), 1e-15)
+            # Before any step without a round has been timed (the first
+            # round) there is no budget to size from, nor a step to space
+            # rounds by: the probe keeps its size rather than shrinking to
+            # the smallest, which would read a fast link several times too
+            # slow at the next round.
             if step_seconds > 0:
-                # Before any step without a round has been timed (the first
-                # round) there is no budget to size from: the probe keeps its
-                # size rather than shrinking to the smallest, which would
-                # read a fast link several times too slow at the next round.
                 budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
                 size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
                 self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
-            # What the next round will cost: every probe twice, the agreement.
-            round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
-            if step_seconds > 0:
+                # What the next round will cost: every probe twice, the agreement.
+                round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
                 stride = max(
                     stride, math.ceil(round_seconds / (self.probe_fraction * step_seconds))
                 )
