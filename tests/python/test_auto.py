@@ -254,6 +254,26 @@ def test_measured_link_agrees_across_ranks_and_is_explained() -> None:
     assert sum(auto_ops.values()) == 4 * len(decisions0)
 
 
+def _alone(ctx: RankContext) -> tuple[dict, list, list]:
+    model, ref = DDP(make_model()), DDP(make_model())
+    state = hooks.AutoState(model=model, interval=2)
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, ref))
+    train(model, opt, batch, ctx.rank, range(6))
+    train(ref, ref_opt, batch, ctx.rank, range(6))
+    methods = {i: d["method"] for i, d in state.decisions.items()}
+    return methods, flat_params(model).tolist(), flat_params(ref).tolist()
+
+
+def test_a_group_of_one_sends_nothing_and_trains_as_without_the_hook() -> None:
+    """World size 1 (a one-GPU run, a smoke test): no link to measure. The
+    probes move 0 bytes, and the link must not be read as infinitely slow:
+    auto picks 'none' and the run equals plain DDP bit for bit."""
+    methods, params, ref = run_ranks(_alone, 1)[0]
+    assert methods and set(methods.values()) == {"none"}, methods
+    assert params == ref
+
+
 def _rank_round_spacing(ctx: RankContext, link_bytes_per_s: float) -> dict[str, int]:
     """MeasuredLink on one rank with a probe that takes as long as a link of
     ``link_bytes_per_s`` would, and 20 ms steps."""

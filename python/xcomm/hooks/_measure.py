@@ -182,7 +182,8 @@ class MeasuredLink:
                 t0 = time.perf_counter()
                 wire = probes[kind](self.probe_bytes)
                 took = time.perf_counter() - t0
-                seconds_per_byte[kind] = max(took - latency, 0.5 * took) / wire
+                # A group of one sends nothing (wire == 0): its link costs nothing.
+                seconds_per_byte[kind] = max(took - latency, 0.5 * took) / wire if wire else 0.0
         recent = sorted(self.step_times[-5:])
         step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
         # The latency is agreed as the least over ranks (negated, so the one
