@@ -26,6 +26,12 @@ and the ``standin`` mode looks for ``xcomm:<op>`` where the suite asks for
 In the ``xcomm`` and ``standin`` modes every rank writes a proof file per test:
 the type of the default group's CPU backend when the test started and the
 number of ops ``xcomm.stats()`` counted during the test.
+
+Each rank's stderr goes to a file of its own while the test runs (appended to
+the test's log afterwards). A rank that wrote no result (no proof file where
+one is due, or an exit by a signal or with an unexpected code) is named in
+the test's reason with its exit status and the tail of its stderr
+(``rank_exits`` in the record holds every rank's exit code).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import time
 import traceback
@@ -163,6 +170,14 @@ for _name in list(common_distributed.TIMEOUT_OVERRIDE):
     common_distributed.TIMEOUT_OVERRIDE[_name] = _INNER_TIMEOUT
 
 
+#: Set per test by :func:`_serve`: rank ``r`` sends its stderr to ``<this>.rank<r>.stderr``.
+_RANK_STDERR_ENV = "XCOMM_CONFORMANCE_RANK_STDERR"
+
+
+def _rank_stderr(prefix: str, rank: int) -> Path:
+    return Path(f"{prefix}.rank{rank}.stderr")
+
+
 def _default_backend_type() -> str:
     if not dist.is_initialized():
         return "none"
@@ -182,6 +197,21 @@ class ConformanceCase(TestDistBackend, DistributedTest._DistTestBase):
     no re-import per rank, several seconds saved per test on a small host)
     or spawned as torch does (``XCOMM_CONFORMANCE_START=spawn``)."""
 
+    @classmethod
+    def _run(cls, rank: int, *args: Any, **kwargs: Any) -> None:
+        # In each rank, first thing: its stderr to a file of its own, so that
+        # a rank that dies is reported with what it printed last.
+        prefix = os.environ.get(_RANK_STDERR_ENV)
+        if prefix:
+            fd = os.open(_rank_stderr(prefix, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 2)
+            os.close(fd)
+        super()._run(rank, *args, **kwargs)
+
+    def tearDown(self) -> None:
+        self.rank_exitcodes = [p.exitcode for p in self.processes]  # cleared by tearDown
+        super().tearDown()
+
     def setUp(self) -> None:
         super().setUp()
         if START == "spawn":
@@ -198,6 +228,10 @@ class ConformanceCase(TestDistBackend, DistributedTest._DistTestBase):
             time.sleep(10**6)  # the runner's own tests: a rank that never returns
         try:
             super().run_test(test_name, parent_pipe)
+            if test_name == os.environ.get("XCOMM_CONFORMANCE_DIE_TEST") and self.rank == 0:
+                # the runner's own tests: a rank that dies without a result
+                print("rank 0 dies on purpose", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
         finally:
             if PROOF_DIR and MODE != "gloo":
                 proof = {
@@ -213,12 +247,56 @@ def all_test_names() -> list[str]:
     return sorted(n for n in dir(ConformanceCase) if n.startswith("test_"))
 
 
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "was still running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _tail(path: Path, lines: int = 4, chars: int = 400) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    kept = [x.strip() for x in text.splitlines() if x.strip()][-lines:]
+    return " | ".join(kept)[-chars:]
+
+
+def ranks_without_result(
+    name: str, exitcodes: list[int | None], stderr_prefix: str | None
+) -> list[str]:
+    """One line per rank that wrote no result: no proof file where one is due
+    (xcomm modes), or an exit by a signal or with a code a rank that ran its
+    test to the end (passed, failed or skipped) does not give. Each line says
+    how the rank ended and what its stderr said last."""
+    normal = {0, common_distributed.MultiProcessTestCase.TEST_ERROR_EXIT_CODE}
+    normal |= {s.exit_code for s in common_distributed.TEST_SKIPS.values()}
+    out = []
+    for rank, code in enumerate(exitcodes):
+        no_proof = bool(PROOF_DIR) and MODE != "gloo"
+        no_proof = no_proof and not (Path(PROOF_DIR) / f"{name}.rank{rank}.json").exists()
+        if not no_proof and code in normal:
+            continue
+        line = f"rank {rank} wrote no result: it {_exit_text(code)}"
+        tail = _tail(_rank_stderr(stderr_prefix, rank)) if stderr_prefix else ""
+        out.append(line + (f"; its stderr ends: {tail}" if tail else "; its stderr is empty"))
+    return out
+
+
 def run_one(name: str) -> dict[str, Any]:
     """Runs one test in this process (its ranks forked or spawned) and classifies it."""
     result = unittest.TestResult()
     start = time.monotonic()
-    unittest.TestSuite([ConformanceCase(name)]).run(result)
+    case = ConformanceCase(name)
+    unittest.TestSuite([case]).run(result)
     seconds = round(time.monotonic() - start, 2)
+    exitcodes = getattr(case, "rank_exitcodes", [])
+    dead = ranks_without_result(name, exitcodes, os.environ.get(_RANK_STDERR_ENV))
     out: dict[str, Any] = {"status": "pass", "reason": "", "seconds": seconds}
     if result.skipped:
         out.update(status="skip", reason=str(result.skipped[0][1])[:240])
@@ -233,6 +311,10 @@ def run_one(name: str) -> dict[str, Any]:
         out.update(status="fail", reason="unexpected success")
     elif result.expectedFailures:
         out.update(status="pass", reason="expected failure")
+    if exitcodes:
+        out["rank_exits"] = exitcodes
+    if dead:
+        out["reason"] = "; ".join([out["reason"], *dead] if out["reason"] else dead)
     return out
 
 
@@ -248,6 +330,7 @@ def _serve() -> None:
         with open(log_path, "ab", buffering=0) as log:
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
+        os.environ[_RANK_STDERR_ENV] = log_path
         try:
             out = run_one(name)
         except BaseException:  # noqa: BLE001  (the runner records it; the worker goes on)
@@ -256,6 +339,10 @@ def _serve() -> None:
             out = {"status": "error", "reason": one_line_reason(text), "seconds": 0.0}
         sys.stdout.flush()
         sys.stderr.flush()
+        for f in sorted(Path(log_path).parent.glob(Path(log_path).name + ".rank*.stderr")):
+            with open(log_path, "ab") as log:  # each rank's stderr, after the test's output
+                log.write(f"---- {f.name} ----\n".encode() + f.read_bytes())
+            f.unlink()
         tmp = result_path + ".tmp"
         Path(tmp).write_text(json.dumps(out))
         os.replace(tmp, result_path)

@@ -163,6 +163,19 @@ def test_a_hung_test_is_killed_at_its_hard_timeout_and_the_next_one_runs(
     assert time.monotonic() - start < 120
 
 
+def test_a_rank_that_dies_is_named_with_its_exit_status_and_stderr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("XCOMM_CONFORMANCE_DIE_TEST", "test_get_rank_size_group")
+    res = conformance.run_tests("gloo", ["test_get_rank_size_group"], timeout=60, progress=False)
+    rec = res["test_get_rank_size_group"]
+    assert rec["status"] == "fail", rec
+    assert rec["rank_exits"][0] == -9, rec
+    # (rank 1 then times out in the suite's file barrier: it is named too)
+    assert "rank 0 wrote no result: it was killed by SIGKILL; its stderr ends: " in rec["reason"]
+    assert "rank 0 dies on purpose" in rec["reason"], rec
+
+
 def test_reasons_name_the_ranks_exception_and_where_the_suite_raised_it() -> None:
     text = (
         "Traceback (most recent call last):\n"
