@@ -28,6 +28,9 @@ Subcommands:
 ``diloco``
     DiLoCo against DDP on digits: accuracy, bytes per sample and wall-clock
     time at emulated link rates (:mod:`xcomm_bench.diloco`).
+``gpu``
+    one GPU: codec GB/s beside the GPU's copy bandwidth, DDP step time and
+    hook cost per step at world size 1 (:mod:`xcomm_bench.gpu`).
 
 Examples::
 
@@ -379,6 +382,7 @@ _DELEGATED = {
     "autoswitch": ("autoswitch", "auto hook on a link whose rate changes mid-run"),
     "fsdp": ("fsdp", "FSDP2 step time and bytes, compressed reduce-scatter vs not"),
     "diloco": ("diloco", "DiLoCo vs DDP on digits: accuracy, bytes/sample, wall-clock"),
+    "gpu": ("gpu", "one GPU: codec GB/s against copy, DDP step time per hook (world size 1)"),
 }
 
 

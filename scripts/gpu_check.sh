@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with one GPU and a CUDA torch already installed
+# (no network needed), build xcomm, run every CUDA test and the GPU benchmark.
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]     (default: bench-results/gpu)
+#
+# Writes to OUT_DIR: env.txt (device, driver, torch, CUDA, NCCL), build.log,
+# tests.log + junit.xml (tests/gpu: every collective and DDP with every hook
+# on CUDA tensors against NCCL; world size 2 on one GPU where NCCL accepts
+# it), bench.log + gpu.json + gpu.md (python -m xcomm_bench gpu). Each stage
+# has its own time limit; a failed stage does not stop the later ones, and
+# the exit status is non-zero if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-results/gpu}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 NCCL_MULTI_RANK_GPU_ENABLE=1
+failed=()
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  "$PY" - <<'PY'
+import sys, torch
+print("python", sys.version.split()[0])
+print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())
+print("gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none visible")
+PY
+  command -v nvcc && nvcc --version | tail -2
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== build (CUDA path on; tests of C++ not built: no Catch2 there)"
+if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
+  CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+  export CUDA_HOME
+fi
+if [ "${XCOMM_GPU_SKIP_BUILD:-0}" = 1 ]; then
+  echo "(XCOMM_GPU_SKIP_BUILD=1: using the installed xcomm)"
+elif ! XCOMM_WITH_CUDA=ON XCOMM_BUILD_TESTS=OFF XCOMM_BUILD_JOBS="$(nproc)" \
+  timeout "${XCOMM_GPU_BUILD_S:-240}" "$PY" -m pip install -q --no-build-isolation --no-deps \
+  --no-index -e . >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"
+  echo "FAILED: build"
+  exit 1
+fi
+"$PY" -c "import xcomm, torch; from xcomm import _C; print('xcomm built with CUDA:', _C.built_with_cuda, 'torch', torch.__version__)" | tee -a "$OUT/env.txt"
+
+echo "== tests/gpu"
+timeout "${XCOMM_GPU_TEST_S:-200}" "$PY" -m pytest tests/gpu -v -rA --timeout=600 \
+  -p no:cacheprovider --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E " | head -120
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed+=(tests)
+
+echo "== benchmark"
+timeout "${XCOMM_GPU_BENCH_S:-100}" "$PY" -m xcomm_bench gpu --out "$OUT" >"$OUT/bench.log" 2>&1 || failed+=(benchmark)
+tail -40 "$OUT/bench.log"
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "gpu check passed"

@@ -1,0 +1,344 @@
+"""GPU benchmark of xcomm's CUDA path (``python -m xcomm_bench gpu``).
+
+What ``scripts/gpu_check.sh`` runs on the GPU machine, one rank, one GPU:
+
+1. the device: name, driver, torch, CUDA and NCCL versions;
+2. copy bandwidth: ``dst.copy_(src)`` of a 64 MB float32 bucket on the GPU,
+   timed with CUDA events, and each codec's encode + decode (with error
+   feedback) on the same bucket beside it: xcomm's codecs (``_C``) and the
+   same math written in plain torch ops (device-generic ATen: what the GPU
+   reaches without a kernel of ours). Rates are bucket bytes / time, as in
+   ``python -m xcomm_bench codecs``, so "/ copy" reads as "this codec
+   processes a bucket at x of the speed the GPU copies it";
+3. DDP steps on real buckets at world size 1 over the xcomm backend (CUDA
+   tensors go to its inner NCCL group), with no hook, torch's hooks and
+   xcomm's hooks: the median step time, and the hook's cost per step (step
+   time minus the no-hook step time). At world size 1 the collectives move
+   nothing, so that difference is the hook's compute: the figure the issue
+   compares between xcomm's PowerSGD and torch's ``powerSGD_hook``.
+
+A method that raises on CUDA tensors is reported with its error, not
+skipped: the table shows what runs on a GPU today.
+
+Example::
+
+    python -m xcomm_bench gpu --out bench-results/gpu
+    python -m xcomm_bench gpu --device cpu --numel 1M --steps 3   # smoke test, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import codecs
+
+__all__ = ["main"]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], object], int], list[float]]:
+    """Seconds per call of ``fn``: CUDA events on a GPU, wall clock on a CPU."""
+
+    def run(fn: Callable[[], object], reps: int) -> list[float]:
+        fn()  # warm-up (allocations, cuBLAS/cuRAND handles)
+        out = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                out.append(start.elapsed_time(end) / 1000)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return out
+
+    return run
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    if device.type != "cuda":
+        return info
+    info["name"] = torch.cuda.get_device_name(device)
+    info["cuda"] = torch.version.cuda
+    nccl = torch.cuda.nccl.version()
+    info["nccl"] = ".".join(str(x) for x in nccl) if isinstance(nccl, tuple) else str(nccl)
+    try:
+        info["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["driver"] = f"unknown ({e})"
+    return info
+
+
+def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) -> list[dict]:
+    """GB/s of each codec's encode + decode beside the copy bandwidth."""
+    from xcomm import _C
+
+    gen = torch.Generator().manual_seed(1)
+    flat = torch.randn(numel, generator=gen).to(device)
+    out = torch.empty_like(flat)
+    residual = torch.zeros_like(flat)
+    k = max(1, math.ceil(codecs.DENSITY * numel))
+    half = torch.empty(numel, dtype=torch.float16, device=device)
+    bf16 = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    rgen = torch.Generator(device=device).manual_seed(2)
+    steps = iter(range(10**9))
+
+    def torch_randomk() -> None:
+        # torch.randperm on the device: codecs.torch_randomk draws on the CPU.
+        acc = flat + residual
+        idx = torch.randperm(acc.numel(), generator=rgen, device=device)[:k]
+        residual.copy_(acc.index_fill_(0, idx, 0))
+        out.zero_()
+        out.index_copy_(0, idx, acc[idx])
+
+    # Each entry makes its codec lazily, so a codec that refuses the device
+    # fails its own row only.
+    def xcomm_int8() -> Callable[[], object]:
+        c, fb = _C.Int8Codec(codecs.CHUNK), _C.ErrorFeedback()
+        return lambda: codecs.xcomm_int8(c, fb, flat, world, out)
+
+    def xcomm_topk() -> Callable[[], object]:
+        c = _C.TopKCodec(False, True, 4096, 0)
+        return lambda: codecs.xcomm_topk(c, flat, k, world, out)
+
+    def xcomm_randomk() -> Callable[[], object]:
+        c = _C.RandomKCodec(0, True)
+        return lambda: codecs.xcomm_randomk(c, flat, next(steps), world, out)
+
+    methods: list[tuple[str, str, Callable[[], Callable[[], object]]]] = [
+        ("copy (reference)", "torch", lambda: lambda: out.copy_(flat)),
+        ("fp16 cast", "torch", lambda: lambda: (half.copy_(flat), out.copy_(half))),
+        ("bf16 cast", "torch", lambda: lambda: (bf16.copy_(flat), out.copy_(bf16))),
+        ("int8 + EF", "xcomm", xcomm_int8),
+        ("int8 + EF", "torch ops", lambda: lambda: codecs.torch_int8(flat, residual, world, out)),
+        ("top-k 1% + EF", "xcomm", xcomm_topk),
+        (
+            "top-k 1% + EF",
+            "torch ops",
+            lambda: lambda: codecs.torch_topk(flat, residual, k, world, out),
+        ),
+        ("random-k 1% + EF", "xcomm", xcomm_randomk),
+        ("random-k 1% + EF", "torch ops", lambda: torch_randomk),
+    ]
+    timer = _timer(device)
+    nbytes = 4 * numel
+    rows: list[dict] = []
+    copy_gbs = None
+    for name, impl, make in methods:
+        row: dict[str, Any] = {"method": name, "impl": impl, "numel": numel}
+        try:
+            ts = timer(make(), reps)
+        except Exception as e:  # noqa: BLE001 - reported as the row's result
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+            continue
+        sec = statistics.median(ts)
+        row["ms"] = 1000 * sec
+        row["gb_s"] = nbytes / sec / 1e9
+        if copy_gbs is None:
+            copy_gbs = row["gb_s"]
+        row["ratio"] = row["gb_s"] / copy_gbs
+        rows.append(row)
+    return rows
+
+
+def _model(device: torch.device, width: int, depth: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], Any]]:
+    """name -> (group, model) -> (state, hook) or None (no hook)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
+
+    import xcomm.hooks as xh
+
+    return {
+        "none": lambda g, m: None,
+        "torch fp16_compress_hook": lambda g, m: (g, default_hooks.fp16_compress_hook),
+        "torch powerSGD_hook r4": lambda g, m: (
+            tp.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
+            tp.powerSGD_hook,
+        ),
+        "xcomm powersgd_hook r4": lambda g, m: (
+            xh.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
+            xh.powersgd_hook,
+        ),
+        "xcomm fp16_cast_hook": lambda g, m: (xh.CastState(g), xh.fp16_cast_hook),
+        "xcomm bf16_cast_hook": lambda g, m: (xh.CastState(g), xh.bf16_cast_hook),
+        "xcomm int8_compress_hook": lambda g, m: (xh.Int8State(g, model=m), xh.int8_compress_hook),
+        "xcomm topk_hook 1%": lambda g, m: (xh.TopKState(g, model=m), xh.topk_hook),
+        "xcomm randomk_hook 1%": lambda g, m: (xh.RandomKState(g, model=m), xh.randomk_hook),
+        "xcomm auto_hook": lambda g, m: (xh.AutoState(g, model=m), xh.auto_hook),
+    }
+
+
+def measure_ddp(
+    device: torch.device, width: int, depth: int, batch: int, steps: int, warmup: int = 4
+) -> list[dict]:
+    """Median DDP step time per hook at world size 1 over the default group."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(batch, width, device=device)
+
+    def time_hook(name: str, make: Callable[..., Any]) -> dict[str, Any]:
+        row: dict[str, Any] = {"hook": name}
+        try:
+            model = DDP(
+                _model(device, width, depth),
+                device_ids=[device.index] if device.type == "cuda" else None,
+            )
+            hook = make(None, model)
+            if hook is not None:
+                model.register_comm_hook(*hook)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+            def step() -> None:
+                opt.zero_grad(set_to_none=False)
+                model(x).square().mean().backward()
+                opt.step()
+
+            for _ in range(warmup):  # DDP rebuilds buckets; the hooks start compressing
+                step()
+            ts = []
+            for _ in range(steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                ts.append(time.perf_counter() - t0)
+            row["ms"] = 1000 * statistics.median(ts)
+            row["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        except Exception as e:  # noqa: BLE001 - reported as the row's result
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
+        return row
+
+    hooks = _hooks()
+    time_hook("none", hooks["none"])  # the first DDP of the process pays for start-up
+    rows = [time_hook(name, make) for name, make in hooks.items()]
+    base_ms = next((r["ms"] for r in rows if r["hook"] == "none" and "ms" in r), None)
+    for r in rows:
+        if base_ms is not None and "ms" in r:
+            r["hook_ms"] = r["ms"] - base_ms
+    return rows
+
+
+def format_markdown(info: dict, codec_rows: list[dict], ddp_rows: list[dict], cfg: dict) -> str:
+    lines = [
+        "device: " + ", ".join(f"{k} {v}" for k, v in info.items()),
+        "",
+        (
+            f"codecs: float32 bucket of {cfg['numel']} elements "
+            f"({4 * cfg['numel'] / 2**20:.0f} MiB), encode + decode, median of "
+            f"{cfg['reps']}; rate = bucket bytes / time"
+        ),
+        "",
+        "| method | impl | ms | GB/s | / copy |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in codec_rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['impl']} | fails: {r['error']} | | |")
+        else:
+            lines.append(
+                f"| {r['method']} | {r['impl']} | {r['ms']:.3f} | {r['gb_s']:.1f} | {r['ratio']:.2f} |"
+            )
+    lines += [
+        "",
+        (
+            f"DDP at world size 1 over xcomm: {cfg['depth']} x Linear({cfg['width']}), "
+            f"batch {cfg['batch']}, median of {cfg['steps']} steps"
+        ),
+        "",
+        "| hook | step ms | hook ms per step |",
+        "|---|---:|---:|",
+    ]
+    for r in ddp_rows:
+        if "error" in r:
+            lines.append(f"| {r['hook']} | fails: {r['error']} | |")
+        else:
+            lines.append(f"| {r['hook']} | {r['ms']:.2f} | {r.get('hook_ms', float('nan')):.2f} |")
+    return "\n".join(lines)
+
+
+def _size(text: str) -> int:
+    return codecs._parse_size(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m xcomm_bench gpu", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test)")
+    p.add_argument("--numel", type=_size, default=16 << 20, help="codec bucket elements (16M)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--out", type=Path, default=None, help="folder for gpu.json and gpu.md")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("xcomm_bench gpu: no GPU visible (torch.cuda.is_available() is False)")
+            return 2
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    cfg = {k: getattr(args, k) for k in ("numel", "reps", "width", "depth", "batch", "steps")}
+    info = device_info(device)
+    print(json.dumps(info), flush=True)
+    codec_rows = measure_codecs(device, args.numel, args.reps)
+    import xcomm  # noqa: F401 - registers the backend
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "xcomm", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
+        )
+        try:
+            ddp_rows = measure_ddp(device, args.width, args.depth, args.batch, args.steps)
+        finally:
+            dist.destroy_process_group()
+    text = format_markdown(info, codec_rows, ddp_rows, cfg)
+    print(text, flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu.json").write_text(
+            json.dumps(
+                {"info": info, "config": cfg, "codecs": codec_rows, "ddp": ddp_rows}, indent=1
+            )
+        )
+        (args.out / "gpu.md").write_text(text + "\n")
+    return 0
