@@ -91,10 +91,20 @@ bool DelegatedWork::isCompleted() {
   // finished (Gloo does): whoever saw the future done must see this work done.
   // A CUDA future completes at launch, so there only the work itself counts.
   const bool cpuFuture = innerFuture_ && innerFuture_->devices().empty();
-  if (chained_) {
-    return (cpuFuture || inner_->isCompleted()) && chained_->completed();
-  }
-  return inner_->isCompleted() || (cpuFuture && innerFuture_->completed());
+  const bool done = chained_ ? (cpuFuture || inner_->isCompleted()) && chained_->completed()
+                             : inner_->isCompleted() || (cpuFuture && innerFuture_->completed());
+  if (done) endProfiling();
+  return done;
+}
+
+// xcomm's own works (FutureWork) count as finished before their future's
+// callbacks run, so the callback that ends the profiler event may still be to
+// come when wait() or isCompleted() says the op is done. The caller may then
+// leave the profiler, which frees the event's record: an end after that wrote
+// into freed memory (heap corruption, SIGSEGV/SIGABRT under torch 2.14's
+// profiler). End it here first, as Gloo's works do before they count as done.
+void DelegatedWork::endProfiling() {
+  if (endProfiling_) endProfiling_->run();
 }
 
 bool DelegatedWork::isSuccess() const {
@@ -127,18 +137,26 @@ void DelegatedWork::synchronize() {
 }
 
 bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
-  const bool ok = inner_->wait(timeout);
-  if (endProfiling_ && !innerFuture_) endProfiling_->run();
+  bool ok = false;
+  try {
+    ok = inner_->wait(timeout);
+  } catch (...) {
+    if (inner_->isCompleted()) endProfiling();  // failed, not timed out
+    throw;
+  }
   if (!finalize_) {
+    endProfiling();
     return ok;
   }
   if (chained_) {
     chained_->wait();  // also orders the current CUDA stream after the copy-back
+    endProfiling();
     if (chained_->hasError()) {
       std::rethrow_exception(chained_->exception_ptr());
     }
   } else {
     finalize_->run();
+    endProfiling();
   }
   return ok;
 }

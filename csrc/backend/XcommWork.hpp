@@ -64,8 +64,13 @@ class DelegatedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> innerFuture_;  // null for point-to-point works
   std::shared_ptr<RunOnce> finalize_;                    // null when nothing is staged
   c10::intrusive_ptr<c10::ivalue::Future> chained_;      // inner's future + finalize
+  // Ends the profiler event (once): in the future's callback, and at the
+  // latest when wait() or isCompleted() first says the op is done.
+  void endProfiling();
+
   c10::IValue result_;
-  // Ends the profiler event; a point-to-point work (no future) ends it in wait().
+  // Null when no profiler recorded at construction; a point-to-point work (no
+  // future) ends its event in wait() only.
   std::shared_ptr<RunOnce> endProfiling_;
   bool futureHidden_ = false;
 };
