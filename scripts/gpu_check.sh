@@ -31,6 +31,10 @@ PY
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== build (CUDA path on; tests of C++ not built: no Catch2 there)"
+# The system compiler, as torch's own extensions are built: the GPU image sets
+# CC/CXX to /opt/gcc, whose g++ links libstdc++ statically, and a module with
+# its own libstdc++ beside torch's crashed at its first std::ostream use.
+unset CC CXX CUDAHOSTCXX
 if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null; then
   CUDA_HOME=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
   export CUDA_HOME

@@ -139,6 +139,15 @@ c10::intrusive_ptr<DelegatedWork> XcommBackend::wrap(c10::intrusive_ptr<c10d::Wo
                                                      c10::IValue result, int64_t issuedUs,
                                                      uint64_t bytes, const std::string& op,
                                                      const std::vector<at::Tensor>& inputs) {
+  if (!inner) {
+    // The inner backend ran a synchronous op (async_op=False) on the caller's
+    // stream and returned no work, as NCCL does since torch 2.7: the op is
+    // already ordered there. Finish ours the same way and return none too;
+    // torch waits only on a work it gets.
+    if (finalize) finalize();
+    recordCompleted(c10d::opTypeToString(type), bytes, bytes, issuedUs, /*failed=*/false);
+    return {};
+  }
   auto resultType = result.type();
   auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                                  std::move(result), std::move(resultType),
@@ -509,7 +518,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
     auto transfer = alltoallReduceScatter_->start(inner, output, input, opts, finalize);
     auto work = wrap(std::move(transfer), c10d::OpType::_REDUCE_SCATTER_BASE, std::move(finalize),
                      std::move(result), issuedUs, bytes, op, {input});
-    work->hideFuture();  // as Gloo's reduce-scatter: no future
+    if (work) work->hideFuture();  // as Gloo's reduce-scatter: no future
     return work;
   }
   return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}), {input},

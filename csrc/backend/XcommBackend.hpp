@@ -168,7 +168,8 @@ class XcommBackend : public c10d::Backend {
                                           const std::vector<at::Tensor>& inputs, Call&& call);
   // The work the caller gets: `inner` plus `finalize`, run once the inner work
   // succeeded (after any copy-back); counted in xcomm.stats() and the
-  // timeline, and one "xcomm:<op>" event under torch.profiler.
+  // timeline, and one "xcomm:<op>" event under torch.profiler. Null when
+  // `inner` is (a synchronous op already ordered on the caller's stream).
   c10::intrusive_ptr<DelegatedWork> wrap(c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type,
                                          std::function<void()> finalize, c10::IValue result,
                                          int64_t issuedUs, uint64_t bytes, const std::string& op,

@@ -8,6 +8,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "RankThreads.hpp"
+#include "backend/GroupBuilder.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommBackend.hpp"
 #include "common/TorchCompat.hpp"
@@ -454,4 +455,50 @@ TEST_CASE("the chunk scheduler sends the first layers first, the same order on e
       (void)size;
     });
   }
+}
+
+namespace {
+
+// An inner backend that answers a synchronous op as NCCL does since torch
+// 2.7: it runs the op on the caller's stream and returns no work.
+class NoWorkWhenSync : public xcomm::StoreCpuBackend {
+ public:
+  using StoreCpuBackend::StoreCpuBackend;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    auto work = StoreCpuBackend::allreduce(tensors, opts);
+    if (opts.asyncOp) return work;
+    work->wait();
+    return {};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a synchronous op whose inner backend returns no work returns none, finished",
+          "[backend]") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  xcomm::InnerBackendFactory factory;
+  factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
+                   std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+    return c10::make_intrusive<NoWorkWhenSync>(prefixed, r, n, timeout);
+  };
+  auto b =
+      xcomm::buildGroup(store, 0, 1, xcomm::XcommOptions::create(std::chrono::seconds(10)), factory,
+                        /*allowShm=*/false);
+  // Non-contiguous and a PREMUL_SUM the inner backend lacks: xcomm stages a
+  // scaled copy and must copy the result back before it returns.
+  auto base = at::arange(8, at::kFloat).reshape({2, 4});
+  std::vector<at::Tensor> tensors{base.t()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = xcomm::compat::makePreMulSum(2.0);
+  opts.asyncOp = false;
+  auto work = b->allreduce(tensors, opts);
+  CHECK(!work);
+  CHECK(at::equal(base, 2 * at::arange(8, at::kFloat).reshape({2, 4})));
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  opts.asyncOp = true;
+  work = b->allreduce(tensors, opts);
+  REQUIRE(work);
+  CHECK(work->wait());
 }
