@@ -60,7 +60,10 @@ for v in "${versions[@]}"; do
   ctest --test-dir "$build_dir" --output-on-failure --timeout 300 || failed+=("torch $v: ctest")
 
   echo "== Python tests (pytest), torch $v"
-  "$py" -m pytest tests/python xcomm_bench/tests tests/clients --timeout=900 -q --durations=25 \
+  # tests/gpu: on CPU tensors against gloo where no GPU is visible (scripts/gpu_check.sh
+  # runs them on a GPU against NCCL).
+  XCOMM_GPU_TESTS_ON_CPU=1 "$py" -m pytest tests/python xcomm_bench/tests tests/clients tests/gpu \
+    --timeout=900 -q --durations=25 \
     "${select[@]}" "$@" || failed+=("torch $v: pytest")
 done
 
