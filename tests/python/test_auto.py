@@ -453,3 +453,20 @@ def test_the_agreed_latency_is_the_least_over_ranks(monkeypatch: pytest.MonkeyPa
     links, costs = m.agree(None, {"allreduce": float}, lambda: {"topk": 1e-9}, step=0)
     assert links["allreduce"].latency_s == pytest.approx(3e-4)
     assert costs["topk"] == pytest.approx(2e-9)  # every other input: the MAX
+
+
+def test_gpu_buckets_choose_only_among_methods_that_run_on_the_device() -> None:
+    """xcomm's int8, top-k and PowerSGD codecs are CPU code: on a GPU bucket
+    auto offers only none and the casts, and says so when nothing is left."""
+    state = hooks.AutoState()
+    assert state.candidates("cpu") == state.allowed
+    assert state.candidates("cuda") == ("none", "bf16")  # the default methods
+    every = hooks.AutoState(methods=("none", "bf16", "fp16", "int8", "topk", "powersgd"))
+    assert every.candidates("cuda") == ("none", "bf16", "fp16")
+    assert hooks.AutoState(methods=("none", "int8")).candidates("cuda") == ("none",)
+    with pytest.raises(ValueError, match="on cuda buckets auto can choose only"):
+        hooks.AutoState(methods=("int8", "topk")).candidates("cuda")
+    link = hooks.LinkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e6)  # slow: compress
+    predicted = every._predict(1 << 20, [(1024, 1024)], 4, "cuda", 2, link, COSTS)
+    assert set(predicted) == {"none", "bf16", "fp16"}
+    assert min(predicted, key=predicted.get) in ("bf16", "fp16")

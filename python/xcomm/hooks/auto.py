@@ -35,6 +35,12 @@ Lossy methods share one :class:`~xcomm.hooks.FeedbackStore`, so a bucket
 that switches method keeps its residual (PowerSGD's per-parameter error is
 handed over too); a switch to ``none`` or a cast sends what is owed.
 
+On GPU buckets the candidates are ``none``, ``bf16`` and ``fp16`` only
+(:meth:`AutoState.candidates`): xcomm's int8, top-k and PowerSGD codecs are
+CPU code, and a bucket sent through the host costs more than any link saves
+(``docs/benchmarks.md``, "GPU"). The probe then runs on the GPU (over NCCL);
+the cast costs in the model are still the CPU's, an over-estimate there.
+
 The choice can be bounded: ``methods`` (allowed set), ``lossless_only``,
 ``min_density`` (top-k), ``powersgd_rank``. :meth:`AutoState.explain` and
 ``state.decisions`` tell which method each bucket uses and the predicted
@@ -83,6 +89,10 @@ __all__ = ["METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
 _LOSSLESS = ("none",)
+#: What runs on a GPU bucket without a round trip through the host: xcomm's
+#: int8, top-k and PowerSGD codecs are CPU code (issue 14), and on a GPU they
+#: cost more than any link saves.
+_ON_DEVICE = ("none", "bf16", "fp16")
 _INT8_CHUNK = 1024
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
@@ -296,7 +306,7 @@ class AutoState(PicklableState):
         self._in_step = False
         # Each bucket's (numel, parameter shapes, itemsize), to ask whether a
         # new reading of the link would change its method.
-        self._bucket_inputs: dict[int, tuple[int, list[tuple[int, ...]], int]] = {}
+        self._bucket_inputs: dict[int, tuple[int, list[tuple[int, ...]], int, str]] = {}
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -375,13 +385,36 @@ class AutoState(PicklableState):
 
     # -- measurement and agreement --
 
-    def _round(self, group: dist.ProcessGroup | None, world: int) -> None:
+    def candidates(self, device_type: str) -> tuple[str, ...]:
+        """The allowed methods for a bucket on ``device_type``: all of them on
+        CPU; on a GPU those that run there (``none``, ``bf16``, ``fp16``).
+
+        Example::
+
+            >>> AutoState().candidates("cuda")
+            ('none', 'bf16')
+        """
+        if device_type == "cpu":
+            return self.allowed
+        found = tuple(m for m in self.allowed if m in _ON_DEVICE)
+        if not found:
+            raise ValueError(
+                f"xcomm.hooks.auto_hook: on {device_type} buckets auto can choose only "
+                f"{_ON_DEVICE} (xcomm's int8, top-k and PowerSGD codecs run on CPU); "
+                f"methods={self.allowed} leaves none of them"
+            )
+        return found
+
+    def _round(self, group: dist.ProcessGroup | None, world: int, device: torch.device) -> None:
         """At the start of a re-evaluation step: probe the link with one
-        allreduce and agree on every input (:class:`MeasuredLink`)."""
+        allreduce on the buckets' device (the path their collectives take)
+        and agree on every input (:class:`MeasuredLink`)."""
 
         def probe(nbytes: int) -> float:
-            t = torch.zeros(max(1, nbytes // 4))
+            t = torch.zeros(max(1, nbytes // 4), device=device)
             dist.all_reduce(t, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # NCCL's sync op returns once enqueued
             return _allreduce_wire(t.numel() * 4.0, world)
 
         links, costs = self._measure.agree(
@@ -411,8 +444,9 @@ class AutoState(PicklableState):
         link, costs = self._agreed
         shapes = [tuple(p.shape) for p in bucket.parameters()]
         itemsize = bucket.buffer().element_size()
-        self._bucket_inputs[index] = (numel, shapes, itemsize)
-        predicted = self._predict(numel, shapes, itemsize, world, link, costs)
+        device_type = bucket.buffer().device.type
+        self._bucket_inputs[index] = (numel, shapes, itemsize, device_type)
+        predicted = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
         return self._choices.choose(index, numel, self.iter, predicted)
 
     def _predict(
@@ -420,11 +454,12 @@ class AutoState(PicklableState):
         numel: int,
         shapes: list[tuple[int, ...]],
         itemsize: int,
+        device_type: str,
         world: int,
         link: LinkModel,
         costs: dict[str, float],
     ) -> dict[str, float]:
-        """Every allowed method's predicted seconds for one bucket."""
+        """Every candidate method's predicted seconds for one bucket."""
         return {
             m: predict_seconds(
                 m,
@@ -437,7 +472,7 @@ class AutoState(PicklableState):
                 rank=self.powersgd_rank,
                 itemsize=itemsize,
             )
-            for m in self.allowed
+            for m in self.candidates(device_type)
         }
 
 
@@ -469,8 +504,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state._measure.step_started()
         due = state.iter >= state._measure.next_round
         if due or state._agreed is None:
-            state._round(group, world)
-    if "powersgd" in state.allowed:
+            state._round(group, world, buffer.device)
+    if "powersgd" in state.candidates(buffer.device.type):
         # PowerSGD numbers parameters in the order it first sees them; seeing
         # every bucket from the first step keeps that order the same in a
         # resumed run, whichever bucket it compresses first.
