@@ -243,3 +243,20 @@ def test_topk_warmup_decays_to_the_target_density() -> None:
     assert 0.01 < state.current_density() < 0.25
     state.steps.iter = state.start_iter + 10
     assert state.current_density() == pytest.approx(0.01)
+
+
+def test_a_gpu_bucket_through_a_host_codec_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
+    """int8, top-k and random-k encode on the CPU: a bucket on another device
+    makes a round trip through the host every step, which the user is told
+    (once per hook; a meta tensor stands in for a GPU bucket)."""
+    import logging
+
+    from xcomm.hooks import _common
+
+    _common._warned_host_codec.discard("topk_hook")
+    with caplog.at_level(logging.WARNING, logger="xcomm.hooks._common"):
+        _common.warn_host_codec("topk_hook", torch.empty(4))  # CPU: nothing to say
+        for _ in range(3):
+            _common.warn_host_codec("topk_hook", torch.empty(4, device="meta"))
+    assert len(caplog.records) == 1, caplog.text
+    assert "topk codec runs on the CPU" in caplog.text and "bf16_cast_hook" in caplog.text

@@ -49,6 +49,27 @@ def feedback_store(state: Any) -> FeedbackStore:
     return state.feedback
 
 
+_warned_host_codec: set[str] = set()
+
+
+def warn_host_codec(name: str, tensor: torch.Tensor) -> None:
+    """Warns once per hook that a GPU bucket goes through the host: xcomm's
+    int8, top-k and random-k codecs are CPU code (issue 14). On an H200 they
+    cost 80-630 ms per step of a 25M-parameter model (docs/benchmarks.md, "GPU")."""
+    if tensor.device.type == "cpu" or name in _warned_host_codec:
+        return
+    _warned_host_codec.add(name)
+    logger.warning(
+        "xcomm.hooks.%s: this bucket is on %s, and xcomm's %s codec runs on the CPU: every "
+        "step copies the bucket to the host and back, which costs more than most links save. "
+        "On GPUs use bf16_cast_hook / fp16_cast_hook, or torch's powerSGD_hook, until xcomm "
+        "has CUDA codecs",
+        name,
+        tensor.device,
+        name.removesuffix("_hook").removesuffix("_compress"),
+    )
+
+
 def check_floating(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
         raise TypeError(f"xcomm.hooks.{name}: gradients must be floating point, got {tensor.dtype}")

@@ -35,6 +35,7 @@ from ._common import (
     group_size,
     mark_issued,
     then_collective,
+    warn_host_codec,
 )
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
@@ -103,6 +104,7 @@ def int8_compress_hook(
     """Averages the bucket through int8 payloads (see the module docstring)."""
     buffer = bucket.buffer()
     check_floating("int8_compress_hook", buffer)
+    warn_host_codec("int8_compress_hook", buffer)
     if state.steps.iter < state.start_iter:
         state.steps.after_bucket(bucket)
         return allreduce_mean(state, bucket, state.stats)

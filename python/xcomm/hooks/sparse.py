@@ -32,6 +32,7 @@ from ._common import (
     check_start_iter,
     feedback_store,
     group_size,
+    warn_host_codec,
 )
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes
@@ -122,6 +123,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     """Averages the top-k entries of every rank's (gradient + residual)."""
     buffer = bucket.buffer()
     check_floating("topk_hook", buffer)
+    warn_host_codec("topk_hook", buffer)
     if state.steps.iter < state.start_iter:
         state.steps.after_bucket(bucket)
         return allreduce_mean(state, bucket, state.stats)
@@ -206,6 +208,7 @@ def randomk_hook(
     """Averages the same random subset of entries on every rank with one allreduce."""
     buffer = bucket.buffer()
     check_floating("randomk_hook", buffer)
+    warn_host_codec("randomk_hook", buffer)
     if state.steps.iter < state.start_iter:
         state.steps.after_bucket(bucket)
         return allreduce_mean(state, bucket, state.stats)
