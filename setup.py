@@ -75,10 +75,16 @@ class CMakeBuild(build_ext):
         torch's CMake config insists on finding the toolkit whenever torch
         itself is a CUDA build, even for a build of xcomm without its CUDA
         path; it does not look behind an ``nvcc`` on PATH that is a wrapper
-        script (as on our machines), so name the toolkit explicitly."""
+        script (as on our machines), so name the toolkit explicitly. With no
+        toolkit (a pip-installed CUDA torch), skip torch's CMake package:
+        xcomm calls no CUDA API and needs only torch's headers and CPU
+        libraries. ``XCOMM_NO_CUDA_TOOLKIT=1`` takes that path even where a
+        toolkit exists."""
         if not getattr(torch.version, "cuda", None):  # type: ignore[attr-defined]
             return []
         candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+        if os.environ.get("XCOMM_NO_CUDA_TOOLKIT") == "1":
+            candidates = []
         for home in filter(None, candidates):
             if (Path(home) / "bin" / "nvcc").exists() and (Path(home) / "include").is_dir():
                 return [
@@ -86,10 +92,19 @@ class CMakeBuild(build_ext):
                     f"-DCUDA_TOOLKIT_ROOT_DIR={home}",
                     f"-DCMAKE_CUDA_COMPILER={Path(home) / 'bin' / 'nvcc'}",
                 ]
-        raise RuntimeError(
-            f"torch {torch.__version__} is a CUDA build, and building against it needs the "  # type: ignore[attr-defined]
-            "CUDA toolkit (nvcc and its headers): install it, or set CUDA_HOME to where it is"
+        # No toolkit: xcomm calls no CUDA API, so it needs none. Build against
+        # torch's headers and CPU libraries directly (CMakeLists.txt, XCOMM_TORCH_DIR).
+        print(
+            f"xcomm: torch {torch.__version__} is a CUDA build and no CUDA toolkit was found "  # type: ignore[attr-defined]
+            "(CUDA_HOME, CUDA_PATH, /usr/local/cuda); building against torch's own headers "
+            "and libraries, which is all xcomm needs"
         )
+        return [
+            f"-DXCOMM_TORCH_DIR={Path(torch.__file__).parent}",  # type: ignore[attr-defined]
+            f"-DXCOMM_TORCH_VERSION={torch.__version__.split('+')[0]}",  # type: ignore[attr-defined]
+            f"-DXCOMM_TORCH_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",  # type: ignore[attr-defined]
+            "-DXCOMM_TORCH_HAS_CUDA=ON",
+        ]
 
     @staticmethod
     def _has_ninja() -> bool:

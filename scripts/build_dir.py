@@ -9,6 +9,7 @@ against different headers; ccache shares what it can between them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,9 @@ def build_dir() -> Path:
 
     major, minor = torch.__version__.split(".")[:2]
     py = f"{sys.version_info.major}{sys.version_info.minor}"
-    return ROOT / "build" / f"cmake-py{py}-torch{major}.{minor}"
+    # Built against torch's files directly, not its CMake package (setup.py): other flags.
+    direct = "-direct" if os.environ.get("XCOMM_NO_CUDA_TOOLKIT") == "1" else ""
+    return ROOT / "build" / f"cmake-py{py}-torch{major}.{minor}{direct}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""One-process check that an installed xcomm imports and reduces.
+
+    python scripts/smoke.py [--expect-cuda-path]
+
+Creates a world-size-1 xcomm group, all-reduces a CPU tensor and checks the
+result; with ``--expect-cuda-path`` also that the build has its CUDA path
+(``xcomm._C.built_with_cuda``). Exits non-zero, naming what failed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    import xcomm
+
+    print(f"xcomm from {os.path.dirname(xcomm.__file__)}, torch {torch.__version__}")
+    if "--expect-cuda-path" in sys.argv and not xcomm._C.built_with_cuda:
+        print("smoke: this build has no CUDA path, but torch has CUDA")
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "xcomm", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
+        )
+        try:
+            t = torch.arange(6, dtype=torch.float32)
+            dist.all_reduce(t)
+            if not torch.equal(t, torch.arange(6, dtype=torch.float32)):
+                print(f"smoke: all_reduce over one rank changed the tensor: {t}")
+                return 1
+        finally:
+            dist.destroy_process_group()
+    print("smoke: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
