@@ -31,6 +31,7 @@ ONCE_ONLY=(
   xcomm_bench/tests/test_engine_bench.py
   xcomm_bench/tests/test_fsdp_bench.py
   xcomm_bench/tests/test_fuzz.py
+  xcomm_bench/tests/test_gpu_bench.py
   xcomm_bench/tests/test_launch.py
 )
 
