@@ -59,7 +59,7 @@ class CMakeBuild(build_ext):
             f"-DXCOMM_WITH_CUDA={os.environ.get('XCOMM_WITH_CUDA', 'AUTO')}",
             f"-DXCOMM_BUILD_TESTS={os.environ.get('XCOMM_BUILD_TESTS', 'ON')}",
         ]
-        configure += self._cuda_toolkit_args(torch)
+        configure += self._torch_location_args(torch)
         subprocess.run(configure, check=True)
         jobs = os.environ.get("XCOMM_BUILD_JOBS", str(os.cpu_count() or 2))
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", jobs], check=True)
@@ -69,8 +69,8 @@ class CMakeBuild(build_ext):
             shutil.copy2(built, target)
 
     @staticmethod
-    def _cuda_toolkit_args(torch: object) -> list[str]:
-        """Where the CUDA toolkit is, for a CUDA build of torch.
+    def _torch_location_args(torch: object) -> list[str]:
+        """How CMake finds torch: for a CUDA build of torch, where the CUDA toolkit is.
 
         torch's CMake config insists on finding the toolkit whenever torch
         itself is a CUDA build, even for a build of xcomm without its CUDA

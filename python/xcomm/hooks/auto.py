@@ -304,8 +304,8 @@ class AutoState(PicklableState):
         self._agreed: tuple[LinkModel, dict[str, float]] | None = None
         self._fresh_round = False
         self._in_step = False
-        # Each bucket's (numel, parameter shapes, itemsize), to ask whether a
-        # new reading of the link would change its method.
+        # Each bucket's (numel, parameter shapes, itemsize, device type), to ask
+        # whether a new reading of the link would change its method.
         self._bucket_inputs: dict[int, tuple[int, list[tuple[int, ...]], int, str]] = {}
 
     @property
