@@ -126,7 +126,7 @@ def xcomm_topk(
 def xcomm_randomk(
     codec: _C.RandomKCodec, flat: torch.Tensor, step: int, world: int, out: torch.Tensor
 ) -> None:
-    positions = codec.positions(0, step, flat.numel(), DENSITY)
+    positions = codec.positions(0, step, flat.numel(), DENSITY, flat.device)
     values = codec.encode(0, flat, positions)
     codec.decode(values.mul_(world), positions, out, float(world))
 

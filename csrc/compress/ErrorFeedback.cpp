@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "compress/cuda/CudaCodecs.hpp"
+
 namespace xcomm {
 
 namespace {
@@ -13,6 +15,12 @@ void checkSize(int64_t key, const at::Tensor& residual, const at::Tensor& input)
               "rebuilt its buckets, i.e. at iteration 2 or later)");
 }
 
+// Where a bucket's float32 accumulator lives: beside a GPU bucket when the
+// CUDA kernels can update it there, else in host memory for the CPU kernels.
+at::Device accumulatorDevice(const at::Tensor& input) {
+  return input.is_cuda() && cuda::codecsBuilt() ? input.device() : at::Device(at::kCPU);
+}
+
 }  // namespace
 
 at::Tensor ErrorFeedback::accumulator(int64_t key, const at::Tensor& input, bool* seeded) {
@@ -20,14 +28,15 @@ at::Tensor ErrorFeedback::accumulator(int64_t key, const at::Tensor& input, bool
   if (it != residuals_.end()) {
     checkSize(key, it->second, input);
     if (it->second.scalar_type() == at::kFloat && it->second.is_contiguous() &&
-        it->second.device().is_cpu()) {
+        it->second.device() == accumulatorDevice(input)) {
       *seeded = false;
       return it->second;
     }
   }
-  at::Tensor start = it == residuals_.end()
-                         ? input.reshape({-1}).to(at::kCPU, at::kFloat, false, true)
-                         : compensate(key, input).reshape({-1}).to(at::kFloat);
+  at::Tensor start =
+      it == residuals_.end()
+          ? input.reshape({-1}).to(accumulatorDevice(input), at::kFloat, false, true)
+          : compensate(key, input).reshape({-1}).to(accumulatorDevice(input), at::kFloat);
   start = start.contiguous();
   residuals_[key] = start;
   *seeded = true;
@@ -40,7 +49,7 @@ at::Tensor ErrorFeedback::compensate(int64_t key, const at::Tensor& input) const
     return input.clone();
   }
   checkSize(key, it->second, input);
-  return input + it->second.view(input.sizes()).to(input.dtype());
+  return input + it->second.view(input.sizes()).to(input.device(), input.dtype());
 }
 
 }  // namespace xcomm

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "compress/cuda/CudaCodecs.hpp"
 #include "compress/kernels/CodecKernels.hpp"
 
 namespace xcomm {
@@ -23,6 +24,16 @@ int64_t grainChunks(int64_t chunkElems) {
 
 bool isDenseFloat(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
+}
+
+// A bucket the CUDA kernels take: on a GPU, in a build that has them.
+bool onCudaKernels(const at::Tensor& t) {
+  return t.is_cuda() && cuda::codecsBuilt();
+}
+
+// `t` flat, float32 and contiguous, on its own device.
+at::Tensor denseFloat(const at::Tensor& t) {
+  return t.reshape({-1}).to(at::kFloat).contiguous();
 }
 
 // Runs fn(shard j, chunks [c0, c1) of it, element offset, valid elements) over
@@ -107,8 +118,14 @@ at::Tensor Int8Codec::packShards(const at::Tensor& flat, int world) const {
                    "xcomm: int8 compression needs a floating-point tensor");
   TORCH_CHECK_VALUE(world > 0, "xcomm: int8 needs a positive world size, got ", world);
   const int64_t n = flat.numel();
+  const int64_t shard = shardElems(n, world);
+  if (onCudaKernels(flat)) {
+    at::Tensor out = at::empty({world, packedBytes(shard)}, flat.options().dtype(at::kByte));
+    cuda::int8Encode(denseFloat(flat), at::Tensor(), n, world, shard, shard, chunkElems_, out);
+    return out;
+  }
   at::Tensor src = flat.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
-  at::Tensor out = at::empty({world, packedBytes(shardElems(n, world))}, at::kByte);
+  at::Tensor out = at::empty({world, packedBytes(shard)}, at::kByte);
   quantizeShards(src.data_ptr<float>(), nullptr, n, world, 0, out);
   return out;
 }
@@ -117,6 +134,15 @@ at::Tensor Int8Codec::packShardsWithFeedback(const at::Tensor& flat, int world,
                                              ErrorFeedback& feedback, int64_t key) const {
   TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
                    "xcomm: int8 compression needs a floating-point tensor");
+  if (onCudaKernels(flat) && flat.scalar_type() == at::kFloat && flat.is_contiguous()) {
+    const int64_t n = flat.numel(), shard = shardElems(n, world);
+    bool seeded = false;
+    at::Tensor residual = feedback.accumulator(key, flat, &seeded);
+    at::Tensor out = at::empty({world, packedBytes(shard)}, flat.options().dtype(at::kByte));
+    cuda::int8Encode(seeded ? at::Tensor() : flat.view({-1}), residual, n, world, shard, shard,
+                     chunkElems_, out);
+    return out;
+  }
   if (!isDenseFloat(flat)) {  // the unfused route keeps the residual in the bucket's dtype
     at::Tensor acc = feedback.compensate(key, flat.reshape({-1}));
     at::Tensor packed = packShards(acc, world);
@@ -141,6 +167,15 @@ at::Tensor Int8Codec::packRows(const at::Tensor& flat, int rows, ErrorFeedback* 
                    "xcomm: int8 compression needs a floating-point tensor");
   const int64_t n = flat.numel();
   const int64_t rowBytes = packedBytes(rowElems(n, rows));
+  if (onCudaKernels(flat)) {
+    at::Tensor src = denseFloat(flat);
+    at::Tensor out = at::empty({rows, rowBytes}, flat.options().dtype(at::kByte));
+    bool seeded = false;
+    at::Tensor residual = feedback ? feedback->accumulator(key, src, &seeded) : at::Tensor();
+    cuda::int8Encode(seeded ? at::Tensor() : src, residual, n, rows, n / rows, rowElems(n, rows),
+                     chunkElems_, out);
+    return out;
+  }
   at::Tensor src = flat.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
   at::Tensor out = takeBuffer(rows * rowBytes).view({rows, rowBytes});
   if (feedback == nullptr) {
@@ -160,6 +195,13 @@ at::Tensor Int8Codec::reduceRows(const at::Tensor& received, int64_t shard, doub
       received.dim() == 2 && received.size(1) == packedBytes(shard) && shard % chunkElems_ == 0,
       "xcomm: int8 payload has the wrong size");
   at::Tensor packed = received.contiguous();
+  if (onCudaKernels(packed)) {
+    at::Tensor out = pack ? at::empty({packedBytes(shard)}, packed.options())
+                          : at::empty({shard}, packed.options().dtype(at::kFloat));
+    cuda::int8Reduce(packed, shard, chunkElems_, static_cast<float>(divisor),
+                     pack ? at::Tensor() : out, pack ? out : at::Tensor());
+    return out;
+  }
   const int64_t chunks = shard / chunkElems_;
   at::Tensor out = pack ? takeBuffer(packedBytes(shard)) : at::empty({shard}, at::kFloat);
   const uint8_t* rows = packed.data_ptr<uint8_t>();
@@ -192,6 +234,13 @@ at::Tensor Int8Codec::reduceAndPack(const at::Tensor& received, int64_t shard,
 }
 
 at::Tensor Int8Codec::pack(const at::Tensor& shard) const {
+  if (onCudaKernels(shard)) {
+    at::Tensor src = denseFloat(shard);
+    const int64_t n = src.numel();
+    at::Tensor out = at::empty({1, packedBytes(n)}, src.options().dtype(at::kByte));
+    cuda::int8Encode(src, at::Tensor(), n, 1, n, n, chunkElems_, out);
+    return out.view({-1});
+  }
   at::Tensor src = shard.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
   const int64_t n = src.numel();
   // One "shard" of n elements: packShards' layout with world 1, without padding.
@@ -215,6 +264,15 @@ void Int8Codec::unpackAll(const at::Tensor& gathered, int64_t shard, at::Tensor&
   const int64_t world = packed.size(0);
   const int64_t n = out.numel();
   TORCH_CHECK_VALUE(n <= world * shard, "xcomm: int8 output larger than the payload");
+  if (onCudaKernels(packed)) {
+    TORCH_CHECK_VALUE(out.device() == packed.device(), "xcomm: int8 output on ", out.device(),
+                      " but the payload on ", packed.device());
+    const bool dense = out.scalar_type() == at::kFloat && out.is_contiguous();
+    at::Tensor full = dense ? out.view({-1}) : at::empty({n}, packed.options().dtype(at::kFloat));
+    cuda::int8Decode(packed, shard, chunkElems_, n, full);
+    if (!dense) out.view({-1}).copy_(full);
+    return;
+  }
   const bool direct = isDenseFloat(out);
   at::Tensor full = direct ? out.view({-1}) : at::empty({n}, at::kFloat);
   float* dst = full.data_ptr<float>();

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "compress/cuda/CudaCodecs.hpp"
 #include "compress/kernels/CodecKernels.hpp"
 
 namespace xcomm {
@@ -25,10 +26,19 @@ bool isDenseFloat(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
 }
 
+// A GPU bucket the CUDA kernels take, with its positions on the same device.
+bool onCudaKernels(const at::Tensor& t, const at::Tensor& positions) {
+  return t.is_cuda() && cuda::codecsBuilt() && positions.device() == t.device() &&
+         positions.is_contiguous();
+}
+
 void checkPositions(const at::Tensor& positions, int64_t numel) {
   TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1,
                     "xcomm: random-k positions must be a 1-D int64 tensor");
-  if (positions.numel() > 0) {
+  // On a GPU the range check would wait for the device; the positions come
+  // from positions() for this bucket's size (a size mismatch is caught by
+  // the caller's numel checks).
+  if (positions.numel() > 0 && !positions.is_cuda()) {
     TORCH_CHECK_VALUE(
         positions.min().item<int64_t>() >= 0 && positions.max().item<int64_t>() < numel,
         "xcomm: a random-k position lies outside the bucket of ", numel, " elements");
@@ -40,11 +50,13 @@ void checkPositions(const at::Tensor& positions, int64_t numel) {
 RandomKCodec::RandomKCodec(uint64_t seed, bool errorFeedback)
     : seed_(seed), useFeedback_(errorFeedback) {}
 
-at::Tensor RandomKCodec::positions(int64_t key, int64_t step, int64_t numel, double density) const {
+at::Tensor RandomKCodec::positions(int64_t key, int64_t step, int64_t numel, double density,
+                                   at::Device device) const {
   TORCH_CHECK_VALUE(density > 0.0 && density <= 1.0,
                     "xcomm: random-k density must be in (0, 1], got ", density);
-  if (numel == 0) return at::empty({0}, at::kLong);
-  if (density >= 1.0) return at::arange(numel, at::kLong);
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  if (numel == 0) return at::empty({0}, options);
+  if (density >= 1.0) return at::arange(numel, options);
   // Stratified: k = ceil(density * numel) strata of (nearly) equal width and
   // one position drawn in each, from integer hashing only, so every rank and
   // every CPU draws the same positions, in ascending order, at k draws'
@@ -52,6 +64,11 @@ at::Tensor RandomKCodec::positions(int64_t key, int64_t step, int64_t numel, dou
   const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(density * numel)));
   const uint64_t base =
       mix(seed_ ^ mix(static_cast<uint64_t>(key) ^ mix(static_cast<uint64_t>(step))));
+  if (device.is_cuda() && cuda::codecsBuilt() && numel < (int64_t{1} << 31)) {
+    at::Tensor pos = at::empty({k}, options);
+    cuda::randomkPositions(base, numel, pos);
+    return pos;
+  }
   at::Tensor pos = at::empty({k}, at::kLong);
   int64_t* out = pos.data_ptr<int64_t>();
   const unsigned __int128 n = static_cast<uint64_t>(numel);
@@ -64,7 +81,7 @@ at::Tensor RandomKCodec::positions(int64_t key, int64_t step, int64_t numel, dou
       out[i] = lo + static_cast<int64_t>(mix(base + static_cast<uint64_t>(i)) % width);
     }
   });
-  return pos;
+  return device.is_cpu() ? pos : pos.to(device);
 }
 
 at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::Tensor& positions) {
@@ -76,6 +93,18 @@ at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::T
   TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
                    "xcomm: random-k needs a floating-point tensor");
   checkPositions(positions, flat.numel());
+  if (onCudaKernels(flat, positions) && flat.scalar_type() == at::kFloat && flat.is_contiguous()) {
+    at::Tensor values = at::empty({positions.numel()}, flat.options());
+    if (fb == nullptr) {
+      cuda::gatherPositions(flat.view({-1}), positions, values, /*zero=*/false);
+      return values;
+    }
+    bool seeded = false;
+    at::Tensor residual = fb->accumulator(key, flat, &seeded);
+    if (!seeded) cuda::addInto(flat.view({-1}), residual);
+    cuda::gatherPositions(residual, positions, values, /*zero=*/true);
+    return values;
+  }
   if (isDenseFloat(flat) && positions.is_contiguous()) {
     // One pass adds the input into the residual; then the k kept values are
     // read out of it and zeroed there.
@@ -103,7 +132,7 @@ at::Tensor RandomKCodec::encode(int64_t key, const at::Tensor& flat, const at::T
     }
     return values;
   }
-  at::Tensor input = flat.reshape({-1}).to(at::kCPU);
+  at::Tensor input = flat.reshape({-1}).to(positions.device());
   at::Tensor acc = (fb != nullptr) ? fb->compensate(key, input) : input;
   at::Tensor values = acc.index_select(0, positions);
   if ((fb != nullptr)) {
@@ -118,6 +147,15 @@ void RandomKCodec::decode(const at::Tensor& reduced, const at::Tensor& positions
   checkPositions(positions, out.numel());
   TORCH_CHECK_VALUE(reduced.numel() == positions.numel(), "xcomm: random-k got ", reduced.numel(),
                     " reduced values for ", positions.numel(), " positions");
+  if (onCudaKernels(out, positions)) {
+    const bool dense = out.scalar_type() == at::kFloat && out.is_contiguous();
+    at::Tensor full =
+        dense ? out.view({-1}) : at::empty({out.numel()}, out.options().dtype(at::kFloat));
+    cuda::scatterPositions(reduced.reshape({-1}).to(out.device(), at::kFloat).contiguous(),
+                           positions, static_cast<float>(divisor), full);
+    if (!dense) out.view({-1}).copy_(full);
+    return;
+  }
   if (isDenseFloat(out) && positions.is_contiguous()) {
     at::Tensor values = reduced.reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
     const float* val = values.data_ptr<float>();
@@ -132,8 +170,8 @@ void RandomKCodec::decode(const at::Tensor& reduced, const at::Tensor& positions
     }
     return;
   }
-  at::Tensor flat = at::zeros({out.numel()}, out.options().device(at::kCPU));
-  flat.index_copy_(0, positions, reduced.to(flat.dtype()).to(at::kCPU));
+  at::Tensor flat = at::zeros({out.numel()}, out.options().device(positions.device()));
+  flat.index_copy_(0, positions, reduced.to(positions.device(), flat.scalar_type()));
   if (divisor != 1.0) flat.div_(divisor);
   out.view({-1}).copy_(flat);
 }

@@ -20,7 +20,9 @@ class RandomKCodec {
   // The positions kept for (key, step): k = ceil(density * numel) (at least
   // one), one drawn in each of k equal strata, ascending; identical on every
   // rank (and CPU) with the same seed.
-  at::Tensor positions(int64_t key, int64_t step, int64_t numel, double density) const;
+  // On `device`: drawn there (a GPU draws them with its own kernel).
+  at::Tensor positions(int64_t key, int64_t step, int64_t numel, double density,
+                       at::Device device = at::kCPU) const;
 
   // The selected values of `flat` (+ residual), to be allreduced. Updates the
   // residual of `key`.

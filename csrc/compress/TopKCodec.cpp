@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "compress/cuda/CudaCodecs.hpp"
 #include "compress/kernels/CodecKernels.hpp"
 
 namespace xcomm {
@@ -22,6 +23,11 @@ constexpr int64_t kScanBlock = 1 << 16;
 
 bool isDenseFloat(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
+}
+
+// A float32 GPU bucket the CUDA kernels take.
+bool onCudaKernels(const at::Tensor& t) {
+  return t.is_cuda() && cuda::codecsBuilt() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
 
 // Runs the scan kernel over [0, n) in blocks and leaves the passing
@@ -101,14 +107,14 @@ int64_t TopKCodec::packedBytes(int64_t k, at::ScalarType dtype) {
 at::Tensor TopKCodec::select(const at::Tensor& magnitudes, int64_t k) {
   const int64_t n = magnitudes.numel();
   if (k >= n) {
-    return at::arange(n, at::kLong);
+    return at::arange(n, magnitudes.options().dtype(at::kLong));
   }
   if (!approximate_ || n <= 4 * sampleSize_) {
     return std::get<1>(at::topk(magnitudes, k, /*dim=*/0, /*largest=*/true, /*sorted=*/false));
   }
   // Threshold from a sample, a little below the target quantile so that
   // usually more than k pass; the exact top-k then runs on those few.
-  at::Tensor idx = at::randint(n, {sampleSize_}, generator_, at::kLong);
+  at::Tensor idx = at::randint(n, {sampleSize_}, generator_, at::kLong).to(magnitudes.device());
   at::Tensor sample = magnitudes.index_select(0, idx);
   const double keep = std::min(1.0, 2.0 * static_cast<double>(k) / n);
   const int64_t rank = std::max<int64_t>(1, static_cast<int64_t>(keep * sampleSize_));
@@ -135,6 +141,9 @@ at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k, Err
                     " elements is too large (use smaller DDP buckets)");
   if (isDenseFloat(flat) && flat.numel() > 0) {
     return encodeFloat(key, flat, k, fb);
+  }
+  if (onCudaKernels(flat) && flat.numel() > 0) {
+    return encodeCuda(key, flat, k, fb);
   }
   return encodeGeneric(key, flat, k, fb);
 }
@@ -225,10 +234,29 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
   return packed;
 }
 
+at::Tensor TopKCodec::encodeCuda(int64_t key, const at::Tensor& flat, int64_t k,
+                                 ErrorFeedback* fb) {
+  k = std::min<int64_t>(k, flat.numel());
+  at::Tensor packed = at::empty({packedBytes(k, at::kFloat)}, flat.options().dtype(at::kByte));
+  at::Tensor src = flat.view({-1});
+  at::Tensor residual;
+  if (fb != nullptr) {
+    bool seeded = false;
+    residual = fb->accumulator(key, flat, &seeded);
+    if (seeded) src = at::Tensor();  // the input is in the residual already
+  }
+  if (k > 0) {
+    cuda::topkEncode(src, residual, k, packed);
+  } else if (src.defined() && residual.defined()) {
+    cuda::addInto(src, residual);  // nothing sent: all of it stays behind
+  }
+  return packed;
+}
+
 at::Tensor TopKCodec::encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k,
                                     ErrorFeedback* fb) {
   const auto dtype = flat.scalar_type();
-  at::Tensor input = flat.reshape({-1}).to(at::kCPU);
+  at::Tensor input = flat.reshape({-1});
   at::Tensor acc = (fb != nullptr) ? fb->compensate(key, input) : input;
   k = std::min<int64_t>(k, acc.numel());
   // NaN magnitudes compare as largest in topk, so a NaN is sent, not buried in the residual.
@@ -240,7 +268,7 @@ at::Tensor TopKCodec::encodeGeneric(int64_t key, const at::Tensor& flat, int64_t
     fb->store(key, residual);
   }
   const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
-  at::Tensor packed = at::empty({packedBytes(k, dtype)}, at::kByte);
+  at::Tensor packed = at::empty({packedBytes(k, dtype)}, input.options().dtype(at::kByte));
   packed.narrow(0, 0, idxBytes).view(at::kInt).copy_(indices);
   packed.narrow(0, idxBytes, packed.numel() - idxBytes).view(dtype).copy_(values);
   return packed;
@@ -251,6 +279,11 @@ void TopKCodec::decode(const at::Tensor& gathered, int64_t k, at::Tensor& out,
   const auto dtype = out.scalar_type();
   at::Tensor rows = gathered.contiguous().view({-1, packedBytes(k, dtype)});
   const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
+  if (onCudaKernels(out) && rows.is_cuda()) {
+    at::Tensor flat = out.view({-1});
+    cuda::topkDecode(rows, k, static_cast<float>(divisor), flat);
+    return;
+  }
   if (isDenseFloat(out)) {
     // Zero, scatter-add every rank's pairs in rank order, divide: the
     // unfused route's arithmetic, without its temporaries.
@@ -307,14 +340,16 @@ void TopKCodec::decode(const at::Tensor& gathered, int64_t k, at::Tensor& out,
     }
     return;
   }
-  at::Tensor flat = at::zeros({out.numel()}, out.options().device(at::kCPU));
+  at::Tensor flat = at::zeros({out.numel()}, out.options().device(rows.device()));
   for (int64_t r = 0; r < rows.size(0); ++r) {  // rank order: same bits on every rank
     at::Tensor row = rows.select(0, r);
     at::Tensor indices = row.narrow(0, 0, idxBytes).view(at::kInt).to(at::kLong);
     at::Tensor values = row.narrow(0, idxBytes, row.numel() - idxBytes).view(dtype);
-    TORCH_CHECK(indices.numel() == 0 || (indices.min().item<int64_t>() >= 0 &&
-                                         indices.max().item<int64_t>() < out.numel()),
-                "xcomm: top-k payload of rank ", r, " holds an index outside the bucket");
+    // On a GPU, index_add_ checks the range itself (reading it here would wait for the device).
+    TORCH_CHECK(
+        indices.numel() == 0 || rows.is_cuda() ||
+            (indices.min().item<int64_t>() >= 0 && indices.max().item<int64_t>() < out.numel()),
+        "xcomm: top-k payload of rank ", r, " holds an index outside the bucket");
     flat.index_add_(0, indices, values);
   }
   if (divisor != 1.0) flat.div_(divisor);

@@ -64,6 +64,8 @@ class TopKCodec {
   at::Tensor select(const at::Tensor& magnitudes, int64_t k);
   at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
   at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
+  // A float32 GPU bucket: compress/cuda/TopKKernels.cu, same selection.
+  at::Tensor encodeCuda(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
   // The sampled threshold key: usually a little under k entries' magnitude.
   uint32_t sampleThreshold(const float* src, const float* residual, int64_t n, int64_t k);
 

@@ -138,7 +138,8 @@ void bindCodecs(py::module_& m) {
                                         "Random-k sparsification from a shared seed.");
   randk.def(py::init<uint64_t, bool>(), py::arg("seed"), py::arg("error_feedback"))
       .def("positions", &xcomm::RandomKCodec::positions, py::arg("key"), py::arg("step"),
-           py::arg("numel"), py::arg("density"), py::call_guard<py::gil_scoped_release>())
+           py::arg("numel"), py::arg("density"), py::arg("device") = at::Device(at::kCPU),
+           py::call_guard<py::gil_scoped_release>())
       .def("encode",
            py::overload_cast<int64_t, const at::Tensor&, const at::Tensor&>(
                &xcomm::RandomKCodec::encode),

@@ -5,6 +5,7 @@
 
 #include "backend/XcommBackend.hpp"
 #include "collectives/AutoCompression.hpp"
+#include "compress/cuda/CudaCodecs.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
 
@@ -107,6 +108,9 @@ PYBIND11_MODULE(_C, m) {
 
   xcomm::python::bindAll(m);
 
+  // Whether GPU buckets are encoded by xcomm's CUDA kernels (else the codecs
+  // take them through the host).
+  m.attr("cuda_codecs") = xcomm::cuda::codecsBuilt();
 #ifdef XCOMM_WITH_CUDA
   m.attr("built_with_cuda") = true;
 #else

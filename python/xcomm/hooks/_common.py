@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allreduce_bytes
 
@@ -53,21 +54,30 @@ _warned_host_codec: set[str] = set()
 
 
 def warn_host_codec(name: str, tensor: torch.Tensor) -> None:
-    """Warns once per hook that a GPU bucket goes through the host: xcomm's
-    int8, top-k and random-k codecs are CPU code (issue 14). On an H200 they
-    cost 80-630 ms per step of a 25M-parameter model (docs/benchmarks.md, "GPU")."""
-    if tensor.device.type == "cpu" or name in _warned_host_codec:
+    """Warns once per hook that a GPU bucket goes through the host: in a build
+    without xcomm's CUDA kernels (``xcomm._C.cuda_codecs`` false: no CUDA
+    toolkit at build time), the int8, top-k and random-k codecs are CPU code.
+    On an H200 that cost 80-630 ms per step of a 25M-parameter model
+    (docs/benchmarks.md, "GPU")."""
+    if tensor.device.type == "cpu" or _C.cuda_codecs or name in _warned_host_codec:
         return
     _warned_host_codec.add(name)
     logger.warning(
-        "xcomm.hooks.%s: this bucket is on %s, and xcomm's %s codec runs on the CPU: every "
-        "step copies the bucket to the host and back, which costs more than most links save. "
-        "On GPUs use bf16_cast_hook / fp16_cast_hook, or torch's powerSGD_hook, until xcomm "
-        "has CUDA codecs",
+        "xcomm.hooks.%s: this bucket is on %s, and this build of xcomm has no CUDA kernels "
+        "(no CUDA toolkit when it was built), so its %s codec runs on the CPU: every step "
+        "copies the bucket to the host and back, which costs more than most links save. "
+        "Rebuild xcomm where nvcc is found, or use bf16_cast_hook / fp16_cast_hook",
         name,
         tensor.device,
         name.removesuffix("_hook").removesuffix("_compress"),
     )
+
+
+def stream_of(tensor: torch.Tensor) -> Any:
+    """The current CUDA stream of a GPU tensor's device (None for others): a
+    collective issued later from a callback thread runs in it, so it waits for
+    the kernels the hook queued there."""
+    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
 
 
 def check_floating(name: str, tensor: torch.Tensor) -> None:

@@ -164,6 +164,7 @@ class MeasuredLink:
         step: int,
         fixed: Mapping[str, LinkModel] | None = None,
         matters: Callable[[dict[str, LinkModel], dict[str, float]], bool] | None = None,
+        device: torch.device | None = None,
     ) -> tuple[dict[str, LinkModel], dict[str, float]]:
         """One round at ``step``: probe (unless ``fixed`` links are given),
         agree, schedule the next round; returns the agreed links by kind and
@@ -194,7 +195,8 @@ class MeasuredLink:
         local = [-min(self.latencies, default=0.0), step_seconds]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
-        agreed = torch.tensor(local, dtype=torch.float64)
+        # On the buckets' device: a NCCL group has no CPU collectives.
+        agreed = torch.tensor(local, dtype=torch.float64, device=device)
         t0 = time.perf_counter()
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
         self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]

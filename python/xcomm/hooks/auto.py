@@ -423,6 +423,7 @@ class AutoState(PicklableState):
             lambda: self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank),
             step=self.iter,
             fixed=None if self.link is None else {"allreduce": self.link},
+            device=device,
             matters=lambda links, costs: any(
                 self._choices.would_switch(
                     index, self._predict(*inputs, world, links["allreduce"], costs)

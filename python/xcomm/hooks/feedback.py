@@ -222,7 +222,7 @@ class FeedbackStore:
         residual = self.feedback.get(view.key)
         if residual is None:
             return
-        view.tensor.add_(residual.to(view.tensor.dtype))
+        view.tensor.add_(residual.to(view.tensor.device, view.tensor.dtype))
         self.feedback.erase(view.key)
 
     def keep(self, view: BucketView, residual: torch.Tensor) -> None:

@@ -141,7 +141,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
-    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8)
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
     fut = all_gather_single(gathered, packed, group=state.process_group, async_op=True).get_future()
 
     def decode(f: torch.futures.Future) -> torch.Tensor:
@@ -218,7 +218,7 @@ def randomk_hook(
     world = group_size(state.process_group)
     view = state.feedback.view(bucket)
     key = view.key
-    positions = state.codec.positions(key, step, buffer.numel(), state.density)
+    positions = state.codec.positions(key, step, buffer.numel(), state.density, buffer.device)
     if state.error_feedback:
         values = state.codec.encode_with_feedback(
             key, view.tensor, positions, state.feedback.feedback

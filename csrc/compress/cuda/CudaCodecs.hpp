@@ -1,0 +1,68 @@
+#pragma once
+// The codecs' CUDA kernels: what Int8Codec, RandomKCodec and TopKCodec run
+// when a bucket lives on a GPU, so a CUDA bucket is encoded, reduced and
+// decoded on its own device, on the caller's current stream, with no copy to
+// the host and no synchronization.
+//
+// Plain declarations (no CUDA headers): the codecs include this from C++.
+// The kernels are compiled only where a CUDA toolkit is found
+// (CMakeLists.txt); elsewhere CudaCodecsMissing.cpp defines the functions,
+// codecsBuilt() is false and the codecs keep their host route.
+//
+// Every kernel computes the same bits as the CPU kernels
+// (compress/kernels/CodecKernelsImpl.cpp): the same operations in the same
+// order per element, no FMA contraction (built with --fmad=false), and only
+// max as a reduction whose order could vary. tests/gpu checks this bit for bit.
+#include <cstdint>
+
+#include <ATen/core/Tensor.h>
+
+namespace xcomm {
+namespace cuda {
+
+// Whether this build has the CUDA kernels.
+bool codecsBuilt();
+
+// int8: quantizes `rows` rows of the float32 source into `out` (uint8, device,
+// [rows, rowBytes] with rowBytes = qLen + 4 * ceil(qLen / chunk)). Row j takes
+// source elements [j * stride, j * stride + min(stride, n - j * stride)); q
+// entries past them, up to qLen, are 0. The source is `src` (+ `residual`
+// when both are defined, stored back into it), or `residual` alone when `src`
+// is undefined; with `residual`, it is left holding a - dequant(q).
+void int8Encode(const at::Tensor& src, const at::Tensor& residual, int64_t n, int rows,
+                int64_t stride, int64_t qLen, int64_t chunk, at::Tensor& out);
+// int8: sums the dequantized rows of one shard (uint8 [world, rowBytes]) in
+// rank order and divides by `divisor` (unless 1); stores the float32 sums in
+// `sum` when it is defined, else quantizes them into `packed` (one row).
+void int8Reduce(const at::Tensor& rows, int64_t shard, int64_t chunk, float divisor,
+                const at::Tensor& sum, const at::Tensor& packed);
+// int8: dequantizes the first `n` elements held by the packed rows (uint8
+// [world, rowBytes], `shard` elements per row) into float32 `dst`.
+void int8Decode(const at::Tensor& rows, int64_t shard, int64_t chunk, int64_t n,
+                const at::Tensor& dst);
+
+// random-k: the positions of RandomKCodec::positions (same hash, same
+// strata) into int64 `out` of k entries; numel < 2^31.
+void randomkPositions(uint64_t base, int64_t numel, const at::Tensor& out);
+// acc += src (float32, same numel), in place.
+void addInto(const at::Tensor& src, const at::Tensor& acc);
+// values[i] = acc[positions[i]]; with `zero`, acc[positions[i]] = 0 after.
+void gatherPositions(const at::Tensor& acc, const at::Tensor& positions, const at::Tensor& values,
+                     bool zero);
+// out = 0, then out[positions[i]] = values[i] (/ divisor unless 1).
+void scatterPositions(const at::Tensor& values, const at::Tensor& positions, float divisor,
+                      const at::Tensor& out);
+
+// top-k: selects the exact top-k of |a| (ties: the lower index; NaN above
+// Inf), where a = src (+ residual, stored back into it; or residual alone
+// when src is undefined), and packs [k int32 indices ascending | k float32
+// values] into `packed` (uint8, device). With `residual`, the sent entries
+// are zeroed there.
+void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
+                const at::Tensor& packed);
+// top-k: out = sum over the rows (uint8 [world, packedBytes]) of their
+// (index, value) pairs, in rank order, divided by `divisor` (unless 1).
+void topkDecode(const at::Tensor& rows, int64_t k, float divisor, const at::Tensor& out);
+
+}  // namespace cuda
+}  // namespace xcomm

@@ -1,0 +1,167 @@
+"""xcomm's CUDA codec kernels against its CPU codecs, bit for bit (GPU only).
+
+The CPU codecs are the reference: they are tested against the math and
+against torch elsewhere (tests/python). On a GPU bucket the same codec
+object runs its CUDA kernels (csrc/compress/cuda), which must produce the
+same payload bytes, the same residual bits and the same decoded bits, step
+after step of error feedback, including chunks that hold NaN/Inf, chunk
+sizes that leave the scales unaligned or overflow the registers, ties in
+top-k, and every world size's shard layout. Float results are compared as
+bits (``view(torch.int32)``), except that NaN equals NaN: arithmetic on a NaN
+yields the GPU's canonical NaN (0x7fffffff) where an x86 CPU passes the
+input's NaN on (0x7fc00000), and a NaN's payload carries no meaning.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xcomm import _C
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and _C.cuda_codecs),
+    reason="needs a GPU and xcomm built with its CUDA kernels",
+)
+
+DEV = "cuda"
+
+
+def _bits_equal(gpu: torch.Tensor, cpu: torch.Tensor, what: str) -> None:
+    gpu = gpu.cpu()
+    assert gpu.shape == cpu.shape, f"{what}: shape {tuple(gpu.shape)} != {tuple(cpu.shape)}"
+    both_nan = torch.zeros(cpu.shape, dtype=torch.bool)
+    if cpu.dtype == torch.float32:
+        both_nan = gpu.isnan() & cpu.isnan()
+        gpu, cpu = gpu.view(torch.int32), cpu.view(torch.int32)
+    diff = ((gpu != cpu) & ~both_nan).nonzero()
+    assert diff.numel() == 0, (
+        f"{what}: {diff.shape[0]} of {cpu.numel()} entries differ, first at {diff[0].tolist()}"
+    )
+
+
+def _input(n: int, seed: int, kind: str = "normal") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":  # few distinct magnitudes, many zeros: top-k's ties by index
+        return torch.randint(-3, 4, (n,), generator=g).float()
+    x = torch.randn(n, generator=g)
+    if kind == "special" and n > 10:
+        x[3] = float("nan")
+        x[n // 2] = float("inf")
+        x[n // 3] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("chunk", [1024, 100, 5000])
+@pytest.mark.parametrize("n", [1, 1000, 70_001])
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("kind", ["normal", "special"])
+def test_int8_equals_the_cpu_codec(chunk: int, n: int, world: int, kind: str) -> None:
+    codec = _C.Int8Codec(chunk)
+    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
+    shard = codec.shard_elems(n, world)
+    for step in range(3):
+        x = _input(n, step, kind)
+        p_cpu = codec.pack_shards_with_feedback(x, world, fb_cpu, 7)
+        p_gpu = codec.pack_shards_with_feedback(x.to(DEV), world, fb_gpu, 7)
+        assert p_gpu.is_cuda
+        _bits_equal(p_gpu, p_cpu, f"step {step}: payload")
+        _bits_equal(fb_gpu.get(7), fb_cpu.get(7), f"step {step}: residual")
+        _bits_equal(codec.pack_shards(x.to(DEV), world), codec.pack_shards(x, world), "no EF")
+        # The reduce-scatter's second half: the "received" rows are this
+        # rank's shards standing in for every rank's version of one shard.
+        rows = p_cpu[:, : codec.packed_bytes(shard)].contiguous()
+        _bits_equal(
+            codec.reduce_and_pack(rows.to(DEV), shard, float(world)),
+            codec.reduce_and_pack(rows, shard, float(world)),
+            f"step {step}: reduce_and_pack",
+        )
+        _bits_equal(
+            codec.reduce_shards(rows.to(DEV), shard),
+            codec.reduce_shards(rows, shard),
+            f"step {step}: reduce_shards",
+        )
+        out_cpu = torch.empty(n)
+        out_gpu = torch.empty(n, device=DEV)
+        codec.unpack_all(p_cpu, shard, out_cpu)
+        codec.unpack_all(p_gpu, shard, out_gpu)
+        _bits_equal(out_gpu, out_cpu, f"step {step}: decode")
+
+
+def test_int8_rows_and_single_pack_equal_the_cpu_codec() -> None:
+    codec = _C.Int8Codec(256)
+    x = _input(4 * 3000, 1)
+    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
+    for _ in range(2):
+        _bits_equal(
+            codec.pack_rows(x.to(DEV), 4, fb_gpu, 1), codec.pack_rows(x, 4, fb_cpu, 1), "rows"
+        )
+        _bits_equal(fb_gpu.get(1), fb_cpu.get(1), "rows residual")
+    _bits_equal(codec.pack(x[:777].to(DEV)), codec.pack(x[:777]), "pack")
+
+
+@pytest.mark.parametrize("n", [1, 999, 100_003])
+@pytest.mark.parametrize("density", [0.01, 0.3, 1.0])
+def test_randomk_equals_the_cpu_codec(n: int, density: float) -> None:
+    codec = _C.RandomKCodec(5, False)
+    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
+    for step in range(3):
+        pos_cpu = codec.positions(3, step, n, density)
+        pos_gpu = codec.positions(3, step, n, density, torch.device(DEV))
+        assert pos_gpu.is_cuda
+        _bits_equal(pos_gpu, pos_cpu, f"step {step}: positions")
+        x = _input(n, step, "special")
+        v_cpu = codec.encode_with_feedback(3, x, pos_cpu, fb_cpu)
+        v_gpu = codec.encode_with_feedback(3, x.to(DEV), pos_gpu, fb_gpu)
+        _bits_equal(v_gpu, v_cpu, f"step {step}: values")
+        _bits_equal(fb_gpu.get(3), fb_cpu.get(3), f"step {step}: residual")
+        out_cpu, out_gpu = torch.empty(n), torch.empty(n, device=DEV)
+        codec.decode(v_cpu * 3, pos_cpu, out_cpu, 3.0)
+        codec.decode(v_gpu * 3, pos_gpu, out_gpu, 3.0)
+        _bits_equal(out_gpu, out_cpu, f"step {step}: decode")
+
+
+@pytest.mark.parametrize("n", [1, 5000, 300_007])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])
+@pytest.mark.parametrize("kind", ["normal", "ties", "special"])
+def test_topk_equals_the_cpu_codec(n: int, density: float, kind: str) -> None:
+    codec = _C.TopKCodec(False, False)
+    k = _C.TopKCodec.k_for(n, density)
+    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
+    payloads_cpu, payloads_gpu = [], []
+    for step in range(3):
+        x = _input(n, step, kind)
+        p_cpu = codec.encode_with_feedback(0, x, k, fb_cpu)
+        p_gpu = codec.encode_with_feedback(0, x.to(DEV), k, fb_gpu)
+        assert p_gpu.is_cuda
+        # [k int32 indices | k float32 values]
+        _bits_equal(p_gpu[: 4 * k].view(torch.int32), p_cpu[: 4 * k].view(torch.int32), "indices")
+        _bits_equal(
+            p_gpu[4 * k :].view(torch.float32), p_cpu[4 * k :].view(torch.float32), "values"
+        )
+        _bits_equal(fb_gpu.get(0), fb_cpu.get(0), f"step {step}: residual")
+        payloads_cpu.append(p_cpu)
+        payloads_gpu.append(p_gpu)
+    # Three payloads stand in for three ranks' (overlapping indices).
+    out_cpu, out_gpu = torch.empty(n), torch.empty(n, device=DEV)
+    codec.decode(torch.stack(payloads_cpu), k, out_cpu, 3.0)
+    codec.decode(torch.stack(payloads_gpu), k, out_gpu, 3.0)
+    _bits_equal(out_gpu, out_cpu, "decode")
+
+
+def test_kernels_run_on_the_callers_stream() -> None:
+    """Work queued on a side stream is ordered by that stream, not the default one."""
+    codec = _C.Int8Codec(1024)
+    x = _input(1 << 20, 0)
+    staged = x.to(DEV)
+    src = torch.zeros_like(staged)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # holds the side stream back
+        src.copy_(staged)  # so a kernel on any other stream would read zeros
+        packed = codec.pack_shards(src, 1)
+        out = torch.empty_like(src)
+        codec.unpack_all(packed, codec.shard_elems(src.numel(), 1), out)
+    side.synchronize()
+    _bits_equal(out, codec.round_trip(x), "round trip on a side stream")
