@@ -245,18 +245,28 @@ def test_topk_warmup_decays_to_the_target_density() -> None:
     assert state.current_density() == pytest.approx(0.01)
 
 
-def test_a_gpu_bucket_through_a_host_codec_is_warned_once(caplog: pytest.LogCaptureFixture) -> None:
-    """int8, top-k and random-k encode on the CPU: a bucket on another device
-    makes a round trip through the host every step, which the user is told
-    (once per hook; a meta tensor stands in for a GPU bucket)."""
+@pytest.mark.parametrize("cuda_codecs", [False, True])
+def test_a_gpu_bucket_through_a_host_codec_is_warned_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, cuda_codecs: bool
+) -> None:
+    """In a build without CUDA kernels, int8, top-k and random-k encode on the
+    CPU: a bucket on another device makes a round trip through the host every
+    step, which the user is told (once per hook; a meta tensor stands in for a
+    GPU bucket). A build with the kernels keeps GPU buckets on the device and
+    says nothing."""
     import logging
 
+    from xcomm import _C
     from xcomm.hooks import _common
 
+    monkeypatch.setattr(_C, "cuda_codecs", cuda_codecs)
     _common._warned_host_codec.discard("topk_hook")
     with caplog.at_level(logging.WARNING, logger="xcomm.hooks._common"):
         _common.warn_host_codec("topk_hook", torch.empty(4))  # CPU: nothing to say
         for _ in range(3):
             _common.warn_host_codec("topk_hook", torch.empty(4, device="meta"))
+    if cuda_codecs:
+        assert not caplog.records, caplog.text
+        return
     assert len(caplog.records) == 1, caplog.text
     assert "topk codec runs on the CPU" in caplog.text and "bf16_cast_hook" in caplog.text

@@ -4,11 +4,15 @@
 // The selection is TopKCodec's on the CPU, exactly: every entry whose
 // magnitude key (float bits without the sign; NaN above Inf) is above the
 // k-th largest key, then the entries equal to it by lowest index, packed as
-// [k int32 indices, ascending | k float32 values]. The k-th key is found
-// three bits-fields at a time (bits 30..21, 20..10, 9..0) with block-shared
-// histograms; each block owns one contiguous range of the bucket, so the
-// final pass can number the kept entries in index order from per-block
-// counts, with no sort.
+// [k int32 indices, ascending | k float32 values]. The k-th key is found in
+// two passes: the pass that adds the residual also histograms bits 30..20;
+// a second pass histograms the other 20 bits of the entries in the chosen
+// bin (a 1024-bin coarse histogram in shared memory, a 2^20-bin fine one in
+// global memory, touched by those few entries only). Each warp owns one
+// contiguous range of the bucket, so the last pass numbers the kept entries
+// in index order from per-warp counts (ballots, no sort, no block barrier).
+#include <cstddef>
+
 #include <cub/block/block_scan.cuh>
 
 #include "compress/cuda/CudaCodecs.hpp"
@@ -18,52 +22,73 @@ namespace xcomm {
 namespace cuda {
 namespace {
 
-constexpr int kMaxBlocks = 1024;  // the plan kernel scans one entry per thread
-constexpr int kBins = 2048;
-constexpr int kUnroll = 4;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxBlocks = 1024;
+constexpr int kMaxWarps = kMaxBlocks * kWarps;  // the plan kernel scans 8 per thread
+constexpr int kUnroll = 4;                      // loads in flight per lane
+constexpr int kTopBins = 2048;                  // bits 30..20
+constexpr int kCoarseBins = 1024;               // bits 19..10
+constexpr int kFineBins = 1 << 20;              // bits 19..0
 
-// The radix levels: which key bits each one histograms.
-constexpr int kLevels = 3;
-__host__ __device__ constexpr int levelShift(int level) {
-  return level == 0 ? 21 : (level == 1 ? 10 : 0);
-}
-__host__ __device__ constexpr int levelBits(int level) {
-  return level == 0 ? 10 : (level == 1 ? 11 : 10);
-}
-
-// Device-side state of one selection.
+// Device-side state of one selection (zeroed before each).
 struct Select {
-  uint32_t hist[kBins];
-  uint32_t prefix;              // the k-th key's bits found so far (after the last level: the key)
-  int64_t need;                 // how many of the entries matching `prefix` are still to take
-  uint32_t kept[kMaxBlocks];    // per block: entries above the key
-  uint32_t ties[kMaxBlocks];    // per block: entries equal to it
-  uint32_t take[kMaxBlocks];    // per block: how many of its ties are taken
-  uint32_t offset[kMaxBlocks];  // per block: where its entries start in the payload
+  uint32_t top[kTopBins];
+  uint32_t coarse[kCoarseBins];
+  uint32_t prefix;             // the k-th key's bits found so far (in the end: the key)
+  int64_t need;                // how many of the entries matching `prefix` are still to take
+  uint32_t kept[kMaxWarps];    // per warp: entries above the key
+  uint32_t ties[kMaxWarps];    // per warp: entries equal to it
+  uint32_t take[kMaxWarps];    // per warp: how many of its ties are taken
+  uint32_t offset[kMaxWarps];  // per warp: where its entries start in the payload
+  uint32_t fine[kFineBins];
 };
 
 struct Range {
   int64_t lo, hi;
 };
-__device__ inline Range blockRange(int64_t n, int64_t per) {
-  const int64_t lo = blockIdx.x * per;
+// The calling warp's range: warps own consecutive stretches of `per` entries.
+__device__ inline Range warpRange(int64_t n, int64_t per) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t lo = w * per;
   return {lo, min(n, lo + per)};
 }
 
+__device__ inline int lane() {
+  return static_cast<int>(threadIdx.x % 32);
+}
+
+// hist[bin] += 1 for every lane with `valid`, one atomic per distinct bin of
+// the warp (gradients crowd into few exponents). All 32 lanes call it.
+__device__ inline void countInto(uint32_t* hist, uint32_t bin, bool valid) {
+  const unsigned peers = __match_any_sync(0xffffffffu, valid ? bin : 0xffffffffu);
+  if (valid && lane() == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+
+__device__ inline void clearShared(uint32_t* hist, int bins) {
+  for (int b = threadIdx.x; b < bins; b += blockDim.x) hist[b] = 0;
+  __syncthreads();
+}
+__device__ inline void flushShared(const uint32_t* hist, uint32_t* global, int bins) {
+  __syncthreads();
+  for (int b = threadIdx.x; b < bins; b += blockDim.x) {
+    if (hist[b] != 0) atomicAdd(&global[b], hist[b]);
+  }
+}
+
 // a = src + residual, stored into residual (when both are given), and the
-// histogram of level 0 over every entry.
+// histogram of bits 30..20 over every entry.
 __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t per, int64_t k,
                               Select* sel) {
-  __shared__ uint32_t hist[kBins];
+  __shared__ uint32_t hist[kTopBins];
   if (blockIdx.x == 0 && threadIdx.x == 0) sel->need = k;
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
-  __syncthreads();
-  const Range r = blockRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += static_cast<int64_t>(blockDim.x) * kUnroll) {
+  clearShared(hist, kTopBins);
+  const Range r = warpRange(n, per);
+  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
     float v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + threadIdx.x + static_cast<int64_t>(u) * blockDim.x;
+      const int64_t i = base + u * 32 + lane();
+      v[u] = 0.f;
       if (i < r.hi) {
         v[u] = src != nullptr ? src[i] : res[i];
         if (src != nullptr && res != nullptr) v[u] = __fadd_rn(v[u], res[i]);
@@ -71,147 +96,186 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + threadIdx.x + static_cast<int64_t>(u) * blockDim.x;
-      if (i < r.hi) {
-        if (src != nullptr && res != nullptr) res[i] = v[u];
-        atomicAdd(&hist[magnitudeKey(v[u]) >> levelShift(0)], 1u);
-      }
+      const int64_t i = base + u * 32 + lane();
+      if (i < r.hi && src != nullptr && res != nullptr) res[i] = v[u];
+      countInto(hist, magnitudeKey(v[u]) >> 20, i < r.hi);
     }
   }
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) {
-    if (hist[b] != 0) atomicAdd(&sel->hist[b], hist[b]);
-  }
+  flushShared(hist, sel->top, kTopBins);
 }
 
-// Histogram of `level` over the entries whose higher bits match the prefix.
-__global__ void histKernel(const float* vals, int64_t n, int64_t per, int level, Select* sel) {
-  __shared__ uint32_t hist[kBins];
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) hist[b] = 0;
-  __syncthreads();
-  const int above = levelShift(level) + levelBits(level);
-  const uint32_t prefix = sel->prefix;
-  const uint32_t mask = (1u << levelBits(level)) - 1u;
-  const Range r = blockRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += static_cast<int64_t>(blockDim.x) * kUnroll) {
+// For the entries in the chosen top bin: the coarse and fine histograms of
+// their other 20 bits.
+__global__ void refineKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
+  __shared__ uint32_t hist[kCoarseBins];
+  clearShared(hist, kCoarseBins);
+  const uint32_t top = sel->prefix;
+  const Range r = warpRange(n, per);
+  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
     uint32_t key[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + threadIdx.x + static_cast<int64_t>(u) * blockDim.x;
-      key[u] = i < r.hi ? magnitudeKey(vals[i]) : 0xffffffffu;  // never matches: bit 31
+      const int64_t i = base + u * 32 + lane();
+      key[u] = i < r.hi ? magnitudeKey(vals[i]) : 0xffffffffu;  // bit 31: never in a bin
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if ((key[u] >> above) == prefix) atomicAdd(&hist[(key[u] >> levelShift(level)) & mask], 1u);
+      const bool in = (key[u] >> 20) == top;
+      if (__any_sync(0xffffffffu, in)) {
+        countInto(hist, (key[u] >> 10) & (kCoarseBins - 1), in);
+        if (in) atomicAdd(&sel->fine[key[u] & (kFineBins - 1)], 1u);
+      }
     }
   }
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) {
-    if (hist[b] != 0) atomicAdd(&sel->hist[b], hist[b]);
-  }
+  flushShared(hist, sel->coarse, kCoarseBins);
 }
 
-// One block of kBins / 2 threads: the bin that holds the need-th largest
-// entry; appends it to the prefix, takes the bins above it off `need`, and
-// clears the histogram for the next level.
-__global__ void pickKernel(int level, Select* sel) {
-  using Scan = cub::BlockScan<uint32_t, kBins / 2>;
+// One block of 1024 threads: in hist[0, 2^bits), the bin that holds the
+// need-th largest entry; appends it to the prefix and takes the entries in
+// the bins above it off `need`.
+__global__ void pickKernel(const uint32_t* hist, int bits, Select* sel) {
+  using Scan = cub::BlockScan<uint32_t, 1024>;
   __shared__ typename Scan::TempStorage temp;
-  const int bins = 1 << levelBits(level);
-  // Thread t holds bins (bins-1-2t, bins-2-2t): descending, so an inclusive
-  // scan counts the entries at or above each bin.
+  const int bins = 1 << bits;
+  // Thread t holds bins (bins-1-2t, bins-2-2t): descending, so an exclusive
+  // scan counts the entries in the bins above each.
   const int hiBin = bins - 1 - 2 * static_cast<int>(threadIdx.x), loBin = hiBin - 1;
-  const uint32_t cHi = hiBin >= 0 ? sel->hist[hiBin] : 0u;
-  const uint32_t cLo = loBin >= 0 ? sel->hist[loBin] : 0u;
+  const uint32_t cHi = hiBin >= 0 ? hist[hiBin] : 0u;
+  const uint32_t cLo = loBin >= 0 ? hist[loBin] : 0u;
   uint32_t before = 0;
   Scan(temp).ExclusiveSum(cHi + cLo, before);
   const int64_t need = sel->need;
   __syncthreads();
-  int64_t atOrAbove = static_cast<int64_t>(before) + cHi;
+  const int64_t atOrAbove = static_cast<int64_t>(before) + cHi;
   if (hiBin >= 0 && before < need && atOrAbove >= need) {
-    sel->prefix = (sel->prefix << levelBits(level)) | static_cast<uint32_t>(hiBin);
+    sel->prefix = (sel->prefix << bits) | static_cast<uint32_t>(hiBin);
     sel->need = need - before;
   } else if (loBin >= 0 && atOrAbove < need && atOrAbove + cLo >= need) {
-    sel->prefix = (sel->prefix << levelBits(level)) | static_cast<uint32_t>(loBin);
+    sel->prefix = (sel->prefix << bits) | static_cast<uint32_t>(loBin);
     sel->need = need - atOrAbove;
   }
-  __syncthreads();
-  for (int b = threadIdx.x; b < kBins; b += blockDim.x) sel->hist[b] = 0;
 }
 
-// Per block: entries above the k-th key, and entries equal to it.
+// pickKernel over the fine bins under the chosen coarse bin.
+__global__ void pickFineKernel(Select* sel) {
+  // The coarse pick left prefix = top << 10 | coarse; its fine bins follow.
+  const uint32_t coarse = sel->prefix & (kCoarseBins - 1);
+  __shared__ uint32_t hist[kCoarseBins];
+  for (int b = threadIdx.x; b < kCoarseBins; b += blockDim.x) {
+    hist[b] = sel->fine[(coarse << 10) | static_cast<uint32_t>(b)];
+  }
+  __syncthreads();
+  using Scan = cub::BlockScan<uint32_t, 1024>;
+  __shared__ typename Scan::TempStorage temp;
+  const int hiBin = kCoarseBins - 1 - 2 * static_cast<int>(threadIdx.x), loBin = hiBin - 1;
+  const uint32_t cHi = hiBin >= 0 ? hist[hiBin] : 0u;
+  const uint32_t cLo = loBin >= 0 ? hist[loBin] : 0u;
+  uint32_t before = 0;
+  Scan(temp).ExclusiveSum(cHi + cLo, before);
+  const int64_t need = sel->need;
+  __syncthreads();
+  const int64_t atOrAbove = static_cast<int64_t>(before) + cHi;
+  if (hiBin >= 0 && before < need && atOrAbove >= need) {
+    sel->prefix = (sel->prefix << 10) | static_cast<uint32_t>(hiBin);
+    sel->need = need - before;
+  } else if (loBin >= 0 && atOrAbove < need && atOrAbove + cLo >= need) {
+    sel->prefix = (sel->prefix << 10) | static_cast<uint32_t>(loBin);
+    sel->need = need - atOrAbove;
+  }
+}
+
+// Per warp: entries above the k-th key, and entries equal to it.
 __global__ void countKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
   const uint32_t key = sel->prefix;
   uint32_t kept = 0, ties = 0;
-  const Range r = blockRange(n, per);
-  for (int64_t i = r.lo + threadIdx.x; i < r.hi; i += blockDim.x) {
-    const uint32_t k = magnitudeKey(vals[i]);
-    kept += k > key;
-    ties += k == key;
+  const Range r = warpRange(n, per);
+  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
+    uint32_t k[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane();
+      k[u] = i < r.hi ? magnitudeKey(vals[i]) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane();
+      kept += __popc(__ballot_sync(0xffffffffu, i < r.hi && k[u] > key));
+      ties += __popc(__ballot_sync(0xffffffffu, i < r.hi && k[u] == key));
+    }
   }
-  using Reduce = cub::BlockScan<uint32_t, kThreads>;
-  __shared__ typename Reduce::TempStorage temp;
-  uint32_t totalKept = 0, totalTies = 0, ignored = 0;
-  Reduce(temp).ExclusiveSum(kept, ignored, totalKept);
-  __syncthreads();
-  Reduce(temp).ExclusiveSum(ties, ignored, totalTies);
-  if (threadIdx.x == 0) {
-    sel->kept[blockIdx.x] = totalKept;
-    sel->ties[blockIdx.x] = totalTies;
+  if (lane() == 0) {
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+    sel->kept[w] = kept;
+    sel->ties[w] = ties;
   }
 }
 
-// One block of kMaxBlocks threads: ties go to the lowest blocks first; each
-// block's entries start after all earlier blocks' entries.
-__global__ void planKernel(int blocks, Select* sel) {
-  using Scan = cub::BlockScan<uint32_t, kMaxBlocks>;
+// One block of 1024 threads, 8 warps' counts each: ties go to the lowest
+// warps first; each warp's entries start after all earlier warps' entries.
+__global__ void planKernel(int warps, Select* sel) {
+  constexpr int kPer = kMaxWarps / 1024;
+  using Scan = cub::BlockScan<uint32_t, 1024>;
   __shared__ typename Scan::TempStorage temp;
-  const int b = threadIdx.x;
-  const uint32_t ties = b < blocks ? sel->ties[b] : 0u;
-  uint32_t tiesBefore = 0;
-  Scan(temp).ExclusiveSum(ties, tiesBefore);
+  uint32_t ties[kPer], before[kPer], mine[kPer], offset[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kPer + j;
+    ties[j] = w < warps ? sel->ties[w] : 0u;
+  }
+  Scan(temp).ExclusiveSum(ties, before);
   __syncthreads();
-  const int64_t left = sel->need - static_cast<int64_t>(tiesBefore);
-  const uint32_t take = static_cast<uint32_t>(left <= 0 ? 0 : (left < ties ? left : ties));
-  const uint32_t mine = (b < blocks ? sel->kept[b] : 0u) + take;
-  uint32_t offset = 0;
+  const int64_t need = sel->need;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kPer + j;
+    const int64_t left = need - static_cast<int64_t>(before[j]);
+    const uint32_t take = static_cast<uint32_t>(left <= 0 ? 0 : (left < ties[j] ? left : ties[j]));
+    mine[j] = (w < warps ? sel->kept[w] : 0u) + take;
+    if (w < warps) sel->take[w] = take;
+  }
   Scan(temp).ExclusiveSum(mine, offset);
-  if (b < blocks) {
-    sel->take[b] = take;
-    sel->offset[b] = offset;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int w = static_cast<int>(threadIdx.x) * kPer + j;
+    if (w < warps) sel->offset[w] = offset[j];
   }
 }
 
-// Per block, in index order: packs the kept entries at the block's offset
-// and zeroes them in the residual.
+// Per warp, in index order: packs the kept entries at the warp's offset and
+// zeroes them in the residual.
 __global__ void writeKernel(const float* vals, float* res, int64_t n, int64_t per, Select* sel,
                             int32_t* outIdx, float* outVal) {
-  using Scan = cub::BlockScan<uint32_t, kThreads>;
-  __shared__ typename Scan::TempStorage temp;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const uint32_t key = sel->prefix;
-  const uint32_t take = sel->take[blockIdx.x];
-  uint32_t at = sel->offset[blockIdx.x];
+  const uint32_t take = sel->take[w];
+  uint32_t at = sel->offset[w];
   uint32_t tiesSeen = 0;
-  const Range r = blockRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += blockDim.x) {
-    const int64_t i = base + threadIdx.x;
-    const float v = i < r.hi ? vals[i] : 0.f;
-    const uint32_t k = i < r.hi ? magnitudeKey(v) : 0u;
-    const uint32_t tie = i < r.hi && k == key;
-    uint32_t tieRank = 0, tileTies = 0;
-    Scan(temp).ExclusiveSum(tie, tieRank, tileTies);
-    __syncthreads();
-    const uint32_t keep = i < r.hi && (k > key || (tie && tiesSeen + tieRank < take));
-    uint32_t slot = 0, tileKept = 0;
-    Scan(temp).ExclusiveSum(keep, slot, tileKept);
-    __syncthreads();
-    if (keep) {
-      outIdx[at + slot] = static_cast<int32_t>(i);
-      outVal[at + slot] = v;
-      if (res != nullptr) res[i] = 0.f;
+  const unsigned below = (1u << lane()) - 1u;  // the lanes before this one
+  const Range r = warpRange(n, per);
+  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
+    float v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * 32 + lane();
+      v[u] = i < r.hi ? vals[i] : 0.f;
     }
-    at += tileKept;
-    tiesSeen += tileTies;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {  // u before u + 1: index order
+      const int64_t i = base + u * 32 + lane();
+      const uint32_t k = magnitudeKey(v[u]);
+      const bool tie = i < r.hi && k == key;
+      const unsigned tieMask = __ballot_sync(0xffffffffu, tie);
+      const bool keep = i < r.hi && (k > key || (tie && tiesSeen + __popc(tieMask & below) < take));
+      const unsigned keepMask = __ballot_sync(0xffffffffu, keep);
+      if (keep) {
+        const uint32_t slot = at + __popc(keepMask & below);
+        outIdx[slot] = static_cast<int32_t>(i);
+        outVal[slot] = v[u];
+        if (res != nullptr) res[i] = 0.f;
+      }
+      at += __popc(keepMask);
+      tiesSeen += __popc(tieMask);
+    }
   }
 }
 
@@ -269,37 +333,43 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
               "xcomm: top-k payload does not hold k = ", k, " pairs of ", n, " elements");
   c10::cuda::CUDAGuard guard(any.device());
   const auto stream = streamFor(any);
-  // Blocks own contiguous ranges of whole tiles.
-  const int64_t tiles = (n + kThreads - 1) / kThreads;
-  const int blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, (tiles + 3) / 4));
-  const int64_t per = ((tiles + blocks - 1) / blocks) * kThreads;
+  // Warps own contiguous ranges of whole 128-entry steps.
+  constexpr int64_t kStep = 32 * kUnroll;
+  const int64_t steps = (n + kStep - 1) / kStep;
+  const int64_t wanted = std::min<int64_t>(kMaxWarps, steps);
+  const int blocks = static_cast<int>((wanted + kWarps - 1) / kWarps);
+  const int warps = blocks * kWarps;
+  const int64_t per = ((steps + warps - 1) / warps) * kStep;
   at::Tensor state =
       at::empty({static_cast<int64_t>(sizeof(Select))}, any.options().dtype(at::kByte));
   auto* sel = reinterpret_cast<Select*>(state.data_ptr<uint8_t>());
   C10_CUDA_CHECK(cudaMemsetAsync(sel, 0, sizeof(Select), stream));
   const float* s = src.defined() ? src.data_ptr<float>() : nullptr;
   float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
+  const float* vals = res != nullptr ? res : s;
   prepareKernel<<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const float* vals = res != nullptr ? res : s;
-  for (int level = 0; level < kLevels; ++level) {
-    if (level > 0) {
-      histKernel<<<blocks, kThreads, 0, stream>>>(vals, n, per, level, sel);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-    pickKernel<<<1, kBins / 2, 0, stream>>>(level, sel);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  auto* stateBytes = state.data_ptr<uint8_t>();
+  const auto* top = reinterpret_cast<const uint32_t*>(stateBytes + offsetof(Select, top));
+  const auto* coarse = reinterpret_cast<const uint32_t*>(stateBytes + offsetof(Select, coarse));
+  pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  refineKernel<<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickFineKernel<<<1, 1024, 0, stream>>>(sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   countKernel<<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  planKernel<<<1, kMaxBlocks, 0, stream>>>(blocks, sel);
+  planKernel<<<1, 1024, 0, stream>>>(warps, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto* base = packed.data_ptr<uint8_t>();
   writeKernel<<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel,
                                                reinterpret_cast<int32_t*>(base),
                                                reinterpret_cast<float*>(base + 4 * k));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // The state is freed to torch's caching allocator on this stream: reused
+  // The state goes back to torch's caching allocator on this stream: reused
   // only by work queued after these kernels.
 }
 
