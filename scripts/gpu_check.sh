@@ -7,7 +7,8 @@
 # Writes to OUT_DIR: env.txt (device, driver, torch, CUDA, NCCL), build.log,
 # tests.log + junit.xml (tests/gpu: every collective and DDP with every hook
 # on CUDA tensors against NCCL; world size 2 on one GPU where NCCL accepts
-# it), bench.log + gpu.json + gpu.md (python -m xcomm_bench gpu). Each stage
+# it), bench.log + gpu.json + gpu.md (python -m xcomm_bench gpu), profile.log +
+# profile.txt (GPU time per kernel of each codec: --profile). Each stage
 # has its own time limit; a failed stage does not stop the later ones, and
 # the exit status is non-zero if any failed.
 set -uo pipefail
@@ -59,6 +60,11 @@ grep -E "FAILED|ERROR|passed|failed|^E " "$OUT/tests.log" | head -120
 echo "== benchmark"
 timeout "${XCOMM_GPU_BENCH_S:-100}" "$PY" -m xcomm_bench gpu --out "$OUT" >"$OUT/bench.log" 2>&1 || failed+=(benchmark)
 tail -40 "$OUT/bench.log"
+
+echo "== kernel profile"
+timeout "${XCOMM_GPU_PROFILE_S:-60}" "$PY" -m xcomm_bench gpu --profile --out "$OUT" \
+  >"$OUT/profile.log" 2>&1 || failed+=(profile)
+tail -60 "$OUT/profile.log"
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"

@@ -168,6 +168,48 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     return rows
 
 
+def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int = 5) -> str:
+    """Where each xcomm codec's time goes: GPU time per kernel (torch.profiler),
+    per call of the encode + decode measured by :func:`measure_codecs`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from xcomm import _C
+
+    gen = torch.Generator().manual_seed(1)
+    flat = torch.randn(numel, generator=gen).to(device)
+    out = torch.empty_like(flat)
+    k = max(1, math.ceil(codecs.DENSITY * numel))
+    steps = iter(range(10**9))
+    int8, fb = _C.Int8Codec(codecs.CHUNK), _C.ErrorFeedback()
+    topk, randk = _C.TopKCodec(False, True, 4096, 0), _C.RandomKCodec(0, True)
+    runs: dict[str, Callable[[], object]] = {
+        "int8 + EF": lambda: codecs.xcomm_int8(int8, fb, flat, world, out),
+        "top-k 1% + EF": lambda: codecs.xcomm_topk(topk, flat, k, world, out),
+        "random-k 1% + EF": lambda: codecs.xcomm_randomk(randk, flat, next(steps), world, out),
+    }
+    parts = []
+    for name, fn in runs.items():
+        fn()
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize(device)
+        rows = []
+        for e in prof.key_averages():
+            dev_us = getattr(e, "self_device_time_total", None)
+            if dev_us is None:
+                dev_us = getattr(e, "self_cuda_time_total", 0.0)
+            if dev_us > 0:
+                rows.append((dev_us / calls, e.count // calls, e.key))
+        rows.sort(reverse=True)
+        total = sum(r[0] for r in rows)
+        lines = [f"{name}: {total:.1f} us of GPU time per call ({calls} calls)"]
+        lines += [f"  {us:8.1f} us  x{n:<3d} {key[:110]}" for us, n, key in rows[:14]]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 def _model(device: torch.device, width: int, depth: int) -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
@@ -309,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", type=Path, default=None, help="folder for gpu.json and gpu.md")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only profile the codecs' kernels (GPU time per kernel; profile.txt in --out)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -317,6 +364,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+    if args.profile:
+        if device.type != "cuda":
+            print("xcomm_bench gpu --profile: needs a GPU")
+            return 2
+        text = profile_codecs(device, args.numel)
+        print(text, flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "profile.txt").write_text(text + "\n")
+        return 0
     cfg = {k: getattr(args, k) for k in ("numel", "reps", "width", "depth", "batch", "steps")}
     info = device_info(device)
     print(json.dumps(info), flush=True)
