@@ -109,11 +109,13 @@ def xcomm_int8(
     codec: _C.Int8Codec, fb: _C.ErrorFeedback, flat: torch.Tensor, world: int, out: torch.Tensor
 ) -> None:
     """What one rank computes in the int8 hook; the network's part (alltoall,
-    allgather) is left out: this rank's rows stand in for what it receives."""
+    allgather) is left out: this rank's packed rows stand in for the rows it
+    receives, and again for the gathered means it decodes (the same shape and
+    work; a network delivers them contiguous, so no copy is timed for them)."""
     shard = codec.shard_elems(flat.numel(), world)
     packed = codec.pack_shards_with_feedback(flat, world, fb, 0)
-    mine = codec.reduce_and_pack(packed, shard, float(world))
-    codec.unpack_all(mine.expand(world, -1), shard, out)
+    codec.reduce_and_pack(packed, shard, float(world))
+    codec.unpack_all(packed, shard, out)
 
 
 def xcomm_topk(

@@ -165,6 +165,9 @@ struct PowerSgdCodec::Bucket {
   at::Tensor qT;                // Q transposed, for matrices of rank > 1
   at::Tensor error;             // error feedback, indexed like the bucket buffer
   std::vector<uint8_t> finite;  // per compressed matrix: P was finite
+  // The same on a GPU bucket, as 0-dim bool tensors on the device: reading
+  // them on the host would wait for the device.
+  std::vector<at::Tensor> finiteOnDevice;
   Phase phase = Phase::kIdle;
   at::Tensor buffer;  // the bucket buffer of the step in flight
 };
@@ -179,9 +182,6 @@ PowerSgdCodec::BucketPlan PowerSgdCodec::planLayout(const at::Tensor& buffer,
                                                     const std::vector<at::Tensor>& grads,
                                                     const std::vector<int64_t>& keys) const {
   TORCH_CHECK_VALUE(buffer.defined(), "xcomm: PowerSGD got an undefined bucket buffer");
-  TORCH_CHECK_VALUE(buffer.device().is_cpu(), "xcomm: PowerSGD's codec runs on CPU buckets; this ",
-                    "bucket is on ", buffer.device().str(),
-                    " (use torch's powerSGD_hook for GPU buckets)");
   TORCH_CHECK_VALUE(supportedDtype(buffer.scalar_type()),
                     "xcomm: PowerSGD compresses float32, float64, float16 and bfloat16 "
                     "gradients; this bucket holds ",
@@ -412,7 +412,9 @@ void PowerSgdCodec::drawQ(Bucket& b, uint64_t seed) {
   // (possibly batched) q, in P/Q order. A fresh generator seeded alike draws
   // the same numbers without touching the global one.
   at::Generator gen = at::detail::createCPUGenerator(seed);
-  const auto opts = b.q.options();
+  // Drawn on the host for a GPU bucket too: the same numbers on every rank
+  // and device, from a generator of its own.
+  const auto opts = b.q.options().device(at::kCPU);
   for (const auto& [first, last] : b.plan.drawGroups) {
     const auto& t = b.plan.tensors[b.plan.compressed[first]];
     const auto count = static_cast<int64_t>(last - first);
@@ -501,13 +503,14 @@ PowerSgdStepInfo PowerSgdCodec::prepare(int64_t bucket, const at::Tensor& buffer
     TORCH_CHECK(b.phase == Phase::kIdle, "xcomm: PowerSGD prepare for bucket ", bucket,
                 " while its previous step is unfinished (each step runs prepare, reduceP, "
                 "finish)");
-    TORCH_CHECK_VALUE(buffer.defined() && buffer.device().is_cpu() && buffer.dim() == 1 &&
-                          buffer.is_contiguous() && buffer.scalar_type() == b.plan.dtype &&
-                          buffer.numel() == b.plan.bufferNumel,
+    TORCH_CHECK_VALUE(buffer.defined() && buffer.dim() == 1 && buffer.is_contiguous() &&
+                          buffer.scalar_type() == b.plan.dtype &&
+                          buffer.numel() == b.plan.bufferNumel &&
+                          (!b.adopted || !b.wire.defined() || buffer.device() == b.wire.device()),
                       "xcomm: PowerSGD prepare for bucket ", bucket,
-                      " got a buffer that does not match its layout (expected a contiguous CPU ",
+                      " got a buffer that does not match its layout (expected a contiguous ",
                       dtypeName(b.plan.dtype), " tensor of ", b.plan.bufferNumel,
-                      " elements); call setLayout when the bucket changes");
+                      " elements on the bucket's device); call setLayout when the bucket changes");
     draw = missingQ(bucket, b);
     TORCH_CHECK_VALUE(draw == seed.has_value(), "xcomm: PowerSGD prepare for bucket ", bucket,
                       draw ? " needs a seed to draw random Qs (see needsSeed)"
@@ -527,6 +530,10 @@ PowerSgdStepInfo PowerSgdCodec::prepare(int64_t bucket, const at::Tensor& buffer
   Bucket& b = *bp;
   const BucketPlan& plan = b.plan;
   if (draw) drawQ(b, *seed);
+  if (!buffer.is_cpu()) {
+    prepareOnDevice(b, buffer);
+    return stepInfo(b);
+  }
 
   // Orthogonalize every Q (drawn or warm) and transpose the rank > 1 ones.
   std::vector<Task> matrices;
@@ -572,6 +579,11 @@ PowerSgdStepInfo PowerSgdCodec::prepare(int64_t bucket, const at::Tensor& buffer
     });
   });
 
+  return stepInfo(b);
+}
+
+PowerSgdStepInfo PowerSgdCodec::stepInfo(Bucket& b) const {
+  const BucketPlan& plan = b.plan;
   b.phase = Phase::kPrepared;
   PowerSgdStepInfo info;
   info.wire = b.wire;
@@ -618,6 +630,11 @@ at::Tensor PowerSgdCodec::reduceP(int64_t bucket, const at::Tensor& summedWire, 
   TORCH_CHECK_VALUE(worldSize >= 1, "xcomm: PowerSGD world size must be >= 1; got ", worldSize);
   adoptReduced(summedWire, b.wire, bucket, "wire (uncompressed gradients and P)");
   const BucketPlan& plan = b.plan;
+  if (!b.buffer.is_cpu()) {
+    reducePOnDevice(b, worldSize);
+    b.phase = Phase::kReducedP;
+    return b.q;
+  }
 
   std::vector<Task> first;  // orthogonalize P; unpack the uncompressed gradients
   for (size_t i = 0; i < plan.tensors.size(); ++i) {
@@ -674,6 +691,12 @@ void PowerSgdCodec::finish(int64_t bucket, const at::Tensor& summedQ, int64_t wo
   TORCH_CHECK_VALUE(worldSize >= 1, "xcomm: PowerSGD world size must be >= 1; got ", worldSize);
   adoptReduced(summedQ, b.q, bucket, "Q");
   const BucketPlan& plan = b.plan;
+  if (!b.buffer.is_cpu()) {
+    finishOnDevice(b, worldSize);
+    b.buffer = at::Tensor();
+    b.phase = Phase::kIdle;
+    return;
+  }
 
   std::vector<Task> matrices;
   std::vector<Task> rows;
@@ -714,6 +737,111 @@ void PowerSgdCodec::finish(int64_t bucket, const at::Tensor& summedQ, int64_t wo
   });
   b.buffer = at::Tensor();
   b.phase = Phase::kIdle;
+}
+
+// ---------------------------------------------------------------------------
+// The three phases on a GPU bucket: the same steps in ATen ops on the
+// bucket's device (cuBLAS matmuls), queued on the caller's stream with no
+// host synchronization. The CPU route's per-element arithmetic is not
+// reproduced bit for bit (cuBLAS sums in its own order), but every rank
+// computes the same bits on the same GPU model.
+
+namespace {
+
+// Gram-Schmidt as torch's hook: each column divided by (its norm + eps),
+// then taken out of the later ones; Householder QR (torch.linalg.qr) for
+// double matrices of rank > 2, as the CPU route chooses.
+void orthonormalizeOnDevice(const at::Tensor& x, double eps) {
+  const int64_t rank = x.size(1);
+  if (rank > 2 && x.scalar_type() == at::kDouble) {
+    x.copy_(std::get<0>(at::linalg_qr(x)));
+    return;
+  }
+  for (int64_t i = 0; i < rank; ++i) {
+    at::Tensor col = x.narrow(1, i, 1);
+    at::Tensor norm = at::linalg_vector_norm(col, 2, at::IntArrayRef{0}, /*keepdim=*/true);
+    if (eps != 0.0) norm.add_(eps);
+    col.div_(norm);
+    if (i + 1 < rank) {
+      at::Tensor rest = x.narrow(1, i + 1, rank - i - 1);
+      rest.sub_((col * rest).sum(0, /*keepdim=*/true) * col);
+    }
+  }
+}
+
+at::Tensor matrixOf(const at::Tensor& flat, int64_t offset, int64_t rows, int64_t cols) {
+  return flat.narrow(0, offset, rows * cols).view({rows, cols});
+}
+
+}  // namespace
+
+void PowerSgdCodec::prepareOnDevice(Bucket& b, const at::Tensor& buffer) {
+  const BucketPlan& plan = b.plan;
+  // M + E for the compressed matrices and g + e for the rest: the residual
+  // is laid out like the bucket.
+  if (b.error.defined()) buffer.add_(b.error);
+  const double eps = options_.orthogonalizationEpsilon;
+  for (int64_t i : plan.compressed) {
+    const auto& t = plan.tensors[i];
+    at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
+    orthonormalizeOnDevice(q, eps);
+    at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
+    at::mm_out(p, matrixOf(buffer, t.offset, t.rows, t.cols), q);
+  }
+  for (const auto& t : plan.tensors) {
+    if (!t.compressed() && t.numel > 0) {
+      b.wire.narrow(0, t.wireOffset, t.numel).copy_(buffer.narrow(0, t.offset, t.numel));
+    }
+  }
+}
+
+void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
+  const BucketPlan& plan = b.plan;
+  const auto w = static_cast<double>(worldSize);
+  b.finiteOnDevice.assign(plan.tensors.size(), at::Tensor());
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const auto& t = plan.tensors[i];
+    if (t.compressed() || t.numel == 0) continue;
+    at::Tensor grad = b.buffer.narrow(0, t.offset, t.numel);
+    at::Tensor avg = b.wire.narrow(0, t.wireOffset, t.numel).div(w);
+    if (b.error.defined()) {
+      // grad still holds gradient + old error; where avg is not finite the
+      // error is left as it was.
+      at::Tensor err = b.error.narrow(0, t.offset, t.numel);
+      err.copy_(at::where(at::isfinite(avg), grad - avg, err));
+    }
+    grad.copy_(avg);
+  }
+  for (int64_t i : plan.compressed) {
+    const auto& t = plan.tensors[i];
+    at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
+    // P is a sum over ranks: not finite on one rank, not finite on all alike.
+    at::Tensor finite = at::isfinite(p).all();
+    b.finiteOnDevice[i] = finite;
+    orthonormalizeOnDevice(p, options_.orthogonalizationEpsilon);
+    // A matrix whose P is not finite keeps its previous Q (its warm start).
+    at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
+    q.copy_(at::where(finite, at::mm(matrixOf(b.buffer, t.offset, t.rows, t.cols).t(), p), q));
+  }
+}
+
+void PowerSgdCodec::finishOnDevice(Bucket& b, int64_t worldSize) {
+  const BucketPlan& plan = b.plan;
+  const auto w = static_cast<double>(worldSize);
+  for (int64_t i : plan.compressed) {
+    const auto& t = plan.tensors[i];
+    at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
+    q.div_(w);  // kept divided by the world size, as torch keeps it
+    at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
+    at::Tensor decompressed = at::mm(matrixOf(b.wire, t.wireOffset, t.rows, t.rank), q.t());
+    const at::Tensor& finite = b.finiteOnDevice[i];
+    if (b.error.defined()) {
+      // Not finite on some rank: NaN on every rank, and the error left as it was.
+      at::Tensor err = matrixOf(b.error, t.offset, t.rows, t.cols);
+      err.copy_(at::where(finite, m - decompressed, err));
+    }
+    m.copy_(at::where(finite, decompressed, std::numeric_limits<double>::quiet_NaN()));
+  }
 }
 
 }  // namespace xcomm

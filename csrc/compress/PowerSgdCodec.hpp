@@ -19,6 +19,9 @@
 // rebuilds its buckets, and a checkpoint taken under one bucket layout
 // resumes under another.
 //
+// A bucket on a GPU runs the same phases as ATen ops on its device (cuBLAS
+// matmuls, no host synchronization); a CPU bucket runs xcomm's own kernels.
+//
 // Threading: the phases of one bucket must not overlap (they never do in
 // DDP); different buckets may run their phases concurrently.
 #include <cstdint>
@@ -137,6 +140,13 @@ class PowerSgdCodec {
   enum class Phase { kIdle, kPrepared, kReducedP };
 
   Bucket& bucketOrThrow(int64_t bucket, const char* phase);
+  // The end of prepare: the bucket is prepared; what to send.
+  PowerSgdStepInfo stepInfo(Bucket& b) const;
+  // The phases on a bucket that is not in host memory (a GPU's): ATen ops on
+  // its device instead of the CPU kernels.
+  void prepareOnDevice(Bucket& b, const at::Tensor& buffer);
+  void reducePOnDevice(Bucket& b, int64_t worldSize);
+  void finishOnDevice(Bucket& b, int64_t worldSize);
   // `bucket`, checked under the lock to be in `expected`, the phase `previous` leaves.
   Bucket& bucketAfter(int64_t bucket, const char* step, Phase expected, const char* previous);
   const Bucket* findBucket(int64_t bucket) const;

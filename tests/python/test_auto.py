@@ -456,8 +456,9 @@ def test_the_agreed_latency_is_the_least_over_ranks(monkeypatch: pytest.MonkeyPa
 
 
 def test_gpu_buckets_choose_only_among_methods_that_run_on_the_device() -> None:
-    """xcomm's int8, top-k and PowerSGD codecs are CPU code: on a GPU bucket
-    auto offers only none and the casts, and says so when nothing is left."""
+    """auto's cost model knows xcomm's int8, top-k and PowerSGD codecs on the
+    CPU only: on a GPU bucket it offers only none and the casts, and says so
+    when nothing is left."""
     state = hooks.AutoState()
     assert state.candidates("cpu") == state.allowed
     assert state.candidates("cuda") == ("none", "bf16")  # the default methods

@@ -36,10 +36,11 @@ that switches method keeps its residual (PowerSGD's per-parameter error is
 handed over too); a switch to ``none`` or a cast sends what is owed.
 
 On GPU buckets the candidates are ``none``, ``bf16`` and ``fp16`` only
-(:meth:`AutoState.candidates`): xcomm's int8, top-k and PowerSGD codecs are
-CPU code, and a bucket sent through the host costs more than any link saves
-(``docs/benchmarks.md``, "GPU"). The probe then runs on the GPU (over NCCL);
-the cast costs in the model are still the CPU's, an over-estimate there.
+(:meth:`AutoState.candidates`): xcomm's int8, top-k and PowerSGD codecs do
+run on the GPU now (CUDA kernels, ATen for PowerSGD), but auto's cost model
+still calibrates them on the CPU, so it would misjudge them there. The probe
+runs on the GPU (over NCCL); the cast costs in the model are still the
+CPU's, an over-estimate there.
 
 The choice can be bounded: ``methods`` (allowed set), ``lossless_only``,
 ``min_density`` (top-k), ``powersgd_rank``. :meth:`AutoState.explain` and
@@ -89,9 +90,8 @@ __all__ = ["METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
 _LOSSLESS = ("none",)
-#: What runs on a GPU bucket without a round trip through the host: xcomm's
-#: int8, top-k and PowerSGD codecs are CPU code (issue 14), and on a GPU they
-#: cost more than any link saves.
+#: What auto chooses among on a GPU bucket: its cost model calibrates xcomm's
+#: int8, top-k and PowerSGD codecs on the CPU only, not their GPU versions.
 _ON_DEVICE = ("none", "bf16", "fp16")
 _INT8_CHUNK = 1024
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
@@ -400,7 +400,8 @@ class AutoState(PicklableState):
         if not found:
             raise ValueError(
                 f"xcomm.hooks.auto_hook: on {device_type} buckets auto can choose only "
-                f"{_ON_DEVICE} (xcomm's int8, top-k and PowerSGD codecs run on CPU); "
+                f"{_ON_DEVICE} (its cost model knows xcomm's int8, top-k and PowerSGD codecs on "
+                "the CPU only); "
                 f"methods={self.allowed} leaves none of them"
             )
         return found

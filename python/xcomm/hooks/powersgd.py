@@ -12,8 +12,10 @@ allocations or copies of the bucket::
                           start_powerSGD_iter=1000)
     ddp_model.register_comm_hook(state, powersgd_hook)
 
-It needs only allreduce, so it runs over any process group (xcomm, gloo).
-Buckets must be CPU tensors of float32, float64, float16 or bfloat16.
+It needs only allreduce, so it runs over any process group (xcomm, gloo,
+NCCL). Buckets hold float32, float64, float16 or bfloat16; CPU buckets run
+xcomm's own kernels, GPU buckets the same steps as ATen ops (cuBLAS) on their
+device, with no host synchronization.
 
 Per bucket and step (after ``start_powerSGD_iter`` steps of plain averaging):
 
@@ -443,11 +445,10 @@ def powersgd_hook(
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world_size = group.size()
     buffer = bucket.buffer()
-    if buffer.dtype not in _SUPPORTED_DTYPES or buffer.device.type != "cpu":
+    if buffer.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
-            "xcomm.hooks.powersgd_hook compresses CPU buckets of float32, float64, float16 or "
-            f"bfloat16; this bucket is {buffer.dtype} on {buffer.device} (use torch's "
-            "powerSGD_hook for GPU buckets)"
+            "xcomm.hooks.powersgd_hook compresses buckets of float32, float64, float16 or "
+            f"bfloat16; this bucket is {buffer.dtype}"
         )
     index = bucket.index()
     state._observe(index, bucket, buffer)
@@ -475,8 +476,13 @@ def powersgd_hook(
     state._report_compression_stats(bucket)
 
     # Chained by callbacks: each runs when its allreduce completes (on the
-    # backend's thread) and starts the next; nothing waits.
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # backend's thread) and starts the next; nothing waits. On a GPU the
+    # result carries CUDA events, so DDP's stream waits for finish's kernels.
+    cuda = buffer.device.type == "cuda"
+    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if cuda else None
+    )
+    stream = torch.cuda.current_stream(buffer.device) if cuda else None
 
     # The second allreduce is issued from a callback; taking turns keeps the
     # order of collectives the same on every rank (see IssueOrder).
@@ -522,8 +528,12 @@ def powersgd_hook(
             turn.value()  # an earlier bucket's failure fails this one too
             if wire.numel() == 0:
                 on_wire(wire)
-            else:
+            elif stream is None:
                 _allreduce(group, wire).add_done_callback(lambda fut: _then(fut, on_wire))
+            else:  # maybe another thread: issue in the stream that prepare's kernels ran in
+                with torch.cuda.stream(stream):
+                    fut = _allreduce(group, wire)
+                fut.add_done_callback(lambda fut: _then(fut, on_wire))
         except BaseException as exc:  # noqa: BLE001
             fail(exc)
 
