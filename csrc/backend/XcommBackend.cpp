@@ -145,7 +145,7 @@ c10::intrusive_ptr<DelegatedWork> XcommBackend::wrap(c10::intrusive_ptr<c10d::Wo
     // already ordered there. Finish ours the same way and return none too;
     // torch waits only on a work it gets.
     if (finalize) finalize();
-    recordCompleted(c10d::opTypeToString(type), bytes, bytes, issuedUs, /*failed=*/false);
+    recordAfterDeviceOp(inputs, c10d::opTypeToString(type), bytes, bytes, issuedUs);
     return {};
   }
   auto resultType = result.type();

@@ -2,12 +2,48 @@
 
 #include <chrono>
 
+#include <algorithm>
+#include <memory>
+#include <vector>
+
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include "observe/Timeline.hpp"
+#include "runtime/CompletionPool.hpp"
 
 namespace xcomm {
+namespace {
+
+// Threads that wait for device events, so an op on a GPU is recorded when it
+// completes there. Leaked on purpose: at exit a static's destructor would
+// join threads still blocked in a CUDA driver that is being torn down.
+CompletionPool& eventWaiters() {
+  static auto* pool = new CompletionPool(4);
+  return *pool;
+}
+
+// Records the op once each device's current stream reaches this point: an
+// event on each marks the op's end. Called where those streams wait for the
+// op: in a device future's callback (c10's Future runs callbacks on streams
+// that wait for its events) or after a synchronous op.
+void recordAfterStreams(const std::vector<c10::Device>& devices, std::string op, uint64_t bytes,
+                        uint64_t wireBytes, int64_t startUs) {
+  auto events = std::make_shared<std::vector<c10::Event>>();
+  for (const c10::Device& device : devices) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    events->emplace_back(device.type());
+    events->back().record(impl.getStream(device));
+  }
+  eventWaiters().run([events, op = std::move(op), bytes, wireBytes, startUs] {
+    for (c10::Event& e : *events) e.synchronize();
+    recordCompleted(op, bytes, wireBytes, startUs, /*failed=*/false);
+  });
+}
+
+}  // namespace
 
 StatsRegistry& StatsRegistry::global() {
   static StatsRegistry registry;
@@ -62,6 +98,10 @@ void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::s
     return;
   }
   future->addCallback([op, bytes, wireBytes, startUs](c10::ivalue::Future& done) {
+    if (!done.hasError() && !done.devices().empty()) {
+      recordAfterStreams(done.devices(), op, bytes, wireBytes, startUs);
+      return;
+    }
     recordCompleted(op, bytes, wireBytes, startUs, done.hasError());
   });
 }
@@ -79,6 +119,22 @@ void recordCompleted(const std::string& op, uint64_t bytes, uint64_t wireBytes, 
                                    {{"bytes", std::to_string(bytes)},
                                     {"bytes_on_wire", std::to_string(wireBytes)},
                                     {"status", failed ? "error" : "ok"}}});
+}
+
+void recordAfterDeviceOp(const std::vector<at::Tensor>& tensors, const std::string& op,
+                         uint64_t bytes, uint64_t wireBytes, int64_t startUs) {
+  std::vector<c10::Device> devices;
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && !t.device().is_cpu() &&
+        std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  if (devices.empty()) {
+    recordCompleted(op, bytes, wireBytes, startUs, /*failed=*/false);
+    return;
+  }
+  recordAfterStreams(devices, op, bytes, wireBytes, startUs);
 }
 
 }  // namespace xcomm

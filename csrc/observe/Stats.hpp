@@ -42,13 +42,20 @@ uint64_t payloadBytes(const c10::IValue& value);
 
 // Records `work`, which sent `wireBytes` for the `bytes` handed to it (less
 // when compressed), in the global stats (and as a span on the global
-// timeline, when enabled) once its future completes, timed from `startUs`
+// timeline, when enabled) once its future completes (for a future on GPUs,
+// which completes when the op is queued: once a CUDA event after it has
+// completed, waited for on a thread of its own), timed from `startUs`
 // (Timeline::nowUs() taken before the op was issued: a transport may run an
 // op inline and be done before it returns). Works without a future
 // (point-to-point) are counted at issue, with no time.
 void recordOnCompletion(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op,
                         uint64_t bytes, uint64_t wireBytes, int64_t startUs);
 
+// Records a synchronous op that just returned, issued at `startUs`: at once
+// for host tensors; for device tensors once their devices' current streams
+// (which the op is ordered before) have run it.
+void recordAfterDeviceOp(const std::vector<at::Tensor>& tensors, const std::string& op,
+                         uint64_t bytes, uint64_t wireBytes, int64_t startUs);
 // Records an op that just completed (or failed), issued at `startUs`: the
 // global stats and a timeline span, as recordOnCompletion does.
 void recordCompleted(const std::string& op, uint64_t bytes, uint64_t wireBytes, int64_t startUs,

@@ -293,32 +293,54 @@ class HookPath(_CopyInPath):
             landed_us = trace.now_us()
             bucket.landed_us = landed_us
             failed = True
+            device = bucket.buffer.device
+            landed = None  # on a GPU: an event where the transfer ends on the stream
             try:
                 value = f.value()
                 result = value[0] if isinstance(value, (list, tuple)) else value
+                if device.type == "cuda":
+                    landed = torch.cuda.Event(enable_timing=True)
+                    landed.record()
                 with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::decode"):
                     for p, off in zip(bucket.params, bucket.offsets):
                         p.grad.copy_(result.narrow(0, off, p.numel()).view_as(p))
                 failed = False
             finally:
-                done_us = trace.now_us()
-                trace.add_span(
-                    f"bucket {i} transfer",
-                    "transfer",
-                    TRACK_TRANSFER,
-                    launched_us,
-                    landed_us,
-                    {"bytes": nbytes, "queued_us": int(queued_s * 1e6)},
-                )
-                trace.add_span(f"bucket {i} decode", "decode", TRACK_DECODE, landed_us, done_us)
-                record_op(
-                    op,
-                    nbytes,
-                    round(nbytes * wire_ratio),
-                    queued_s,
-                    (landed_us - launched_us) * 1e-6,
-                    failed,
-                )
+
+                def spans(landed_at: int, done_us: int) -> None:
+                    bucket.landed_us = landed_at
+                    trace.add_span(
+                        f"bucket {i} transfer",
+                        "transfer",
+                        TRACK_TRANSFER,
+                        launched_us,
+                        landed_at,
+                        {"bytes": nbytes, "queued_us": int(queued_s * 1e6)},
+                    )
+                    trace.add_span(f"bucket {i} decode", "decode", TRACK_DECODE, landed_at, done_us)
+                    record_op(
+                        op,
+                        nbytes,
+                        round(nbytes * wire_ratio),
+                        queued_s,
+                        (landed_at - launched_us) * 1e-6,
+                        failed,
+                    )
+
+                if landed is None:
+                    spans(landed_us, trace.now_us())
+                else:
+                    # A CUDA future completes when its op is queued: end the
+                    # spans when the stream has run the transfer and the
+                    # copy-back (the copy's length from the two events).
+                    copied = torch.cuda.Event(enable_timing=True)
+                    copied.record()
+
+                    def at_completion(done_us: int) -> None:
+                        copy_us = int(landed.elapsed_time(copied) * 1000)
+                        spans(max(launched_us, done_us - copy_us), done_us)
+
+                    trace.when_stream_done(device, at_completion)
 
         # The transfer as an async torch.profiler range: it ends when the future completes.
         with torch.autograd.profiler.record_function(f"xcomm::bucket{i}::transfer") as rf:

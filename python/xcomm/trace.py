@@ -21,9 +21,14 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterable, Mapping
+import queue
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import torch
 
 from . import _C
 
@@ -38,6 +43,7 @@ __all__ = [
     "timeline_enabled",
     "timeline_json",
     "validate_trace",
+    "when_stream_done",
 ]
 
 
@@ -64,6 +70,48 @@ def clear_timeline() -> None:
 def now_us() -> int:
     """The timeline's clock, in microseconds."""
     return int(_C.timeline_now_us())
+
+
+_waiting: queue.SimpleQueue[tuple[Any, Callable[[int], None]]] | None = None
+_waiting_lock = threading.Lock()
+
+
+def _wait_events(q: queue.SimpleQueue[tuple[Any, Callable[[int], None]]]) -> None:
+    while True:
+        event, fn = q.get()
+        try:
+            event.synchronize()
+            fn(now_us())
+        except Exception:
+            logging.getLogger(__name__).exception("xcomm.trace: recording a GPU span failed")
+
+
+def when_stream_done(device: torch.device, fn: Callable[[int], None]) -> None:
+    """Calls ``fn(now_us())`` once the work queued so far on ``device``'s
+    current stream has run: at once for a CPU device; for a GPU, from a
+    waiter thread when a CUDA event recorded now completes. So a span of a
+    GPU op ends when the op does, not when it was queued (a CUDA future
+    completes at launch).
+
+    Example::
+
+        >>> import torch, xcomm.trace as trace
+        >>> trace.when_stream_done(torch.device("cpu"), lambda t: print(t > 0))
+        True
+    """
+    if device.type != "cuda":
+        fn(now_us())
+        return
+    global _waiting
+    with _waiting_lock:
+        if _waiting is None:
+            _waiting = queue.SimpleQueue()
+            threading.Thread(
+                target=_wait_events, args=(_waiting,), name="xcomm-trace-events", daemon=True
+            ).start()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    _waiting.put((event, fn))
 
 
 def add_span(

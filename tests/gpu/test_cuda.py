@@ -335,3 +335,43 @@ def test_ddp_on_the_device_equals_the_reference(world: int, hook: str) -> None:
         )
         drift = (r["xcomm"] - r["uncompressed"]).norm() / r["uncompressed"].norm()
         assert drift < 0.05, f"rank {rank}: {hook} drifted {drift:.3f} from uncompressed"
+
+
+# -- timing at completion ------------------------------------------------------
+
+
+def _timed_ops(ctx: RankContext) -> dict[str, float]:
+    """Collectives queued behind ~0.3 s of GPU work: their stats and timeline
+    spans must last as long (a CUDA future completes when its op is queued)."""
+    import time
+
+    import xcomm
+
+    dev = _device()
+    out: dict[str, float] = {}
+    t = torch.ones(1 << 16, device=dev)
+    torch.cuda.synchronize()
+    for mode in ("async", "sync"):
+        xcomm.reset_stats()
+        xcomm.enable_timeline()
+        torch.cuda._sleep(600_000_000)  # ~0.3 s at ~2 GHz, ahead of the allreduce
+        if mode == "async":
+            dist.all_reduce(t, async_op=True).wait()
+        else:
+            dist.all_reduce(t)
+        torch.cuda.synchronize()
+        deadline = time.monotonic() + 10.0
+        while "ALLREDUCE" not in xcomm.stats() and time.monotonic() < deadline:
+            time.sleep(0.01)  # recorded by a thread that waits for a CUDA event
+        out[f"{mode} stats_s"] = xcomm.stats()["ALLREDUCE"].time_on_wire_s
+        spans = [e for e in xcomm.timeline_json()["traceEvents"] if e.get("name") == "ALLREDUCE"]
+        out[f"{mode} span_s"] = spans[0]["dur"] * 1e-6 if spans else 0.0
+        xcomm.disable_timeline()
+    return out
+
+
+@pytest.mark.skipif(ON_CPU, reason="times GPU work")
+def test_stats_and_timeline_time_gpu_ops_at_completion() -> None:
+    got = run_ranks(_timed_ops, 1, ref_group=False, env=ENV, timeout=TIMEOUT)[0]
+    for what, seconds in got.items():
+        assert seconds >= 0.1, f"{what}: {seconds:.4f} s for an op queued behind ~0.3 s: {got}"

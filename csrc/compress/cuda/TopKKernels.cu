@@ -10,7 +10,8 @@
 // bin (a 1024-bin coarse histogram in shared memory, a 2^20-bin fine one in
 // global memory, touched by those few entries only). Each warp owns one
 // contiguous range of the bucket, so the last pass numbers the kept entries
-// in index order from per-warp counts (ballots, no sort, no block barrier).
+// in index order from per-warp counts (warp scans, no sort, no block
+// barrier). Every pass moves 4 consecutive entries per lane (float4s).
 #include <cstddef>
 
 #include <cub/block/block_scan.cuh>
@@ -75,30 +76,70 @@ __device__ inline void flushShared(const uint32_t* hist, uint32_t* global, int b
   }
 }
 
+// Each lane takes 4 consecutive entries at a time (a float4 where the
+// pointers allow): base + u * 128 + lane * 4 + 0..3 for u < kUnroll.
+constexpr int64_t kStep = 32 * 4 * kUnroll;
+
+__device__ inline int64_t quadAt(int64_t base, int u) {
+  return base + u * 128 + lane() * 4;
+}
+
+// Entries i..i+3 below hi (the rest read as 0).
+template <bool kVec>
+__device__ inline float4 loadQuad(const float* p, int64_t i, int64_t hi) {
+  if (kVec && i + 4 <= hi) return *reinterpret_cast<const float4*>(p + i);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (i < hi) v.x = p[i];
+  if (i + 1 < hi) v.y = p[i + 1];
+  if (i + 2 < hi) v.z = p[i + 2];
+  if (i + 3 < hi) v.w = p[i + 3];
+  return v;
+}
+template <bool kVec>
+__device__ inline void storeQuad(float* p, int64_t i, int64_t hi, float4 v) {
+  if (kVec && i + 4 <= hi) {
+    *reinterpret_cast<float4*>(p + i) = v;
+    return;
+  }
+  if (i < hi) p[i] = v.x;
+  if (i + 1 < hi) p[i + 1] = v.y;
+  if (i + 2 < hi) p[i + 2] = v.z;
+  if (i + 3 < hi) p[i + 3] = v.w;
+}
+__device__ inline float component(const float4& v, int j) {
+  return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
+}
+
 // a = src + residual, stored into residual (when both are given), and the
 // histogram of bits 30..20 over every entry.
+template <bool kVec>
 __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t per, int64_t k,
                               Select* sel) {
   __shared__ uint32_t hist[kTopBins];
   if (blockIdx.x == 0 && threadIdx.x == 0) sel->need = k;
   clearShared(hist, kTopBins);
   const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
-    float v[kUnroll];
+  for (int64_t base = r.lo; base < r.hi; base += kStep) {
+    float4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane();
-      v[u] = 0.f;
-      if (i < r.hi) {
-        v[u] = src != nullptr ? src[i] : res[i];
-        if (src != nullptr && res != nullptr) v[u] = __fadd_rn(v[u], res[i]);
+      v[u] = loadQuad<kVec>(src != nullptr ? src : res, quadAt(base, u), r.hi);
+    }
+    if (src != nullptr && res != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float4 e = loadQuad<kVec>(res, quadAt(base, u), r.hi);
+        v[u] = make_float4(__fadd_rn(v[u].x, e.x), __fadd_rn(v[u].y, e.y), __fadd_rn(v[u].z, e.z),
+                           __fadd_rn(v[u].w, e.w));
+        storeQuad<kVec>(res, quadAt(base, u), r.hi, v[u]);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane();
-      if (i < r.hi && src != nullptr && res != nullptr) res[i] = v[u];
-      countInto(hist, magnitudeKey(v[u]) >> 20, i < r.hi);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        countInto(hist, magnitudeKey(component(v[u], j)) >> 20, quadAt(base, u) + j < r.hi);
+      }
     }
   }
   flushShared(hist, sel->top, kTopBins);
@@ -106,24 +147,26 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
 
 // For the entries in the chosen top bin: the coarse and fine histograms of
 // their other 20 bits.
+template <bool kVec>
 __global__ void refineKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
   __shared__ uint32_t hist[kCoarseBins];
   clearShared(hist, kCoarseBins);
   const uint32_t top = sel->prefix;
   const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
-    uint32_t key[kUnroll];
+  for (int64_t base = r.lo; base < r.hi; base += kStep) {
+    float4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane();
-      key[u] = i < r.hi ? magnitudeKey(vals[i]) : 0xffffffffu;  // bit 31: never in a bin
-    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const bool in = (key[u] >> 20) == top;
-      if (__any_sync(0xffffffffu, in)) {
-        countInto(hist, (key[u] >> 10) & (kCoarseBins - 1), in);
-        if (in) atomicAdd(&sel->fine[key[u] & (kFineBins - 1)], 1u);
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t key = magnitudeKey(component(v[u], j));
+        const bool in = quadAt(base, u) + j < r.hi && (key >> 20) == top;
+        if (__any_sync(0xffffffffu, in)) {
+          countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
+          if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
+        }
       }
     }
   }
@@ -185,24 +228,28 @@ __global__ void pickFineKernel(Select* sel) {
 }
 
 // Per warp: entries above the k-th key, and entries equal to it.
+template <bool kVec>
 __global__ void countKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
   const uint32_t key = sel->prefix;
   uint32_t kept = 0, ties = 0;
   const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
-    uint32_t k[kUnroll];
+  for (int64_t base = r.lo; base < r.hi; base += kStep) {
+    float4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane();
-      k[u] = i < r.hi ? magnitudeKey(vals[i]) : 0u;
-    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane();
-      kept += __popc(__ballot_sync(0xffffffffu, i < r.hi && k[u] > key));
-      ties += __popc(__ballot_sync(0xffffffffu, i < r.hi && k[u] == key));
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t k = magnitudeKey(component(v[u], j));
+        const bool valid = quadAt(base, u) + j < r.hi;
+        kept += valid && k > key;
+        ties += valid && k == key;
+      }
     }
   }
+  kept = __reduce_add_sync(0xffffffffu, kept);
+  ties = __reduce_add_sync(0xffffffffu, ties);
   if (lane() == 0) {
     const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
     sel->kept[w] = kept;
@@ -241,8 +288,20 @@ __global__ void planKernel(int warps, Select* sel) {
   }
 }
 
+// Exclusive prefix sum over the warp's lanes, and the warp's total.
+__device__ inline uint32_t lanePrefix(uint32_t v, uint32_t* total) {
+  uint32_t incl = v;
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint32_t up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane() >= o) incl += up;
+  }
+  *total = __shfl_sync(0xffffffffu, incl, 31);
+  return incl - v;
+}
+
 // Per warp, in index order: packs the kept entries at the warp's offset and
-// zeroes them in the residual.
+// zeroes them in the residual. A lane's 4 entries precede the next lane's.
+template <bool kVec>
 __global__ void writeKernel(const float* vals, float* res, int64_t n, int64_t per, Select* sel,
                             int32_t* outIdx, float* outVal) {
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -250,31 +309,45 @@ __global__ void writeKernel(const float* vals, float* res, int64_t n, int64_t pe
   const uint32_t take = sel->take[w];
   uint32_t at = sel->offset[w];
   uint32_t tiesSeen = 0;
-  const unsigned below = (1u << lane()) - 1u;  // the lanes before this one
   const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += 32 * kUnroll) {
-    float v[kUnroll];
+  for (int64_t base = r.lo; base < r.hi; base += kStep) {
+    float4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * 32 + lane();
-      v[u] = i < r.hi ? vals[i] : 0.f;
-    }
+    for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {  // u before u + 1: index order
-      const int64_t i = base + u * 32 + lane();
-      const uint32_t k = magnitudeKey(v[u]);
-      const bool tie = i < r.hi && k == key;
-      const unsigned tieMask = __ballot_sync(0xffffffffu, tie);
-      const bool keep = i < r.hi && (k > key || (tie && tiesSeen + __popc(tieMask & below) < take));
-      const unsigned keepMask = __ballot_sync(0xffffffffu, keep);
-      if (keep) {
-        const uint32_t slot = at + __popc(keepMask & below);
-        outIdx[slot] = static_cast<int32_t>(i);
-        outVal[slot] = v[u];
-        if (res != nullptr) res[i] = 0.f;
+      const int64_t i0 = quadAt(base, u);
+      uint32_t keys[4];
+      uint32_t tiesHere = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        keys[j] = i0 + j < r.hi ? magnitudeKey(component(v[u], j)) : 0u;
+        tiesHere += i0 + j < r.hi && keys[j] == key;
       }
-      at += __popc(keepMask);
-      tiesSeen += __popc(tieMask);
+      uint32_t tieTotal = 0;
+      uint32_t tieRank = tiesSeen + lanePrefix(tiesHere, &tieTotal);
+      bool keep[4];
+      uint32_t keptHere = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool valid = i0 + j < r.hi;
+        const bool tie = valid && keys[j] == key;
+        keep[j] = valid && (keys[j] > key || (tie && tieRank < take));
+        tieRank += tie;
+        keptHere += keep[j];
+      }
+      uint32_t keptTotal = 0;
+      uint32_t slot = at + lanePrefix(keptHere, &keptTotal);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (!keep[j]) continue;
+        outIdx[slot] = static_cast<int32_t>(i0 + j);
+        outVal[slot] = component(v[u], j);
+        ++slot;
+        if (res != nullptr) res[i0 + j] = 0.f;
+      }
+      at += keptTotal;
+      tiesSeen += tieTotal;
     }
   }
 }
@@ -333,8 +406,7 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
               "xcomm: top-k payload does not hold k = ", k, " pairs of ", n, " elements");
   c10::cuda::CUDAGuard guard(any.device());
   const auto stream = streamFor(any);
-  // Warps own contiguous ranges of whole 128-entry steps.
-  constexpr int64_t kStep = 32 * kUnroll;
+  // Warps own contiguous ranges of whole steps.
   const int64_t steps = (n + kStep - 1) / kStep;
   const int64_t wanted = std::min<int64_t>(kMaxWarps, steps);
   const int blocks = static_cast<int>((wanted + kWarps - 1) / kWarps);
@@ -347,27 +419,45 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   const float* s = src.defined() ? src.data_ptr<float>() : nullptr;
   float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
   const float* vals = res != nullptr ? res : s;
-  prepareKernel<<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
+  // float4 loads where every pointer is 16-byte aligned (fresh buffers are).
+  const bool vec = (reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(res)) % 16 == 0;
+  if (vec) {
+    prepareKernel<true><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
+  } else {
+    prepareKernel<false><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto* stateBytes = state.data_ptr<uint8_t>();
   const auto* top = reinterpret_cast<const uint32_t*>(stateBytes + offsetof(Select, top));
   const auto* coarse = reinterpret_cast<const uint32_t*>(stateBytes + offsetof(Select, coarse));
   pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  refineKernel<<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  if (vec) {
+    refineKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  } else {
+    refineKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   pickFineKernel<<<1, 1024, 0, stream>>>(sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  countKernel<<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  if (vec) {
+    countKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  } else {
+    countKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   planKernel<<<1, 1024, 0, stream>>>(warps, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto* base = packed.data_ptr<uint8_t>();
-  writeKernel<<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel,
-                                               reinterpret_cast<int32_t*>(base),
-                                               reinterpret_cast<float*>(base + 4 * k));
+  auto* outIdx = reinterpret_cast<int32_t*>(base);
+  auto* outVal = reinterpret_cast<float*>(base + 4 * k);
+  if (vec) {
+    writeKernel<true><<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel, outIdx, outVal);
+  } else {
+    writeKernel<false><<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel, outIdx, outVal);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // The state goes back to torch's caching allocator on this stream: reused
   // only by work queued after these kernels.
