@@ -363,7 +363,7 @@ def _timed_ops(ctx: RankContext) -> dict[str, float]:
         deadline = time.monotonic() + 10.0
         while "ALLREDUCE" not in xcomm.stats() and time.monotonic() < deadline:
             time.sleep(0.01)  # recorded by a thread that waits for a CUDA event
-        out[f"{mode} stats_s"] = xcomm.stats()["ALLREDUCE"].time_on_wire_s
+        out[f"{mode} stats_s"] = xcomm.stats()["ALLREDUCE"]["time_on_wire_s"]
         spans = [e for e in xcomm.timeline_json()["traceEvents"] if e.get("name") == "ALLREDUCE"]
         out[f"{mode} span_s"] = spans[0]["dur"] * 1e-6 if spans else 0.0
         xcomm.disable_timeline()

@@ -64,5 +64,10 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
 // (index, value) pairs, in rank order, divided by `divisor` (unless 1).
 void topkDecode(const at::Tensor& rows, int64_t k, float divisor, const at::Tensor& out);
 
+// PowerSGD: Gram-Schmidt of the columns of `x` (rows x rank, contiguous,
+// float32/float64, on a GPU) in place, one kernel. Returns false (and does
+// nothing) for anything else, which the caller then orthonormalizes itself.
+bool gramSchmidt(const at::Tensor& x, double eps);
+
 }  // namespace cuda
 }  // namespace xcomm
