@@ -1,10 +1,12 @@
 """One-process check that an installed xcomm imports and reduces.
 
-    python scripts/smoke.py [--expect-cuda-path]
+    python scripts/smoke.py [--expect-cuda-path] [--expect-cuda-codecs | --expect-no-cuda-codecs]
 
 Creates a world-size-1 xcomm group, all-reduces a CPU tensor and checks the
 result; with ``--expect-cuda-path`` also that the build has its CUDA path
-(``xcomm._C.built_with_cuda``). Exits non-zero, naming what failed.
+(``xcomm._C.built_with_cuda``); with ``--expect-cuda-codecs`` (or
+``--expect-no-cuda-codecs``) that it has (or has not) compiled the codecs'
+CUDA kernels (``xcomm._C.cuda_codecs``). Exits non-zero, naming what failed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ def main() -> int:
     print(f"xcomm from {os.path.dirname(xcomm.__file__)}, torch {torch.__version__}")
     if "--expect-cuda-path" in sys.argv and not xcomm._C.built_with_cuda:
         print("smoke: this build has no CUDA path, but torch has CUDA")
+        return 1
+    kernels = xcomm._C.cuda_codecs
+    print(f"CUDA codec kernels: {kernels}")
+    if "--expect-cuda-codecs" in sys.argv and not kernels:
+        print("smoke: this build has no CUDA codec kernels, but a CUDA toolkit was there")
+        return 1
+    if "--expect-no-cuda-codecs" in sys.argv and kernels:
+        print("smoke: this build has CUDA codec kernels, but no CUDA toolkit was to be used")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(

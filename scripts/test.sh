@@ -57,6 +57,14 @@ for v in "${versions[@]}"; do
   fi
   build_dir=$("$py" scripts/build_dir.py)
 
+  if [ "$v" != "2.13.0" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
+    # With a CUDA toolkit, the build above compiled the codecs' CUDA kernels
+    # (csrc/compress/cuda): they cannot run here, but they must compile.
+    echo "== the build against torch $v has its CUDA codec kernels"
+    "$py" scripts/smoke.py --expect-cuda-path --expect-cuda-codecs ||
+      failed+=("torch $v: CUDA codec kernels not built")
+  fi
+
   if [ "$v" != "2.13.0" ]; then
     # A pip-installed CUDA torch usually comes without a CUDA toolkit: xcomm
     # must build against it all the same (setup.py skips torch's CMake package).
@@ -64,7 +72,7 @@ for v in "${versions[@]}"; do
     direct=$(mktemp -d)
     if env -u CUDA_HOME -u CUDA_PATH XCOMM_NO_CUDA_TOOLKIT=1 "$py" -m pip install -q \
       --no-build-isolation --no-deps --target "$direct" . &&
-      PYTHONPATH="$direct" "$py" scripts/smoke.py --expect-cuda-path; then
+      PYTHONPATH="$direct" "$py" scripts/smoke.py --expect-cuda-path --expect-no-cuda-codecs; then
       echo "built and ran without a CUDA toolkit"
     else
       failed+=("torch $v: build without a CUDA toolkit")
