@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -73,11 +74,24 @@ def warn_host_codec(name: str, tensor: torch.Tensor) -> None:
     )
 
 
-def stream_of(tensor: torch.Tensor) -> Any:
-    """The current CUDA stream of a GPU tensor's device (None for others): a
-    collective issued later from a callback thread runs in it, so it waits for
-    the kernels the hook queued there."""
-    return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+class IssueStream:
+    """Where a hook's later collectives go on a GPU: the current CUDA stream
+    of the bucket's device when the hook ran. A collective issued from a
+    callback thread then waits for the kernels the hook queued there; on a
+    CPU bucket it is a no-op.
+
+    Example::
+
+        >>> import torch
+        >>> with IssueStream(torch.empty(1)).active():  # CPU: nothing changes
+        ...     pass
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
+
+    def active(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
 
 def check_floating(name: str, tensor: torch.Tensor) -> None:

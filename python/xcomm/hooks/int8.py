@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .. import _C
 from ._common import (
     IssueOrder,
+    IssueStream,
     PicklableState,
     StepCounter,
     all_gather_single,
@@ -34,7 +35,6 @@ from ._common import (
     feedback_store,
     group_size,
     mark_issued,
-    stream_of,
     then_collective,
     warn_host_codec,
 )
@@ -132,12 +132,10 @@ def int8_compress_hook(
     received = torch.empty_like(packed)
     gathered = torch.empty(world * shard_bytes, dtype=torch.uint8, device=packed.device)
     ready, issued = state.order.next_turn()
-    stream = stream_of(packed)  # where the encode kernel ran, on a GPU
+    stream = IssueStream(packed)  # where the encode kernel ran, on a GPU
 
     def exchange(f: torch.futures.Future) -> torch.futures.Future:
-        if stream is None:
-            return dist.all_to_all_single(received, packed, group=group, async_op=True).get_future()
-        with torch.cuda.stream(stream):  # a callback thread's stream knows nothing of the encode
+        with stream.active():  # a callback thread's stream knows nothing of the encode
             return dist.all_to_all_single(received, packed, group=group, async_op=True).get_future()
 
     def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:

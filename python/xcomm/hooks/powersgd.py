@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._common import IssueOrder, ddp_result, mark_issued
+from ._common import IssueOrder, IssueStream, ddp_result, mark_issued
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
@@ -482,7 +482,7 @@ def powersgd_hook(
     result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buffer.device] if cuda else None
     )
-    stream = torch.cuda.current_stream(buffer.device) if cuda else None
+    stream = IssueStream(buffer)
 
     # The second allreduce is issued from a callback; taking turns keeps the
     # order of collectives the same on every rank (see IssueOrder).
@@ -528,10 +528,8 @@ def powersgd_hook(
             turn.value()  # an earlier bucket's failure fails this one too
             if wire.numel() == 0:
                 on_wire(wire)
-            elif stream is None:
-                _allreduce(group, wire).add_done_callback(lambda fut: _then(fut, on_wire))
-            else:  # maybe another thread: issue in the stream that prepare's kernels ran in
-                with torch.cuda.stream(stream):
+            else:
+                with stream.active():  # maybe another thread: the stream prepare's kernels ran in
                     fut = _allreduce(group, wire)
                 fut.add_done_callback(lambda fut: _then(fut, on_wire))
         except BaseException as exc:  # noqa: BLE001
