@@ -95,10 +95,33 @@ def device_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) -> list[dict]:
-    """GB/s of each codec's encode + decode beside the copy bandwidth."""
+def _xcomm_codecs(
+    flat: torch.Tensor, out: torch.Tensor, k: int, world: int
+) -> dict[str, Callable[[], Callable[[], object]]]:
+    """xcomm's codecs as one rank runs them in its hooks (encode + decode with
+    error feedback, network left out), by row name. Each entry makes its codec
+    when called, so a codec that refuses the device fails its own row only."""
     from xcomm import _C
 
+    steps = iter(range(10**9))
+
+    def int8() -> Callable[[], object]:
+        c, fb = _C.Int8Codec(codecs.CHUNK), _C.ErrorFeedback()
+        return lambda: codecs.xcomm_int8(c, fb, flat, world, out)
+
+    def topk() -> Callable[[], object]:
+        c = _C.TopKCodec(False, True, 4096, 0)
+        return lambda: codecs.xcomm_topk(c, flat, k, world, out)
+
+    def randomk() -> Callable[[], object]:
+        c = _C.RandomKCodec(0, True)
+        return lambda: codecs.xcomm_randomk(c, flat, next(steps), world, out)
+
+    return {"int8 + EF": int8, "top-k 1% + EF": topk, "random-k 1% + EF": randomk}
+
+
+def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) -> list[dict]:
+    """GB/s of each codec's encode + decode beside the copy bandwidth."""
     gen = torch.Generator().manual_seed(1)
     flat = torch.randn(numel, generator=gen).to(device)
     out = torch.empty_like(flat)
@@ -107,7 +130,6 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     half = torch.empty(numel, dtype=torch.float16, device=device)
     bf16 = torch.empty(numel, dtype=torch.bfloat16, device=device)
     rgen = torch.Generator(device=device).manual_seed(2)
-    steps = iter(range(10**9))
 
     def torch_randomk() -> None:
         # torch.randperm on the device: codecs.torch_randomk draws on the CPU.
@@ -117,33 +139,21 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
         out.zero_()
         out.index_copy_(0, idx, acc[idx])
 
-    # Each entry makes its codec lazily, so a codec that refuses the device
-    # fails its own row only.
-    def xcomm_int8() -> Callable[[], object]:
-        c, fb = _C.Int8Codec(codecs.CHUNK), _C.ErrorFeedback()
-        return lambda: codecs.xcomm_int8(c, fb, flat, world, out)
-
-    def xcomm_topk() -> Callable[[], object]:
-        c = _C.TopKCodec(False, True, 4096, 0)
-        return lambda: codecs.xcomm_topk(c, flat, k, world, out)
-
-    def xcomm_randomk() -> Callable[[], object]:
-        c = _C.RandomKCodec(0, True)
-        return lambda: codecs.xcomm_randomk(c, flat, next(steps), world, out)
+    xcomm = _xcomm_codecs(flat, out, k, world)
 
     methods: list[tuple[str, str, Callable[[], Callable[[], object]]]] = [
         ("copy (reference)", "torch", lambda: lambda: out.copy_(flat)),
         ("fp16 cast", "torch", lambda: lambda: (half.copy_(flat), out.copy_(half))),
         ("bf16 cast", "torch", lambda: lambda: (bf16.copy_(flat), out.copy_(bf16))),
-        ("int8 + EF", "xcomm", xcomm_int8),
+        ("int8 + EF", "xcomm", xcomm["int8 + EF"]),
         ("int8 + EF", "torch ops", lambda: lambda: codecs.torch_int8(flat, residual, world, out)),
-        ("top-k 1% + EF", "xcomm", xcomm_topk),
+        ("top-k 1% + EF", "xcomm", xcomm["top-k 1% + EF"]),
         (
             "top-k 1% + EF",
             "torch ops",
             lambda: lambda: codecs.torch_topk(flat, residual, k, world, out),
         ),
-        ("random-k 1% + EF", "xcomm", xcomm_randomk),
+        ("random-k 1% + EF", "xcomm", xcomm["random-k 1% + EF"]),
         ("random-k 1% + EF", "torch ops", lambda: torch_randomk),
     ]
     timer = _timer(device)
@@ -173,20 +183,11 @@ def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int 
     per call of the encode + decode measured by :func:`measure_codecs`."""
     from torch.profiler import ProfilerActivity, profile
 
-    from xcomm import _C
-
     gen = torch.Generator().manual_seed(1)
     flat = torch.randn(numel, generator=gen).to(device)
     out = torch.empty_like(flat)
     k = max(1, math.ceil(codecs.DENSITY * numel))
-    steps = iter(range(10**9))
-    int8, fb = _C.Int8Codec(codecs.CHUNK), _C.ErrorFeedback()
-    topk, randk = _C.TopKCodec(False, True, 4096, 0), _C.RandomKCodec(0, True)
-    runs: dict[str, Callable[[], object]] = {
-        "int8 + EF": lambda: codecs.xcomm_int8(int8, fb, flat, world, out),
-        "top-k 1% + EF": lambda: codecs.xcomm_topk(topk, flat, k, world, out),
-        "random-k 1% + EF": lambda: codecs.xcomm_randomk(randk, flat, next(steps), world, out),
-    }
+    runs = {name: make() for name, make in _xcomm_codecs(flat, out, k, world).items()}
     parts = []
     for name, fn in runs.items():
         fn()
