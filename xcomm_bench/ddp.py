@@ -100,6 +100,14 @@ REDUCTIONS: tuple[str, ...] = (
     "backend-int8",
     "backend-auto",
 )
+#: The static reductions each auto is compared with: the hook's against every
+#: other reduction of the run, the backend's against what it chooses from.
+_AUTO_PEERS: dict[str, tuple[str, ...] | None] = {
+    "auto": None,
+    "backend-auto": ("none", "backend-bf16", "backend-int8"),
+}
+
+
 #: Groups whose backend compresses, one per ``backend-*`` reduction, made once
 #: (in the same order on every rank) and shared by every model.
 _BACKEND_GROUPS: dict[str, Any] = {}
@@ -391,6 +399,11 @@ class DDPResult:
     #: auto only: why, at the end (the hook's ``explain()``; the backend's
     #: agreed inputs and last choice).
     explain: str = ""
+    #: Every timed step's time (ms, the slower rank's), in the order run; in
+    #: the JSON only (not the CSV).
+    step_ms: list[float] = dataclasses.field(default_factory=list)
+    #: The hook's auto only: which timed steps ran a measuring round.
+    round_steps: list[bool] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (a JSON/CSV row)."""
@@ -479,6 +492,7 @@ class _Runner:
         self.gen = torch.Generator().manual_seed(100 + rank)
         self.batch = spec.batch
         self.times: list[float] = []
+        self.rounds: list[bool] = []  # auto: which timed steps ran a measuring round
         self.last_warm = math.inf  # the last untimed step's seconds
         self.cpu: list[float] = []
         self.accounted = 0.0
@@ -574,11 +588,16 @@ class _Runner:
     def run(self, steps: int, timed: bool, ifname: str | None) -> None:
         tx0 = _tx_bytes(ifname)
         acc0 = self._accounted_total()
+        due = getattr(self.state, "next_round", None)  # AutoState only
         for _ in range(steps):
             dt, dc = self.step()
             if timed:
                 self.times.append(dt)
                 self.cpu.append(dc)
+                if due is not None:
+                    # A round moves next_round past the step it was due at.
+                    self.rounds.append(self.state.next_round > due)
+                    due = self.state.next_round
             else:
                 self.last_warm = dt
         if timed:
@@ -597,8 +616,33 @@ def _tx_bytes(ifname: str | None) -> int:
 
 
 def _split(total: int, parts: int) -> list[int]:
+    """``total`` steps in ``parts`` parts as evenly as they go (a part may get 0)."""
     base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts) if base + (i < extra) > 0]
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+#: The fewest steps a runner runs back to back in a round. auto times its
+#: steps from one to the next and sizes its probes from the median of the
+#: last five: in blocks of one or two, most of those would span other
+#: runners' blocks.
+MIN_BLOCK = 4
+
+
+def _blocks(total: int, rounds: int) -> list[int]:
+    """A runner's ``total`` timed steps over ``rounds`` rounds: per round, how
+    many it runs. Blocks of at least :data:`MIN_BLOCK` steps (where it has
+    that many), spread evenly over the rounds.
+
+    Example::
+
+        >>> _blocks(13, 3), _blocks(9, 4), _blocks(2, 3)
+        ([5, 4, 4], [5, 0, 4, 0], [2, 0, 0])
+    """
+    k = max(1, min(rounds, total // MIN_BLOCK))
+    out = [0] * rounds
+    for i, n in enumerate(_split(total, k)):
+        out[i * rounds // k] = n
+    return out
 
 
 def _schedule(
@@ -606,34 +650,72 @@ def _schedule(
     cfg: DDPBenchConfig,
     group: Any,
     rank: int,
-    timed_steps: Callable[[list[_Runner]], int],
+    timed_steps: Callable[[list[_Runner]], list[int]],
 ) -> Iterator[tuple[_Runner, int, bool]]:
     """Yields (runner, steps, timed) blocks in the order they must run (same on
-    every rank); ``timed_steps(runners)`` gives the timed steps once the
-    runners are warm."""
+    every rank); ``timed_steps(runners)`` gives each runner's timed steps once
+    the runners are warm."""
     reductions = cfg.ordered_reductions
     if cfg.interleave:
         runners = [_Runner(spec, r, cfg, group, rank) for r in reductions]
         for runner in runners:
             yield runner, cfg.warmup, False
-        for chunk in _split(timed_steps(runners), cfg.rounds):
-            for runner in runners:
-                yield runner, chunk, True
+        chunks = [_blocks(n, cfg.rounds) for n in timed_steps(runners)]
+        for i in range(cfg.rounds):
+            for runner, chunk in zip(runners, chunks):
+                if chunk[i]:
+                    yield runner, chunk[i], True
     else:
         for r in reductions:
             runner = _Runner(spec, r, cfg, group, rank)
             yield runner, cfg.warmup, False
-            yield runner, timed_steps([runner]), True
+            yield runner, timed_steps([runner])[0], True
 
 
-def _timed_steps(cfg: DDPBenchConfig, runners: list[_Runner], coord: Any) -> int:
-    """``cfg.steps``, or more where the fastest runner's would take less than
-    ``cfg.min_seconds`` (its last warm-up step, the slowest rank's)."""
+#: A reduction whose warm-up step took at most this many times the fastest
+#: static one's of its comparison is a contender (it gets ``min_seconds``).
+CONTENDER_FACTOR = 2.0
+
+
+def _families(reductions: Sequence[str]) -> list[tuple[list[str], str | None]]:
+    """The comparisons the report makes: (static reductions, the auto compared
+    with them) for the hook's auto (every static reduction) and the backend's
+    (what it chooses from); a run without autos still times its fastest."""
+    hook = [r for r in reductions if r not in _AUTO_PEERS]
+    fams: list[tuple[list[str], str | None]] = [(hook, "auto" if "auto" in reductions else None)]
+    if "backend-auto" in reductions:
+        peers = _AUTO_PEERS["backend-auto"]
+        assert peers is not None
+        fams.append(([r for r in reductions if r in peers], "backend-auto"))
+    return fams
+
+
+def _timed_steps(cfg: DDPBenchConfig, runners: list[_Runner], coord: Any) -> list[int]:
+    """Each runner's timed steps: ``cfg.steps``, and for the contenders of each
+    comparison (its auto, and the static reductions whose last warm-up step
+    took at most :data:`CONTENDER_FACTOR` x the fastest one's, the slowest
+    rank's readings) enough that the fastest one's take ``cfg.min_seconds``.
+
+    The points the report compares (auto against the fastest static choice)
+    get many samples; a reduction several times slower than the fastest (no
+    compression on a slow link: seconds a step) keeps ``cfg.steps``.
+    """
+    counts = [cfg.steps] * len(runners)
     if cfg.min_seconds <= 0:
-        return cfg.steps
-    fastest = torch.tensor([min(r.last_warm for r in runners)], dtype=torch.float64)
-    dist.all_reduce(fastest, op=dist.ReduceOp.MAX, group=coord)
-    return max(cfg.steps, math.ceil(cfg.min_seconds / max(float(fastest), 1e-6)))
+        return counts
+    warm = torch.tensor([r.last_warm for r in runners], dtype=torch.float64)
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=coord)
+    took = dict(zip((r.reduction for r in runners), warm.tolist()))
+    for statics, auto in _families([r.reduction for r in runners]):
+        if not statics:
+            continue
+        fastest = max(min(took[r] for r in statics), 1e-6)
+        n = max(cfg.steps, math.ceil(cfg.min_seconds / fastest))
+        for i, runner in enumerate(runners):
+            r = runner.reduction
+            if r == auto or (r in statics and took[r] <= CONTENDER_FACTOR * fastest):
+                counts[i] = max(counts[i], n)
+    return counts
 
 
 def run_model(
@@ -650,10 +732,11 @@ def run_model(
     ifname = os.environ.get("GLOO_SOCKET_IFNAME") if cfg.nodes else None
     done: dict[str, _Runner] = {}
 
-    def timed_steps(runners: list[_Runner]) -> int:
+    def timed_steps(runners: list[_Runner]) -> list[int]:
         steps = _timed_steps(cfg, runners, coord)
-        if steps != cfg.steps:  # the bar planned cfg.steps per reduction
-            bar.total += (steps - cfg.steps) * len(runners)
+        extra = sum(steps) - cfg.steps * len(runners)
+        if extra:  # the bar planned cfg.steps per reduction
+            bar.total += extra
             bar.refresh()
         return steps
 
@@ -665,11 +748,16 @@ def run_model(
         done[runner.reduction] = runner
     reductions = cfg.ordered_reductions
     world = dist.get_world_size(coord)
-    times = torch.tensor([done[r].times for r in reductions], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=coord)
-    cpu = torch.tensor([done[r].cpu for r in reductions], dtype=torch.float64)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM, group=coord)
-    cpu /= world
+    # One row per reduction (their step counts differ): the slower rank's
+    # time of each step, the ranks' mean CPU time.
+    times, cpu = [], []
+    for r in reductions:
+        t = torch.tensor(done[r].times, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=coord)
+        times.append(t)
+        c = torch.tensor(done[r].cpu, dtype=torch.float64)
+        dist.all_reduce(c, op=dist.ReduceOp.SUM, group=coord)
+        cpu.append(c / world)
     sums = torch.tensor(
         [[done[r].accounted, float(done[r].tx)] for r in reductions], dtype=torch.float64
     )
@@ -700,6 +788,8 @@ def run_model(
                 cpu_ms=statistics.median(cpu[i].tolist()) * 1e3,
                 chosen=_chosen(done[r].state),
                 explain=_explain(done[r].state),
+                step_ms=[x * 1e3 for x in times[i].tolist()],
+                round_steps=done[r].rounds,
             )
         )
     assert base is not None
@@ -961,18 +1051,48 @@ def _rate_bits(rate: str) -> float:
         return 0.0
 
 
-#: The static reductions each auto is compared with: the hook's against every
-#: other reduction of the run, the backend's against what it chooses from.
-_AUTO_PEERS: dict[str, tuple[str, ...] | None] = {
-    "auto": None,
-    "backend-auto": ("none", "backend-bf16", "backend-int8"),
-}
+def ratio_interval(
+    a: Sequence[float], b: Sequence[float], rounds: int, *, reps: int = 1000, seed: int = 0
+) -> tuple[float, float]:
+    """A 90% interval for ``median(a) / median(b)`` by a block bootstrap.
+
+    A runner's steps of one round run back to back and share the host's
+    load of that moment (on 2 cores one block's median moves by ~10%
+    against the next), so each series is cut into the blocks it ran in
+    (:func:`_blocks` over ``rounds``) and whole blocks are drawn with
+    replacement; steps drawn one by one would give too narrow an interval.
+
+    Example::
+
+        >>> ratio_interval([2.0] * 8, [1.0] * 8, rounds=4)
+        (2.0, 2.0)
+    """
+    import random
+
+    def cut(x: Sequence[float]) -> list[list[float]]:
+        sizes = [n for n in _blocks(len(x), rounds) if n]
+        starts = itertools.accumulate([0, *sizes[:-1]])
+        return [list(x[s : s + k]) for s, k in zip(starts, sizes)]
+
+    rng = random.Random(seed)
+    ca, cb = cut(a), cut(b)
+    ratios = []
+    for _ in range(reps):
+        ra = [v for _ in ca for v in rng.choice(ca)]
+        rb = [v for _ in cb for v in rng.choice(cb)]
+        ratios.append(statistics.median(ra) / statistics.median(rb))
+    ratios.sort()
+    return ratios[int(0.05 * (reps - 1))], ratios[int(0.95 * (reps - 1))]
 
 
-def auto_vs_best(results: Sequence[DDPResult], auto_name: str = "auto") -> list[dict[str, Any]]:
+def auto_vs_best(
+    results: Sequence[DDPResult], auto_name: str = "auto", *, rounds: int = 0
+) -> list[dict[str, Any]]:
     """Per (model, rate): an auto's step time against the fastest static
     reduction (for the hook, every other non-auto reduction of the same run;
-    for ``backend-auto``, none and the backend's bf16 and int8) and against none."""
+    for ``backend-auto``, none and the backend's bf16 and int8) and against
+    none. With ``rounds`` (the run's) and per-step times, also a 90% interval
+    of auto / fastest (:func:`ratio_interval`); else NaN."""
     peers = _AUTO_PEERS[auto_name]
     out = []
     points = sorted(
@@ -991,14 +1111,20 @@ def auto_vs_best(results: Sequence[DDPResult], auto_name: str = "auto") -> list[
         if auto is None or not statics or none is None:
             continue
         best = min(statics, key=lambda r: r.time_ms)
+        lo = hi = math.nan
+        if rounds and auto.step_ms and best.step_ms:
+            lo, hi = ratio_interval(auto.step_ms, best.step_ms, rounds)
         out.append(
             {
                 "model": model,
                 "rate": rate,
                 "auto_ms": auto.time_ms,
+                "auto_steps": auto.steps,
                 "best": best.reduction,
                 "best_ms": best.time_ms,
+                "best_steps": best.steps,
                 "auto_over_best": auto.time_ms / best.time_ms,
+                "interval": (lo, hi),
                 "auto_over_none": auto.time_ms / none.time_ms,
                 "chosen": auto.chosen,
             }
@@ -1011,9 +1137,10 @@ def format_auto_markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         (
             "| model | rate | auto ms/step | auto chose (per bucket) | fastest static "
-            "| its ms/step | auto / fastest | auto / none |"
+            "| its ms/step | timed steps (auto, fastest) | auto / fastest | 90% interval "
+            "| auto / none |"
         ),
-        "|---|---|---:|---|---|---:|---:|---:|",
+        "|---|---|---:|---|---|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         counts: dict[str, int] = {}
@@ -1021,9 +1148,13 @@ def format_auto_markdown(rows: Sequence[dict[str, Any]]) -> str:
             name, _, n = item.partition("*")
             counts[name] = counts.get(name, 0) + int(n or 1)
         chosen = ", ".join(f"{m} x{n}" for m, n in counts.items())
+        lo, hi = r.get("interval", (math.nan, math.nan))
+        interval = "-" if math.isnan(lo) else f"{lo:.3f}-{hi:.3f}"
+        steps = f"{r.get('auto_steps', '?')}, {r.get('best_steps', '?')}"
         lines.append(
             f"| {r['model']} | {r['rate']} | {r['auto_ms']:.1f} | {chosen} | {r['best']} "
-            f"| {r['best_ms']:.1f} | {r['auto_over_best']:.3f} | {r['auto_over_none']:.3f} |"
+            f"| {r['best_ms']:.1f} | {steps} | {r['auto_over_best']:.3f} | {interval} "
+            f"| {r['auto_over_none']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -1071,9 +1202,10 @@ def write_reports(
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
-    fields = [f.name for f in dataclasses.fields(DDPResult)]
+    lists = ("step_ms", "round_steps")  # per-step lists: the JSON has them
+    fields = [f.name for f in dataclasses.fields(DDPResult) if f.name not in lists]
     with open(out / "ddp.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in results:
             w.writerow(r.as_dict())
@@ -1090,7 +1222,8 @@ def write_reports(
         )
         paths.append(plot_speedup(out / "ddp.png", results, title=title))
     for name, stem in (("auto", "ddp-auto"), ("backend-auto", "ddp-backend-auto")):
-        auto = auto_vs_best(results, name)
+        rounds = int(meta.get("config", {}).get("rounds", 0) or 0)
+        auto = auto_vs_best(results, name, rounds=rounds)
         if not auto:
             continue
         (out / f"{stem}.md").write_text(format_auto_markdown(auto) + "\n", encoding="utf-8")

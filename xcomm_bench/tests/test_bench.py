@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -298,28 +299,92 @@ def test_ddp_config_round_trip_and_checks() -> None:
         DDPBenchConfig(rates=["40gbit"]).validate()
 
 
-def test_ddp_min_seconds_gives_fast_points_more_timed_steps(
+def test_ddp_min_seconds_gives_the_contenders_more_timed_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The fastest reduction's last warm-up step sets the count: 16 steps of
-    25 ms are 0.4 s, so 2 s asks 80; a slow point keeps ``steps``; the
-    slowest rank's reading decides (the MAX agreement)."""
+    """The fastest static reduction's last warm-up step sets the count: 16
+    steps of 25 ms are 0.4 s, so 2 s asks 80. The autos and the static
+    reductions within 2x of the fastest of their comparison get it; one
+    several times slower keeps ``steps``; the backend's comparison (none,
+    bf16, int8) has its own fastest; the slowest rank's reading decides."""
     from types import SimpleNamespace
 
     from xcomm_bench import ddp
 
+    def runners(**took: float) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(reduction=r.replace("_", "-"), last_warm=t) for r, t in took.items()
+        ]
+
     cfg = ddp.DDPBenchConfig(steps=16, min_seconds=2.0)
-    runners = [SimpleNamespace(last_warm=t) for t in (0.025, 0.040, 0.4)]
     monkeypatch.setattr(ddp.dist, "all_reduce", lambda t, **kw: None)
-    assert ddp._timed_steps(cfg, runners, None) == 80
-    assert ddp._timed_steps(cfg, [SimpleNamespace(last_warm=0.2)], None) == 16
-    assert ddp._timed_steps(dataclasses.replace(cfg, min_seconds=0), runners, None) == 16
+    hook = runners(none=0.4, topk=0.025, powersgd=0.040, int8=0.06, auto=0.5)
+    assert ddp._timed_steps(cfg, hook, None) == [16, 80, 80, 16, 80]
+    # The backend's comparison: its fastest (int8, 0.25 s) asks 8 < 16 steps;
+    # bf16 (0.45 s) is within 2x of it, none (0.6 s) is not.
+    both = runners(
+        none=0.6, topk=0.025, auto=0.03, backend_bf16=0.45, backend_int8=0.25, backend_auto=0.3
+    )
+    assert ddp._timed_steps(cfg, both, None) == [16, 80, 80, 16, 16, 16]
+    fast_backend = runners(none=0.2, backend_bf16=0.05, backend_int8=0.1, backend_auto=0.2)
+    assert ddp._timed_steps(cfg, fast_backend, None) == [16, 40, 40, 40]
+    assert ddp._timed_steps(cfg, runners(none=0.2), None) == [16]
+    assert ddp._timed_steps(dataclasses.replace(cfg, min_seconds=0), hook, None) == [16] * 5
 
     def slower_rank(t: torch.Tensor, **kw: object) -> None:
-        t.fill_(0.05)  # another rank's fastest step took 50 ms
+        t.clamp_(min=0.05)  # another rank's steps took at least 50 ms
 
     monkeypatch.setattr(ddp.dist, "all_reduce", slower_rank)
-    assert ddp._timed_steps(cfg, runners, None) == 40
+    assert ddp._timed_steps(cfg, hook, None) == [16, 40, 40, 40, 40]
+
+
+def test_ddp_schedule_interleaves_each_runners_steps_over_the_rounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every runner's timed steps are spread over the rounds in blocks of at
+    least 4 (a round with none of a runner's steps skips it), in the same
+    order on every rank."""
+    from types import SimpleNamespace
+
+    from xcomm_bench import ddp
+
+    monkeypatch.setattr(
+        ddp, "_Runner", lambda spec, r, cfg, group, rank: SimpleNamespace(reduction=r)
+    )
+    cfg = ddp.DDPBenchConfig(reductions=["topk", "auto"], rounds=3, warmup=3)
+    blocks = [
+        (b[0].reduction, b[1], b[2])
+        for b in ddp._schedule(None, cfg, None, 0, lambda runners: [2, 13, 9])  # type: ignore[arg-type]
+    ]
+    warm = [("none", 3, False), ("topk", 3, False), ("auto", 3, False)]
+    timed = [
+        ("none", 2, True), ("topk", 5, True), ("auto", 5, True),
+        ("topk", 4, True), ("auto", 4, True),
+        ("topk", 4, True),
+    ]  # fmt: skip
+    assert blocks == warm + timed
+
+
+def test_ddp_ratio_interval_covers_the_ratio_and_widens_with_block_noise() -> None:
+    """The block bootstrap's 90% interval holds the ratio of the medians; a
+    series whose rounds sit at different levels gets a wider interval than
+    the same steps with the levels shuffled apart; two equal series' interval
+    holds 1."""
+    import random
+
+    from xcomm_bench.ddp import ratio_interval
+
+    rng = random.Random(3)
+    base = [25 + rng.gauss(0, 1) for _ in range(80)]
+    lo, hi = ratio_interval(base, base, 8)
+    assert lo < 1.0 < hi and hi - lo < 0.05
+    drift = [v + (3 if (i // 10) % 2 else 0) for i, v in enumerate(base)]  # rounds of 10 steps
+    lo, hi = ratio_interval(drift, base, 8)
+    assert lo < statistics.median(drift) / statistics.median(base) < hi
+    shuffled = drift[:]
+    rng.shuffle(shuffled)
+    slo, shi = ratio_interval(shuffled, base, 8)
+    assert hi - lo > 1.5 * (shi - slo)
 
 
 def test_ddp_models_have_the_documented_sizes() -> None:
