@@ -165,3 +165,23 @@ def test_kernels_run_on_the_callers_stream() -> None:
         codec.unpack_all(packed, codec.shard_elems(src.numel(), 1), out)
     side.synchronize()
     _bits_equal(out, codec.round_trip(x), "round trip on a side stream")
+
+
+def test_auto_times_its_codecs_on_the_gpu_and_offers_them_there() -> None:
+    """auto's cost model calibrates the codecs where the buckets are: on the
+    GPU its int8 and top-k cost far less per element than on the host, and
+    a GPU bucket on a slow link may then choose a compressor."""
+    from xcomm import hooks
+    from xcomm.hooks.auto import METHODS, calibrate_codecs
+
+    gpu = calibrate_codecs(numel=1 << 22, device=torch.device(DEV))
+    cpu = calibrate_codecs(numel=1 << 22)
+    assert set(gpu) == set(cpu)
+    for key, cost in gpu.items():
+        assert 0 < cost < float("inf"), f"{key}: {cost}"
+    assert gpu["int8"] < cpu["int8"] / 5 and gpu["topk"] < cpu["topk"] / 5, (gpu, cpu)
+    state = hooks.AutoState(methods=METHODS)
+    assert state.candidates("cuda") == state.allowed
+    link = hooks.LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=1.25e8)  # 1 Gbit/s
+    predicted = state._predict(1 << 22, [(2048, 2048)], 4, "cuda", 2, link, gpu)
+    assert min(predicted, key=predicted.get) not in ("none", "bf16", "fp16"), predicted

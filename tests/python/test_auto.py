@@ -455,19 +455,31 @@ def test_the_agreed_latency_is_the_least_over_ranks(monkeypatch: pytest.MonkeyPa
     assert costs["topk"] == pytest.approx(2e-9)  # every other input: the MAX
 
 
-def test_gpu_buckets_choose_only_among_methods_that_run_on_the_device() -> None:
-    """auto's cost model knows xcomm's int8, top-k and PowerSGD codecs on the
-    CPU only: on a GPU bucket it offers only none and the casts, and says so
-    when nothing is left."""
+def test_gpu_buckets_choose_only_among_methods_that_run_on_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without xcomm's CUDA codec kernels a GPU bucket's int8 and top-k would
+    run on the host: there auto offers only none and the casts, and says so
+    when nothing is left. With them, every allowed method."""
+    from xcomm import _C
+
+    monkeypatch.setattr(_C, "cuda_codecs", False)
     state = hooks.AutoState()
     assert state.candidates("cpu") == state.allowed
     assert state.candidates("cuda") == ("none", "bf16")  # the default methods
     every = hooks.AutoState(methods=("none", "bf16", "fp16", "int8", "topk", "powersgd"))
     assert every.candidates("cuda") == ("none", "bf16", "fp16")
     assert hooks.AutoState(methods=("none", "int8")).candidates("cuda") == ("none",)
-    with pytest.raises(ValueError, match="on cuda buckets auto can choose only"):
+    with pytest.raises(ValueError, match="built without its CUDA codec kernels"):
         hooks.AutoState(methods=("int8", "topk")).candidates("cuda")
     link = hooks.LinkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e6)  # slow: compress
     predicted = every._predict(1 << 20, [(1024, 1024)], 4, "cuda", 2, link, COSTS)
     assert set(predicted) == {"none", "bf16", "fp16"}
     assert min(predicted, key=predicted.get) in ("bf16", "fp16")
+
+    monkeypatch.setattr(_C, "cuda_codecs", True)
+    assert every.candidates("cuda") == every.allowed
+    assert hooks.AutoState(methods=("int8", "topk")).candidates("cuda") == ("int8", "topk")
+    predicted = every._predict(1 << 20, [(1024, 1024)], 4, "cuda", 2, link, COSTS)
+    assert set(predicted) == set(every.allowed)
+    assert min(predicted, key=predicted.get) in ("topk", "powersgd")

@@ -8,8 +8,9 @@ For a bucket of ``n`` float elements over ``w`` ranks, method ``m`` costs
 
     ``T(m) = c_m * n  +  C_m * latency  +  B_m(n) / bandwidth``
 
-where ``c_m`` is the codec's measured CPU time per element (encode, reduce
-and decode with error feedback; 0 for ``none``; for PowerSGD the matrix
+where ``c_m`` is the codec's measured time per element on the bucket's
+device (encode, reduce and decode with error feedback; 0 for ``none``; for
+PowerSGD the matrix
 products, from the bucket's parameter shapes), ``C_m`` its number of
 collectives and ``B_m(n)`` the bytes its collectives put on one rank's link
 (``2 (w-1)/w * bytes`` for an allreduce, ``(w-1) * bytes`` for an allgather).
@@ -18,7 +19,8 @@ The bucket takes ``argmin T``; it keeps its method unless another is
 
 Inputs, measured, never guessed:
 
-* the codecs' ``c_m``: timed once on this machine on a synthetic bucket;
+* the codecs' ``c_m``: timed once on this machine on a synthetic bucket on
+  the buckets' device (CPU, or a GPU with xcomm's CUDA kernels);
 * the link's latency and bandwidth as the collectives see them (the
   backend's own reduction cost included): every ``interval`` steps (later
   where a round would cost more than ``probe_fraction`` of the steps
@@ -35,12 +37,11 @@ Lossy methods share one :class:`~xcomm.hooks.FeedbackStore`, so a bucket
 that switches method keeps its residual (PowerSGD's per-parameter error is
 handed over too); a switch to ``none`` or a cast sends what is owed.
 
-On GPU buckets the candidates are ``none``, ``bf16`` and ``fp16`` only
-(:meth:`AutoState.candidates`): xcomm's int8, top-k and PowerSGD codecs do
-run on the GPU now (CUDA kernels, ATen for PowerSGD), but auto's cost model
-still calibrates them on the CPU, so it would misjudge them there. The probe
-runs on the GPU (over NCCL); the cast costs in the model are still the
-CPU's, an over-estimate there.
+On GPU buckets the probe runs on the GPU (over NCCL) and the codecs are
+timed there. Where xcomm was built with its CUDA codec kernels
+(``xcomm._C.cuda_codecs``) every allowed method is a candidate; without
+them xcomm's int8 and top-k would run on the host, so the candidates are
+``none``, ``bf16`` and ``fp16`` (:meth:`AutoState.candidates`).
 
 The choice can be bounded: ``methods`` (allowed set), ``lossless_only``,
 ``min_density`` (top-k), ``powersgd_rank``. :meth:`AutoState.explain` and
@@ -90,8 +91,8 @@ __all__ = ["METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
 _LOSSLESS = ("none",)
-#: What auto chooses among on a GPU bucket: its cost model calibrates xcomm's
-#: int8, top-k and PowerSGD codecs on the CPU only, not their GPU versions.
+#: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
+#: kernels (its int8 and top-k codecs would run on the host).
 _ON_DEVICE = ("none", "bf16", "fp16")
 _INT8_CHUNK = 1024
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
@@ -165,16 +166,33 @@ def predict_seconds(
     raise ValueError(f"xcomm.hooks.auto: unknown method {method!r}; choose from {METHODS}")
 
 
-def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dict[str, float]:
-    """Measures each codec's CPU seconds per element on this machine (float32,
+def calibrate_codecs(
+    numel: int = 1 << 22, world: int = 2, rank: int = 4, device: torch.device | None = None
+) -> dict[str, float]:
+    """Measures each codec's seconds per element on this machine (float32,
     encode + reduce + decode with error feedback, best of 3), on a bucket of
-    ``numel`` elements: 16 MiB by default, out of cache as DDP's are."""
+    ``numel`` elements on ``device`` (default the CPU; a CUDA device times
+    xcomm's kernels there, to completion): 16 MiB by default, out of cache
+    as DDP's are.
+
+    Example::
+
+        >>> costs = calibrate_codecs(numel=1 << 16)
+        >>> sorted(costs) == sorted(["bf16", "fp16", "int8", "topk", "powersgd_mnr",
+        ...                          "powersgd_pass"])
+        True
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(numel, generator=g)
+    x = torch.randn(numel, generator=g).to(device)
     out = torch.empty_like(x)
     costs: dict[str, float] = {}
+
+    def timed(fn: Any) -> float:
+        return best_seconds(fn, device=device)
+
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        costs[name] = best_seconds(lambda dtype=dtype: out.copy_(x.to(dtype).div_(world))) / numel
+        costs[name] = timed(lambda dtype=dtype: out.copy_(x.to(dtype).div_(world))) / numel
     codec, fb = _C.Int8Codec(_INT8_CHUNK), _C.ErrorFeedback()
     shard = codec.shard_elems(numel, world)
 
@@ -183,7 +201,7 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
         mean = codec.reduce_and_pack(packed, shard, float(world))
         codec.unpack_all(mean.repeat(world), shard, out)
 
-    costs["int8"] = best_seconds(int8) / numel
+    costs["int8"] = timed(int8) / numel
     topk, fb2 = _C.TopKCodec(False, False), _C.ErrorFeedback()
     k = _C.TopKCodec.k_for(numel, 0.01)
 
@@ -191,7 +209,7 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
         packed = topk.encode_with_feedback(0, x, k, fb2)
         topk.decode(packed.repeat(world).reshape(world, -1), k, out, float(world))
 
-    costs["topk"] = best_seconds(top) / numel
+    costs["topk"] = timed(top) / numel
     # PowerSGD: xcomm's own codec (all three products, error feedback,
     # orthogonalisation, decompression) on one matrix, per m*n*r.
     ps = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
@@ -205,8 +223,8 @@ def calibrate_codecs(numel: int = 1 << 22, world: int = 2, rank: int = 4) -> dic
         summed_q = ps._codec.reduce_p(0, wire, world)
         ps._codec.finish(0, summed_q, world)
 
-    costs["powersgd_mnr"] = best_seconds(powersgd) / (buf.numel() * min(rank, m))
-    costs["powersgd_pass"] = best_seconds(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
+    costs["powersgd_mnr"] = timed(powersgd) / (buf.numel() * min(rank, m))
+    costs["powersgd_pass"] = timed(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
     return costs
 
 
@@ -387,22 +405,25 @@ class AutoState(PicklableState):
 
     def candidates(self, device_type: str) -> tuple[str, ...]:
         """The allowed methods for a bucket on ``device_type``: all of them on
-        CPU; on a GPU those that run there (``none``, ``bf16``, ``fp16``).
+        the CPU, and on a GPU where xcomm has its CUDA codec kernels
+        (``xcomm._C.cuda_codecs``); without them, on a GPU, those that run
+        there (``none``, ``bf16``, ``fp16``).
 
         Example::
 
-            >>> AutoState().candidates("cuda")
-            ('none', 'bf16')
+            >>> AutoState().candidates("cpu")
+            ('none', 'bf16', 'int8', 'topk', 'powersgd')
         """
-        if device_type == "cpu":
+        if device_type == "cpu" or _C.cuda_codecs:
             return self.allowed
         found = tuple(m for m in self.allowed if m in _ON_DEVICE)
         if not found:
             raise ValueError(
                 f"xcomm.hooks.auto_hook: on {device_type} buckets auto can choose only "
-                f"{_ON_DEVICE} (its cost model knows xcomm's int8, top-k and PowerSGD codecs on "
-                "the CPU only); "
-                f"methods={self.allowed} leaves none of them"
+                f"{_ON_DEVICE} here: this xcomm was built without its CUDA codec kernels "
+                "(xcomm._C.cuda_codecs is False; build it where a CUDA toolkit is found), so "
+                f"its int8 and top-k would run on the host; methods={self.allowed} leaves none "
+                "of them"
             )
         return found
 
@@ -421,7 +442,10 @@ class AutoState(PicklableState):
         links, costs = self._measure.agree(
             group,
             {"allreduce": probe},
-            lambda: self.codec_costs or calibrate_codecs(world=world, rank=self.powersgd_rank),
+            lambda: (
+                self.codec_costs
+                or calibrate_codecs(world=world, rank=self.powersgd_rank, device=device)
+            ),
             step=self.iter,
             fixed=None if self.link is None else {"allreduce": self.link},
             device=device,
