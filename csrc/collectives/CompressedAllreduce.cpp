@@ -73,7 +73,11 @@ bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
   }
   const auto& t = tensors[0];
   const auto op = opts.reduceOp.op_;
-  return t.device().is_cpu() && t.layout() == at::kStrided &&
+  // The casts are ATen ops on the tensor's device plus the transport's own
+  // low-precision SUM (NCCL for CUDA tensors); int8 and auto run CPU codecs
+  // on a CPU transport of their own.
+  const bool onDevice = t.device().is_cuda() && isCast(config_.method);
+  return (t.device().is_cpu() || onDevice) && t.layout() == at::kStrided &&
          (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
          (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
          t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;

@@ -36,6 +36,10 @@ enum class Compression { kNone, kFp16, kBf16, kInt8, kAuto };
 // "none", "fp16", "bf16", "int8", "auto" (ValueError naming the choices otherwise).
 Compression parseCompression(const std::string& name);
 const char* compressionName(Compression c);
+// fp16 or bf16: a cast to the low precision, the transport's own SUM.
+inline bool isCast(Compression c) {
+  return c == Compression::kFp16 || c == Compression::kBf16;
+}
 
 struct CompressionConfig {
   Compression method = Compression::kNone;

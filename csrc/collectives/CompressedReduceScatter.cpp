@@ -32,7 +32,10 @@ bool CompressedReduceScatter::applies(const at::Tensor& input,
     return false;
   }
   const auto op = opts.reduceOp.op_;
-  return input.device().is_cpu() && input.layout() == at::kStrided &&
+  // A CUDA input takes the casts (ATen ops and the transport's alltoall,
+  // NCCL's); int8's row codec is CPU code.
+  const bool onDevice = input.device().is_cuda() && isCast(config_.method);
+  return (input.device().is_cpu() || onDevice) && input.layout() == at::kStrided &&
          (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
          (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) && input.numel() > 0 &&
          input.numel() * input.element_size() >= config_.minBytes;

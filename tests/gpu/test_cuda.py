@@ -220,6 +220,71 @@ def test_every_collective_equals_the_reference(world: int, n: int) -> None:
     assert not problems, f"{len(problems)} mismatches:\n" + "\n".join(problems[:40])
 
 
+# -- compression inside the backend --------------------------------------------
+
+_CASTS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _backend_casts(ctx: RankContext, n: int) -> list[str]:
+    """``xcomm.Options(compression="bf16"/"fp16")`` on device tensors: the
+    all_reduce and reduce_scatter_tensor results equal the cast, the
+    reference's own low-precision SUM and the cast back, done by hand over
+    the reference group; the result stays on the device and the group
+    counts what it compressed."""
+    import xcomm
+
+    dev, ws = _device(), ctx.world_size
+    ref = dist.new_group(backend=REF_BACKEND)
+    problems: list[str] = []
+    for method, low in _CASTS.items():
+        group = dist.new_group(
+            backend="xcomm", pg_options=xcomm.Options(compression=method, compression_min_bytes=0)
+        )
+        for name in ("sum", "avg"):
+            op = OPS[name]
+            for mode in ("sync", "async", "future"):
+                x = _input(ctx, torch.float32, n, 11, dev)
+                got = x.clone()
+                work = dist.all_reduce(got, op=op, group=group, async_op=mode != "sync")
+                if mode == "async":
+                    work.wait()
+                elif mode == "future":
+                    got = work.get_future().wait()[0]
+                wire = (x / ws if name == "avg" else x).to(low)
+                dist.all_reduce(wire, group=ref)
+                if got.device != dev or not torch.equal(got, wire.to(torch.float32)):
+                    problems.append(f"all_reduce {method} {name} {mode}: differs from the cast")
+            x = _input(ctx, torch.float32, n * ws, 12, dev)
+            got = torch.empty(n, device=dev)
+            dist.reduce_scatter_tensor(got, x, op=op, group=group)
+            rows = x.reshape(ws, n).to(low)
+            received = torch.empty_like(rows)
+            dist.all_to_all_single(received, rows, group=ref)
+            want = received[0].to(torch.float32)
+            for j in range(1, ws):
+                want.add_(received[j])  # rank order, in float32: as the backend sums
+            if name == "avg":
+                want.div_(ws)
+            if got.device != dev or not torch.equal(got, want):
+                problems.append(f"reduce_scatter_tensor {method} {name}: differs from the cast")
+        stats = group._get_backend(dev).compression_stats
+        if not 0 < stats["link_bytes_sent"] < stats["link_bytes_before"]:
+            problems.append(f"{method}: the group counted no compressed bytes: {stats}")
+    dist.barrier()
+    return problems
+
+
+@pytest.mark.parametrize("world", [2])
+def test_backend_casts_compress_device_tensors(world: int) -> None:
+    """At world size 1 nothing is compressed (nothing crosses a link), so
+    this needs two ranks: on one GPU, NCCL 2.30+."""
+    results = run_ranks(
+        _backend_casts, _world(world), 1 << 16, ref_group=False, env=ENV, timeout=TIMEOUT
+    )
+    problems = sorted({p for r in results for p in r})
+    assert not problems, "\n".join(problems)
+
+
 # -- DDP --------------------------------------------------------------------
 
 
