@@ -1167,13 +1167,19 @@ def plot_auto_vs_best(path: Path, rows: Sequence[dict[str, Any]], *, title: str 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    for model in dict.fromkeys(r["model"] for r in rows):
-        pts = [
-            (_rate_bits(r["rate"]) / 1e9, r["auto_over_best"])
-            for r in rows
-            if r["model"] == model and _rate_bits(r["rate"]) > 0
-        ]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=model)
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for i, model in enumerate(models):
+        pts = [r for r in rows if r["model"] == model and _rate_bits(r["rate"]) > 0]
+        # Each model a little apart along x, so the intervals do not overlap.
+        x = [_rate_bits(r["rate"]) / 1e9 * 1.06 ** (i - (len(models) - 1) / 2) for r in pts]
+        y = [r["auto_over_best"] for r in pts]
+        lo = [r.get("interval", (math.nan, math.nan))[0] for r in pts]
+        hi = [r.get("interval", (math.nan, math.nan))[1] for r in pts]
+        if all(math.isfinite(v) for v in lo + hi):
+            err = [[v - a for v, a in zip(y, lo)], [b - v for v, b in zip(y, hi)]]
+            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{model} (90% interval)")
+        else:
+            ax.plot(x, y, marker="o", label=model)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.axhline(1.05, color="red", lw=0.8, ls="--", label="5% over the fastest")
     ax.set_xscale("log")
