@@ -191,18 +191,19 @@ class FeedbackStore:
                 owner = self._owner.get(pid)
                 if owner is not None:
                     self._evict(owner)
-            self._assemble(key, order)
+            self._assemble(key, order, buffer.device)
         tensor = buffer if index is None else buffer.index_select(0, index)
         return BucketView(key, tensor, index, buffer)
 
-    def _assemble(self, key: int, order: _Layout) -> None:
+    def _assemble(self, key: int, order: _Layout, device: torch.device) -> None:
         self._layouts[key] = order
         for pid, _ in order:
             self._owner[pid] = key
         pieces = [self._pending.pop(pid, None) for pid, _ in order]
         if all(p is None for p in pieces):
             return
-        residual = torch.zeros(sum(k for _, k in order), dtype=torch.float32)
+        # Beside the bucket: a GPU bucket's codec keeps its residual there.
+        residual = torch.zeros(sum(k for _, k in order), dtype=torch.float32, device=device)
         offset = 0
         for (_, numel), piece in zip(order, pieces):
             if piece is not None:
