@@ -35,8 +35,13 @@ Warm-up: the first ``warmup`` steps (default 3: DDP rebuilds its buckets
 after step 1, PowerSGD compresses from step 3 and allocates its state then)
 are not timed. With ``interleave`` (default) every reduction's model is
 built first, and the timed steps run in ``rounds`` rounds, each reduction
-taking its turn for ``steps / rounds`` steps, so a burst of load from other
-processes on the host hits all of them alike.
+taking its turn for a block of its steps (at least :data:`MIN_BLOCK`), so a
+burst of load from other processes on the host hits all of them alike.
+With ``min_seconds``, the contenders of each comparison (the autos, and the
+static reductions within :data:`CONTENDER_FACTOR` of the fastest) run
+enough timed steps that the fastest's take that long; the others keep
+``steps``. Each result keeps every timed step's time, and the auto tables
+give a 90% block-bootstrap interval of auto / fastest (:func:`ratio_interval`).
 
 Each link rate gets its own emulated cluster (``nodes`` network namespaces,
 veth + bridge + tbf, needs root; see :mod:`xcomm_bench.cluster`); ``nodes=0``
@@ -252,11 +257,12 @@ class DDPBenchConfig:
         steps: Timed steps per (model, reduction, rate).
         warmup: Untimed steps first (>= 3: bucket rebuild, then PowerSGD's first step).
         rounds: Rounds the timed steps are split into when interleaving.
-        min_seconds: More timed steps where ``steps`` of the fastest reduction
-            (timed on its last warm-up step, the slowest rank's) would take
-            less than this: a point whose steps take 25 ms gets as many
-            samples of time as one whose steps take 150 ms. The same count on
-            every rank and for every reduction of a model. 0: ``steps``.
+        min_seconds: More timed steps for the contenders of each comparison
+            where ``steps`` of the fastest reduction (timed on its last
+            warm-up step, the slowest rank's) would take less than this: a
+            point whose steps take 25 ms gets as many seconds of samples as
+            one whose steps take 150 ms (:func:`_timed_steps`). The same
+            counts on every rank. 0: ``steps`` for every reduction.
         interleave: Build all reductions' models, then time them round-robin.
         powersgd_rank: ``matrix_approximation_rank`` of both PowerSGDs.
         topk_density: Fraction of entries top-k sends.
