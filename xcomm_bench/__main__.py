@@ -193,8 +193,8 @@ def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--min-seconds",
         type=float,
         default=0.0,
-        help="raise the timed steps so the fastest reduction's take about this long "
-        "(default 0: exactly --steps)",
+        help="raise the timed steps of the contenders (the autos and the reductions within "
+        "2x of the fastest) so the fastest's take about this long (default 0: exactly --steps)",
     )
     a("--no-interleave", action="store_true", help="run each reduction's steps in one block")
     a("--powersgd-rank", type=int, default=4, help="PowerSGD matrix rank, both hooks (default 4)")
