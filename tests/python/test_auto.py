@@ -310,11 +310,14 @@ class _FakeLink:
 
     LATENCY = 7e-4
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, stall: float = 0.0) -> None:
         from xcomm.hooks import _measure
 
         self.now = 0.0
         self.bits_per_s = 10e9
+        self.stall = stall  # seconds each round's first probe waits to line the ranks up
+        self._probes = 0
+        self.round_seconds = 0.0  # what the rounds took, all together
         clock = type("Clock", (), {"perf_counter": staticmethod(lambda: self.now)})
         monkeypatch.setattr(_measure, "time", clock)
         monkeypatch.setattr(_measure.dist, "all_reduce", lambda *a, **k: self._advance(0))
@@ -322,6 +325,9 @@ class _FakeLink:
 
     def _advance(self, nbytes: float) -> float:
         self.now += self.LATENCY + nbytes * 8 / self.bits_per_s
+        if nbytes:
+            self._probes += 1
+            self.now += self.stall if self._probes % 2 else 0.0
         return nbytes
 
     def step(self, step: int, matters: Any = None) -> bool:
@@ -329,7 +335,9 @@ class _FakeLink:
         self.measure.step_started()
         ran = step >= self.measure.next_round or self.measure.agreed is None
         if ran:
+            start = self.now
             self.measure.agree(None, {"allreduce": self._advance}, dict, step=step, matters=matters)
+            self.round_seconds += self.now - start
         self.now += 0.13
         return ran
 
@@ -431,6 +439,33 @@ def test_the_first_round_keeps_its_probe_size_until_a_step_was_timed(
     assert link.step(4)
     # 1% of 5 steps of 130 ms over two runs at 10 Gbit/s: 3.25 ms, 4.06 MB.
     assert link.measure.probe_bytes == pytest.approx(0.01 * 5 * 0.13 / 2 * 10e9 / 8, rel=0.01)
+
+
+def test_rounds_that_take_longer_than_their_bytes_are_spaced_by_what_they_took(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy host a round's collectives wait for longer than their bytes
+    take (on 2 cores a round on an emulated 10 Gbit/s link took 1-13 ms, not
+    the ~0.5 ms its bytes and latency predict), and the backward pass waits
+    for the round. Spaced by the prediction alone, rounds took 2-3x their
+    ``probe_fraction``; spaced by what the recent rounds took, about their
+    share. Here each round's untimed probe also waits 10 ms to line the
+    ranks up, on 130 ms steps."""
+    spaced_by_bytes = _FakeLink(monkeypatch)
+    rounds_bytes, _ = spaced_by_bytes.run(200, lambda step, due, rounds: 10e9)
+    stalled = _FakeLink(monkeypatch, stall=10e-3)
+    rounds, _ = stalled.run(200, lambda step, due, rounds: 10e9)
+    # Without the stall the bytes set the spacing (probes sized to 1% of 5
+    # steps; with the latencies a round is due every 7 steps).
+    assert {b - a for a, b in itertools.pairwise(rounds_bytes[3:])} == {7}, rounds_bytes
+    # With it, the rounds after the first few are further apart (the 10 ms
+    # are ~8 more steps' worth of 1%), and all of them together take about
+    # probe_fraction (1%) of the training time, as without the stall.
+    gaps = [b - a for a, b in itertools.pairwise(rounds[3:])]
+    assert gaps and min(gaps) >= 14, rounds
+    for link in (spaced_by_bytes, stalled):
+        share = link.round_seconds / (200 * 0.13 + link.round_seconds)
+        assert 0.007 <= share <= 0.013, share
 
 
 def test_the_agreed_latency_is_the_least_over_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,7 +105,11 @@ class MeasuredLink:
     (a smaller one measures a link's burst, not the link). Where a round
     costs more than that (a small model on a slow link: 20 ms steps at 0.1
     Gbit/s), rounds are spaced further apart so they still take about
-    ``probe_fraction`` of the training time. The next round is due at step
+    ``probe_fraction`` of the training time. A round's cost is what its
+    bytes and latency predict plus what the recent rounds took beyond
+    theirs (the median of the last three, agreed as the slowest rank's):
+    the backward pass waits for a round, and on a busy host its collectives
+    also wait to line up and on the scheduler. The next round is due at step
     :attr:`next_round`, computed from agreed values only, so every rank runs
     it at the same step.
 
@@ -145,6 +149,9 @@ class MeasuredLink:
         #: The step at which the next round is due.
         self.next_round = 0
         self._readings: list[list[float]] = []  # agreed seconds/byte per kind, last 3 rounds
+        #: What the last rounds took beyond what their bytes and latency
+        #: explain (agreed: the slowest rank's), seconds; the newest last.
+        self.round_overheads: list[float] = []
         self._confirmations = 0  # rounds in a row due at once to confirm a change
 
     def _median(self) -> list[float] | None:
@@ -184,6 +191,7 @@ class MeasuredLink:
         if self.local_costs is None:
             self.local_costs = dict(calibrate())
         self._round_in_step = True
+        round_start = time.perf_counter()
         seconds_per_byte = dict.fromkeys(self.kinds, 0.0)
         if fixed is None:
             assert probes is not None
@@ -202,7 +210,11 @@ class MeasuredLink:
         # waits for the others to finish the probe (at 0.1 Gbit/s a ring's
         # last chunk lands milliseconds apart on the two ranks), which is not
         # a cost each collective pays; the last to arrive waits for none.
-        local = [-min(self.latencies, default=0.0), step_seconds]
+        # What this round has cost so far (the backward pass waits for it:
+        # probes, the wait to line up, the scheduler's delays on a busy
+        # host), plus the previous agreement's duration as this one's.
+        spent = time.perf_counter() - round_start + (self.latencies[-1] if self.latencies else 0.0)
+        local = [-min(self.latencies, default=0.0), step_seconds, spent]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
         # On the buckets' device: a NCCL group has no CPU collectives.
@@ -212,12 +224,12 @@ class MeasuredLink:
         self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
         values = agreed.tolist()
         latency, step_seconds, n = -values[0], values[1], len(self.kinds)
-        costs = dict(zip(self.codec_keys, values[2 + n :]))
+        costs = dict(zip(self.codec_keys, values[3 + n :]))
         stride = self.interval
         if fixed is not None:
             links = dict(fixed)
         else:
-            newest = values[2 : 2 + n]
+            newest = values[3 : 3 + n]
             before = self._median()
             self._readings = [*self._readings[-2:], newest]
             median = self._median()
@@ -237,6 +249,14 @@ class MeasuredLink:
             # up the probe grows (at most 4x a round); after it slowed, a
             # round or two cost more until the median follows.
             slowest = 1.0 / max(max(min(a, b) for a, b in zip(median, newest)), 1e-15)
+            # What this round took beyond its bytes at its own reading: the
+            # wait to line up, the scheduler's delays on a busy host.
+            explained = 2 * sum(latency + self.probe_bytes * s for s in newest) + latency
+            if step_seconds > 0:  # the first round also waits for the ranks to start
+                self.round_overheads = [
+                    *self.round_overheads[-2:],
+                    max(values[2] - explained, 0.0),
+                ]
             # Before any step without a round has been timed (the first
             # round) there is no budget to size from, nor a step to space
             # rounds by: the probe keeps its size rather than shrinking to
@@ -246,8 +266,16 @@ class MeasuredLink:
                 budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
                 size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
                 self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
-                # What the next round will cost: every probe twice, the agreement.
+                # What the next round will cost: every probe twice, the
+                # agreement, and what recent rounds took beyond their bytes
+                # (the median; of two, the less). On a busy host those waits
+                # outweigh the bytes: on 2 cores a round on an emulated
+                # 10 Gbit/s link took 1-13 ms, not the 0.5 ms its bytes and
+                # latency predict.
                 round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
+                if self.round_overheads:
+                    waits = sorted(self.round_overheads)
+                    round_seconds += waits[(len(waits) - 1) // 2]
                 stride = max(
                     stride, math.ceil(round_seconds / (self.probe_fraction * step_seconds))
                 )
