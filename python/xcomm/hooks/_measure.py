@@ -270,8 +270,8 @@ class MeasuredLink:
                 # agreement, and what recent rounds took beyond their bytes
                 # (the median; of two, the less). On a busy host those waits
                 # outweigh the bytes: on 2 cores a round on an emulated
-                # 10 Gbit/s link took 1-13 ms, not the 0.5 ms its bytes and
-                # latency predict.
+                # 10 Gbit/s link took 1-13 ms, not the 0.5-1.5 ms its bytes
+                # and latency predict.
                 round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
                 if self.round_overheads:
                     waits = sorted(self.round_overheads)
