@@ -446,7 +446,7 @@ def test_rounds_that_take_longer_than_their_bytes_are_spaced_by_what_they_took(
 ) -> None:
     """On a busy host a round's collectives wait for longer than their bytes
     take (on 2 cores a round on an emulated 10 Gbit/s link took 1-13 ms, not
-    the ~0.5 ms its bytes and latency predict), and the backward pass waits
+    the 0.5-1.5 ms its bytes and latency predict), and the backward pass waits
     for the round. Spaced by the prediction alone, rounds took 2-3x their
     ``probe_fraction``; spaced by what the recent rounds took, about their
     share. Here each round's untimed probe also waits 10 ms to line the
@@ -518,3 +518,33 @@ def test_gpu_buckets_choose_only_among_methods_that_run_on_the_device(
     predicted = every._predict(1 << 20, [(1024, 1024)], 4, "cuda", 2, link, COSTS)
     assert set(predicted) == set(every.allowed)
     assert min(predicted, key=predicted.get) in ("topk", "powersgd")
+
+
+def test_a_method_that_fails_to_issue_raises_and_fails_the_next_turn() -> None:
+    """A bucket whose collective fails to start (its turn already came, so it
+    is issued at once) raises the method's own error from the hook, and the
+    next bucket's turn, which waits on it, fails with the same error rather
+    than issuing out of order or waiting forever."""
+    from types import SimpleNamespace
+
+    from xcomm.hooks._common import IssueOrder
+    from xcomm.hooks.auto import _ordered
+
+    state = SimpleNamespace(order=IssueOrder())
+    bucket = SimpleNamespace(buffer=lambda: torch.zeros(4))
+
+    def refuse() -> torch.futures.Future:
+        raise RuntimeError("allgather refused: peer gone")
+
+    with pytest.raises(RuntimeError, match="allgather refused: peer gone"):
+        _ordered(state, bucket, refuse)  # type: ignore[arg-type]
+    issued: list[bool] = []
+
+    def never() -> torch.futures.Future:
+        issued.append(True)
+        raise AssertionError("issued after a failed turn")
+
+    fut = _ordered(state, bucket, never)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="allgather refused: peer gone"):
+        fut.wait()
+    assert not issued

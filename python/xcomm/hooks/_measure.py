@@ -251,7 +251,7 @@ class MeasuredLink:
             slowest = 1.0 / max(max(min(a, b) for a, b in zip(median, newest)), 1e-15)
             # What this round took beyond its bytes at its own reading: the
             # wait to line up, the scheduler's delays on a busy host.
-            explained = 2 * sum(latency + self.probe_bytes * s for s in newest) + latency
+            explained = _round_seconds(latency, self.probe_bytes, newest)
             if step_seconds > 0:  # the first round also waits for the ranks to start
                 self.round_overheads = [
                     *self.round_overheads[-2:],
@@ -272,7 +272,7 @@ class MeasuredLink:
                 # outweigh the bytes: on 2 cores a round on an emulated
                 # 10 Gbit/s link took 1-13 ms, not the 0.5-1.5 ms its bytes
                 # and latency predict.
-                round_seconds = 2 * n * (latency + self.probe_bytes / slowest) + latency
+                round_seconds = _round_seconds(latency, self.probe_bytes, [1.0 / slowest] * n)
                 if self.round_overheads:
                     waits = sorted(self.round_overheads)
                     round_seconds += waits[(len(waits) - 1) // 2]
@@ -298,6 +298,12 @@ class MeasuredLink:
         self.next_round = step + stride
         self.agreed = (links, costs)
         return self.agreed
+
+
+def _round_seconds(latency: float, probe_bytes: float, seconds_per_byte: list[float]) -> float:
+    """What a round's bytes and latency take: every kind's probe twice, then
+    the agreement."""
+    return 2 * sum(latency + probe_bytes * s for s in seconds_per_byte) + latency
 
 
 class MethodChoices:
