@@ -139,22 +139,30 @@ c10::intrusive_ptr<DelegatedWork> XcommBackend::wrap(c10::intrusive_ptr<c10d::Wo
                                                      c10::IValue result, int64_t issuedUs,
                                                      uint64_t bytes, const std::string& op,
                                                      const std::vector<at::Tensor>& inputs) {
+  return wrapCounted(std::move(inner), type, std::move(finalize), std::move(result), issuedUs,
+                     c10d::opTypeToString(type), bytes, bytes, profilingTitle(op), inputs);
+}
+
+c10::intrusive_ptr<DelegatedWork> XcommBackend::wrapCounted(
+    c10::intrusive_ptr<c10d::Work> inner, c10d::OpType type, std::function<void()> finalize,
+    c10::IValue result, int64_t issuedUs, const std::string& statsName, uint64_t bytes,
+    uint64_t wireBytes, const char* title, const std::vector<at::Tensor>& inputs) {
   if (!inner) {
     // The inner backend ran a synchronous op (async_op=False) on the caller's
     // stream and returned no work, as NCCL does since torch 2.7: the op is
     // already ordered there. Finish ours the same way and return none too;
     // torch waits only on a work it gets.
     if (finalize) finalize();
-    recordAfterDeviceOp(inputs, c10d::opTypeToString(type), bytes, bytes, issuedUs);
+    recordAfterDeviceOp(inputs, statsName, bytes, wireBytes, issuedUs);
     return {};
   }
   auto resultType = result.type();
-  auto work = c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
-                                                 std::move(result), std::move(resultType),
-                                                 profilingTitle(op), inputs);
+  auto work =
+      c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
+                                         std::move(result), std::move(resultType), title, inputs);
   // xcomm.stats() and the timeline, timed from the issue: an inner backend may run
   // a small op inline and be done before it returns.
-  recordOnCompletion(work, c10d::opTypeToString(type), bytes, bytes, issuedUs);
+  recordOnCompletion(work, statsName, bytes, wireBytes, issuedUs);
   return work;
 }
 
@@ -237,14 +245,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   const uint64_t bytesOnWire = compressed_->payloadBytes(tensor);
   const char* title =
       profilingTitle(std::string("all_reduce:") + compressionName(compressed_->config().method));
-  if (!compressed_->needsOwnTransport()) {
+  if (compressed_->issuesOnCaller(tensor)) {
     std::function<void()> finalize;
-    auto inner = compressed_->startCast(backendFor(tensor, "all_reduce"), tensor, opts, finalize);
-    auto work = c10::make_intrusive<DelegatedWork>(
-        rank_, c10d::OpType::ALLREDUCE, std::move(inner), std::move(finalize), listValue({tensor}),
-        tensorListType(), title, std::vector<at::Tensor>{tensor});
-    recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
-    return work;
+    auto inner = compressed_->start(backendFor(tensor, "all_reduce"), tensor, opts, finalize);
+    return wrapCounted(std::move(inner), c10d::OpType::ALLREDUCE, std::move(finalize),
+                       listValue({tensor}), startUs, statsName, bytesIn, bytesOnWire, title,
+                       {tensor});
   }
   auto work =
       c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, title, listValue({tensor}),
@@ -499,15 +505,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
     const int64_t startUs = Timeline::nowUs();
     std::function<void()> finalize;
     auto innerWork = compressedReduceScatter_->start(inner, output, input, opts, finalize);
-    auto work = c10::make_intrusive<DelegatedWork>(
-        rank_, c10d::OpType::_REDUCE_SCATTER_BASE, std::move(innerWork), std::move(finalize),
-        listValue({output}), tensorListType(),
+    return wrapCounted(
+        std::move(innerWork), c10d::OpType::_REDUCE_SCATTER_BASE, std::move(finalize),
+        listValue({output}), startUs, compressedReduceScatter_->statsName(),
+        input.numel() * input.element_size(), compressedReduceScatter_->payloadBytes(input),
         profilingTitle(std::string(op) + ":" + compressionName(plan_.backendCompression.method)),
-        std::vector<at::Tensor>{input});
-    recordOnCompletion(work, compressedReduceScatter_->statsName(),
-                       input.numel() * input.element_size(),
-                       compressedReduceScatter_->payloadBytes(input), startUs);
-    return work;
+        {input});
   }
   if (alltoallReduceScatter_ && alltoallReduceScatter_->applies(output, input, opts)) {
     auto& inner = backendFor(input, op);  // flushes held ops first

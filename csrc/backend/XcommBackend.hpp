@@ -174,6 +174,14 @@ class XcommBackend : public c10d::Backend {
                                          std::function<void()> finalize, c10::IValue result,
                                          int64_t issuedUs, uint64_t bytes, const std::string& op,
                                          const std::vector<at::Tensor>& inputs);
+  // wrap, counted as `statsName` with `wireBytes` sent for `bytes` (a
+  // compressed op), titled `title` under the profiler.
+  c10::intrusive_ptr<DelegatedWork> wrapCounted(c10::intrusive_ptr<c10d::Work> inner,
+                                                c10d::OpType type, std::function<void()> finalize,
+                                                c10::IValue result, int64_t issuedUs,
+                                                const std::string& statsName, uint64_t bytes,
+                                                uint64_t wireBytes, const char* title,
+                                                const std::vector<at::Tensor>& inputs);
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "collectives/AutoCompression.hpp"
+#include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
 namespace {
@@ -73,14 +74,23 @@ bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
   }
   const auto& t = tensors[0];
   const auto op = opts.reduceOp.op_;
-  // The casts are ATen ops on the tensor's device plus the transport's own
-  // low-precision SUM (NCCL for CUDA tensors); int8 and auto run CPU codecs
-  // on a CPU transport of their own.
-  const bool onDevice = t.device().is_cuda() && isCast(config_.method);
-  return (t.device().is_cpu() || onDevice) && t.layout() == at::kStrided &&
-         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
-         (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
-         t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;
+  const bool eligible = t.layout() == at::kStrided &&
+                        (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
+                        (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
+                        t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;
+  if (!eligible || t.device().is_cpu()) return eligible;
+  if (!t.is_cuda()) return false;
+  // On a GPU: the casts are ATen ops plus NCCL's own low-precision SUM; int8
+  // runs xcomm's CUDA kernels between two NCCL collectives.
+  if (isCast(config_.method)) return true;
+  if (config_.method == Compression::kInt8 && cuda::codecsBuilt()) return true;
+  TORCH_WARN_ONCE("xcomm: ", compressionName(config_.method), " allreduce compression ",
+                  config_.method == Compression::kAuto
+                      ? "chooses for CPU tensors only"
+                      : "needs xcomm built with its CUDA kernels (a CUDA toolkit at build time)",
+                  "; CUDA tensors are reduced uncompressed by NCCL. "
+                  "Options(compression=\"bf16\") compresses them.");
+  return false;
 }
 
 int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor) const {
@@ -99,10 +109,13 @@ int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor, Compression 
   }
 }
 
-c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
-                                                              const at::Tensor& tensor,
-                                                              const c10d::AllreduceOptions& opts,
-                                                              std::function<void()>& finalize) {
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(c10d::Backend& transport,
+                                                          const at::Tensor& tensor,
+                                                          const c10d::AllreduceOptions& opts,
+                                                          std::function<void()>& finalize) {
+  TORCH_INTERNAL_ASSERT(issuesOnCaller(tensor), "xcomm: ", compressionName(config_.method),
+                        " allreduce of this tensor runs on the compression worker");
+  if (config_.method == Compression::kInt8) return startInt8(transport, tensor, opts, finalize);
   return startCast(transport, tensor, opts, finalize, config_.method);
 }
 
@@ -157,8 +170,10 @@ Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor&
   return method;
 }
 
-void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,
-                                  const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& transport,
+                                                              const at::Tensor& tensor,
+                                                              const c10d::AllreduceOptions& opts,
+                                                              std::function<void()>& finalize) {
   at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
   const int64_t shard = int8_.shardElems(flat.numel(), size_);
   at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
@@ -166,6 +181,8 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
   std::vector<int64_t> even;  // equal splits
   c10d::AllToAllOptions a2a;
   a2a.timeout = opts.timeout;
+  // On the CPU this blocks until the shards arrived; for CUDA tensors it
+  // makes the current stream wait for NCCL's, and returns at once.
   transport.alltoall_base(received, packed, even, even, a2a)->wait();
 
   // float32 sum in rank order, the mean's division, quantization: one pass.
@@ -173,14 +190,22 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
   at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
   c10d::AllgatherOptions ag;
   ag.timeout = opts.timeout;
-  transport._allgather_base(gathered, mine, ag)->wait();
-  int8_.unpackAll(gathered, shard, flat);
-  if (!tensor.is_contiguous()) {
-    tensor.copy_(flat.view(tensor.sizes()));
-  }
+  auto work = transport._allgather_base(gathered, mine, ag);
   counters_->calls++;
   counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
   counters_->linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
+  finalize = [codec = int8_, gathered, mine, shard, flat, tensor]() mutable {
+    codec.unpackAll(gathered, shard, flat);
+    if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+  };
+  return work;
+}
+
+void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,
+                                  const c10d::AllreduceOptions& opts) {
+  std::function<void()> finalize;
+  startInt8(transport, tensor, opts, finalize)->wait();
+  finalize();
 }
 
 }  // namespace xcomm

@@ -75,23 +75,38 @@ class CompressedAllreduce {
   // Its row in xcomm.stats(), e.g. ALLREDUCE_INT8.
   const std::string& statsName() const { return statsName_; }
 
-  // Whether this allreduce is compressed.
+  // Whether this allreduce is compressed: a float tensor under SUM or AVG, of
+  // at least compression_min_bytes, in a group of 2 or more; on the CPU, or
+  // on a GPU for the casts and (where xcomm's CUDA kernels are built) int8.
+  // auto, and int8 without the kernels, leave GPU tensors to NCCL exact, with
+  // a warning the first time.
   bool applies(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) const;
-  // int8 and auto run on a worker thread, over a transport of their own
-  // (run()); the casts are issued on the caller's thread (startCast).
+  // The CPU routes of int8 and auto wait on their collectives, so they run on
+  // a worker thread over a transport of their own (run()); that transport is
+  // needed whenever the group's method is one of them.
   bool needsOwnTransport() const {
     return config_.method == Compression::kInt8 || config_.method == Compression::kAuto;
+  }
+  // Whether `tensor`'s allreduce is issued on the caller's thread (start()):
+  // the casts, and int8 on a GPU, whose collectives and kernels are all
+  // ordered on streams, so issuing them never waits for the link.
+  bool issuesOnCaller(const at::Tensor& tensor) const {
+    return isCast(config_.method) || (config_.method == Compression::kInt8 && tensor.is_cuda());
   }
   // The compressed payload of `tensor` with `method` (what xcomm.stats()
   // counts as on the wire; the group's method by default, not auto).
   int64_t payloadBytes(const at::Tensor& tensor) const;
   int64_t payloadBytes(const at::Tensor& tensor, Compression method) const;
 
-  // Cast methods: issues the low-precision SUM on `transport` and returns its
-  // work; `finalize` (run once the work succeeded) writes the result into `tensor`.
-  c10::intrusive_ptr<c10d::Work> startCast(c10d::Backend& transport, const at::Tensor& tensor,
-                                           const c10d::AllreduceOptions& opts,
-                                           std::function<void()>& finalize);
+  // For issuesOnCaller(tensor): issues the compressed allreduce on
+  // `transport` and returns the work of its last collective; `finalize` (run
+  // once that work succeeded) writes the result into `tensor`. The casts are
+  // one low-precision SUM. int8 on a GPU is an all-to-all of the packed
+  // shards, waited for on the current stream (not the host), the reduction
+  // and requantization of this rank's shard, and the allgather returned.
+  c10::intrusive_ptr<c10d::Work> start(c10d::Backend& transport, const at::Tensor& tensor,
+                                       const c10d::AllreduceOptions& opts,
+                                       std::function<void()>& finalize);
 
   // The whole allreduce on `transport`, waited for: the group's method, or
   // for auto the one it chooses now (which may first measure the link on
@@ -102,15 +117,17 @@ class CompressedAllreduce {
   // Null unless the group's method is auto.
   const AutoCompression* autoCompression() const { return auto_.get(); }
 
-  // int8: runs both collectives on `transport` and waits for them (call it on
-  // a worker thread, in issue order); the result lands in `tensor`.
-  void runInt8(c10d::Backend& transport, const at::Tensor& tensor,
-               const c10d::AllreduceOptions& opts);
-
  private:
   c10::intrusive_ptr<c10d::Work> startCast(c10d::Backend& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize, Compression method);
+  // int8 as start() describes it; on the CPU the all-to-all's wait blocks.
+  c10::intrusive_ptr<c10d::Work> startInt8(c10d::Backend& transport, const at::Tensor& tensor,
+                                           const c10d::AllreduceOptions& opts,
+                                           std::function<void()>& finalize);
+  // startInt8, waited for on the calling thread: the CPU route.
+  void runInt8(c10d::Backend& transport, const at::Tensor& tensor,
+               const c10d::AllreduceOptions& opts);
 
   CompressionConfig config_;
   std::string statsName_;

@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "compress/cuda/CudaCodecs.hpp"
+
 namespace xcomm {
 namespace {
 
@@ -32,13 +34,20 @@ bool CompressedReduceScatter::applies(const at::Tensor& input,
     return false;
   }
   const auto op = opts.reduceOp.op_;
-  // A CUDA input takes the casts (ATen ops and the transport's alltoall,
-  // NCCL's); int8's row codec is CPU code.
-  const bool onDevice = input.device().is_cuda() && isCast(config_.method);
-  return (input.device().is_cpu() || onDevice) && input.layout() == at::kStrided &&
-         (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
-         (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) && input.numel() > 0 &&
-         input.numel() * input.element_size() >= config_.minBytes;
+  const bool eligible = input.layout() == at::kStrided &&
+                        (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
+                        (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
+                        input.numel() > 0 &&
+                        input.numel() * input.element_size() >= config_.minBytes;
+  if (!eligible || input.device().is_cpu()) return eligible;
+  // A CUDA input takes the casts (ATen ops and NCCL's all-to-all) and, where
+  // xcomm's CUDA kernels are built, int8's row codec on the device.
+  if (!input.is_cuda()) return false;
+  if (isCast(config_.method) || cuda::codecsBuilt()) return true;
+  TORCH_WARN_ONCE(
+      "xcomm: int8 reduce-scatter compression needs xcomm built with its CUDA kernels (a CUDA "
+      "toolkit at build time); CUDA tensors are reduce-scattered uncompressed by NCCL.");
+  return false;
 }
 
 int64_t CompressedReduceScatter::payloadBytes(const at::Tensor& input) const {

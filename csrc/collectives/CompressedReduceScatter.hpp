@@ -31,8 +31,9 @@ class CompressedReduceScatter {
   // Its row in xcomm.stats(), e.g. REDUCE_SCATTER_INT8.
   const std::string& statsName() const { return statsName_; }
 
-  // Whether this reduce-scatter is compressed: a float32/float64 CPU input of
-  // at least minBytes under SUM or AVG, in a group of 2 or more.
+  // Whether this reduce-scatter is compressed: a float32/float64 input of at
+  // least minBytes under SUM or AVG, in a group of 2 or more; on the CPU, or
+  // on a GPU for the casts and (where xcomm's CUDA kernels are built) int8.
   bool applies(const at::Tensor& input, const c10d::ReduceScatterOptions& opts) const;
   // The bytes this rank hands to the all-to-all.
   int64_t payloadBytes(const at::Tensor& input) const;

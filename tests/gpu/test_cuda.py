@@ -274,12 +274,92 @@ def _backend_casts(ctx: RankContext, n: int) -> list[str]:
     return problems
 
 
+def _backend_int8(ctx: RankContext, n: int) -> list[str]:
+    """``xcomm.Options(compression="int8")`` on device tensors: all_reduce (sync,
+    async, future; SUM and AVG; float32, float64 and a non-contiguous view)
+    and reduce_scatter_tensor equal the same group's int8 on CPU copies bit
+    for bit (the CUDA kernels compute the CPU codec's bits and NCCL only moves
+    bytes), stay on the device, and are within int8's error of the exact
+    result; the group counts compressed bytes for its device route."""
+    import xcomm
+
+    dev, ws = _device(), ctx.world_size
+    cpu = torch.device("cpu")
+    group = dist.new_group(
+        backend="xcomm",
+        pg_options=xcomm.Options(compression="int8", compression_min_bytes=0, int8_chunk_elems=256),
+    )
+    problems: list[str] = []
+
+    def check(what: str, got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor) -> None:
+        if got.device != dev or got.dtype != want.dtype:
+            problems.append(f"{what}: {got.device}/{got.dtype}, expected {dev}/{want.dtype}")
+        elif not torch.equal(got.cpu(), want):
+            diff = (got.cpu() - want).abs().max().item()
+            problems.append(f"{what}: differs from int8 on the CPU (max |diff| {diff:.3g})")
+        # One chunk's scale is its max |x| / 127: each of ws rounding errors,
+        # then the reduced shard's own, stays within ws + 1 such steps.
+        bound = (ws + 1) * exact.abs().max().item() / 127
+        if (got.cpu().double() - exact.double()).abs().max().item() > bound:
+            problems.append(f"{what}: error beyond int8's rounding")
+
+    for name in ("sum", "avg"):
+        op = OPS[name]
+        for dtype in (torch.float32, torch.float64):
+            for mode in ("sync", "async", "future", "strided"):
+                x = _input(ctx, dtype, 2 * n + 3, 21, cpu)
+                want = x.clone()
+                dist.all_reduce(want, op=op, group=group)  # the CPU route
+                exact = x.clone()
+                dist.all_reduce(exact, op=op)  # the default group, uncompressed
+                if mode == "strided":
+                    base = x.to(dev).repeat_interleave(2)
+                    got = base[::2]  # a non-contiguous view of the same values
+                    dist.all_reduce(got, op=op, group=group)
+                else:
+                    got = x.to(dev)
+                    work = dist.all_reduce(got, op=op, group=group, async_op=mode != "sync")
+                    if mode == "async":
+                        work.wait()
+                    elif mode == "future":
+                        got = work.get_future().wait()[0]
+                check(f"all_reduce int8 {name} {dtype} {mode}", got, want, exact)
+        x = _input(ctx, torch.float32, n * ws, 22, cpu)
+        want = torch.empty(n)
+        dist.reduce_scatter_tensor(want, x, op=op, group=group)
+        exact = torch.empty(n)
+        dist.reduce_scatter_tensor(exact, x, op=op)
+        got = torch.empty(n, device=dev)
+        dist.reduce_scatter_tensor(got, x.to(dev), op=op, group=group)
+        check(f"reduce_scatter_tensor int8 {name}", got, want, exact)
+    if dev.type == "cuda":
+        stats = group._get_backend(dev).compression_stats
+        if not 0 < stats["link_bytes_sent"] < stats["link_bytes_before"]:
+            problems.append(f"int8: the group counted no compressed bytes: {stats}")
+    dist.barrier()
+    return problems
+
+
 @pytest.mark.parametrize("world", [2])
 def test_backend_casts_compress_device_tensors(world: int) -> None:
     """At world size 1 nothing is compressed (nothing crosses a link), so
     this needs two ranks: on one GPU, NCCL 2.30+."""
     results = run_ranks(
         _backend_casts, _world(world), 1 << 16, ref_group=False, env=ENV, timeout=TIMEOUT
+    )
+    problems = sorted({p for r in results for p in r})
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2])
+def test_backend_int8_compresses_device_tensors_on_the_device(world: int) -> None:
+    """Needs two ranks (on one GPU: NCCL 2.30+) and xcomm's CUDA kernels."""
+    from xcomm import _C
+
+    if not ON_CPU and not _C.cuda_codecs:
+        pytest.skip("xcomm was built without its CUDA kernels")
+    results = run_ranks(
+        _backend_int8, _world(world), 1 << 12, ref_group=False, env=ENV, timeout=TIMEOUT
     )
     problems = sorted({p for r in results for p in r})
     assert not problems, "\n".join(problems)
