@@ -502,3 +502,34 @@ TEST_CASE("a synchronous op whose inner backend returns no work returns none, fi
   REQUIRE(work);
   CHECK(work->wait());
 }
+
+TEST_CASE("a synchronous compressed allreduce whose inner backend returns no work returns none",
+          "[backend]") {
+  // The fp16 cast route on NCCL: the low-precision SUM runs on the caller's
+  // stream and NCCL answers with no work; xcomm must cast back before it
+  // returns, and return none.
+  xcomm::testing::onRankThreads(2, [](int r, const c10::intrusive_ptr<c10d::Store>& store) {
+    xcomm::InnerBackendFactory factory;
+    factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int rank, int n,
+                     std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+      return c10::make_intrusive<NoWorkWhenSync>(prefixed, rank, n, timeout);
+    };
+    auto options = xcomm::XcommOptions::create(std::chrono::seconds(20));
+    options->compression.method = xcomm::Compression::kFp16;
+    options->compression.minBytes = 0;
+    auto b = xcomm::buildGroup(store, r, 2, options, factory, /*allowShm=*/false);
+    // 1/3 is not a half: the result shows the cast happened.
+    std::vector<at::Tensor> tensors{at::full({64}, 1.0 / 3 + r, at::kFloat)};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.asyncOp = false;
+    auto work = b->allreduce(tensors, opts);
+    // The halves of both ranks' values, summed in half precision.
+    const auto halves = at::tensor({1.0f / 3, 1.0f / 3 + 1}).to(at::kHalf);
+    const float want = (halves[0] + halves[1]).to(at::kFloat).item<float>();
+    RANK_CHECK(!work);
+    RANK_CHECK(at::equal(tensors[0], at::full({64}, want, at::kFloat)));
+    RANK_CHECK((b->compression() && b->compression()->counters().calls == 1));
+    b->shutdown();
+  });
+}
