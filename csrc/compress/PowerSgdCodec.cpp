@@ -743,9 +743,10 @@ void PowerSgdCodec::finish(int64_t bucket, const at::Tensor& summedQ, int64_t wo
 // ---------------------------------------------------------------------------
 // The three phases on a GPU bucket: the same steps in ATen ops on the
 // bucket's device (cuBLAS matmuls), queued on the caller's stream with no
-// host synchronization. The CPU route's per-element arithmetic is not
-// reproduced bit for bit (cuBLAS sums in its own order), but every rank
-// computes the same bits on the same GPU model.
+// host synchronization; where xcomm's CUDA kernels are built, Gram-Schmidt
+// and the last phase's decompression are one kernel each. The CPU route's per-element arithmetic is
+// not reproduced bit for bit (cuBLAS sums in its own order), but every rank computes the same bits
+// on the same GPU model.
 
 namespace {
 
@@ -835,11 +836,14 @@ void PowerSgdCodec::finishOnDevice(Bucket& b, int64_t worldSize) {
     at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
     q.div_(w);  // kept divided by the world size, as torch keeps it
     at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
-    at::Tensor decompressed = at::mm(matrixOf(b.wire, t.wireOffset, t.rows, t.rank), q.t());
+    at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
     const at::Tensor& finite = b.finiteOnDevice[i];
+    const at::Tensor err =
+        b.error.defined() ? matrixOf(b.error, t.offset, t.rows, t.cols) : at::Tensor();
+    if (cuda::powersgdReconstruct(m, err, p, q, finite)) continue;  // one kernel
+    at::Tensor decompressed = at::mm(p, q.t());
     if (b.error.defined()) {
       // Not finite on some rank: NaN on every rank, and the error left as it was.
-      at::Tensor err = matrixOf(b.error, t.offset, t.rows, t.cols);
       err.copy_(at::where(finite, m - decompressed, err));
     }
     m.copy_(at::where(finite, decompressed, std::numeric_limits<double>::quiet_NaN()));

@@ -482,6 +482,60 @@ def test_ddp_on_the_device_equals_the_reference(world: int, hook: str) -> None:
         assert drift < 0.05, f"rank {rank}: {hook} drifted {drift:.3f} from uncompressed"
 
 
+def _powersgd_against_torch(ctx: RankContext, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """xcomm's and torch's PowerSGD hooks (rank 2, error feedback, warm
+    start, one seed) train the same model on the device; one bucket, as
+    torch's hook issues its collectives from future callbacks."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import xcomm.hooks as xh
+
+    dev = _device()
+    config = {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2, "random_seed": 7}
+    out: dict[str, torch.Tensor] = {}
+    for impl in ("torch", "xcomm"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 6 * 6, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 10),
+        ).to(dev, dtype)
+        model = DDP(net, device_ids=[dev.index] if dev.type == "cuda" else None)
+        if impl == "torch":
+            model.register_comm_hook(tp.PowerSGDState(None, **config), tp.powerSGD_hook)
+        else:
+            model.register_comm_hook(xh.PowerSGDState(None, **config), xh.powersgd_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(8):
+            g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+            x = torch.randn(16, 3, 8, 8, generator=g).to(dev, dtype)
+            y = torch.randint(0, 10, (16,), generator=g).to(dev)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        out[impl] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("world", WORLDS)
+def test_powersgd_on_the_device_matches_torch_powersgd_hook(world: int, dtype: torch.dtype) -> None:
+    """The device route (cuBLAS matmuls, the Gram-Schmidt and decompression
+    kernels) computes torch's arithmetic in another summation order."""
+    results = run_ranks(
+        _powersgd_against_torch, _world(world), dtype, ref_group=False, env=ENV, timeout=TIMEOUT
+    )
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-11}
+    for r in results:
+        torch.testing.assert_close(r["xcomm"], r["torch"], **tol)
+
+
 # -- timing at completion ------------------------------------------------------
 
 

@@ -68,6 +68,14 @@ void topkDecode(const at::Tensor& rows, int64_t k, float divisor, const at::Tens
 // float32/float64, on a GPU) in place, one kernel. Returns false (and does
 // nothing) for anything else, which the caller then orthonormalizes itself.
 bool gramSchmidt(const at::Tensor& x, double eps);
+// PowerSGD's last phase for one matrix, in one pass: with D = p q^T (`m`
+// rows x cols, `p` rows x rank, `q` cols x rank, all contiguous, one dtype),
+// err = m - D (when `err` is defined) and m = D; where `finite` (a 0-dim bool
+// on the device) is false, m becomes NaN and err is left as it was. Sums in
+// float32 (float64 for double), k in order. Returns false (and does nothing)
+// where it does not apply; the caller then runs its ATen ops.
+bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::Tensor& p,
+                         const at::Tensor& q, const at::Tensor& finite);
 
 }  // namespace cuda
 }  // namespace xcomm

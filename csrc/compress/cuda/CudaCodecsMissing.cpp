@@ -52,5 +52,10 @@ bool gramSchmidt(const at::Tensor&, double) {
   return false;  // the caller's ATen route
 }
 
+bool powersgdReconstruct(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&) {
+  return false;  // the caller's ATen route
+}
+
 }  // namespace cuda
 }  // namespace xcomm
