@@ -8,7 +8,8 @@
 # tests.log + junit.xml (tests/gpu: every collective and DDP with every hook
 # on CUDA tensors against NCCL; world size 2 on one GPU where NCCL accepts
 # it), bench.log + gpu.json + gpu.md (python -m xcomm_bench gpu), profile.log +
-# profile.txt (GPU time per kernel of each codec: --profile). Each stage
+# profile.txt (GPU time per kernel of each codec, and of DDP steps with
+# each PowerSGD hook, int8 and top-k: --profile). Each stage
 # has its own time limit; a failed stage does not stop the later ones, and
 # the exit status is non-zero if any failed.
 set -uo pipefail
@@ -62,7 +63,7 @@ timeout "${XCOMM_GPU_BENCH_S:-100}" "$PY" -m xcomm_bench gpu --out "$OUT" >"$OUT
 tail -40 "$OUT/bench.log"
 
 echo "== kernel profile"
-timeout "${XCOMM_GPU_PROFILE_S:-60}" "$PY" -m xcomm_bench gpu --profile --out "$OUT" \
+timeout "${XCOMM_GPU_PROFILE_S:-120}" "$PY" -m xcomm_bench gpu --profile --out "$OUT" \
   >"$OUT/profile.log" 2>&1 || failed+=(profile)
 tail -60 "$OUT/profile.log"
 

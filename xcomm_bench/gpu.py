@@ -20,6 +20,11 @@ What ``scripts/gpu_check.sh`` runs on the GPU machine, one rank, one GPU:
 A method that raises on CUDA tensors is reported with its error, not
 skipped: the table shows what runs on a GPU today.
 
+``--profile`` shows where the time goes instead: the GPU time of each
+codec's kernels, and of DDP steps with torch's and xcomm's PowerSGD, int8
+and top-k hooks, kernel by kernel beyond the no-hook step (the hooks'
+compute on the device), with the launches per step and the wall time.
+
 Example::
 
     python -m xcomm_bench gpu --out bench-results/gpu
@@ -29,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -36,7 +42,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -246,44 +252,60 @@ def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], 
     }
 
 
+def _ddp_step(
+    device: torch.device, width: int, depth: int, batch: int, make: Callable[..., Any]
+) -> Callable[[], None]:
+    """A DDP model at world size 1 over the default group with the hook ``make``
+    registers, and one training step of it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x = torch.randn(batch, width, device=device)
+    model = DDP(
+        _model(device, width, depth),
+        device_ids=[device.index] if device.type == "cuda" else None,
+    )
+    hook = make(None, model)
+    if hook is not None:
+        model.register_comm_hook(*hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        model(x).square().mean().backward()
+        opt.step()
+
+    step.model = model  # type: ignore[attr-defined]
+    return step
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def measure_ddp(
     device: torch.device, width: int, depth: int, batch: int, steps: int, warmup: int = 4
 ) -> list[dict]:
     """Median DDP step time per hook at world size 1 over the default group."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    x = torch.randn(batch, width, device=device)
 
     def time_hook(name: str, make: Callable[..., Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"hook": name}
         try:
-            model = DDP(
-                _model(device, width, depth),
-                device_ids=[device.index] if device.type == "cuda" else None,
-            )
-            hook = make(None, model)
-            if hook is not None:
-                model.register_comm_hook(*hook)
-            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-
-            def step() -> None:
-                opt.zero_grad(set_to_none=False)
-                model(x).square().mean().backward()
-                opt.step()
-
+            step = _ddp_step(device, width, depth, batch, make)
             for _ in range(warmup):  # DDP rebuilds buckets; the hooks start compressing
                 step()
             ts = []
             for _ in range(steps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                _sync(device)
                 t0 = time.perf_counter()
                 step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                _sync(device)
                 ts.append(time.perf_counter() - t0)
             row["ms"] = 1000 * statistics.median(ts)
-            row["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+            row["params_finite"] = all(
+                bool(torch.isfinite(p).all())
+                for p in step.model.parameters()  # type: ignore[attr-defined]
+            )
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
         return row
@@ -296,6 +318,83 @@ def measure_ddp(
         if base_ms is not None and "ms" in r:
             r["hook_ms"] = r["ms"] - base_ms
     return rows
+
+
+#: The hooks whose step profile --profile shows (PowerSGD: the issue's ratio).
+PROFILED_HOOKS = [
+    "none",
+    "torch powerSGD_hook r4",
+    "xcomm powersgd_hook r4",
+    "xcomm int8_compress_hook",
+    "xcomm topk_hook 1%",
+]
+
+
+def profile_ddp(
+    device: torch.device, width: int, depth: int, batch: int, steps: int = 10, warmup: int = 4
+) -> str:
+    """Where a DDP step's time goes with each hook (torch.profiler): the
+    device time per step of every kernel (on a GPU; op self time on the CPU),
+    the launches per step, and the same beyond the no-hook step, kernel by
+    kernel. The device time beyond the no-hook step is the hook's compute on
+    the GPU; the wall time beyond it adds the host's share (dispatch, Python,
+    future callbacks), which a launch-bound step shows instead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    hooks = _hooks()
+    per_kernel: dict[str, dict[str, tuple[float, float]]] = {}
+    parts: list[str] = []
+    summary = ["hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"]
+    for name in PROFILED_HOOKS:
+        try:
+            step = _ddp_step(device, width, depth, batch, hooks[name])
+            for _ in range(warmup):
+                step()
+            _sync(device)
+            t0 = time.perf_counter()
+            with profile(activities=activities) as prof:
+                for _ in range(steps):
+                    step()
+                _sync(device)
+            wall_ms = 1000 * (time.perf_counter() - t0) / steps
+        except Exception as e:  # noqa: BLE001 - reported as the hook's result
+            summary.append(f"{name} | fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            continue
+        kernels: dict[str, tuple[float, float]] = {}
+        for e in prof.key_averages():
+            if cuda:
+                us = getattr(e, "self_device_time_total", None)
+                if us is None:
+                    us = getattr(e, "self_cuda_time_total", 0.0)
+            else:
+                us = e.self_cpu_time_total
+            if us > 0:
+                kernels[e.key] = (us / steps, e.count / steps)
+        per_kernel[name] = kernels
+        total = sum(us for us, _ in kernels.values())
+        launches = sum(n for _, n in kernels.values())
+        base = per_kernel.get("none", {})
+        beyond = total - sum(us for us, _ in base.values())
+        summary.append(f"{name} | {total:.0f} | {beyond:+.0f} | {launches:.0f} | {wall_ms:.2f}")
+        if name == "none":
+            continue
+        extra = sorted(
+            (
+                (us - base.get(k, (0.0, 0.0))[0], n - base.get(k, (0.0, 0.0))[1], k)
+                for k, (us, n) in kernels.items()
+            ),
+            reverse=True,
+        )
+        lines = [f"{name}: device time beyond the no-hook step, by kernel (us/step, launches/step)"]
+        lines += [f"  {us:8.1f} us  x{n:<5.1f} {k[:110]}" for us, n, k in extra[:14] if us > 0]
+        parts.append("\n".join(lines))
+    head = (
+        f"DDP at world size 1: {depth} x Linear({width}), batch {batch}, {steps} profiled "
+        f"steps after {warmup}; {'GPU kernel' if cuda else 'CPU op self'} time"
+    )
+    return "\n\n".join([head, "\n".join(summary), *parts])
 
 
 def format_markdown(info: dict, codec_rows: list[dict], ddp_rows: list[dict], cfg: dict) -> str:
@@ -336,6 +435,19 @@ def format_markdown(info: dict, codec_rows: list[dict], ddp_rows: list[dict], cf
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _world_of_one() -> Iterator[None]:
+    """The default process group: xcomm, this process alone."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(
+            "xcomm", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
+        )
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def _size(text: str) -> int:
     return codecs._parse_size(text)
 
@@ -355,7 +467,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="only profile the codecs' kernels (GPU time per kernel; profile.txt in --out)",
+        help=(
+            "only profile: the codecs' kernels (GPU time per kernel) and DDP steps with "
+            "each PowerSGD hook, int8 and top-k (device time per step, by kernel); "
+            "profile.txt in --out"
+        ),
     )
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -365,11 +481,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
+    import xcomm  # noqa: F401 - registers the backend
+
     if args.profile:
-        if device.type != "cuda":
-            print("xcomm_bench gpu --profile: needs a GPU")
-            return 2
-        text = profile_codecs(device, args.numel)
+        texts = []
+        if device.type == "cuda":
+            texts.append(profile_codecs(device, args.numel))
+        with _world_of_one():
+            texts.append(profile_ddp(device, args.width, args.depth, args.batch))
+        text = "\n\n".join(texts)
         print(text, flush=True)
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
@@ -379,16 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     info = device_info(device)
     print(json.dumps(info), flush=True)
     codec_rows = measure_codecs(device, args.numel, args.reps)
-    import xcomm  # noqa: F401 - registers the backend
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(
-            "xcomm", init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
-        )
-        try:
-            ddp_rows = measure_ddp(device, args.width, args.depth, args.batch, args.steps)
-        finally:
-            dist.destroy_process_group()
+    with _world_of_one():
+        ddp_rows = measure_ddp(device, args.width, args.depth, args.batch, args.steps)
     text = format_markdown(info, codec_rows, ddp_rows, cfg)
     print(text, flush=True)
     if args.out is not None:

@@ -32,3 +32,22 @@ def test_the_gpu_benchmark_runs_on_the_cpu_and_reports_every_row(tmp_path: Path)
         assert "error" not in r and r["params_finite"], r
     assert hooks["none"]["hook_ms"] == 0
     assert "| copy (reference) | torch |" in (out / "gpu.md").read_text()
+
+
+def test_the_profile_runs_on_the_cpu_and_profiles_every_hook(tmp_path: Path) -> None:
+    """``--profile`` (CPU op time here, GPU kernel time on a GPU): one summary
+    row per profiled hook, none failing, and each hook's breakdown."""
+    from xcomm_bench.gpu import PROFILED_HOOKS
+
+    cmd = [sys.executable, "-m", "xcomm_bench", "gpu", "--device", "cpu", "--profile"]
+    cmd += ["--width", "64", "--depth", "2", "--batch", "8", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = (tmp_path / "profile.txt").read_text()
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if " | " in line}
+    for hook in PROFILED_HOOKS:
+        assert hook in rows and "fails" not in rows[hook], text
+        fields = rows[hook].split(" | ")
+        assert float(fields[1]) > 0 and float(fields[3]) > 0, rows[hook]
+        if hook != "none":
+            assert f"{hook}: device time beyond the no-hook step" in text
