@@ -126,6 +126,10 @@ def _xcomm_codecs(
     return {"int8 + EF": int8, "top-k 1% + EF": topk, "random-k 1% + EF": randomk}
 
 
+#: The row of xcomm's top-k with XCOMM_TOPK_SELECT=radix (no sampled threshold).
+RADIX = "xcomm, radix select"
+
+
 def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) -> list[dict]:
     """GB/s of each codec's encode + decode beside the copy bandwidth."""
     gen = torch.Generator().manual_seed(1)
@@ -154,6 +158,8 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
         ("int8 + EF", "xcomm", xcomm["int8 + EF"]),
         ("int8 + EF", "torch ops", lambda: lambda: codecs.torch_int8(flat, residual, world, out)),
         ("top-k 1% + EF", "xcomm", xcomm["top-k 1% + EF"]),
+        # The radix path alone (the sampled path's fallback), for comparison.
+        ("top-k 1% + EF", RADIX, xcomm["top-k 1% + EF"]),
         (
             "top-k 1% + EF",
             "torch ops",
@@ -168,12 +174,16 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     copy_gbs = None
     for name, impl, make in methods:
         row: dict[str, Any] = {"method": name, "impl": impl, "numel": numel}
+        if impl == RADIX:
+            os.environ["XCOMM_TOPK_SELECT"] = "radix"
         try:
             ts = timer(make(), reps)
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
             continue
+        finally:
+            os.environ.pop("XCOMM_TOPK_SELECT", None)
         sec = statistics.median(ts)
         row["ms"] = 1000 * sec
         row["gb_s"] = nbytes / sec / 1e9
@@ -193,15 +203,22 @@ def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int 
     flat = torch.randn(numel, generator=gen).to(device)
     out = torch.empty_like(flat)
     k = max(1, math.ceil(codecs.DENSITY * numel))
-    runs = {name: make() for name, make in _xcomm_codecs(flat, out, k, world).items()}
+    makers = _xcomm_codecs(flat, out, k, world)
+    runs = [(name, make(), False) for name, make in makers.items()]
+    runs.append(("top-k 1% + EF, radix select", makers["top-k 1% + EF"](), True))
     parts = []
-    for name, fn in runs.items():
-        fn()
-        torch.cuda.synchronize(device)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
+    for name, fn, radix in runs:
+        if radix:
+            os.environ["XCOMM_TOPK_SELECT"] = "radix"
+        try:
+            fn()
             torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize(device)
+        finally:
+            os.environ.pop("XCOMM_TOPK_SELECT", None)
         rows = []
         for e in prof.key_averages():
             dev_us = getattr(e, "self_device_time_total", None)

@@ -44,6 +44,9 @@ def _input(n: int, seed: int, kind: str = "normal") -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if kind == "ties":  # few distinct magnitudes, many zeros: top-k's ties by index
         return torch.randint(-3, 4, (n,), generator=g).float()
+    if kind == "layers":  # stretches of 4096 at scales 1e-3..10: large entries crowd together
+        scales = 10 ** (4 * torch.rand((n + 4095) // 4096, generator=g) - 3)
+        return torch.randn(n, generator=g) * scales.repeat_interleave(4096)[:n]
     x = torch.randn(n, generator=g)
     if kind == "special" and n > 10:
         x[3] = float("nan")
@@ -121,10 +124,29 @@ def test_randomk_equals_the_cpu_codec(n: int, density: float) -> None:
         _bits_equal(out_gpu, out_cpu, f"step {step}: decode")
 
 
-@pytest.mark.parametrize("n", [1, 5000, 300_007])
-@pytest.mark.parametrize("density", [0.001, 0.01, 0.3, 1.0])
-@pytest.mark.parametrize("kind", ["normal", "ties", "special"])
-def test_topk_equals_the_cpu_codec(n: int, density: float, kind: str) -> None:
+def _topk_cases() -> list[tuple[int, float, str]]:
+    cases = [
+        (n, density, kind)
+        for n in (1, 5000, 300_007)
+        for density in (0.001, 0.01, 0.3, 1.0)
+        for kind in ("normal", "ties", "special", "layers")
+    ]
+    # Large buckets at low density: the sampled path's home.
+    cases += [(2_000_003, d, kind) for d in (0.001, 0.01) for kind in ("normal", "layers")]
+    return cases
+
+
+@pytest.mark.parametrize("select", ["default", "radix"])
+@pytest.mark.parametrize("n,density,kind", _topk_cases())
+def test_topk_equals_the_cpu_codec(
+    n: int, density: float, kind: str, select: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both selections: by default, a sampled threshold and candidates where
+    the bucket is large and k small (the radix select over every entry
+    otherwise, and where the sample misled, as ties make it); and the radix
+    select alone (XCOMM_TOPK_SELECT=radix)."""
+    if select == "radix":
+        monkeypatch.setenv("XCOMM_TOPK_SELECT", "radix")
     codec = _C.TopKCodec(False, False)
     k = _C.TopKCodec.k_for(n, density)
     fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()

@@ -12,7 +12,26 @@
 // contiguous range of the bucket, so the last pass numbers the kept entries
 // in index order from per-warp counts (warp scans, no sort, no block
 // barrier). Every pass moves 4 consecutive entries per lane (float4s).
+//
+// That radix path reads the bucket four times. On large buckets at low
+// density the sampled path reads it once: a strided sample of the entries
+// (32K of them) sets a threshold safely below the k-th magnitude; the pass
+// that adds the residual also appends every entry at or above it to a
+// candidate list (a few k entries, spread over 64 sub-lists so their
+// counters do not contend); the radix select then runs over the candidates
+// only, marks the chosen entries in two bitmaps (above the k-th key; equal
+// to it), and the ordered pack walks the bitmaps, n / 32 words, instead of
+// the bucket. The k largest magnitudes are all at or above the threshold
+// whenever at least k candidates were found, so the result is the same
+// bits. When the sample misled (fewer than k candidates, or a sub-list
+// overflowed), the same kernels select over every entry instead: decided on
+// the device, so the host never waits. XCOMM_TOPK_SELECT=radix forces the
+// radix path.
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
+
+#include <algorithm>
 
 #include <cub/block/block_scan.cuh>
 
@@ -30,6 +49,8 @@ constexpr int kUnroll = 4;                      // loads in flight per lane
 constexpr int kTopBins = 2048;                  // bits 30..20
 constexpr int kCoarseBins = 1024;               // bits 19..10
 constexpr int kFineBins = 1 << 20;              // bits 19..0
+constexpr int kSamples = 32768;                 // the sampled path's sample size
+constexpr int kSubLists = 64;                   // candidate sub-lists (counters apart)
 
 // Device-side state of one selection (zeroed before each).
 struct Select {
@@ -41,6 +62,11 @@ struct Select {
   uint32_t ties[kMaxWarps];    // per warp: entries equal to it
   uint32_t take[kMaxWarps];    // per warp: how many of its ties are taken
   uint32_t offset[kMaxWarps];  // per warp: where its entries start in the payload
+  // The sampled path.
+  uint32_t sampleTop[kTopBins];   // the sample's histogram of bits 30..20
+  uint32_t threshold;             // candidates: magnitude key >= threshold
+  uint32_t fallback;              // 1: the candidates fell short; select over every entry
+  uint32_t count[kSubLists][32];  // entries appended per sub-list (one per 128-byte line)
   uint32_t fine[kFineBins];
 };
 
@@ -389,6 +415,353 @@ __global__ void divideKernel(const uint8_t* rows, int64_t rowBytes, int world, i
   }
 }
 
+// ---------------------------------------------------------------------------
+// The sampled path
+
+// The histogram of bits 30..20 of `samples` entries spread evenly over the
+// bucket (a = src + residual, as the add pass will compute it).
+__global__ void sampleKernel(const float* src, const float* res, int64_t n, int samples, int64_t k,
+                             Select* sel) {
+  __shared__ uint32_t hist[kTopBins];
+  if (blockIdx.x == 0 && threadIdx.x == 0) sel->need = k;
+  clearShared(hist, kTopBins);
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool valid = j < samples;
+  uint32_t key = 0;
+  if (valid) {
+    const int64_t i = j * n / samples + n / samples / 2;  // < n
+    float a = src != nullptr ? src[i] : res[i];
+    if (src != nullptr && res != nullptr) a = __fadd_rn(a, res[i]);
+    key = magnitudeKey(a);
+  }
+  countInto(hist, key >> 20, valid);
+  flushShared(hist, sel->sampleTop, kTopBins);
+}
+
+// One block of 1024 threads: the threshold, the lower edge of the top bin
+// at which the sample holds its expected share of the top k plus four
+// standard deviations and 8. Left 0 (every entry a candidate) when the
+// sample never gets there.
+__global__ void thresholdKernel(int samples, int64_t n, int64_t k, Select* sel) {
+  using Scan = cub::BlockScan<uint32_t, 1024>;
+  __shared__ typename Scan::TempStorage temp;
+  const double expected = static_cast<double>(samples) * static_cast<double>(k) / n;
+  const double want = ceil(expected + 4.0 * sqrt(expected) + 8.0);
+  const int hiBin = kTopBins - 1 - 2 * static_cast<int>(threadIdx.x), loBin = hiBin - 1;
+  const uint32_t cHi = hiBin >= 0 ? sel->sampleTop[hiBin] : 0u;
+  const uint32_t cLo = loBin >= 0 ? sel->sampleTop[loBin] : 0u;
+  uint32_t before = 0;
+  Scan(temp).ExclusiveSum(cHi + cLo, before);
+  const double atOrAbove = static_cast<double>(before) + cHi;
+  if (hiBin >= 0 && before < want && atOrAbove >= want) {
+    sel->threshold = static_cast<uint32_t>(hiBin) << 20;
+  } else if (loBin >= 0 && atOrAbove < want && atOrAbove + cLo >= want) {
+    sel->threshold = static_cast<uint32_t>(loBin) << 20;
+  }
+}
+
+// a = src + residual, stored into residual (when both are given), as in
+// prepareKernel; every entry whose key is at or above the threshold is
+// appended to a sub-list as (index, key). One atomic per warp per step,
+// on a sub-list that changes from step to step and warp to warp.
+template <bool kVec>
+__global__ void addSelectKernel(const float* src, float* res, int64_t n, int64_t per, Select* sel,
+                                uint2* cand, uint32_t subCap) {
+  const uint32_t threshold = sel->threshold;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const Range r = warpRange(n, per);
+  int64_t iteration = 0;
+  for (int64_t base = r.lo; base < r.hi; base += kStep, ++iteration) {
+    float4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      v[u] = loadQuad<kVec>(src != nullptr ? src : res, quadAt(base, u), r.hi);
+    }
+    if (src != nullptr && res != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float4 e = loadQuad<kVec>(res, quadAt(base, u), r.hi);
+        v[u] = make_float4(__fadd_rn(v[u].x, e.x), __fadd_rn(v[u].y, e.y), __fadd_rn(v[u].z, e.z),
+                           __fadd_rn(v[u].w, e.w));
+        storeQuad<kVec>(res, quadAt(base, u), r.hi, v[u]);
+      }
+    }
+    uint32_t mine = 0;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        mine += quadAt(base, u) + j < r.hi && magnitudeKey(component(v[u], j)) >= threshold;
+      }
+    }
+    uint32_t total = 0;
+    uint32_t at = lanePrefix(mine, &total);
+    if (total == 0) continue;
+    const int list = static_cast<int>((w + 17 * iteration) % kSubLists);
+    uint32_t first = 0;
+    if (lane() == 0) first = atomicAdd(&sel->count[list][0], total);
+    at += __shfl_sync(0xffffffffu, first, 0);
+    uint2* out = cand + static_cast<int64_t>(list) * subCap;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t i = quadAt(base, u) + j;
+        const uint32_t key = magnitudeKey(component(v[u], j));
+        if (i < r.hi && key >= threshold) {
+          if (at < subCap) out[at] = make_uint2(static_cast<uint32_t>(i), key);
+          ++at;
+        }
+      }
+    }
+  }
+}
+
+// Whether the candidates hold the top k: at least k of them, none lost to
+// a full sub-list. Every block reads the same counts, so all agree.
+__device__ inline bool candidatesFellShort(const Select* sel, int64_t k, uint32_t subCap) {
+  int64_t total = 0;
+  bool overflow = false;
+  for (int l = 0; l < kSubLists; ++l) {
+    const uint32_t c = sel->count[l][0];
+    overflow |= c > subCap;
+    total += c;
+  }
+  return overflow || total < k;
+}
+
+// Calls fn(index, key, valid) on all 32 lanes of every warp, for every
+// candidate or (all) for every entry of the bucket.
+template <bool kVec, typename Fn>
+__device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int64_t per,
+                                    const Select* sel, const uint2* cand, uint32_t subCap,
+                                    Fn&& fn) {
+  if (all) {
+    const Range r = warpRange(n, per);
+    for (int64_t base = r.lo; base < r.hi; base += kStep) {
+      float4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t i = quadAt(base, u) + j;
+          fn(i, magnitudeKey(component(v[u], j)), i < r.hi);
+        }
+      }
+    }
+    return;
+  }
+  const int64_t slots = static_cast<int64_t>(kSubLists) * subCap;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  for (int64_t g0 = w * 32; g0 < slots; g0 += warps * 32) {
+    const int64_t g = g0 + lane();
+    bool valid = false;
+    uint2 c = make_uint2(0u, 0u);
+    if (g < slots) {
+      const int64_t list = g / subCap;
+      const uint32_t at = static_cast<uint32_t>(g - list * subCap);
+      valid = at < sel->count[list][0];
+      if (valid) c = cand[g];
+    }
+    fn(static_cast<int64_t>(c.x), c.y, valid);
+  }
+}
+
+// Decides the domain (candidates, or every entry) and histograms bits
+// 30..20 over it.
+template <bool kVec>
+__global__ void candidateTopKernel(const float* vals, int64_t n, int64_t per, int64_t k,
+                                   Select* sel, const uint2* cand, uint32_t subCap) {
+  __shared__ uint32_t hist[kTopBins];
+  __shared__ bool fellShort;
+  if (threadIdx.x == 0) {
+    fellShort = candidatesFellShort(sel, k, subCap);
+    if (blockIdx.x == 0) sel->fallback = fellShort;
+  }
+  clearShared(hist, kTopBins);  // its barrier also publishes fellShort
+  const bool all = fellShort;
+  forEachEntry<kVec>(all, vals, n, per, sel, cand, subCap,
+                     [&](int64_t, uint32_t key, bool valid) { countInto(hist, key >> 20, valid); });
+  flushShared(hist, sel->top, kTopBins);
+}
+
+// refineKernel over the domain.
+template <bool kVec>
+__global__ void candidateRefineKernel(const float* vals, int64_t n, int64_t per, Select* sel,
+                                      const uint2* cand, uint32_t subCap) {
+  __shared__ uint32_t hist[kCoarseBins];
+  clearShared(hist, kCoarseBins);
+  const uint32_t top = sel->prefix;
+  forEachEntry<kVec>(sel->fallback != 0, vals, n, per, sel, cand, subCap,
+                     [&](int64_t, uint32_t key, bool valid) {
+                       const bool in = valid && (key >> 20) == top;
+                       if (__any_sync(0xffffffffu, in)) {
+                         countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
+                         if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
+                       }
+                     });
+  flushShared(hist, sel->coarse, kCoarseBins);
+}
+
+// Marks the domain's entries above the k-th key in `above` and those equal
+// to it in `equal` (one bit per entry of the bucket).
+template <bool kVec>
+__global__ void markKernel(const float* vals, int64_t n, int64_t per, const Select* sel,
+                           const uint2* cand, uint32_t subCap, uint32_t* above, uint32_t* equal) {
+  const uint32_t kth = sel->prefix;
+  forEachEntry<kVec>(sel->fallback != 0, vals, n, per, sel, cand, subCap,
+                     [&](int64_t i, uint32_t key, bool valid) {
+                       if (!valid || key < kth) return;
+                       atomicOr((key > kth ? above : equal) + (i >> 5), 1u << (i & 31));
+                     });
+}
+
+// Per warp over its stretch of bitmap words: entries above the key, and
+// entries equal to it (countKernel's numbers, for planKernel).
+__global__ void countBitsKernel(const uint32_t* above, const uint32_t* equal, int64_t words,
+                                int64_t perWords, Select* sel) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t lo = w * perWords, hi = min(words, lo + perWords);
+  uint32_t kept = 0, ties = 0;
+  for (int64_t x = lo + lane(); x < hi; x += 32) {
+    kept += __popc(above[x]);
+    ties += __popc(equal[x]);
+  }
+  kept = __reduce_add_sync(0xffffffffu, kept);
+  ties = __reduce_add_sync(0xffffffffu, ties);
+  if (lane() == 0) {
+    sel->kept[w] = kept;
+    sel->ties[w] = ties;
+  }
+}
+
+// writeKernel over the bitmaps: per warp, in index order (lane by lane,
+// bit by bit), packs the entries above the key and its first `take` ties
+// at the warp's offset, and zeroes them in the residual.
+__global__ void writeBitsKernel(const uint32_t* above, const uint32_t* equal, int64_t words,
+                                int64_t perWords, const Select* sel, const float* vals, float* res,
+                                int32_t* outIdx, float* outVal) {
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t lo = w * perWords, hi = min(words, lo + perWords);
+  const uint32_t take = sel->take[w];
+  uint32_t at = sel->offset[w];
+  uint32_t tiesSeen = 0;
+  for (int64_t x0 = lo; x0 < hi; x0 += 32) {
+    const int64_t x = x0 + lane();
+    const uint32_t up = x < hi ? above[x] : 0u;
+    uint32_t eq = x < hi ? equal[x] : 0u;
+    uint32_t tieTotal = 0;
+    const uint32_t tieRank = tiesSeen + lanePrefix(__popc(eq), &tieTotal);
+    // This word's ties are the next ones in index order: take its lowest bits
+    // while ties remain to be taken.
+    uint32_t left = tieRank < take ? take - tieRank : 0u;
+    uint32_t chosen = up;
+    while (eq != 0u && left > 0u) {
+      const uint32_t lowest = eq & (~eq + 1u);
+      chosen |= lowest;
+      eq ^= lowest;
+      --left;
+    }
+    uint32_t keptTotal = 0;
+    uint32_t slot = at + lanePrefix(__popc(chosen), &keptTotal);
+    while (chosen != 0u) {
+      const int bit = __ffs(chosen) - 1;
+      const int64_t i = x * 32 + bit;
+      outIdx[slot] = static_cast<int32_t>(i);
+      outVal[slot] = vals[i];
+      if (res != nullptr) res[i] = 0.f;
+      ++slot;
+      chosen &= chosen - 1u;
+    }
+    at += keptTotal;
+    tiesSeen += tieTotal;
+  }
+}
+
+// The sampled path pays where the bucket is large and k a small share of it.
+bool sampledPathFor(int64_t n, int64_t k) {
+  const char* forced = std::getenv("XCOMM_TOPK_SELECT");
+  if (forced != nullptr && std::strcmp(forced, "radix") == 0) return false;
+  return n >= (int64_t{1} << 16) && k * 8 <= n;
+}
+
+// The sampled path's launches (see the top of the file); the same grid as
+// the radix path for the passes over the bucket.
+void topkEncodeSampled(const float* s, float* res, const float* vals, bool vec, int64_t n,
+                       int64_t k, int blocks, int64_t per, const at::TensorOptions& options,
+                       cudaStream_t stream, int32_t* outIdx, float* outVal) {
+  const int samples = static_cast<int>(std::min<int64_t>(kSamples, n / 8));
+  // Room for 3k + 8192 candidates, and half as much again for an uneven spread.
+  const int64_t cap = std::min<int64_t>(n, 3 * k + 8192);
+  const auto subCap = static_cast<uint32_t>((3 * cap / 2 + kSubLists - 1) / kSubLists + 64);
+  const int64_t words = (n + 31) / 32;
+  const int64_t wantedWarps = std::min<int64_t>(kMaxWarps, (words + 31) / 32);
+  const int bitBlocks = static_cast<int>((wantedWarps + kWarps - 1) / kWarps);
+  const int64_t bitWarps = static_cast<int64_t>(bitBlocks) * kWarps;
+  const int64_t perWords = (words + bitWarps - 1) / bitWarps;
+
+  constexpr int64_t kAlign = 256;
+  const int64_t selBytes = (static_cast<int64_t>(sizeof(Select)) + kAlign - 1) / kAlign * kAlign;
+  const int64_t mapBytes = (words * 4 + kAlign - 1) / kAlign * kAlign;
+  const int64_t candBytes = static_cast<int64_t>(kSubLists) * subCap * 8;
+  at::Tensor state = at::empty({selBytes + 2 * mapBytes + candBytes}, options.dtype(at::kByte));
+  uint8_t* bytes = state.data_ptr<uint8_t>();
+  auto* sel = reinterpret_cast<Select*>(bytes);
+  auto* above = reinterpret_cast<uint32_t*>(bytes + selBytes);
+  auto* equal = reinterpret_cast<uint32_t*>(bytes + selBytes + mapBytes);
+  auto* cand = reinterpret_cast<uint2*>(bytes + selBytes + 2 * mapBytes);
+  C10_CUDA_CHECK(cudaMemsetAsync(bytes, 0, selBytes + 2 * mapBytes, stream));
+  const auto* top = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, top));
+  const auto* coarse = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, coarse));
+
+  sampleKernel<<<(samples + 1023) / 1024, 1024, 0, stream>>>(s, res, n, samples, k, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  thresholdKernel<<<1, 1024, 0, stream>>>(samples, n, k, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (vec) {
+    addSelectKernel<true><<<blocks, kThreads, 0, stream>>>(s, res, n, per, sel, cand, subCap);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    candidateTopKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
+  } else {
+    addSelectKernel<false><<<blocks, kThreads, 0, stream>>>(s, res, n, per, sel, cand, subCap);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    candidateTopKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (vec) {
+    candidateRefineKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap);
+  } else {
+    candidateRefineKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickFineKernel<<<1, 1024, 0, stream>>>(sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (vec) {
+    markKernel<true>
+        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, above, equal);
+  } else {
+    markKernel<false>
+        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, above, equal);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  countBitsKernel<<<bitBlocks, kThreads, 0, stream>>>(above, equal, words, perWords, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  planKernel<<<1, 1024, 0, stream>>>(static_cast<int>(bitWarps), sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  writeBitsKernel<<<bitBlocks, kThreads, 0, stream>>>(above, equal, words, perWords, sel, vals, res,
+                                                      outIdx, outVal);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The state goes back to torch's caching allocator on this stream: reused
+  // only by work queued after these kernels.
+}
+
 }  // namespace
 
 void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
@@ -412,15 +785,22 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   const int blocks = static_cast<int>((wanted + kWarps - 1) / kWarps);
   const int warps = blocks * kWarps;
   const int64_t per = ((steps + warps - 1) / warps) * kStep;
-  at::Tensor state =
-      at::empty({static_cast<int64_t>(sizeof(Select))}, any.options().dtype(at::kByte));
-  auto* sel = reinterpret_cast<Select*>(state.data_ptr<uint8_t>());
-  C10_CUDA_CHECK(cudaMemsetAsync(sel, 0, sizeof(Select), stream));
   const float* s = src.defined() ? src.data_ptr<float>() : nullptr;
   float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
   const float* vals = res != nullptr ? res : s;
   // float4 loads where every pointer is 16-byte aligned (fresh buffers are).
   const bool vec = (reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(res)) % 16 == 0;
+  auto* base = packed.data_ptr<uint8_t>();
+  auto* outIdx = reinterpret_cast<int32_t*>(base);
+  auto* outVal = reinterpret_cast<float*>(base + 4 * k);
+  if (sampledPathFor(n, k)) {
+    topkEncodeSampled(s, res, vals, vec, n, k, blocks, per, any.options(), stream, outIdx, outVal);
+    return;
+  }
+  at::Tensor state =
+      at::empty({static_cast<int64_t>(sizeof(Select))}, any.options().dtype(at::kByte));
+  auto* sel = reinterpret_cast<Select*>(state.data_ptr<uint8_t>());
+  C10_CUDA_CHECK(cudaMemsetAsync(sel, 0, sizeof(Select), stream));
   if (vec) {
     prepareKernel<true><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
   } else {
@@ -450,9 +830,6 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   planKernel<<<1, 1024, 0, stream>>>(warps, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto* base = packed.data_ptr<uint8_t>();
-  auto* outIdx = reinterpret_cast<int32_t*>(base);
-  auto* outVal = reinterpret_cast<float*>(base + 4 * k);
   if (vec) {
     writeKernel<true><<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel, outIdx, outVal);
   } else {
