@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <sstream>
+#include <string>
 #include <utility>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -169,12 +171,18 @@ struct PowerSgdCodec::Bucket {
   // The same on a GPU bucket, as 0-dim bool tensors on the device: reading
   // them on the host would wait for the device.
   std::vector<at::Tensor> finiteOnDevice;
+  // The device route: where each entry of the wire's uncompressed part lies
+  // in the bucket (int64, on the bucket's device), so those tensors move in
+  // one gather and one scatter however many there are.
+  at::Tensor uncompressedIndex;
   Phase phase = Phase::kIdle;
   at::Tensor buffer;  // the bucket buffer of the step in flight
 };
 
 PowerSgdCodec::PowerSgdCodec(PowerSgdOptions options) : options_(options) {
   options_.validate();
+  const char* route = std::getenv("XCOMM_POWERSGD_ROUTE");
+  atenOnCpu_ = route != nullptr && std::string(route) == "aten";
 }
 
 PowerSgdCodec::~PowerSgdCodec() = default;
@@ -368,6 +376,7 @@ bool PowerSgdCodec::needsSeed(int64_t bucket) const {
 // Points the bucket's buffers at the state of the parameters it now holds.
 void PowerSgdCodec::adoptState(Bucket& b, const at::Tensor& buffer) {
   const BucketPlan& plan = b.plan;
+  b.uncompressedIndex = at::Tensor();  // the layout's, rebuilt on the next device step
   const auto opts = buffer.options();
   at::Tensor wire = at::empty({plan.uncompressedNumel + plan.pNumel}, opts);
   at::Tensor q = at::empty({plan.qNumel}, opts);
@@ -531,7 +540,7 @@ PowerSgdStepInfo PowerSgdCodec::prepare(int64_t bucket, const at::Tensor& buffer
   Bucket& b = *bp;
   const BucketPlan& plan = b.plan;
   if (draw) drawQ(b, *seed);
-  if (!buffer.is_cpu()) {
+  if (onDeviceRoute(buffer)) {
     prepareOnDevice(b, buffer);
     return stepInfo(b);
   }
@@ -631,7 +640,7 @@ at::Tensor PowerSgdCodec::reduceP(int64_t bucket, const at::Tensor& summedWire, 
   TORCH_CHECK_VALUE(worldSize >= 1, "xcomm: PowerSGD world size must be >= 1; got ", worldSize);
   adoptReduced(summedWire, b.wire, bucket, "wire (uncompressed gradients and P)");
   const BucketPlan& plan = b.plan;
-  if (!b.buffer.is_cpu()) {
+  if (onDeviceRoute(b.buffer)) {
     reducePOnDevice(b, worldSize);
     b.phase = Phase::kReducedP;
     return b.q;
@@ -692,7 +701,7 @@ void PowerSgdCodec::finish(int64_t bucket, const at::Tensor& summedQ, int64_t wo
   TORCH_CHECK_VALUE(worldSize >= 1, "xcomm: PowerSGD world size must be >= 1; got ", worldSize);
   adoptReduced(summedQ, b.q, bucket, "Q");
   const BucketPlan& plan = b.plan;
-  if (!b.buffer.is_cpu()) {
+  if (onDeviceRoute(b.buffer)) {
     finishOnDevice(b, worldSize);
     b.buffer = at::Tensor();
     b.phase = Phase::kIdle;
@@ -791,10 +800,18 @@ void PowerSgdCodec::prepareOnDevice(Bucket& b, const at::Tensor& buffer) {
     at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
     at::mm_out(p, matrixOf(buffer, t.offset, t.rows, t.cols), q);
   }
-  for (const auto& t : plan.tensors) {
-    if (!t.compressed() && t.numel > 0) {
-      b.wire.narrow(0, t.wireOffset, t.numel).copy_(buffer.narrow(0, t.offset, t.numel));
+  if (plan.uncompressedNumel > 0) {
+    if (!b.uncompressedIndex.defined()) {
+      std::vector<at::Tensor> parts;  // in wire order: the plan's order
+      for (const auto& t : plan.tensors) {
+        if (!t.compressed() && t.numel > 0) {
+          parts.push_back(at::arange(t.offset, t.offset + t.numel, at::kLong));
+        }
+      }
+      b.uncompressedIndex = at::cat(parts).to(buffer.device());
     }
+    at::Tensor wire = b.wire.narrow(0, 0, plan.uncompressedNumel);
+    at::index_select_out(wire, buffer, 0, b.uncompressedIndex);
   }
 }
 
@@ -802,18 +819,17 @@ void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
   const BucketPlan& plan = b.plan;
   const auto w = static_cast<double>(worldSize);
   b.finiteOnDevice.assign(plan.tensors.size(), at::Tensor());
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const auto& t = plan.tensors[i];
-    if (t.compressed() || t.numel == 0) continue;
-    at::Tensor grad = b.buffer.narrow(0, t.offset, t.numel);
-    at::Tensor avg = b.wire.narrow(0, t.wireOffset, t.numel).div(w);
+  if (plan.uncompressedNumel > 0) {
+    const at::Tensor& index = b.uncompressedIndex;
+    at::Tensor avg = b.wire.narrow(0, 0, plan.uncompressedNumel).div(w);
     if (b.error.defined()) {
-      // grad still holds gradient + old error; where avg is not finite the
-      // error is left as it was.
-      at::Tensor err = b.error.narrow(0, t.offset, t.numel);
-      err.copy_(at::where(at::isfinite(avg), grad - avg, err));
+      // The bucket still holds gradient + old error; where avg is not finite
+      // the error is left as it was.
+      at::Tensor grad = b.buffer.index_select(0, index);
+      at::Tensor err = b.error.index_select(0, index);
+      b.error.index_copy_(0, index, at::where(at::isfinite(avg), grad - avg, err));
     }
-    grad.copy_(avg);
+    b.buffer.index_copy_(0, index, avg);
   }
   for (int64_t i : plan.compressed) {
     const auto& t = plan.tensors[i];

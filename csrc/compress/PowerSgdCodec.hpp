@@ -21,6 +21,9 @@
 //
 // A bucket on a GPU runs the same phases as ATen ops on its device (cuBLAS
 // matmuls, no host synchronization); a CPU bucket runs xcomm's own kernels.
+// XCOMM_POWERSGD_ROUTE=aten (read when a codec is made) sends CPU buckets
+// down the device route too: its ATen ops are device-generic, so CPU-only
+// machines test the route GPU buckets take.
 //
 // Threading: the phases of one bucket must not overlap (they never do in
 // DDP); different buckets may run their phases concurrently.
@@ -143,7 +146,9 @@ class PowerSgdCodec {
   // The end of prepare: the bucket is prepared; what to send.
   PowerSgdStepInfo stepInfo(Bucket& b) const;
   // The phases on a bucket that is not in host memory (a GPU's): ATen ops on
-  // its device instead of the CPU kernels.
+  // its device instead of the CPU kernels (also CPU buckets, with
+  // XCOMM_POWERSGD_ROUTE=aten).
+  bool onDeviceRoute(const at::Tensor& buffer) const { return atenOnCpu_ || !buffer.is_cpu(); }
   void prepareOnDevice(Bucket& b, const at::Tensor& buffer);
   void reducePOnDevice(Bucket& b, int64_t worldSize);
   void finishOnDevice(Bucket& b, int64_t worldSize);
@@ -157,6 +162,7 @@ class PowerSgdCodec {
   void drawQ(Bucket& b, uint64_t seed);
 
   PowerSgdOptions options_;
+  bool atenOnCpu_ = false;    // XCOMM_POWERSGD_ROUTE=aten
   mutable std::mutex mutex_;  // guards the two maps, not the buckets' contents
   std::map<int64_t, std::unique_ptr<Bucket>> buckets_;
   std::unordered_map<int64_t, PowerSgdParamState> params_;

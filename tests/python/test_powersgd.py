@@ -83,9 +83,13 @@ def _against_torch(ctx: RankContext, rank: int, batched: bool) -> dict[str, Any]
     return results
 
 
+@pytest.mark.parametrize("route", ["native", "aten"])
 @pytest.mark.parametrize("rank,batched", [(1, False), (2, True), (4, False)])
-def test_matches_torch_powersgd_hook(rank: int, batched: bool) -> None:
-    out = run_ranks(_against_torch, 2, rank, batched)
+def test_matches_torch_powersgd_hook(rank: int, batched: bool, route: str) -> None:
+    """route "aten": the ATen ops GPU buckets run (XCOMM_POWERSGD_ROUTE=aten
+    sends CPU buckets down that route), so a machine without a GPU tests them."""
+    env = {"XCOMM_POWERSGD_ROUTE": "aten"} if route == "aten" else None
+    out = run_ranks(_against_torch, 2, rank, batched, env=env)
     for r in out:
         torch.testing.assert_close(r["xcomm"], r["torch"], rtol=1e-4, atol=1e-5)
         assert r["xcomm_rate"] == pytest.approx(r["torch_rate"])
