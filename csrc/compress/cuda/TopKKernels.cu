@@ -136,6 +136,25 @@ __device__ inline float component(const float4& v, int j) {
   return j == 0 ? v.x : (j == 1 ? v.y : (j == 2 ? v.z : v.w));
 }
 
+// One step of a lane's entries (4 x kUnroll, below hi) of a = src +
+// residual, stored back into the residual; of whichever is given alone.
+template <bool kVec>
+__device__ inline void loadStep(const float* src, float* res, int64_t base, int64_t hi,
+                                float4 (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    v[u] = loadQuad<kVec>(src != nullptr ? src : res, quadAt(base, u), hi);
+  }
+  if (src == nullptr || res == nullptr) return;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const float4 e = loadQuad<kVec>(res, quadAt(base, u), hi);
+    v[u] = make_float4(__fadd_rn(v[u].x, e.x), __fadd_rn(v[u].y, e.y), __fadd_rn(v[u].z, e.z),
+                       __fadd_rn(v[u].w, e.w));
+    storeQuad<kVec>(res, quadAt(base, u), hi, v[u]);
+  }
+}
+
 // a = src + residual, stored into residual (when both are given), and the
 // histogram of bits 30..20 over every entry.
 template <bool kVec>
@@ -147,19 +166,7 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
   const Range r = warpRange(n, per);
   for (int64_t base = r.lo; base < r.hi; base += kStep) {
     float4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      v[u] = loadQuad<kVec>(src != nullptr ? src : res, quadAt(base, u), r.hi);
-    }
-    if (src != nullptr && res != nullptr) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float4 e = loadQuad<kVec>(res, quadAt(base, u), r.hi);
-        v[u] = make_float4(__fadd_rn(v[u].x, e.x), __fadd_rn(v[u].y, e.y), __fadd_rn(v[u].z, e.z),
-                           __fadd_rn(v[u].w, e.w));
-        storeQuad<kVec>(res, quadAt(base, u), r.hi, v[u]);
-      }
-    }
+    loadStep<kVec>(src, res, base, r.hi, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -171,31 +178,63 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
   flushShared(hist, sel->top, kTopBins);
 }
 
-// For the entries in the chosen top bin: the coarse and fine histograms of
-// their other 20 bits.
-template <bool kVec>
-__global__ void refineKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
-  __shared__ uint32_t hist[kCoarseBins];
-  clearShared(hist, kCoarseBins);
-  const uint32_t top = sel->prefix;
-  const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += kStep) {
-    float4 v[kUnroll];
+// Calls fn(index, key, valid) on all 32 lanes of every warp, for every
+// candidate or (all) for every entry of the bucket.
+template <bool kVec, typename Fn>
+__device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int64_t per,
+                                    const Select* sel, const uint2* cand, uint32_t subCap,
+                                    Fn&& fn) {
+  if (all) {
+    const Range r = warpRange(n, per);
+    for (int64_t base = r.lo; base < r.hi; base += kStep) {
+      float4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
+      for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t key = magnitudeKey(component(v[u], j));
-        const bool in = quadAt(base, u) + j < r.hi && (key >> 20) == top;
-        if (__any_sync(0xffffffffu, in)) {
-          countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
-          if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
+        for (int j = 0; j < 4; ++j) {
+          const int64_t i = quadAt(base, u) + j;
+          fn(i, magnitudeKey(component(v[u], j)), i < r.hi);
         }
       }
     }
+    return;
   }
+  const int64_t slots = static_cast<int64_t>(kSubLists) * subCap;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  for (int64_t g0 = w * 32; g0 < slots; g0 += warps * 32) {
+    const int64_t g = g0 + lane();
+    bool valid = false;
+    uint2 c = make_uint2(0u, 0u);
+    if (g < slots) {
+      const int64_t list = g / subCap;
+      const uint32_t at = static_cast<uint32_t>(g - list * subCap);
+      valid = at < sel->count[list][0];
+      if (valid) c = cand[g];
+    }
+    fn(static_cast<int64_t>(c.x), c.y, valid);
+  }
+}
+
+// For the entries in the chosen top bin: the coarse and fine histograms of
+// their other 20 bits. Over every entry (the radix path, or the sampled
+// path's fallback), or over the candidates.
+template <bool kVec>
+__global__ void refineKernel(const float* vals, int64_t n, int64_t per, Select* sel,
+                             const uint2* cand, uint32_t subCap, bool everyEntry) {
+  __shared__ uint32_t hist[kCoarseBins];
+  clearShared(hist, kCoarseBins);
+  const uint32_t top = sel->prefix;
+  forEachEntry<kVec>(everyEntry || sel->fallback != 0, vals, n, per, sel, cand, subCap,
+                     [&](int64_t, uint32_t key, bool valid) {
+                       const bool in = valid && (key >> 20) == top;
+                       if (__any_sync(0xffffffffu, in)) {
+                         countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
+                         if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
+                       }
+                     });
   flushShared(hist, sel->coarse, kCoarseBins);
 }
 
@@ -258,22 +297,10 @@ template <bool kVec>
 __global__ void countKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
   const uint32_t key = sel->prefix;
   uint32_t kept = 0, ties = 0;
-  const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += kStep) {
-    float4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint32_t k = magnitudeKey(component(v[u], j));
-        const bool valid = quadAt(base, u) + j < r.hi;
-        kept += valid && k > key;
-        ties += valid && k == key;
-      }
-    }
-  }
+  forEachEntry<kVec>(true, vals, n, per, sel, nullptr, 0, [&](int64_t, uint32_t k, bool valid) {
+    kept += valid && k > key;
+    ties += valid && k == key;
+  });
   kept = __reduce_add_sync(0xffffffffu, kept);
   ties = __reduce_add_sync(0xffffffffu, ties);
   if (lane() == 0) {
@@ -473,19 +500,7 @@ __global__ void addSelectKernel(const float* src, float* res, int64_t n, int64_t
   int64_t iteration = 0;
   for (int64_t base = r.lo; base < r.hi; base += kStep, ++iteration) {
     float4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      v[u] = loadQuad<kVec>(src != nullptr ? src : res, quadAt(base, u), r.hi);
-    }
-    if (src != nullptr && res != nullptr) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const float4 e = loadQuad<kVec>(res, quadAt(base, u), r.hi);
-        v[u] = make_float4(__fadd_rn(v[u].x, e.x), __fadd_rn(v[u].y, e.y), __fadd_rn(v[u].z, e.z),
-                           __fadd_rn(v[u].w, e.w));
-        storeQuad<kVec>(res, quadAt(base, u), r.hi, v[u]);
-      }
-    }
+    loadStep<kVec>(src, res, base, r.hi, v);
     uint32_t mine = 0;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -530,46 +545,6 @@ __device__ inline bool candidatesFellShort(const Select* sel, int64_t k, uint32_
   return overflow || total < k;
 }
 
-// Calls fn(index, key, valid) on all 32 lanes of every warp, for every
-// candidate or (all) for every entry of the bucket.
-template <bool kVec, typename Fn>
-__device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int64_t per,
-                                    const Select* sel, const uint2* cand, uint32_t subCap,
-                                    Fn&& fn) {
-  if (all) {
-    const Range r = warpRange(n, per);
-    for (int64_t base = r.lo; base < r.hi; base += kStep) {
-      float4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int64_t i = quadAt(base, u) + j;
-          fn(i, magnitudeKey(component(v[u], j)), i < r.hi);
-        }
-      }
-    }
-    return;
-  }
-  const int64_t slots = static_cast<int64_t>(kSubLists) * subCap;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  for (int64_t g0 = w * 32; g0 < slots; g0 += warps * 32) {
-    const int64_t g = g0 + lane();
-    bool valid = false;
-    uint2 c = make_uint2(0u, 0u);
-    if (g < slots) {
-      const int64_t list = g / subCap;
-      const uint32_t at = static_cast<uint32_t>(g - list * subCap);
-      valid = at < sel->count[list][0];
-      if (valid) c = cand[g];
-    }
-    fn(static_cast<int64_t>(c.x), c.y, valid);
-  }
-}
-
 // Decides the domain (candidates, or every entry) and histograms bits
 // 30..20 over it.
 template <bool kVec>
@@ -586,24 +561,6 @@ __global__ void candidateTopKernel(const float* vals, int64_t n, int64_t per, in
   forEachEntry<kVec>(all, vals, n, per, sel, cand, subCap,
                      [&](int64_t, uint32_t key, bool valid) { countInto(hist, key >> 20, valid); });
   flushShared(hist, sel->top, kTopBins);
-}
-
-// refineKernel over the domain.
-template <bool kVec>
-__global__ void candidateRefineKernel(const float* vals, int64_t n, int64_t per, Select* sel,
-                                      const uint2* cand, uint32_t subCap) {
-  __shared__ uint32_t hist[kCoarseBins];
-  clearShared(hist, kCoarseBins);
-  const uint32_t top = sel->prefix;
-  forEachEntry<kVec>(sel->fallback != 0, vals, n, per, sel, cand, subCap,
-                     [&](int64_t, uint32_t key, bool valid) {
-                       const bool in = valid && (key >> 20) == top;
-                       if (__any_sync(0xffffffffu, in)) {
-                         countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
-                         if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
-                       }
-                     });
-  flushShared(hist, sel->coarse, kCoarseBins);
 }
 
 // Marks the domain's entries above the k-th key in `above` and those equal
@@ -688,6 +645,31 @@ bool sampledPathFor(int64_t n, int64_t k) {
   return n >= (int64_t{1} << 16) && k * 8 <= n;
 }
 
+// With the top histogram filled: the k-th key, 11 + 10 + 10 bits (picks
+// and the refine pass over every entry, or over the candidates), and in
+// sel->need how many of the entries equal to it to take.
+void pickKthKey(bool vec, const float* vals, int64_t n, int64_t per, Select* sel, const uint2* cand,
+                uint32_t subCap, bool everyEntry, int blocks, cudaStream_t stream) {
+  // Device addresses: computed from the offsets, never through `sel`.
+  auto* bytes = reinterpret_cast<uint8_t*>(sel);
+  const auto* top = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, top));
+  const auto* coarse = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, coarse));
+  pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (vec) {
+    refineKernel<true>
+        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, everyEntry);
+  } else {
+    refineKernel<false>
+        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, everyEntry);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickFineKernel<<<1, 1024, 0, stream>>>(sel);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The sampled path's launches (see the top of the file); the same grid as
 // the radix path for the passes over the bucket.
 void topkEncodeSampled(const float* s, float* res, const float* vals, bool vec, int64_t n,
@@ -714,8 +696,6 @@ void topkEncodeSampled(const float* s, float* res, const float* vals, bool vec, 
   auto* equal = reinterpret_cast<uint32_t*>(bytes + selBytes + mapBytes);
   auto* cand = reinterpret_cast<uint2*>(bytes + selBytes + 2 * mapBytes);
   C10_CUDA_CHECK(cudaMemsetAsync(bytes, 0, selBytes + 2 * mapBytes, stream));
-  const auto* top = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, top));
-  const auto* coarse = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, coarse));
 
   sampleKernel<<<(samples + 1023) / 1024, 1024, 0, stream>>>(s, res, n, samples, k, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -731,18 +711,7 @@ void topkEncodeSampled(const float* s, float* res, const float* vals, bool vec, 
     candidateTopKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (vec) {
-    candidateRefineKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap);
-  } else {
-    candidateRefineKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickFineKernel<<<1, 1024, 0, stream>>>(sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickKthKey(vec, vals, n, per, sel, cand, subCap, false, blocks, stream);
   if (vec) {
     markKernel<true>
         <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, above, equal);
@@ -807,21 +776,7 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
     prepareKernel<false><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  auto* stateBytes = state.data_ptr<uint8_t>();
-  const auto* top = reinterpret_cast<const uint32_t*>(stateBytes + offsetof(Select, top));
-  const auto* coarse = reinterpret_cast<const uint32_t*>(stateBytes + offsetof(Select, coarse));
-  pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (vec) {
-    refineKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
-  } else {
-    refineKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickFineKernel<<<1, 1024, 0, stream>>>(sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  pickKthKey(vec, vals, n, per, sel, nullptr, 0, true, blocks, stream);
   if (vec) {
     countKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
   } else {
