@@ -7,7 +7,8 @@
 # Writes to OUT_DIR: env.txt (device, driver, torch, CUDA, NCCL), build.log,
 # tests.log + junit.xml (tests/gpu: every collective and DDP with every hook
 # on CUDA tensors against NCCL; world size 2 on one GPU where NCCL accepts
-# it), bench.log + gpu.json + gpu.md (python -m xcomm_bench gpu), profile.log +
+# it: NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1, or older NCCL with a
+# NCCL_HOSTID per rank, see tests/gpu/test_cuda.py), bench.log + gpu.json + gpu.md (python -m xcomm_bench gpu), profile.log +
 # profile.txt (GPU time per kernel of each codec, and of DDP steps with
 # each PowerSGD hook, int8 and top-k: --profile). Each stage
 # has its own time limit; a failed stage does not stop the later ones, and

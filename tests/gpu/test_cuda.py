@@ -12,8 +12,11 @@ refuses, xcomm must refuse too.
   NCCL bit for bit, and stays close to uncompressed training.
 
 World size 1 always runs. World size 2 runs on one GPU where NCCL accepts two
-ranks on it (``NCCL_MULTI_RANK_GPU_ENABLE=1``, NCCL 2.30+; probed once);
-otherwise it is skipped with NCCL's own error as the reason.
+ranks on it (probed once); otherwise it is skipped with NCCL's own error as
+the reason. Two ways are tried at once: ``NCCL_MULTI_RANK_GPU_ENABLE=1``
+(NCCL 2.30+), and a host id of its own per rank (``NCCL_HOSTID``), with which
+older NCCL takes the ranks for two hosts (its duplicate-GPU check compares
+host and bus id) and joins them with its socket transport over loopback.
 
 Without a GPU the module is skipped, unless ``XCOMM_GPU_TESTS_ON_CPU=1``:
 then the same tests run on CPU tensors with gloo as the reference (CI does
@@ -40,8 +43,14 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or ON_CPU), reason="needs a GPU (or XCOMM_GPU_TESTS_ON_CPU=1)"
 )
 REF_BACKEND = "gloo" if ON_CPU else "nccl"
-#: NCCL 2.30+ accepts several ranks on one GPU only when asked to.
-ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}
+#: NCCL 2.30+ accepts several ranks on one GPU only when asked to; older NCCL
+#: when each rank seems to be on a host of its own, joined by sockets on lo.
+ENV = {
+    "NCCL_MULTI_RANK_GPU_ENABLE": "1",
+    "NCCL_HOSTID": "xcomm-gpu-test-rank-{rank}",
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_IB_DISABLE": "1",
+}
 TIMEOUT = 180.0
 
 

@@ -243,7 +243,7 @@ def _rank_main(rank: int, spec: _RunSpec) -> None:
     stack_file = open(_stack_path(spec.tmpdir, rank), "w")  # noqa: SIM115 - kept open for faulthandler
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.dump_traceback_later(spec.stack_dump_after, exit=False, file=stack_file)
-    os.environ.update(spec.env)
+    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in spec.env.items()})
     torch.set_num_threads(1)
 
     result: dict[str, Any]
@@ -397,6 +397,9 @@ def run_ranks(
     ``may_die`` lists ranks that are expected to die without a result (fault
     injection); their entries in the returned list are ``None``.  Every other
     rank must return, tear down and exit with code 0.
+
+    ``env`` is set in every rank before anything else runs there; ``{rank}``
+    in a value becomes the rank (``{"NCCL_HOSTID": "host-{rank}"}``).
     """
     backend = backend or BACKEND
     timeout = timeout if timeout is not None else DEFAULT_RUN_TIMEOUT
