@@ -362,6 +362,7 @@ def profile_ddp(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     hooks = _hooks()
     per_kernel: dict[str, dict[str, tuple[float, float]]] = {}
+    beyond_none: dict[str, float] = {}
     parts: list[str] = []
     summary = ["hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"]
     for name in PROFILED_HOOKS:
@@ -394,6 +395,7 @@ def profile_ddp(
         launches = sum(n for _, n in kernels.values())
         base = per_kernel.get("none", {})
         beyond = total - sum(us for us, _ in base.values())
+        beyond_none[name] = beyond
         summary.append(f"{name} | {total:.0f} | {beyond:+.0f} | {launches:.0f} | {wall_ms:.2f}")
         if name == "none":
             continue
@@ -411,6 +413,12 @@ def profile_ddp(
         f"DDP at world size 1: {depth} x Linear({width}), batch {batch}, {steps} profiled "
         f"steps after {warmup}; {'GPU kernel' if cuda else 'CPU op self'} time"
     )
+    ours, theirs = (beyond_none.get(h) for h in PROFILED_HOOKS[2:0:-1])
+    if ours is not None and theirs:
+        # The bar: xcomm's PowerSGD compute at most half of torch's.
+        summary.append(
+            f"PowerSGD compute, xcomm / torch (device time beyond none): {ours / theirs:.2f}"
+        )
     return "\n\n".join([head, "\n".join(summary), *parts])
 
 

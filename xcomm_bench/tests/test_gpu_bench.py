@@ -51,3 +51,4 @@ def test_the_profile_runs_on_the_cpu_and_profiles_every_hook(tmp_path: Path) -> 
         assert float(fields[1]) > 0 and float(fields[3]) > 0, rows[hook]
         if hook != "none":
             assert f"{hook}: device time beyond the no-hook step" in text
+    assert "PowerSGD compute, xcomm / torch (device time beyond none): " in text
