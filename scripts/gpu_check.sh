@@ -13,12 +13,18 @@
 # each PowerSGD hook, int8 and top-k: --profile). Each stage
 # has its own time limit; a failed stage does not stop the later ones, and
 # the exit status is non-zero if any failed.
+#
+# XCOMM_GPU_STAGES picks the stages after the build (default
+# "tests,bench,profile"), and XCOMM_GPU_SKIP_BUILD=1 reuses the installed
+# build: a check cut short by a call's time limit goes on with, e.g.,
+#   XCOMM_GPU_SKIP_BUILD=1 XCOMM_GPU_STAGES=bench,profile bash scripts/gpu_check.sh OUT
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-results/gpu}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 NCCL_MULTI_RANK_GPU_ENABLE=1
+STAGES=",${XCOMM_GPU_STAGES:-tests,bench,profile},"
 failed=()
 
 {
@@ -53,20 +59,27 @@ elif ! XCOMM_WITH_CUDA=ON XCOMM_BUILD_TESTS=OFF XCOMM_BUILD_JOBS="$(nproc)" \
 fi
 "$PY" -c "import xcomm, torch; from xcomm import _C; print('xcomm built with CUDA:', _C.built_with_cuda, 'torch', torch.__version__)" | tee -a "$OUT/env.txt"
 
-echo "== tests/gpu"
-# The whole log to the file first: a `head` in the same pipe would cut it short.
-timeout "${XCOMM_GPU_TEST_S:-200}" "$PY" -m pytest tests/gpu -v -rA --timeout=600 \
-  -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1 || failed+=(tests)
-grep -E "FAILED|ERROR|passed|failed|^E " "$OUT/tests.log" | head -120
+if [[ $STAGES == *,tests,* ]]; then
+  echo "== tests/gpu"
+  # The whole log to the file first: a `head` in the same pipe would cut it short.
+  timeout "${XCOMM_GPU_TEST_S:-300}" "$PY" -m pytest tests/gpu -v -rA --timeout=600 \
+    -p no:cacheprovider --junitxml="$OUT/junit.xml" >"$OUT/tests.log" 2>&1 || failed+=(tests)
+  grep -E "FAILED|ERROR|passed|failed|^E " "$OUT/tests.log" | head -120
+fi
 
-echo "== benchmark"
-timeout "${XCOMM_GPU_BENCH_S:-100}" "$PY" -m xcomm_bench gpu --out "$OUT" >"$OUT/bench.log" 2>&1 || failed+=(benchmark)
-tail -40 "$OUT/bench.log"
+if [[ $STAGES == *,bench,* ]]; then
+  echo "== benchmark"
+  timeout "${XCOMM_GPU_BENCH_S:-100}" "$PY" -m xcomm_bench gpu --out "$OUT" >"$OUT/bench.log" 2>&1 ||
+    failed+=(benchmark)
+  tail -40 "$OUT/bench.log"
+fi
 
-echo "== kernel profile"
-timeout "${XCOMM_GPU_PROFILE_S:-120}" "$PY" -m xcomm_bench gpu --profile --out "$OUT" \
-  >"$OUT/profile.log" 2>&1 || failed+=(profile)
-tail -60 "$OUT/profile.log"
+if [[ $STAGES == *,profile,* ]]; then
+  echo "== kernel profile"
+  timeout "${XCOMM_GPU_PROFILE_S:-120}" "$PY" -m xcomm_bench gpu --profile --out "$OUT" \
+    >"$OUT/profile.log" 2>&1 || failed+=(profile)
+  tail -60 "$OUT/profile.log"
+fi
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"
