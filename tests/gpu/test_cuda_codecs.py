@@ -136,17 +136,17 @@ def _topk_cases() -> list[tuple[int, float, str]]:
     return cases
 
 
-@pytest.mark.parametrize("select", ["default", "radix"])
+@pytest.mark.parametrize("select", ["radix", "sampled"])
 @pytest.mark.parametrize("n,density,kind", _topk_cases())
 def test_topk_equals_the_cpu_codec(
     n: int, density: float, kind: str, select: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both selections: by default, a sampled threshold and candidates where
-    the bucket is large and k small (the radix select over every entry
-    otherwise, and where the sample misled, as ties make it); and the radix
-    select alone (XCOMM_TOPK_SELECT=radix)."""
-    if select == "radix":
-        monkeypatch.setenv("XCOMM_TOPK_SELECT", "radix")
+    """Both selections: the radix select over every entry (the default), and
+    with XCOMM_TOPK_SELECT=sampled a sampled threshold and candidates where
+    the bucket is large and k small (the radix select otherwise, and where
+    the sample misled, as ties make it)."""
+    if select == "sampled":
+        monkeypatch.setenv("XCOMM_TOPK_SELECT", "sampled")
     codec = _C.TopKCodec(False, False)
     k = _C.TopKCodec.k_for(n, density)
     fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()

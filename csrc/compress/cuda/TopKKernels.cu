@@ -25,8 +25,11 @@
 // whenever at least k candidates were found, so the result is the same
 // bits. When the sample misled (fewer than k candidates, or a sub-list
 // overflowed), the same kernels select over every entry instead: decided on
-// the device, so the host never waits. XCOMM_TOPK_SELECT=radix forces the
-// radix path.
+// the device, so the host never waits.
+//
+// XCOMM_TOPK_SELECT=sampled turns the sampled path on. It is off by default
+// until a GPU run has checked it bit for bit (tests/gpu/test_cuda_codecs.py
+// runs both); the radix path has been.
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -638,10 +641,11 @@ __global__ void writeBitsKernel(const uint32_t* above, const uint32_t* equal, in
   }
 }
 
-// The sampled path pays where the bucket is large and k a small share of it.
+// The sampled path, where asked for (XCOMM_TOPK_SELECT=sampled): it pays
+// where the bucket is large and k a small share of it.
 bool sampledPathFor(int64_t n, int64_t k) {
-  const char* forced = std::getenv("XCOMM_TOPK_SELECT");
-  if (forced != nullptr && std::strcmp(forced, "radix") == 0) return false;
+  const char* select = std::getenv("XCOMM_TOPK_SELECT");
+  if (select == nullptr || std::strcmp(select, "sampled") != 0) return false;
   return n >= (int64_t{1} << 16) && k * 8 <= n;
 }
 
