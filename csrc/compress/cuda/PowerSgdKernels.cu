@@ -9,7 +9,7 @@
 // And the last phase, decompression with error feedback, as one pass over
 // the matrix: read M, write the residual and the approximation, where the
 // ATen route runs a matmul, a subtraction, two selects and two copies
-// (seven launches and about thirteen passes over the matrix).
+// (six launches and about thirteen passes over the matrix).
 #include <algorithm>
 #include <cmath>
 
