@@ -131,6 +131,19 @@ def _xcomm_codecs(
 SAMPLED = "xcomm, sampled select"
 
 
+@contextlib.contextmanager
+def _topk_select(sampled: bool) -> Iterator[None]:
+    """xcomm's CUDA top-k with its sampled selection inside (read per call)."""
+    if not sampled:
+        yield
+        return
+    os.environ["XCOMM_TOPK_SELECT"] = "sampled"
+    try:
+        yield
+    finally:
+        os.environ.pop("XCOMM_TOPK_SELECT", None)
+
+
 def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) -> list[dict]:
     """GB/s of each codec's encode + decode beside the copy bandwidth."""
     gen = torch.Generator().manual_seed(1)
@@ -175,16 +188,13 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     copy_gbs = None
     for name, impl, make in methods:
         row: dict[str, Any] = {"method": name, "impl": impl, "numel": numel}
-        if impl == SAMPLED:
-            os.environ["XCOMM_TOPK_SELECT"] = "sampled"
         try:
-            ts = timer(make(), reps)
+            with _topk_select(impl == SAMPLED):
+                ts = timer(make(), reps)
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             rows.append(row)
             continue
-        finally:
-            os.environ.pop("XCOMM_TOPK_SELECT", None)
         sec = statistics.median(ts)
         row["ms"] = 1000 * sec
         row["gb_s"] = nbytes / sec / 1e9
@@ -209,17 +219,13 @@ def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int 
     runs.append(("top-k 1% + EF, sampled select", makers["top-k 1% + EF"](), True))
     parts = []
     for name, fn, sampled in runs:
-        if sampled:
-            os.environ["XCOMM_TOPK_SELECT"] = "sampled"
-        try:
+        with _topk_select(sampled):
             fn()
             torch.cuda.synchronize(device)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(calls):
                     fn()
                 torch.cuda.synchronize(device)
-        finally:
-            os.environ.pop("XCOMM_TOPK_SELECT", None)
         rows = []
         for e in prof.key_averages():
             dev_us = getattr(e, "self_device_time_total", None)
@@ -272,7 +278,7 @@ def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], 
 
 def _ddp_step(
     device: torch.device, width: int, depth: int, batch: int, make: Callable[..., Any]
-) -> Callable[[], None]:
+) -> tuple[torch.nn.Module, Callable[[], None]]:
     """A DDP model at world size 1 over the default group with the hook ``make``
     registers, and one training step of it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -292,8 +298,7 @@ def _ddp_step(
         model(x).square().mean().backward()
         opt.step()
 
-    step.model = model  # type: ignore[attr-defined]
-    return step
+    return model, step
 
 
 def _sync(device: torch.device) -> None:
@@ -309,7 +314,7 @@ def measure_ddp(
     def time_hook(name: str, make: Callable[..., Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"hook": name}
         try:
-            step = _ddp_step(device, width, depth, batch, make)
+            model, step = _ddp_step(device, width, depth, batch, make)
             for _ in range(warmup):  # DDP rebuilds buckets; the hooks start compressing
                 step()
             ts = []
@@ -320,10 +325,7 @@ def measure_ddp(
                 _sync(device)
                 ts.append(time.perf_counter() - t0)
             row["ms"] = 1000 * statistics.median(ts)
-            row["params_finite"] = all(
-                bool(torch.isfinite(p).all())
-                for p in step.model.parameters()  # type: ignore[attr-defined]
-            )
+            row["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:240]}"
         return row
@@ -368,7 +370,7 @@ def profile_ddp(
     summary = ["hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"]
     for name in PROFILED_HOOKS:
         try:
-            step = _ddp_step(device, width, depth, batch, hooks[name])
+            _, step = _ddp_step(device, width, depth, batch, hooks[name])
             for _ in range(warmup):
                 step()
             _sync(device)
