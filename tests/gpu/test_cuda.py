@@ -350,6 +350,53 @@ def _backend_int8(ctx: RankContext, n: int) -> list[str]:
     return problems
 
 
+def _backend_auto_on_device(ctx: RankContext, n: int) -> dict[str, Any]:
+    """``compression="auto"`` on a CUDA tensor: reduced exactly (NCCL's own
+    result, bit for bit) and said so, once: the warning, caught as a Python
+    warning or on stderr (where c10's handler writes outside Python's)."""
+    import tempfile
+    import warnings
+
+    import xcomm
+
+    dev = _device()
+    ref = dist.new_group(backend=REF_BACKEND)
+    group = dist.new_group(
+        backend="xcomm", pg_options=xcomm.Options(compression="auto", compression_min_bytes=0)
+    )
+    x = _input(ctx, torch.float32, n, 31, dev)
+    got, want = x.clone(), x.clone()
+    with tempfile.TemporaryFile(mode="w+") as err, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(err.fileno(), 2)
+        try:
+            dist.all_reduce(got, group=group)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        err.seek(0)
+        said = err.read() + "\n".join(str(w.message) for w in caught)
+    dist.all_reduce(want, group=ref)
+    dist.barrier()
+    return {"equal": torch.equal(got, want), "said": said}
+
+
+@pytest.mark.skipif(ON_CPU, reason="CPU tensors are compressed under auto")
+@pytest.mark.parametrize("world", [2])
+def test_backend_auto_leaves_device_tensors_exact_and_says_so(world: int) -> None:
+    results = run_ranks(
+        _backend_auto_on_device, _world(world), 1 << 12, ref_group=False, env=ENV, timeout=TIMEOUT
+    )
+    for r in results:
+        assert r["equal"], "auto changed a CUDA tensor's allreduce result"
+        assert "chooses for CPU tensors only" in r["said"], r["said"][-2000:]
+        assert "reduced uncompressed by NCCL" in r["said"], r["said"][-2000:]
+
+
 @pytest.mark.parametrize("world", [2])
 def test_backend_casts_compress_device_tensors(world: int) -> None:
     """At world size 1 nothing is compressed (nothing crosses a link), so
