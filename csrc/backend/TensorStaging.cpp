@@ -1,5 +1,7 @@
 #include "backend/TensorStaging.hpp"
 
+#include "common/CurrentStream.hpp"
+
 namespace xcomm {
 
 bool TensorStaging::needsStaging(const at::Tensor& t) {
@@ -64,6 +66,7 @@ std::function<void()> TensorStaging::copyBack() const {
   return [copies = copies_] {
     for (const auto& [callers, staged] : copies) {
       callers.copy_(staged);
+      usedOnCurrentStream({staged});
     }
   };
 }

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "collectives/AutoCompression.hpp"
+#include "common/CurrentStream.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
@@ -133,7 +134,10 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   counters_->calls++;
   counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
   counters_->linkBytesSent += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
-  finalize = [tensor, low = wire[0]]() mutable { tensor.copy_(low); };
+  finalize = [tensor, low = wire[0]]() mutable {
+    tensor.copy_(low);
+    usedOnCurrentStream({low});
+  };
   return work;
 }
 
@@ -197,6 +201,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& tra
   finalize = [codec = int8_, gathered, mine, shard, flat, tensor]() mutable {
     codec.unpackAll(gathered, shard, flat);
     if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+    usedOnCurrentStream({gathered, mine, flat});
   };
   return work;
 }

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/CurrentStream.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
@@ -86,6 +87,7 @@ c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
       at::Tensor total = codec.reduceShards(received, padded).narrow(0, 0, rowElems);
       if (mean) total.div_(size);
       output.copy_(total.view(output.sizes()));
+      usedOnCurrentStream({received, wire});
     };
   } else {
     finalize = [output, received, wire, mean, size = size_]() mutable {
@@ -94,6 +96,7 @@ c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
       for (int j = 1; j < size; ++j) total.add_(received[j]);
       if (mean) total.div_(size);
       output.copy_(total.view(output.sizes()));
+      usedOnCurrentStream({received, wire});
     };
   }
   return work;

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ._common import PicklableState, check_floating, group_size
+from ._streams import used_on_this_stream
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["CastState", "bf16_cast_hook", "fp16_cast_hook"]
@@ -54,7 +55,9 @@ def _cast_hook(
     fut = dist.all_reduce(compressed, group=state.process_group, async_op=True).get_future()
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
-        buffer.copy_(f.value()[0])
+        summed = f.value()[0]
+        buffer.copy_(summed)
+        used_on_this_stream(summed)
         return buffer
 
     return fut.then(decompress)

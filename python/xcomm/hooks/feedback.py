@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ._streams import used_on_this_stream
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class BucketView:
         """Puts the view's values into the bucket's buffer and returns the buffer."""
         if self._index is not None:
             self._buffer.index_copy_(0, self._index, self.tensor)
+        # Usually called from a future's callback, on a stream of torch's
+        # pool: the view and its index may be this step's temporaries.
+        used_on_this_stream(self.tensor, self._index)
         return self._buffer
 
 

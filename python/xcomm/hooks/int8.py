@@ -38,6 +38,7 @@ from ._common import (
     then_collective,
     warn_host_codec,
 )
+from ._streams import used_on_this_stream
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
 
@@ -141,6 +142,7 @@ def int8_compress_hook(
     def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:
         try:
             mean_packed = codec.reduce_and_pack(received, shard, float(world))
+            used_on_this_stream(received)
             work = all_gather_single(gathered, mean_packed, group=group, async_op=True)
         except BaseException as e:
             mark_issued(issued, e)
@@ -153,6 +155,7 @@ def int8_compress_hook(
 
     def unpack(f: torch.futures.Future) -> torch.Tensor:
         codec.unpack_all(gathered, shard, flat)
+        used_on_this_stream(gathered)
         return view.write_back()
 
     return then_collective(first, reduce_and_gather, buffer.device).then(unpack)

@@ -34,6 +34,7 @@ from ._common import (
     group_size,
     warn_host_codec,
 )
+from ._streams import used_on_this_stream
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes
 
@@ -146,6 +147,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
     def decode(f: torch.futures.Future) -> torch.Tensor:
         state.codec.decode(gathered, k, view.tensor, float(world))
+        used_on_this_stream(gathered)
         return view.write_back()
 
     return fut.then(decode)
@@ -230,7 +232,9 @@ def randomk_hook(
     fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
 
     def decode(f: torch.futures.Future) -> torch.Tensor:
-        state.codec.decode(f.value()[0], positions, view.tensor, float(world))
+        summed = f.value()[0]
+        state.codec.decode(summed, positions, view.tensor, float(world))
+        used_on_this_stream(summed, positions)
         return view.write_back()
 
     return fut.then(decode)
