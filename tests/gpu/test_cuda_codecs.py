@@ -141,12 +141,14 @@ def _topk_cases() -> list[tuple[int, float, str]]:
 def test_topk_equals_the_cpu_codec(
     n: int, density: float, kind: str, select: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both selections: the radix select over every entry (the default), and
-    with XCOMM_TOPK_SELECT=sampled a sampled threshold and candidates where
-    the bucket is large and k small (the radix select otherwise, and where
-    the sample misled, as ties make it)."""
-    if select == "sampled":
-        monkeypatch.setenv("XCOMM_TOPK_SELECT", "sampled")
+    """Both selections: with XCOMM_TOPK_SELECT=radix the radix select over
+    every entry, and by default a sampled threshold and candidates where the
+    bucket is large and k small (the radix select otherwise, and where the
+    sample misled, as ties make it)."""
+    if select == "radix":
+        monkeypatch.setenv("XCOMM_TOPK_SELECT", "radix")
+    else:
+        monkeypatch.delenv("XCOMM_TOPK_SELECT", raising=False)
     codec = _C.TopKCodec(False, False)
     k = _C.TopKCodec.k_for(n, density)
     fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()

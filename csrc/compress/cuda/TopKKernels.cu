@@ -27,9 +27,9 @@
 // overflowed), the same kernels select over every entry instead: decided on
 // the device, so the host never waits.
 //
-// XCOMM_TOPK_SELECT=sampled turns the sampled path on. It is off by default
-// until a GPU run has checked it bit for bit (tests/gpu/test_cuda_codecs.py
-// runs both); the radix path has been.
+// The sampled path is the default where it applies; XCOMM_TOPK_SELECT=radix
+// turns it off. Both are checked bit for bit against the CPU codec on a GPU
+// (tests/gpu/test_cuda_codecs.py runs both).
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -641,11 +641,11 @@ __global__ void writeBitsKernel(const uint32_t* above, const uint32_t* equal, in
   }
 }
 
-// The sampled path, where asked for (XCOMM_TOPK_SELECT=sampled): it pays
-// where the bucket is large and k a small share of it.
+// The sampled path, unless XCOMM_TOPK_SELECT=radix: it pays where the
+// bucket is large and k a small share of it.
 bool sampledPathFor(int64_t n, int64_t k) {
   const char* select = std::getenv("XCOMM_TOPK_SELECT");
-  if (select == nullptr || std::strcmp(select, "sampled") != 0) return false;
+  if (select != nullptr && std::strcmp(select, "radix") == 0) return false;
   return n >= (int64_t{1} << 16) && k * 8 <= n;
 }
 
