@@ -42,7 +42,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,42 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     return rows
 
 
+def time_rows(events: Iterable[Any], per: float, device: bool) -> dict[str, tuple[float, float]]:
+    """``key -> (us, count)`` per step or call from ``prof.key_averages()``.
+
+    On a GPU only the device's own rows count (kernels, memcpys, memsets):
+    an op's self device time is the time of the kernels it launched, which
+    have rows of their own, and a kernel launched outside any op (xcomm's,
+    from C++) is billed to the enclosing scope (``AccumulateGrad``, a
+    module's forward) as well. Summing every row counts those kernels
+    twice. On the CPU: each op's self time.
+
+    Example::
+
+        >>> from types import SimpleNamespace as E
+        >>> from torch.autograd import DeviceType
+        >>> op = E(key="aten::mm", device_type=DeviceType.CPU, self_device_time_total=9.0, count=1)
+        >>> kernel = E(key="sgemm", device_type=DeviceType.CUDA, self_device_time_total=9.0, count=1)
+        >>> time_rows([op, kernel], per=1, device=True)
+        {'sgemm': (9.0, 1.0)}
+    """
+    from torch.autograd import DeviceType
+
+    rows: dict[str, tuple[float, float]] = {}
+    for e in events:
+        if device:
+            if getattr(e, "device_type", None) == DeviceType.CPU:
+                continue
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+        else:
+            us = e.self_cpu_time_total
+        if us > 0:
+            rows[e.key] = (us / per, e.count / per)
+    return rows
+
+
 def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int = 5) -> str:
     """Where each xcomm codec's time goes: GPU time per kernel (torch.profiler),
     per call of the encode + decode measured by :func:`measure_codecs`."""
@@ -226,17 +262,13 @@ def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int 
                 for _ in range(calls):
                     fn()
                 torch.cuda.synchronize(device)
-        rows = []
-        for e in prof.key_averages():
-            dev_us = getattr(e, "self_device_time_total", None)
-            if dev_us is None:
-                dev_us = getattr(e, "self_cuda_time_total", 0.0)
-            if dev_us > 0:
-                rows.append((dev_us / calls, e.count // calls, e.key))
-        rows.sort(reverse=True)
+        rows = sorted(
+            ((us, n, key) for key, (us, n) in time_rows(prof.key_averages(), calls, True).items()),
+            reverse=True,
+        )
         total = sum(r[0] for r in rows)
         lines = [f"{name}: {total:.1f} us of GPU time per call ({calls} calls)"]
-        lines += [f"  {us:8.1f} us  x{n:<3d} {key[:110]}" for us, n, key in rows[:14]]
+        lines += [f"  {us:8.1f} us  x{n:<5.1f} {key[:110]}" for us, n, key in rows[:16]]
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -383,16 +415,7 @@ def profile_ddp(
         except Exception as e:  # noqa: BLE001 - reported as the hook's result
             summary.append(f"{name} | fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
-        kernels: dict[str, tuple[float, float]] = {}
-        for e in prof.key_averages():
-            if cuda:
-                us = getattr(e, "self_device_time_total", None)
-                if us is None:
-                    us = getattr(e, "self_cuda_time_total", 0.0)
-            else:
-                us = e.self_cpu_time_total
-            if us > 0:
-                kernels[e.key] = (us / steps, e.count / steps)
+        kernels = time_rows(prof.key_averages(), steps, cuda)
         per_kernel[name] = kernels
         total = sum(us for us, _ in kernels.values())
         launches = sum(n for _, n in kernels.values())
@@ -410,7 +433,7 @@ def profile_ddp(
             reverse=True,
         )
         lines = [f"{name}: device time beyond the no-hook step, by kernel (us/step, launches/step)"]
-        lines += [f"  {us:8.1f} us  x{n:<5.1f} {k[:110]}" for us, n, k in extra[:14] if us > 0]
+        lines += [f"  {us:8.1f} us  x{n:<5.1f} {k[:110]}" for us, n, k in extra[:20] if us > 0]
         parts.append("\n".join(lines))
     head = (
         f"DDP at world size 1: {depth} x Linear({width}), batch {batch}, {steps} profiled "

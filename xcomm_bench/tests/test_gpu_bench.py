@@ -52,3 +52,42 @@ def test_the_profile_runs_on_the_cpu_and_profiles_every_hook(tmp_path: Path) -> 
         if hook != "none":
             assert f"{hook}: device time beyond the no-hook step" in text
     assert "PowerSGD compute, xcomm / torch (device time beyond none): " in text
+
+
+def test_the_profile_counts_each_kernel_once() -> None:
+    """On a GPU, an op's self device time repeats the time of the kernels it
+    launched, and a scope (``AccumulateGrad``) is billed for kernels launched
+    outside any op: only the device's own rows may be summed (stop 31's
+    profile summed both, so its PowerSGD ratio counted some kernels twice)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from xcomm_bench.gpu import time_rows
+
+    def row(key: str, device: DeviceType, us: float, count: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            key=key,
+            device_type=device,
+            self_device_time_total=us,
+            self_cpu_time_total=1.0,
+            count=count,
+        )
+
+    events = [
+        row("aten::mm", DeviceType.CPU, 40.0, 4),  # its kernel's time, again
+        row("sgemm_kernel", DeviceType.CUDA, 40.0, 4),
+        row("autograd::engine::evaluate_function: AccumulateGrad", DeviceType.CPU, 12.0, 2),
+        row("gramSchmidtKernel", DeviceType.CUDA, 12.0, 2),
+        row("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 6.0, 2),
+        row("aten::empty", DeviceType.CPU, 0.0, 8),
+    ]
+    on_gpu = time_rows(events, per=2, device=True)
+    assert on_gpu == {
+        "sgemm_kernel": (20.0, 2.0),
+        "gramSchmidtKernel": (6.0, 1.0),
+        "Memcpy DtoD (Device -> Device)": (3.0, 1.0),
+    }
+    # On the CPU each op's self time, every op.
+    on_cpu = time_rows(events, per=1, device=False)
+    assert set(on_cpu) == {r.key for r in events} and on_cpu["aten::mm"] == (1.0, 4.0)
