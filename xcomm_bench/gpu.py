@@ -15,7 +15,9 @@ What ``scripts/gpu_check.sh`` runs on the GPU machine, one rank, one GPU:
    xcomm's hooks: the median step time, and the hook's cost per step (step
    time minus the no-hook step time). At world size 1 the collectives move
    nothing, so that difference is the hook's compute: the figure the issue
-   compares between xcomm's PowerSGD and torch's ``powerSGD_hook``.
+   compares between xcomm's PowerSGD and torch's ``powerSGD_hook``. xcomm's
+   PowerSGD runs twice: with cuBLAS's products, and with its own product
+   kernels (``XCOMM_POWERSGD_MATMUL=xcomm``, the row "..., xcomm matmul").
 
 A method that raises on CUDA tensors is reported with its error, not
 skipped: the table shows what runs on a GPU today.
@@ -281,6 +283,27 @@ def _model(device: torch.device, width: int, depth: int) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(device)
 
 
+#: xcomm's PowerSGD with its own kernels for P = M Q and Q = M^T P.
+XCOMM_MATMUL = "xcomm powersgd_hook r4, xcomm matmul"
+#: Environment a hook's rows run under (read by xcomm's C++ per call).
+HOOK_ENV: dict[str, dict[str, str]] = {XCOMM_MATMUL: {"XCOMM_POWERSGD_MATMUL": "xcomm"}}
+
+
+@contextlib.contextmanager
+def _hook_env(name: str) -> Iterator[None]:
+    """Sets HOOK_ENV[name] for the duration, and puts back what was there."""
+    saved = {k: os.environ.get(k) for k in HOOK_ENV.get(name, {})}
+    os.environ.update(HOOK_ENV.get(name, {}))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], Any]]:
     """name -> (group, model) -> (state, hook) or None (no hook)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -296,6 +319,11 @@ def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], 
             tp.powerSGD_hook,
         ),
         "xcomm powersgd_hook r4": lambda g, m: (
+            xh.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
+            xh.powersgd_hook,
+        ),
+        # The same with xcomm's product kernels instead of cuBLAS (HOOK_ENV).
+        XCOMM_MATMUL: lambda g, m: (
             xh.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
             xh.powersgd_hook,
         ),
@@ -346,16 +374,17 @@ def measure_ddp(
     def time_hook(name: str, make: Callable[..., Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"hook": name}
         try:
-            model, step = _ddp_step(device, width, depth, batch, make)
-            for _ in range(warmup):  # DDP rebuilds buckets; the hooks start compressing
-                step()
-            ts = []
-            for _ in range(steps):
-                _sync(device)
-                t0 = time.perf_counter()
-                step()
-                _sync(device)
-                ts.append(time.perf_counter() - t0)
+            with _hook_env(name):
+                model, step = _ddp_step(device, width, depth, batch, make)
+                for _ in range(warmup):  # DDP rebuilds buckets; the hooks start compressing
+                    step()
+                ts = []
+                for _ in range(steps):
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    step()
+                    _sync(device)
+                    ts.append(time.perf_counter() - t0)
             row["ms"] = 1000 * statistics.median(ts)
             row["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         except Exception as e:  # noqa: BLE001 - reported as the row's result
@@ -377,6 +406,7 @@ PROFILED_HOOKS = [
     "none",
     "torch powerSGD_hook r4",
     "xcomm powersgd_hook r4",
+    XCOMM_MATMUL,
     "xcomm int8_compress_hook",
     "xcomm topk_hook 1%",
 ]
@@ -402,16 +432,17 @@ def profile_ddp(
     summary = ["hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"]
     for name in PROFILED_HOOKS:
         try:
-            _, step = _ddp_step(device, width, depth, batch, hooks[name])
-            for _ in range(warmup):
-                step()
-            _sync(device)
-            t0 = time.perf_counter()
-            with profile(activities=activities) as prof:
-                for _ in range(steps):
+            with _hook_env(name):
+                _, step = _ddp_step(device, width, depth, batch, hooks[name])
+                for _ in range(warmup):
                     step()
                 _sync(device)
-            wall_ms = 1000 * (time.perf_counter() - t0) / steps
+                t0 = time.perf_counter()
+                with profile(activities=activities) as prof:
+                    for _ in range(steps):
+                        step()
+                    _sync(device)
+                wall_ms = 1000 * (time.perf_counter() - t0) / steps
         except Exception as e:  # noqa: BLE001 - reported as the hook's result
             summary.append(f"{name} | fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             continue
@@ -439,12 +470,14 @@ def profile_ddp(
         f"DDP at world size 1: {depth} x Linear({width}), batch {batch}, {steps} profiled "
         f"steps after {warmup}; {'GPU kernel' if cuda else 'CPU op self'} time"
     )
-    ours, theirs = (beyond_none.get(h) for h in PROFILED_HOOKS[2:0:-1])
-    if ours is not None and theirs:
-        # The issue's bar: xcomm's PowerSGD compute at most half of torch's.
-        summary.append(
-            f"PowerSGD compute, xcomm / torch (device time beyond none): {ours / theirs:.2f}"
-        )
+    theirs = beyond_none.get("torch powerSGD_hook r4")
+    for label, hook in (("xcomm", "xcomm powersgd_hook r4"), ("xcomm matmul", XCOMM_MATMUL)):
+        ours = beyond_none.get(hook)
+        if ours is not None and theirs:
+            # The issue's bar: xcomm's PowerSGD compute at most half of torch's.
+            summary.append(
+                f"PowerSGD compute, {label} / torch (device time beyond none): {ours / theirs:.2f}"
+            )
     return "\n\n".join([head, "\n".join(summary), *parts])
 
 

@@ -798,7 +798,8 @@ void PowerSgdCodec::prepareOnDevice(Bucket& b, const at::Tensor& buffer) {
     at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
     orthonormalizeOnDevice(q, eps);
     at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
-    at::mm_out(p, matrixOf(buffer, t.offset, t.rows, t.cols), q);
+    at::Tensor m = matrixOf(buffer, t.offset, t.rows, t.cols);
+    if (!cuda::powersgdProject(p, m, q)) at::mm_out(p, m, q);
   }
   if (plan.uncompressedNumel > 0) {
     if (!b.uncompressedIndex.defined()) {
@@ -840,7 +841,9 @@ void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
     orthonormalizeOnDevice(p, options_.orthogonalizationEpsilon);
     // A matrix whose P is not finite keeps its previous Q (its warm start).
     at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
-    q.copy_(at::where(finite, at::mm(matrixOf(b.buffer, t.offset, t.rows, t.cols).t(), p), q));
+    at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
+    if (!cuda::powersgdProjectBack(q, m, p, finite))
+      q.copy_(at::where(finite, at::mm(m.t(), p), q));
   }
 }
 

@@ -4,6 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "compress/PowerSgdCodec.hpp"
+#include "compress/cuda/CudaCodecs.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -80,6 +81,14 @@ the wire, reduce_p, allreduce Q, finish.)")
       .def("set_warm_buckets", &Codec::setWarmBuckets, py::arg("buckets"))
       .def("clear_state", &Codec::clearState)
       .def("compression_ranks", &Codec::compressionRanks, py::arg("bucket"));
+
+  // The GPU products on their own, for tests against torch.mm (the codec
+  // calls them only where XCOMM_POWERSGD_MATMUL=xcomm, as these do).
+  m.def("_powersgd_project", &xcomm::cuda::powersgdProject, py::arg("p"), py::arg("m"),
+        py::arg("q"), "p = m @ q with xcomm's CUDA kernel; False where it does not apply.");
+  m.def("_powersgd_project_back", &xcomm::cuda::powersgdProjectBack, py::arg("q"), py::arg("m"),
+        py::arg("p"), py::arg("finite"),
+        "q = m.T @ p where finite, with xcomm's CUDA kernels; False where they do not apply.");
 }
 
 }  // namespace

@@ -583,13 +583,18 @@ def _powersgd_against_torch(ctx: RankContext, dtype: torch.dtype) -> dict[str, t
     return out
 
 
+@pytest.mark.parametrize("matmul", ["cublas", "xcomm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("world", WORLDS)
-def test_powersgd_on_the_device_matches_torch_powersgd_hook(world: int, dtype: torch.dtype) -> None:
-    """The device route (cuBLAS matmuls, the Gram-Schmidt and decompression
-    kernels) computes torch's arithmetic in another summation order."""
+def test_powersgd_on_the_device_matches_torch_powersgd_hook(
+    world: int, dtype: torch.dtype, matmul: str
+) -> None:
+    """The device route (cuBLAS matmuls, or with XCOMM_POWERSGD_MATMUL=xcomm
+    xcomm's product kernels; the Gram-Schmidt and decompression kernels)
+    computes torch's arithmetic in another summation order."""
+    env = {**ENV, "XCOMM_POWERSGD_MATMUL": matmul}
     results = run_ranks(
-        _powersgd_against_torch, _world(world), dtype, ref_group=False, env=ENV, timeout=TIMEOUT
+        _powersgd_against_torch, _world(world), dtype, ref_group=False, env=env, timeout=TIMEOUT
     )
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-11}
     for r in results:

@@ -209,3 +209,95 @@ def test_auto_times_its_codecs_on_the_gpu_and_offers_them_there() -> None:
     link = hooks.LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=1.25e8)  # 1 Gbit/s
     predicted = state._predict(1 << 22, [(2048, 2048)], 4, "cuda", 2, link, gpu)
     assert min(predicted, key=predicted.get) not in ("none", "bf16", "fp16"), predicted
+
+
+# -- PowerSGD's products (XCOMM_POWERSGD_MATMUL=xcomm) -----------------------
+
+
+def _matrix_of_bucket(rows: int, cols: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """A rows x cols matrix inside a flat bucket at `offset` entries, as the
+    codec slices it: an offset not a multiple of 4 leaves it without 16-byte
+    alignment (the kernel's scalar loads)."""
+    g = torch.Generator().manual_seed(rows * 7 + cols)
+    flat = torch.randn(offset + rows * cols + 3, generator=g, dtype=dtype).to(DEV)
+    return flat.narrow(0, offset, rows * cols).view(rows, cols)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "rows,cols,rank,offset",
+    [
+        (2048, 2048, 4, 0),  # a transformer-sized layer, float4 loads
+        (2048, 2048, 4, 1),  # the same, unaligned
+        (8, 27, 2, 0),  # a small conv kernel: cols not a multiple of 4
+        (1000, 37, 1, 5),
+        (37, 1000, 3, 0),  # rank not a power of two
+        (300, 64, 17, 2),  # rank past 16
+        (4096, 96, 32, 0),  # the largest rank; many row stretches in M^T P
+        (5, 3, 3, 0),
+    ],
+)
+def test_powersgd_products_match_torch_mm(
+    rows: int,
+    cols: int,
+    rank: int,
+    offset: int,
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P = M Q and Q = M^T P from xcomm's kernels equal torch.mm up to the
+    summation order, are deterministic (the same bits twice), keep Q where
+    P was not finite, and are declined (False) unless asked for."""
+    m = _matrix_of_bucket(rows, cols, offset, dtype)
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(cols, rank, generator=g, dtype=dtype).to(DEV)
+    p = torch.empty(rows, rank, dtype=dtype, device=DEV)
+    monkeypatch.delenv("XCOMM_POWERSGD_MATMUL", raising=False)
+    assert not _C._powersgd_project(p, m, q), "ran without XCOMM_POWERSGD_MATMUL=xcomm"
+    monkeypatch.setenv("XCOMM_POWERSGD_MATMUL", "xcomm")
+
+    assert _C._powersgd_project(p, m, q)
+    first = p.clone()
+    assert _C._powersgd_project(p, m, q)
+    assert torch.equal(p, first), "P = M Q is not deterministic"
+
+    def close(got: torch.Tensor, want64: torch.Tensor) -> None:
+        # Rounding errors scale with the sums' terms: relative to the largest entry.
+        rel = 1e-4 if dtype == torch.float32 else 1e-12
+        scale = float(want64.abs().max()) or 1.0
+        torch.testing.assert_close(got.double(), want64, rtol=rel, atol=rel * scale)
+
+    close(p, m.double() @ q.double())
+
+    finite = torch.ones((), dtype=torch.bool, device=DEV)
+    q_new = torch.full_like(q, 7.0)
+    assert _C._powersgd_project_back(q_new, m, p, finite)
+    again = torch.full_like(q, -1.0)
+    assert _C._powersgd_project_back(again, m, p, finite)
+    assert torch.equal(q_new, again), "Q = M^T P is not deterministic"
+    close(q_new, m.double().t() @ p.double())
+
+    kept = q.clone()
+    assert _C._powersgd_project_back(kept, m, p, torch.zeros((), dtype=torch.bool, device=DEV))
+    assert torch.equal(kept, q), "Q changed although P was not finite"
+
+
+def test_powersgd_products_decline_what_they_do_not_handle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Half precision, rank above 32, mismatched shapes, host tensors: False,
+    nothing written (the codec then calls torch.mm)."""
+    monkeypatch.setenv("XCOMM_POWERSGD_MATMUL", "xcomm")
+    m = torch.randn(64, 48, device=DEV)
+
+    def out(rows: int, rank: int, device: str = DEV) -> torch.Tensor:
+        return torch.full((rows, rank), 5.0, device=device)
+
+    cases = [
+        (out(64, 4).half(), m.half(), torch.randn(48, 4, device=DEV).half()),
+        (out(64, 33), m, torch.randn(48, 33, device=DEV)),
+        (out(63, 4), m, torch.randn(48, 4, device=DEV)),
+        (out(64, 4, "cpu"), m.cpu(), torch.randn(48, 4)),
+        (out(64, 4), m.t(), torch.randn(64, 4, device=DEV)),  # not contiguous
+    ]
+    for p, mm, q in cases:
+        assert not _C._powersgd_project(p, mm, q), (p.shape, mm.shape, q.shape, p.dtype)
+        assert bool((p == 5.0).all()), "a declined product wrote its output"

@@ -76,6 +76,15 @@ bool gramSchmidt(const at::Tensor& x, double eps);
 // where it does not apply; the caller then runs its ATen ops.
 bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::Tensor& p,
                          const at::Tensor& q, const at::Tensor& finite);
+// PowerSGD's products where XCOMM_POWERSGD_MATMUL=xcomm: p = m q, and
+// q = m^T p where `finite` (a 0-dim bool on the device) is true (q is left
+// as it was elsewhere). `m` rows x cols, `p` rows x rank, `q` cols x rank,
+// rank 1 to 32; all contiguous, float32 or float64, on one device. Each
+// reads m once; sums in a fixed order. Return false (and do nothing) where
+// they do not apply; the caller then runs at::mm.
+bool powersgdProject(const at::Tensor& p, const at::Tensor& m, const at::Tensor& q);
+bool powersgdProjectBack(const at::Tensor& q, const at::Tensor& m, const at::Tensor& p,
+                         const at::Tensor& finite);
 
 }  // namespace cuda
 }  // namespace xcomm

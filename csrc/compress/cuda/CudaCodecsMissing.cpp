@@ -57,5 +57,14 @@ bool powersgdReconstruct(const at::Tensor&, const at::Tensor&, const at::Tensor&
   return false;  // the caller's ATen route
 }
 
+bool powersgdProject(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  return false;  // the caller's at::mm
+}
+
+bool powersgdProjectBack(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&) {
+  return false;  // the caller's at::mm
+}
+
 }  // namespace cuda
 }  // namespace xcomm
