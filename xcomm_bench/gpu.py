@@ -131,19 +131,23 @@ def _xcomm_codecs(
 #: The row of xcomm's top-k with XCOMM_TOPK_SELECT=radix (four passes over the
 #: bucket; the default, sampled selection reads it once).
 RADIX = "xcomm, radix select"
+RADIX_ENV = {"XCOMM_TOPK_SELECT": "radix"}
 
 
 @contextlib.contextmanager
-def _topk_select(radix: bool) -> Iterator[None]:
-    """xcomm's CUDA top-k with its radix selection inside (read per call)."""
-    if not radix:
-        yield
-        return
-    os.environ["XCOMM_TOPK_SELECT"] = "radix"
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """Sets ``values`` in the environment (xcomm's C++ reads these switches per
+    call) for the duration, and puts back what was there."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        os.environ.pop("XCOMM_TOPK_SELECT", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) -> list[dict]:
@@ -191,7 +195,7 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     for name, impl, make in methods:
         row: dict[str, Any] = {"method": name, "impl": impl, "numel": numel}
         try:
-            with _topk_select(impl == RADIX):
+            with _env(RADIX_ENV if impl == RADIX else {}):
                 ts = timer(make(), reps)
         except Exception as e:  # noqa: BLE001 - reported as the row's result
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -257,7 +261,7 @@ def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int 
     runs.append(("top-k 1% + EF, radix select", makers["top-k 1% + EF"](), True))
     parts = []
     for name, fn, radix in runs:
-        with _topk_select(radix):
+        with _env(RADIX_ENV if radix else {}):
             fn()
             torch.cuda.synchronize(device)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -289,27 +293,17 @@ XCOMM_MATMUL = "xcomm powersgd_hook r4, xcomm matmul"
 HOOK_ENV: dict[str, dict[str, str]] = {XCOMM_MATMUL: {"XCOMM_POWERSGD_MATMUL": "xcomm"}}
 
 
-@contextlib.contextmanager
-def _hook_env(name: str) -> Iterator[None]:
-    """Sets HOOK_ENV[name] for the duration, and puts back what was there."""
-    saved = {k: os.environ.get(k) for k in HOOK_ENV.get(name, {})}
-    os.environ.update(HOOK_ENV.get(name, {}))
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], Any]]:
     """name -> (group, model) -> (state, hook) or None (no hook)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
 
     import xcomm.hooks as xh
+
+    def powersgd(g: dist.ProcessGroup | None, m: torch.nn.Module) -> Any:
+        return xh.PowerSGDState(
+            g, matrix_approximation_rank=4, start_powerSGD_iter=2
+        ), xh.powersgd_hook
 
     return {
         "none": lambda g, m: None,
@@ -318,15 +312,8 @@ def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], 
             tp.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
             tp.powerSGD_hook,
         ),
-        "xcomm powersgd_hook r4": lambda g, m: (
-            xh.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
-            xh.powersgd_hook,
-        ),
-        # The same with xcomm's product kernels instead of cuBLAS (HOOK_ENV).
-        XCOMM_MATMUL: lambda g, m: (
-            xh.PowerSGDState(g, matrix_approximation_rank=4, start_powerSGD_iter=2),
-            xh.powersgd_hook,
-        ),
+        "xcomm powersgd_hook r4": powersgd,
+        XCOMM_MATMUL: powersgd,  # with xcomm's product kernels instead of cuBLAS (HOOK_ENV)
         "xcomm fp16_cast_hook": lambda g, m: (xh.CastState(g), xh.fp16_cast_hook),
         "xcomm bf16_cast_hook": lambda g, m: (xh.CastState(g), xh.bf16_cast_hook),
         "xcomm int8_compress_hook": lambda g, m: (xh.Int8State(g, model=m), xh.int8_compress_hook),
@@ -374,7 +361,7 @@ def measure_ddp(
     def time_hook(name: str, make: Callable[..., Any]) -> dict[str, Any]:
         row: dict[str, Any] = {"hook": name}
         try:
-            with _hook_env(name):
+            with _env(HOOK_ENV.get(name, {})):
                 model, step = _ddp_step(device, width, depth, batch, make)
                 for _ in range(warmup):  # DDP rebuilds buckets; the hooks start compressing
                     step()
@@ -432,7 +419,7 @@ def profile_ddp(
     summary = ["hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"]
     for name in PROFILED_HOOKS:
         try:
-            with _hook_env(name):
+            with _env(HOOK_ENV.get(name, {})):
                 _, step = _ddp_step(device, width, depth, batch, hooks[name])
                 for _ in range(warmup):
                     step()

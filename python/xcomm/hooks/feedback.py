@@ -73,9 +73,10 @@ class BucketView:
         """Puts the view's values into the bucket's buffer and returns the buffer."""
         if self._index is not None:
             self._buffer.index_copy_(0, self._index, self.tensor)
-        # Usually called from a future's callback, on a stream of torch's
-        # pool: the view and its index may be this step's temporaries.
-        used_on_this_stream(self.tensor, self._index)
+            # Usually called from a future's callback, on a stream of torch's
+            # pool: the view and its index are this step's temporaries (else
+            # the view is the bucket's own buffer, which DDP keeps).
+            used_on_this_stream(self.tensor, self._index)
         return self._buffer
 
 
