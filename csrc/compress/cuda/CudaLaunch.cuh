@@ -5,24 +5,47 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#ifdef XCOMM_CUDA_EMULATION
+// The test build that runs these kernels on the CPU (tests/cuda_emulation):
+// CPU tensors stand for the device's, launches run on fibers.
+#include "CudaEmulation.hpp"
+#else
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <c10/util/Exception.h>
+#endif
 
 namespace xcomm {
 namespace cuda {
 
 constexpr int kThreads = 256;
 
+#ifdef XCOMM_CUDA_EMULATION
+struct DeviceGuard {
+  explicit DeviceGuard(c10::Device) {}
+};
+inline bool onKernelDevice(const at::Tensor& t) {
+  return t.is_cpu();
+}
+inline cudaStream_t streamFor(const at::Tensor&) {
+  return nullptr;
+}
+#else
+using DeviceGuard = c10::cuda::CUDAGuard;
+// Whether the kernels can take this tensor: it lives on a GPU.
+inline bool onKernelDevice(const at::Tensor& t) {
+  return t.is_cuda();
+}
 // The current stream of the tensor's device: the caller's (DDP's, a future
 // callback's), so the kernels order with the work around them.
 inline cudaStream_t streamFor(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
+#endif
 
 inline void checkDevice(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "xcomm: ", what,
+  TORCH_CHECK(onKernelDevice(t) && t.is_contiguous(), "xcomm: ", what,
               " must be a contiguous CUDA tensor, got ", t.device(),
               t.is_contiguous() ? "" : " (not contiguous)");
 }

@@ -442,7 +442,7 @@ void int8Encode(const at::Tensor& src, const at::Tensor& residual, int64_t n, in
   TORCH_CHECK(out.size(0) == rows && out.size(1) == qLen + 4 * chunksPerRow,
               "xcomm: int8 payload has the wrong shape");
   if (rows == 0 || chunksPerRow == 0) return;
-  c10::cuda::CUDAGuard guard(any.device());
+  DeviceGuard guard(any.device());
   const int threads = threadsForChunk(chunk);
   const EncodeArgs args{src.defined() ? src.data_ptr<float>() : nullptr,
                         residual.defined() ? residual.data_ptr<float>() : nullptr,
@@ -478,7 +478,7 @@ void int8Reduce(const at::Tensor& rows, int64_t shard, int64_t chunk, float divi
   TORCH_CHECK(shard % chunk == 0, "xcomm: int8 shard of ", shard, " elements is not whole chunks");
   const int64_t chunks = shard / chunk;
   if (chunks == 0) return;
-  c10::cuda::CUDAGuard guard(rows.device());
+  DeviceGuard guard(rows.device());
   const int threads = threadsForChunk(chunk);
   const bool regs = chunk <= static_cast<int64_t>(threads) * kPerThread;
   at::Tensor scratch = sum;
@@ -517,7 +517,7 @@ void int8Decode(const at::Tensor& rows, int64_t shard, int64_t chunk, int64_t n,
   checkFloat(dst, "the int8 output");
   const int64_t chunksPerRow = (shard + chunk - 1) / chunk;
   if (n == 0 || rows.size(0) == 0 || chunksPerRow == 0) return;
-  c10::cuda::CUDAGuard guard(rows.device());
+  DeviceGuard guard(rows.device());
   const int vecs =
       warpVecs(chunk, {rows.data_ptr<uint8_t>(), dst.data_ptr<float>()}, shard | rows.size(1));
   if (vecs > 0) {

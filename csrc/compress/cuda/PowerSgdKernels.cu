@@ -126,17 +126,18 @@ bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::T
                          const at::Tensor& q, const at::Tensor& finite) {
   const auto dtype = m.scalar_type();
   const auto same = [&](const at::Tensor& t) {
-    return t.is_cuda() && t.device() == m.device() && t.is_contiguous() && t.scalar_type() == dtype;
+    return onKernelDevice(t) && t.device() == m.device() && t.is_contiguous() &&
+           t.scalar_type() == dtype;
   };
   if (!same(m) || m.dim() != 2 || !same(p) || !same(q) || (err.defined() && !same(err)) ||
       p.dim() != 2 || q.dim() != 2 || p.size(0) != m.size(0) || q.size(0) != m.size(1) ||
       p.size(1) != q.size(1) || (err.defined() && !err.sizes().equals(m.sizes())) ||
-      !finite.is_cuda() || finite.device() != m.device() || finite.scalar_type() != at::kBool ||
-      finite.numel() != 1) {
+      !onKernelDevice(finite) || finite.device() != m.device() ||
+      finite.scalar_type() != at::kBool || finite.numel() != 1) {
     return false;
   }
   if (m.numel() == 0) return true;
-  c10::cuda::CUDAGuard guard(m.device());
+  DeviceGuard guard(m.device());
   switch (dtype) {
     case at::kFloat:
       launchReconstruct<float>(m, err, p, q, finite);
@@ -156,12 +157,12 @@ bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::T
 }
 
 bool gramSchmidt(const at::Tensor& x, double eps) {
-  if (!x.is_cuda() || !x.is_contiguous() || x.dim() != 2 || x.size(1) > kMaxRank ||
+  if (!onKernelDevice(x) || !x.is_contiguous() || x.dim() != 2 || x.size(1) > kMaxRank ||
       (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble)) {
     return false;
   }
   if (x.numel() == 0) return true;
-  c10::cuda::CUDAGuard guard(x.device());
+  DeviceGuard guard(x.device());
   const auto stream = streamFor(x);
   const auto rank = static_cast<int>(x.size(1));
   if (x.scalar_type() == at::kFloat) {

@@ -185,7 +185,8 @@ void withRank(int64_t rank, Fn&& fn) {
 bool productApplies(const at::Tensor& m, const at::Tensor& rowsSide, const at::Tensor& colsSide) {
   const auto dtype = m.scalar_type();
   const auto same = [&](const at::Tensor& t) {
-    return t.is_cuda() && t.device() == m.device() && t.scalar_type() == dtype && t.dim() == 2;
+    return onKernelDevice(t) && t.device() == m.device() && t.scalar_type() == dtype &&
+           t.dim() == 2;
   };
   return same(m) && same(rowsSide) && same(colsSide) && m.is_contiguous() &&
          rowsSide.is_contiguous() && colsSide.is_contiguous() &&
@@ -202,7 +203,7 @@ bool powersgdProject(const at::Tensor& p, const at::Tensor& m, const at::Tensor&
     p.zero_();
     return true;
   }
-  c10::cuda::CUDAGuard guard(m.device());
+  DeviceGuard guard(m.device());
   withRank(q.size(1), [&](auto r) {
     if (m.scalar_type() == at::kFloat) {
       launchProject<float, decltype(r)::value>(p, m, q);
@@ -215,12 +216,12 @@ bool powersgdProject(const at::Tensor& p, const at::Tensor& m, const at::Tensor&
 
 bool powersgdProjectBack(const at::Tensor& q, const at::Tensor& m, const at::Tensor& p,
                          const at::Tensor& finite) {
-  if (!productsWanted() || !productApplies(m, p, q) || !finite.is_cuda() ||
+  if (!productsWanted() || !productApplies(m, p, q) || !onKernelDevice(finite) ||
       finite.device() != m.device() || finite.scalar_type() != at::kBool || finite.numel() != 1) {
     return false;
   }
   if (m.numel() == 0) return false;  // the ATen route's where() handles the empty case
-  c10::cuda::CUDAGuard guard(m.device());
+  DeviceGuard guard(m.device());
   withRank(q.size(1), [&](auto r) {
     if (m.scalar_type() == at::kFloat) {
       launchProjectBack<float, decltype(r)::value>(q, m, p, finite);

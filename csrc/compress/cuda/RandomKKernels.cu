@@ -87,7 +87,7 @@ void randomkPositions(uint64_t base, int64_t numel, const at::Tensor& out) {
               numel);
   const int64_t k = out.numel();
   if (k == 0) return;
-  c10::cuda::CUDAGuard guard(out.device());
+  DeviceGuard guard(out.device());
   positionsKernel<<<streamBlocks(k), kThreads, 0, streamFor(out)>>>(
       base, static_cast<uint64_t>(numel), static_cast<uint64_t>(k), out.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -98,7 +98,7 @@ void addInto(const at::Tensor& src, const at::Tensor& acc) {
   checkFloat(acc, "the error-feedback residual");
   TORCH_CHECK(src.numel() == acc.numel(), "xcomm: residual and input sizes differ");
   if (src.numel() == 0) return;
-  c10::cuda::CUDAGuard guard(acc.device());
+  DeviceGuard guard(acc.device());
   addIntoKernel<<<streamBlocks(src.numel() / 4 + 1), kThreads, 0, streamFor(acc)>>>(
       src.data_ptr<float>(), acc.data_ptr<float>(), src.numel());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -111,7 +111,7 @@ void gatherPositions(const at::Tensor& acc, const at::Tensor& positions, const a
   checkPositions(positions);
   const int64_t k = positions.numel();
   if (k == 0) return;
-  c10::cuda::CUDAGuard guard(acc.device());
+  DeviceGuard guard(acc.device());
   gatherKernel<<<streamBlocks(k), kThreads, 0, streamFor(acc)>>>(
       acc.data_ptr<float>(), positions.data_ptr<int64_t>(), k, values.data_ptr<float>(), zero);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -123,7 +123,7 @@ void scatterPositions(const at::Tensor& values, const at::Tensor& positions, flo
   checkFloat(out, "the random-k output");
   checkPositions(positions);
   if (out.numel() == 0) return;
-  c10::cuda::CUDAGuard guard(out.device());
+  DeviceGuard guard(out.device());
   const auto stream = streamFor(out);
   C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr<float>(), 0, out.numel() * sizeof(float), stream));
   const int64_t k = positions.numel();

@@ -750,7 +750,7 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   const int64_t n = any.numel();
   TORCH_CHECK(k >= 1 && k <= n && packed.numel() == k * 8,
               "xcomm: top-k payload does not hold k = ", k, " pairs of ", n, " elements");
-  c10::cuda::CUDAGuard guard(any.device());
+  DeviceGuard guard(any.device());
   const auto stream = streamFor(any);
   // Warps own contiguous ranges of whole steps.
   const int64_t steps = (n + kStep - 1) / kStep;
@@ -807,7 +807,7 @@ void topkDecode(const at::Tensor& rows, int64_t k, float divisor, const at::Tens
               "xcomm: top-k payloads have the wrong shape");
   const int64_t n = out.numel();
   if (n == 0) return;
-  c10::cuda::CUDAGuard guard(out.device());
+  DeviceGuard guard(out.device());
   const auto stream = streamFor(out);
   C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr<float>(), 0, n * sizeof(float), stream));
   const int world = static_cast<int>(rows.size(0));

@@ -1,0 +1,164 @@
+// PowerSGD's CUDA kernels (compress/cuda/PowerSgdKernels.cu and
+// PowerSgdMatmul.cu) on the emulated GPU: Gram-Schmidt against torch's
+// hook's steps computed in double, the one-pass reconstruction bit for bit
+// against its sums in k order, and the opt-in products against double
+// products (their sums run in another order than a naive loop's).
+#include <cmath>
+#include <cstdlib>
+
+#include "EmulatedTestUtil.hpp"
+#include "compress/cuda/CudaCodecs.hpp"
+
+#include <catch2/catch.hpp>
+
+namespace {
+
+// torch's hook's Gram-Schmidt, in double: each column divided by (its norm +
+// eps), then taken out of the later ones.
+at::Tensor gramSchmidtReference(const at::Tensor& x, double eps) {
+  at::Tensor y = x.to(at::kDouble).clone();
+  const int64_t rank = y.size(1);
+  for (int64_t i = 0; i < rank; ++i) {
+    at::Tensor col = y.narrow(1, i, 1);
+    col.div_(col.norm().item<double>() + eps);
+    if (i + 1 < rank) {
+      at::Tensor rest = y.narrow(1, i + 1, rank - i - 1);
+      rest.sub_((col * rest).sum(0, true) * col);
+    }
+  }
+  return y;
+}
+
+struct MatmulEnv {
+  MatmulEnv() { setenv("XCOMM_POWERSGD_MATMUL", "xcomm", 1); }
+  ~MatmulEnv() { unsetenv("XCOMM_POWERSGD_MATMUL"); }
+};
+
+// |got - want| within a float sum's rounding: 1e-5 of sum |terms| per entry.
+void checkProduct(const at::Tensor& got, const at::Tensor& want, const at::Tensor& scale,
+                  double tol) {
+  at::Tensor err = (got.to(at::kDouble) - want).abs();
+  at::Tensor bound = scale * tol + 1e-30;
+  const double worst = (err / bound).max().item<double>();
+  INFO("worst error / bound " << worst);
+  CHECK(worst <= 1.0);
+}
+
+}  // namespace
+
+TEST_CASE("emulated Gram-Schmidt matches torch's steps", "[emulated][powersgd]") {
+  for (int64_t rows : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{2049}}) {
+    for (int64_t rank : {int64_t{1}, int64_t{2}, int64_t{4}, int64_t{9}}) {
+      for (auto dtype : {at::kFloat, at::kDouble}) {
+        DYNAMIC_SECTION(rows << " x " << rank << (dtype == at::kFloat ? " float" : " double")) {
+          at::Tensor x = emutest::randn(rows * rank, rows + rank).view({rows, rank}).to(dtype);
+          const double eps = 1e-8;
+          at::Tensor want = gramSchmidtReference(x, eps);
+          REQUIRE(xcomm::cuda::gramSchmidt(x, eps));
+          if (rows < rank) {
+            // Columns beyond the rows' span are rounding noise scaled up:
+            // any finite answer is as good as torch's.
+            CHECK(x.isfinite().all().item<bool>());
+          } else {
+            const double tol = dtype == at::kFloat ? 2e-4 : 1e-10;
+            const double worst = (x.to(at::kDouble) - want).abs().max().item<double>();
+            INFO("worst difference " << worst);
+            CHECK(worst <= tol);
+            // Orthonormal up to eps, which shortens every column a little.
+            at::Tensor gram = at::mm(x.t(), x).to(at::kDouble);
+            const double off = (gram - at::eye(rank, at::kDouble)).abs().max().item<double>();
+            CHECK(off <= (dtype == at::kFloat ? 2e-5 : 1e-6));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("emulated Gram-Schmidt declines what it does not handle", "[emulated][powersgd]") {
+  CHECK_FALSE(xcomm::cuda::gramSchmidt(at::zeros({4, 65}), 0.0));  // rank above 64
+  CHECK_FALSE(xcomm::cuda::gramSchmidt(at::zeros({4, 2}, at::kHalf), 0.0));
+  CHECK_FALSE(xcomm::cuda::gramSchmidt(at::zeros({2, 4}).t(), 0.0));  // not contiguous
+}
+
+TEST_CASE("emulated reconstruction is D = P Q^T and err = M - D, bit for bit",
+          "[emulated][powersgd]") {
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    for (bool withError : {false, true}) {
+      for (bool finite : {true, false}) {
+        DYNAMIC_SECTION(c10::toString(dtype) << (withError ? ", error feedback" : "")
+                                             << (finite ? "" : ", not finite")) {
+          const int64_t rows = 37, cols = 300, rank = 3;
+          at::Tensor m = emutest::randn(rows * cols, 1).view({rows, cols}).to(dtype);
+          at::Tensor p = emutest::randn(rows * rank, 2).view({rows, rank}).to(dtype);
+          at::Tensor q = emutest::randn(cols * rank, 3).view({cols, rank}).to(dtype);
+          at::Tensor err = withError ? emutest::randn(rows * cols, 4).view({rows, cols}).to(dtype)
+                                     : at::Tensor();
+          at::Tensor errBefore = withError ? err.clone() : at::Tensor();
+          // The reference: sums in float (double for double), k in order.
+          const auto acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
+          at::Tensor pa = p.to(acc), qa = q.to(acc), ma = m.to(acc);
+          at::Tensor d = at::zeros({rows, cols}, acc);
+          for (int64_t k = 0; k < rank; ++k) {
+            d = d + pa.narrow(1, k, 1) * qa.narrow(1, k, 1).t();
+          }
+          at::Tensor approx = d.to(dtype);
+          at::Tensor wantErr = (ma - approx.to(acc)).to(dtype);
+          at::Tensor flag = at::full({}, finite, at::kBool);
+          REQUIRE(xcomm::cuda::powersgdReconstruct(m, err, p, q, flag));
+          if (finite) {
+            CHECK(emutest::sameBits(m, approx));
+            if (withError) CHECK(emutest::sameBits(err, wantErr));
+          } else {
+            CHECK(m.isnan().all().item<bool>());
+            if (withError) CHECK(emutest::sameBits(err, errBefore));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("emulated products P = M Q and Q = M^T P", "[emulated][powersgd]") {
+  MatmulEnv env;
+  struct Case {
+    int64_t rows, cols, rank;
+    int64_t offset;  // elements before M: 1 makes it unaligned (the scalar path)
+  };
+  const Case cases[] = {
+      {64, 128, 4, 0}, {33, 130, 1, 0}, {200, 96, 7, 1}, {5, 1024, 32, 0}, {300, 8, 16, 0}};
+  for (const auto& c : cases) {
+    for (auto dtype : {at::kFloat, at::kDouble}) {
+      DYNAMIC_SECTION(c.rows << " x " << c.cols << " rank " << c.rank << " offset " << c.offset
+                             << " " << c10::toString(dtype)) {
+        at::Tensor storage = emutest::randn(c.offset + c.rows * c.cols, 9).to(dtype);
+        at::Tensor m = storage.narrow(0, c.offset, c.rows * c.cols).view({c.rows, c.cols});
+        at::Tensor q = emutest::randn(c.cols * c.rank, 10).view({c.cols, c.rank}).to(dtype);
+        at::Tensor p = at::empty({c.rows, c.rank}, dtype);
+        const double tol = dtype == at::kFloat ? 1e-5 : 1e-13;
+        at::Tensor md = m.to(at::kDouble), qd = q.to(at::kDouble);
+
+        REQUIRE(xcomm::cuda::powersgdProject(p, m, q));
+        checkProduct(p, at::mm(md, qd), at::mm(md.abs(), qd.abs()), tol);
+        at::Tensor again = at::empty_like(p);
+        REQUIRE(xcomm::cuda::powersgdProject(again, m, q));
+        CHECK(emutest::sameBits(again, p));  // a fixed order: the same bits every time
+
+        at::Tensor pd = p.to(at::kDouble);
+        at::Tensor q2 = at::empty_like(q);
+        REQUIRE(xcomm::cuda::powersgdProjectBack(q2, m, p, at::full({}, true, at::kBool)));
+        checkProduct(q2, at::mm(md.t(), pd), at::mm(md.abs().t(), pd.abs()), tol);
+
+        at::Tensor kept = q.clone();
+        REQUIRE(xcomm::cuda::powersgdProjectBack(kept, m, p, at::full({}, false, at::kBool)));
+        CHECK(emutest::sameBits(kept, q));  // P not finite: Q keeps its warm start
+      }
+    }
+  }
+}
+
+TEST_CASE("emulated products are opt-in", "[emulated][powersgd]") {
+  unsetenv("XCOMM_POWERSGD_MATMUL");
+  at::Tensor m = at::ones({4, 4}), q = at::ones({4, 2}), p = at::empty({4, 2});
+  CHECK_FALSE(xcomm::cuda::powersgdProject(p, m, q));
+}
