@@ -785,6 +785,35 @@ at::Tensor matrixOf(const at::Tensor& flat, int64_t offset, int64_t rows, int64_
   return flat.narrow(0, offset, rows * cols).view({rows, cols});
 }
 
+// Orthonormalizes every matrix of `xs` (a bucket's Ps or Qs). Where xcomm's
+// CUDA kernels take them all, that is one launch per run of similar shapes,
+// and with `finite` the same launches say which matrix was finite before
+// (finite[c] a 0-dim bool on the device); otherwise one matrix at a time.
+void orthonormalizeAllOnDevice(const std::vector<at::Tensor>& xs, double eps,
+                               std::vector<at::Tensor>* finite) {
+  if (xs.empty()) return;
+  const bool householder = std::any_of(xs.begin(), xs.end(), [](const at::Tensor& x) {
+    return x.size(1) > 2 && x.scalar_type() == at::kDouble;
+  });
+  if (!householder) {
+    const auto count = static_cast<int64_t>(xs.size());
+    at::Tensor flags = finite != nullptr ? at::empty({count}, xs.front().options().dtype(at::kBool))
+                                         : at::Tensor();
+    if (cuda::gramSchmidtBatch(xs, eps, flags)) {
+      if (finite != nullptr) {
+        finite->clear();
+        for (int64_t c = 0; c < count; ++c) finite->push_back(flags.select(0, c));
+      }
+      return;
+    }
+  }
+  if (finite != nullptr) finite->clear();
+  for (const auto& x : xs) {
+    if (finite != nullptr) finite->push_back(at::isfinite(x).all());
+    orthonormalizeOnDevice(x, eps);
+  }
+}
+
 }  // namespace
 
 void PowerSgdCodec::prepareOnDevice(Bucket& b, const at::Tensor& buffer) {
@@ -792,11 +821,15 @@ void PowerSgdCodec::prepareOnDevice(Bucket& b, const at::Tensor& buffer) {
   // M + E for the compressed matrices and g + e for the rest: the residual
   // is laid out like the bucket.
   if (b.error.defined()) buffer.add_(b.error);
-  const double eps = options_.orthogonalizationEpsilon;
+  std::vector<at::Tensor> qs;
   for (int64_t i : plan.compressed) {
     const auto& t = plan.tensors[i];
-    at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
-    orthonormalizeOnDevice(q, eps);
+    qs.push_back(matrixOf(b.q, t.qOffset, t.cols, t.rank));
+  }
+  orthonormalizeAllOnDevice(qs, options_.orthogonalizationEpsilon, nullptr);
+  for (size_t c = 0; c < plan.compressed.size(); ++c) {
+    const auto& t = plan.tensors[plan.compressed[c]];
+    const at::Tensor& q = qs[c];
     at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
     at::Tensor m = matrixOf(buffer, t.offset, t.rows, t.cols);
     if (!cuda::powersgdProject(p, m, q)) at::mm_out(p, m, q);
@@ -832,13 +865,20 @@ void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
     }
     b.buffer.index_copy_(0, index, avg);
   }
+  // P is a sum over ranks: not finite on one rank, not finite on all alike.
+  std::vector<at::Tensor> ps;
   for (int64_t i : plan.compressed) {
     const auto& t = plan.tensors[i];
-    at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
-    // P is a sum over ranks: not finite on one rank, not finite on all alike.
-    at::Tensor finite = at::isfinite(p).all();
+    ps.push_back(matrixOf(b.wire, t.wireOffset, t.rows, t.rank));
+  }
+  std::vector<at::Tensor> finiteP;
+  orthonormalizeAllOnDevice(ps, options_.orthogonalizationEpsilon, &finiteP);
+  for (size_t c = 0; c < plan.compressed.size(); ++c) {
+    const int64_t i = plan.compressed[c];
+    const auto& t = plan.tensors[i];
+    const at::Tensor& p = ps[c];
+    const at::Tensor& finite = finiteP[c];
     b.finiteOnDevice[i] = finite;
-    orthonormalizeOnDevice(p, options_.orthogonalizationEpsilon);
     // A matrix whose P is not finite keeps its previous Q (its warm start).
     at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
     at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
@@ -850,10 +890,12 @@ void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
 void PowerSgdCodec::finishOnDevice(Bucket& b, int64_t worldSize) {
   const BucketPlan& plan = b.plan;
   const auto w = static_cast<double>(worldSize);
+  // Q is kept divided by the world size, as torch keeps it; the Q buffer
+  // holds the compressed matrices' Qs and nothing else: one division.
+  if (b.q.numel() > 0) b.q.div_(w);
   for (int64_t i : plan.compressed) {
     const auto& t = plan.tensors[i];
     at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
-    q.div_(w);  // kept divided by the world size, as torch keeps it
     at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
     at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
     const at::Tensor& finite = b.finiteOnDevice[i];

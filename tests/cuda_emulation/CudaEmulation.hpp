@@ -33,6 +33,7 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __restrict__ __restrict
+#define __launch_bounds__(...)
 
 namespace emu {
 

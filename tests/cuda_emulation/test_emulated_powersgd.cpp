@@ -5,8 +5,14 @@
 // products (their sums run in another order than a naive loop's).
 #include <cmath>
 #include <cstdlib>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include "EmulatedTestUtil.hpp"
+#include "compress/PowerSgdCodec.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 #include <catch2/catch.hpp>
@@ -73,6 +79,43 @@ TEST_CASE("emulated Gram-Schmidt matches torch's steps", "[emulated][powersgd]")
       }
     }
   }
+}
+
+TEST_CASE("emulated batched Gram-Schmidt: every matrix as alone, and whether it was finite",
+          "[emulated][powersgd]") {
+  // Shapes for the register kernel (several ranks: several launches), one
+  // too tall for it (8193 x 4) and one of too high a rank for it (40 x 20):
+  // those take the global-memory kernel.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {2048, 4}, {300, 4}, {8193, 4}, {50, 1}, {40, 20}, {1000, 4}, {0, 4}, {64, 8}, {3000, 2}};
+  for (auto dtype : {at::kFloat, at::kDouble}) {
+    DYNAMIC_SECTION(c10::toString(dtype)) {
+      std::vector<at::Tensor> xs, wants;
+      for (size_t i = 0; i < shapes.size(); ++i) {
+        const auto [rows, rank] = shapes[i];
+        at::Tensor x = emutest::randn(rows * rank, 40 + i).view({rows, rank}).to(dtype);
+        if (i == 5) x[17][2] = std::numeric_limits<double>::infinity();
+        if (i == 7) x[3][0] = std::numeric_limits<double>::quiet_NaN();
+        wants.push_back(gramSchmidtReference(x, 1e-8));
+        xs.push_back(x);
+      }
+      at::Tensor finite = at::full({static_cast<int64_t>(xs.size())}, false, at::kBool);
+      REQUIRE(xcomm::cuda::gramSchmidtBatch(xs, 1e-8, finite));
+      for (size_t i = 0; i < xs.size(); ++i) {
+        INFO("matrix " << i << ": " << shapes[i].first << " x " << shapes[i].second);
+        const bool wasFinite = i != 5 && i != 7;
+        CHECK(finite[i].item<bool>() == wasFinite);
+        if (!wasFinite) continue;
+        const double tol = dtype == at::kFloat ? 2e-4 : 1e-10;
+        const double worst = xs[i].numel() == 0
+                                 ? 0.0
+                                 : (xs[i].to(at::kDouble) - wants[i]).abs().max().item<double>();
+        CHECK(worst <= tol);
+      }
+    }
+  }
+  CHECK_FALSE(xcomm::cuda::gramSchmidtBatch({at::zeros({4, 2}), at::zeros({4, 2}, at::kDouble)},
+                                            0.0, at::Tensor()));  // mixed dtypes
 }
 
 TEST_CASE("emulated Gram-Schmidt declines what it does not handle", "[emulated][powersgd]") {
@@ -161,4 +204,87 @@ TEST_CASE("emulated products are opt-in", "[emulated][powersgd]") {
   unsetenv("XCOMM_POWERSGD_MATMUL");
   at::Tensor m = at::ones({4, 4}), q = at::ones({4, 2}), p = at::empty({4, 2});
   CHECK_FALSE(xcomm::cuda::powersgdProject(p, m, q));
+}
+
+namespace {
+
+struct RouteEnv {
+  explicit RouteEnv(bool matmul) {
+    setenv("XCOMM_POWERSGD_ROUTE", "aten", 1);
+    if (matmul) setenv("XCOMM_POWERSGD_MATMUL", "xcomm", 1);
+  }
+  ~RouteEnv() {
+    unsetenv("XCOMM_POWERSGD_ROUTE");
+    unsetenv("XCOMM_POWERSGD_MATMUL");
+  }
+};
+
+struct Bucket {
+  at::Tensor buffer;
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> keys;
+};
+
+// Two same-shaped matrices (one batch of Ps), another shape, and a bias.
+Bucket makeBucket() {
+  const std::vector<std::vector<int64_t>> shapes = {{64, 48}, {64, 48}, {100, 30}, {7}};
+  int64_t total = 0;
+  for (const auto& s : shapes) total += c10::multiply_integers(s);
+  Bucket b;
+  b.buffer = at::zeros({total});
+  int64_t offset = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const int64_t n = c10::multiply_integers(shapes[i]);
+    b.grads.push_back(b.buffer.narrow(0, offset, n).view(shapes[i]));
+    b.keys.push_back(static_cast<int64_t>(i));
+    offset += n;
+  }
+  return b;
+}
+
+void step(xcomm::PowerSgdCodec& codec, Bucket& b, uint64_t seed) {
+  codec.setLayout(0, b.buffer, b.grads, b.keys);
+  auto info =
+      codec.prepare(0, b.buffer, codec.needsSeed(0) ? std::optional<uint64_t>(seed) : std::nullopt);
+  at::Tensor q = codec.reduceP(0, info.wire.clone(), 1);
+  codec.finish(0, q.clone(), 1);
+}
+
+}  // namespace
+
+TEST_CASE("emulated PowerSGD device route gives the CPU route's steps", "[emulated][powersgd]") {
+  for (bool matmul : {false, true}) {
+    DYNAMIC_SECTION((matmul ? "xcomm products" : "ATen products")) {
+      xcomm::PowerSgdOptions opts;
+      opts.matrixApproximationRank = 4;
+      xcomm::PowerSgdCodec cpu(opts);
+      std::unique_ptr<xcomm::PowerSgdCodec> device;
+      {
+        RouteEnv env(matmul);  // read when the codec is made
+        device = std::make_unique<xcomm::PowerSgdCodec>(opts);
+      }
+      RouteEnv env(matmul);  // and the products' switch at each call
+      Bucket a = makeBucket(), b = makeBucket();
+      for (int s = 0; s < 4; ++s) {
+        at::Tensor g = emutest::randn(a.buffer.numel(), 70 + s);
+        if (s == 2) g[5] = std::numeric_limits<float>::quiet_NaN();  // matrix 0 not finite
+        a.buffer.copy_(g);
+        b.buffer.copy_(g);
+        step(cpu, a, 11);
+        step(*device, b, 11);
+        INFO("step " << s);
+        for (size_t i = 0; i < a.grads.size(); ++i) {
+          INFO("tensor " << i);
+          if (s == 2 && i == 0) {
+            CHECK(b.grads[0].isnan().all().item<bool>());  // NaN on every rank, as the CPU's
+            CHECK(a.grads[0].isnan().all().item<bool>());
+            continue;
+          }
+          const double scale = a.grads[i].abs().max().item<double>();
+          const double worst = (b.grads[i] - a.grads[i]).abs().max().item<double>();
+          CHECK(worst <= 1e-4 * scale);
+        }
+      }
+    }
+  }
 }

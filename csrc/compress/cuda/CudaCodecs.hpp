@@ -14,6 +14,7 @@
 // order per element, no FMA contraction (built with --fmad=false), and only
 // max as a reduction whose order could vary. tests/gpu checks this bit for bit.
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -68,6 +69,11 @@ void topkDecode(const at::Tensor& rows, int64_t k, float divisor, const at::Tens
 // float32/float64, on a GPU) in place, one kernel. Returns false (and does
 // nothing) for anything else, which the caller then orthonormalizes itself.
 bool gramSchmidt(const at::Tensor& x, double eps);
+// The same for every matrix of `xs` (one dtype, one device), as few launches
+// as their shapes allow (up to 32 matrices each); with `finite` (bool, one
+// entry per matrix, on their device), also whether each matrix was finite
+// before. Returns false (and does nothing) if any matrix does not apply.
+bool gramSchmidtBatch(const std::vector<at::Tensor>& xs, double eps, const at::Tensor& finite);
 // PowerSGD's last phase for one matrix, in one pass: with D = p q^T (`m`
 // rows x cols, `p` rows x rank, `q` cols x rank, all contiguous, one dtype),
 // err = m - D (when `err` is defined) and m = D; where `finite` (a 0-dim bool

@@ -51,6 +51,9 @@ void topkDecode(const at::Tensor&, int64_t, float, const at::Tensor&) {
 bool gramSchmidt(const at::Tensor&, double) {
   return false;  // the caller's ATen route
 }
+bool gramSchmidtBatch(const std::vector<at::Tensor>&, double, const at::Tensor&) {
+  return false;
+}
 
 bool powersgdReconstruct(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&) {

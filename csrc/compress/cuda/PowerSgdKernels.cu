@@ -1,10 +1,18 @@
-// PowerSGD's orthonormalization on the GPU: Gram-Schmidt of a rows x rank
-// matrix (row-major) in one thread block, instead of the ~6 ATen ops per
-// column (each a kernel launch and a host-side dispatch) that torch's hook
-// and xcomm's ATen route spend. Same steps as torch's hook: each column is
-// divided by (its norm + eps), then its projection is taken out of every
-// later column, the dot products all taken before any subtraction.
-// Reductions run in a fixed order, so every rank computes the same bits.
+// PowerSGD's orthonormalization on the GPU: Gram-Schmidt of rows x rank
+// matrices (row-major), one thread block per matrix and every matrix of a
+// bucket in one launch, instead of the ~6 ATen ops per column (each a kernel
+// launch and a host-side dispatch) that torch's hook and xcomm's ATen route
+// spend. Same steps as torch's hook: each column is divided by (its norm +
+// eps), then its projection is taken out of every later column, the dot
+// products all taken before any subtraction. Reductions run in a fixed
+// order, so every rank computes the same bits.
+//
+// Where the matrix fits (rank <= 16; float: up to 8192 rows at rank 4), each
+// thread holds its rows in registers: the matrix is read once and written
+// once, and a column costs one block reduction of all its dot products
+// (with the raw column: dot(x_i / n, x_j) = dot(x_i, x_j) / n). The same
+// pass tells whether the matrix was finite, which PowerSGD asks of P.
+// Larger matrices take a kernel that works in global memory.
 //
 // And the last phase, decompression with error feedback, as one pass over
 // the matrix: read M, write the residual and the approximation, where the
@@ -12,7 +20,10 @@
 // (six launches and about thirteen passes over the matrix).
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
+#include <ATen/ops/isfinite.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -25,6 +36,18 @@ namespace {
 
 constexpr int kGsThreads = 1024;
 constexpr int kMaxRank = 64;  // dot products kept in shared memory per column
+
+// One launch's matrices, passed by value (kernel parameters).
+constexpr int kGsBatch = 32;
+struct GsMatrix {
+  void* x;
+  int64_t rows;
+  int rank;
+  bool* finite;  // where to say whether x was finite, or null
+};
+struct GsBatch {
+  GsMatrix m[kGsBatch];
+};
 
 template <typename T>
 __device__ T blockSum(T v, T* shared) {
@@ -64,6 +87,73 @@ __global__ void gramSchmidtKernel(T* x, int64_t rows, int rank, T eps) {
       for (int j = i + 1; j < rank; ++j) x[r * rank + j] -= dots[j] * c;
     }
     __syncthreads();
+  }
+}
+
+// Gram-Schmidt with the matrix in registers: thread t holds rows t, t +
+// blockDim, ... (kRows of them) and R columns (the first `rank` used).
+template <typename T, int R, int kRows>
+__global__ void __launch_bounds__(1024) gramSchmidtRegsKernel(GsBatch batch, T eps) {
+  const GsMatrix& mat = batch.m[blockIdx.x];
+  T* x = static_cast<T*>(mat.x);
+  const int64_t rows = mat.rows;
+  const int rank = mat.rank;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int warps = static_cast<int>(blockDim.x / 32);
+  T v[kRows][R];
+  bool finite = true;
+#pragma unroll
+  for (int a = 0; a < kRows; ++a) {
+    const int64_t r = static_cast<int64_t>(a) * blockDim.x + tid;
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+      v[a][c] = r < rows && c < rank ? x[r * rank + c] : T(0);
+      finite = finite && isfinite(v[a][c]);
+    }
+  }
+  if (mat.finite != nullptr) {
+    const int all = __syncthreads_and(finite);
+    if (tid == 0) *mat.finite = all != 0;
+  }
+  __shared__ T partial[2][32][R];  // per warp; by column parity, so one barrier a column
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (i >= rank) break;
+#pragma unroll
+    for (int j = i; j < R; ++j) {
+      if (j >= rank) break;
+      T d = T(0);
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) d += v[a][i] * v[a][j];
+      for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      if (lane == 0) partial[i & 1][warp][j] = d;
+    }
+    __syncthreads();
+    T total[R];
+#pragma unroll
+    for (int j = i; j < R; ++j) {
+      if (j >= rank) break;
+      total[j] = T(0);
+      for (int w = 0; w < warps; ++w) total[j] += partial[i & 1][w][j];
+    }
+    const T norm = sqrt(total[i]) + eps;
+#pragma unroll
+    for (int a = 0; a < kRows; ++a) v[a][i] /= norm;
+#pragma unroll
+    for (int j = i + 1; j < R; ++j) {
+      if (j >= rank) break;
+      const T dot = total[j] / norm;
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) v[a][j] -= dot * v[a][i];
+    }
+  }
+#pragma unroll
+  for (int a = 0; a < kRows; ++a) {
+    const int64_t r = static_cast<int64_t>(a) * blockDim.x + tid;
+#pragma unroll
+    for (int c = 0; c < R; ++c) {
+      if (r < rows && c < rank) x[r * rank + c] = v[a][c];
+    }
   }
 }
 
@@ -156,24 +246,133 @@ bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::T
   }
 }
 
-bool gramSchmidt(const at::Tensor& x, double eps) {
-  if (!onKernelDevice(x) || !x.is_contiguous() || x.dim() != 2 || x.size(1) > kMaxRank ||
-      (x.scalar_type() != at::kFloat && x.scalar_type() != at::kDouble)) {
+namespace {
+
+// Rows per thread of the register kernel for rank R: about 32 floats or 16
+// doubles a thread, so 1024 threads' values fit their 64 registers each.
+template <typename T>
+constexpr int rowsPerThread(int r) {
+  const int values = sizeof(T) == 4 ? 32 : 16;
+  return std::max(1, std::min(8, values / r));
+}
+
+template <typename T, int R>
+void launchGramSchmidtRegs(const std::vector<at::Tensor>& xs, size_t first, size_t count,
+                           double eps, bool* finite, cudaStream_t stream) {
+  constexpr int kRows = rowsPerThread<T>(R);
+  GsBatch batch{};
+  int64_t maxRows = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const at::Tensor& x = xs[first + i];
+    batch.m[i] = {x.data_ptr(), x.size(0), static_cast<int>(x.size(1)),
+                  finite != nullptr ? finite + first + i : nullptr};
+    maxRows = std::max(maxRows, x.size(0));
+  }
+  const int64_t perThread = (maxRows + kRows - 1) / kRows;
+  const int threads = static_cast<int>(std::clamp<int64_t>((perThread + 31) / 32 * 32, 32, 1024));
+  gramSchmidtRegsKernel<T, R, kRows>
+      <<<static_cast<unsigned>(count), threads, 0, stream>>>(batch, static_cast<T>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Calls fn(std::integral_constant<int, R>{}) with R the smallest of 1, 2, 4,
+// 8, 16 at least `rank`.
+template <typename Fn>
+void withGsRank(int64_t rank, Fn&& fn) {
+  if (rank <= 1) {
+    fn(std::integral_constant<int, 1>{});
+  } else if (rank <= 2) {
+    fn(std::integral_constant<int, 2>{});
+  } else if (rank <= 4) {
+    fn(std::integral_constant<int, 4>{});
+  } else if (rank <= 8) {
+    fn(std::integral_constant<int, 8>{});
+  } else {
+    fn(std::integral_constant<int, 16>{});
+  }
+}
+
+constexpr int64_t kRegsMaxRank = 16;
+
+bool fitsRegisters(const at::Tensor& x) {
+  const int64_t rank = x.size(1);
+  int64_t r = 1;
+  while (r < rank) r *= 2;
+  const int perThread = x.scalar_type() == at::kDouble ? rowsPerThread<double>(static_cast<int>(r))
+                                                       : rowsPerThread<float>(static_cast<int>(r));
+  return rank <= kRegsMaxRank && x.size(0) <= int64_t{1024} * perThread;
+}
+
+}  // namespace
+
+bool gramSchmidtBatch(const std::vector<at::Tensor>& xs, double eps, const at::Tensor& finite) {
+  if (xs.empty()) return true;
+  const at::Tensor& x0 = xs.front();
+  const auto dtype = x0.scalar_type();
+  if (dtype != at::kFloat && dtype != at::kDouble) return false;
+  for (const auto& x : xs) {
+    if (!onKernelDevice(x) || x.device() != x0.device() || !x.is_contiguous() || x.dim() != 2 ||
+        x.scalar_type() != dtype || x.size(1) > kMaxRank) {
+      return false;
+    }
+  }
+  if (finite.defined() && (!onKernelDevice(finite) || finite.device() != x0.device() ||
+                           finite.scalar_type() != at::kBool || !finite.is_contiguous() ||
+                           finite.numel() != static_cast<int64_t>(xs.size()))) {
     return false;
   }
-  if (x.numel() == 0) return true;
-  DeviceGuard guard(x.device());
-  const auto stream = streamFor(x);
-  const auto rank = static_cast<int>(x.size(1));
-  if (x.scalar_type() == at::kFloat) {
-    gramSchmidtKernel<float><<<1, kGsThreads, 0, stream>>>(x.data_ptr<float>(), x.size(0), rank,
-                                                           static_cast<float>(eps));
-  } else {
-    gramSchmidtKernel<double>
-        <<<1, kGsThreads, 0, stream>>>(x.data_ptr<double>(), x.size(0), rank, eps);
+  DeviceGuard guard(x0.device());
+  const auto stream = streamFor(x0);
+  bool* flags = finite.defined() ? finite.data_ptr<bool>() : nullptr;
+  // Runs of matrices with the same register shape share a launch.
+  size_t i = 0;
+  while (i < xs.size()) {
+    const at::Tensor& x = xs[i];
+    if (x.numel() == 0 || !fitsRegisters(x)) {
+      if (x.numel() > 0) {
+        if (flags != nullptr) {
+          at::Tensor flag = finite.narrow(0, static_cast<int64_t>(i), 1).view({});
+          flag.copy_(at::isfinite(x).all());
+        }
+        const auto rank = static_cast<int>(x.size(1));
+        if (dtype == at::kFloat) {
+          gramSchmidtKernel<float><<<1, kGsThreads, 0, stream>>>(x.data_ptr<float>(), x.size(0),
+                                                                 rank, static_cast<float>(eps));
+        } else {
+          gramSchmidtKernel<double>
+              <<<1, kGsThreads, 0, stream>>>(x.data_ptr<double>(), x.size(0), rank, eps);
+        }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else if (flags != nullptr) {
+        finite.narrow(0, static_cast<int64_t>(i), 1).fill_(true);
+      }
+      ++i;
+      continue;
+    }
+    int64_t r = 1;
+    while (r < x.size(1)) r *= 2;
+    size_t count = 1;
+    while (i + count < xs.size() && count < static_cast<size_t>(kGsBatch)) {
+      const at::Tensor& y = xs[i + count];
+      int64_t ry = 1;
+      while (ry < y.size(1)) ry *= 2;
+      if (y.numel() == 0 || !fitsRegisters(y) || ry != r) break;
+      ++count;
+    }
+    withGsRank(r, [&](auto rank) {
+      if (dtype == at::kFloat) {
+        launchGramSchmidtRegs<float, decltype(rank)::value>(xs, i, count, eps, flags, stream);
+      } else {
+        launchGramSchmidtRegs<double, decltype(rank)::value>(xs, i, count, eps, flags, stream);
+      }
+    });
+    i += count;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return true;
+}
+
+bool gramSchmidt(const at::Tensor& x, double eps) {
+  return gramSchmidtBatch({x}, eps, at::Tensor());
 }
 
 }  // namespace cuda
