@@ -67,7 +67,6 @@ struct Select {
   uint32_t offset[kMaxWarps];  // per warp: where its entries start in the payload
   // The sampled path.
   uint32_t sampleTop[kTopBins];   // the sample's histogram of bits 30..20
-  uint32_t threshold;             // candidates: magnitude key >= threshold
   uint32_t fallback;              // 1: the candidates fell short; select over every entry
   uint32_t count[kSubLists][32];  // entries appended per sub-list (one per 128-byte line)
   uint32_t fine[kFineBins];
@@ -221,15 +220,72 @@ __device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int6
   }
 }
 
-// For the entries in the chosen top bin: the coarse and fine histograms of
-// their other 20 bits. Over every entry (the radix path, or the sampled
-// path's fallback), or over the candidates.
+// In hist[0, kBins), counted from the top bin down: the bin that holds the
+// need-th largest entry, and how many of that bin's entries are still
+// needed. Block-wide, kBlock threads (every thread gets the answer); bin 0
+// and `need` when the histogram holds fewer than `need` entries.
+template <int kBlock, int kBins>
+struct BinPick {
+  static_assert(kBins % kBlock == 0, "whole bins per thread");
+  static constexpr int kPer = kBins / kBlock;
+  using Scan = cub::BlockScan<uint32_t, kBlock>;
+  struct Storage {
+    typename Scan::TempStorage scan;
+    uint32_t bin;
+    int64_t left;
+  };
+  __device__ static void run(Storage& st, const uint32_t* hist, int64_t need, uint32_t* bin,
+                             int64_t* left) {
+    // Thread t holds bins kBins-1-t*kPer down to kBins-(t+1)*kPer: descending,
+    // so an exclusive scan counts the entries in the bins above each.
+    const int hi = kBins - 1 - static_cast<int>(threadIdx.x) * kPer;
+    uint32_t c[kPer];
+    uint32_t mine = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      c[j] = hist[hi - j];
+      mine += c[j];
+    }
+    if (threadIdx.x == 0) {
+      st.bin = 0;
+      st.left = need;
+    }
+    uint32_t before = 0;
+    Scan(st.scan).ExclusiveSum(mine, before);
+    __syncthreads();
+    int64_t above = before;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      if (above < need && above + c[j] >= need) {  // one thread, one bin
+        st.bin = static_cast<uint32_t>(hi - j);
+        st.left = need - above;
+      }
+      above += c[j];
+    }
+    __syncthreads();
+    *bin = st.bin;
+    *left = st.left;
+    __syncthreads();  // st may be reused
+  }
+};
+
+// For the entries in the top bin that holds the k-th largest key (picked
+// here, by every block alike, from the top histogram; block 0 records it):
+// the coarse and fine histograms of their other 20 bits. Over every entry
+// (the radix path, or the sampled path's fallback), or over the candidates.
 template <bool kVec>
-__global__ void refineKernel(const float* vals, int64_t n, int64_t per, Select* sel,
+__global__ void refineKernel(const float* vals, int64_t n, int64_t per, int64_t k, Select* sel,
                              const uint2* cand, uint32_t subCap, bool everyEntry) {
   __shared__ uint32_t hist[kCoarseBins];
+  __shared__ typename BinPick<kThreads, kTopBins>::Storage pick;
+  uint32_t top = 0;
+  int64_t need = 0;
+  BinPick<kThreads, kTopBins>::run(pick, sel->top, k, &top, &need);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    sel->prefix = top;
+    sel->need = need;
+  }
   clearShared(hist, kCoarseBins);
-  const uint32_t top = sel->prefix;
   forEachEntry<kVec>(everyEntry || sel->fallback != 0, vals, n, per, sel, cand, subCap,
                      [&](int64_t, uint32_t key, bool valid) {
                        const bool in = valid && (key >> 20) == top;
@@ -241,57 +297,23 @@ __global__ void refineKernel(const float* vals, int64_t n, int64_t per, Select* 
   flushShared(hist, sel->coarse, kCoarseBins);
 }
 
-// One block of 1024 threads: in hist[0, 2^bits), the bin that holds the
-// need-th largest entry; appends it to the prefix and takes the entries in
-// the bins above it off `need`.
-__global__ void pickKernel(const uint32_t* hist, int bits, Select* sel) {
-  using Scan = cub::BlockScan<uint32_t, 1024>;
-  __shared__ typename Scan::TempStorage temp;
-  const int bins = 1 << bits;
-  // Thread t holds bins (bins-1-2t, bins-2-2t): descending, so an exclusive
-  // scan counts the entries in the bins above each.
-  const int hiBin = bins - 1 - 2 * static_cast<int>(threadIdx.x), loBin = hiBin - 1;
-  const uint32_t cHi = hiBin >= 0 ? hist[hiBin] : 0u;
-  const uint32_t cLo = loBin >= 0 ? hist[loBin] : 0u;
-  uint32_t before = 0;
-  Scan(temp).ExclusiveSum(cHi + cLo, before);
-  const int64_t need = sel->need;
-  __syncthreads();
-  const int64_t atOrAbove = static_cast<int64_t>(before) + cHi;
-  if (hiBin >= 0 && before < need && atOrAbove >= need) {
-    sel->prefix = (sel->prefix << bits) | static_cast<uint32_t>(hiBin);
-    sel->need = need - before;
-  } else if (loBin >= 0 && atOrAbove < need && atOrAbove + cLo >= need) {
-    sel->prefix = (sel->prefix << bits) | static_cast<uint32_t>(loBin);
-    sel->need = need - atOrAbove;
-  }
-}
-
-// pickKernel over the fine bins under the chosen coarse bin.
-__global__ void pickFineKernel(Select* sel) {
-  // The coarse pick left prefix = top << 10 | coarse; its fine bins follow.
-  const uint32_t coarse = sel->prefix & (kCoarseBins - 1);
-  __shared__ uint32_t hist[kCoarseBins];
+// One block of 1024 threads: the coarse bin (bits 19..10) under the chosen
+// top bin, then the fine bin (bits 9..0) under it; leaves the k-th key in
+// `prefix` and in `need` how many of the entries equal to it to take.
+__global__ void pickLowKernel(Select* sel) {
+  __shared__ typename BinPick<1024, kCoarseBins>::Storage pick;
+  __shared__ uint32_t fine[kCoarseBins];
+  uint32_t coarse = 0, bin = 0;
+  int64_t need = 0;
+  BinPick<1024, kCoarseBins>::run(pick, sel->coarse, sel->need, &coarse, &need);
   for (int b = threadIdx.x; b < kCoarseBins; b += blockDim.x) {
-    hist[b] = sel->fine[(coarse << 10) | static_cast<uint32_t>(b)];
+    fine[b] = sel->fine[(coarse << 10) | static_cast<uint32_t>(b)];
   }
   __syncthreads();
-  using Scan = cub::BlockScan<uint32_t, 1024>;
-  __shared__ typename Scan::TempStorage temp;
-  const int hiBin = kCoarseBins - 1 - 2 * static_cast<int>(threadIdx.x), loBin = hiBin - 1;
-  const uint32_t cHi = hiBin >= 0 ? hist[hiBin] : 0u;
-  const uint32_t cLo = loBin >= 0 ? hist[loBin] : 0u;
-  uint32_t before = 0;
-  Scan(temp).ExclusiveSum(cHi + cLo, before);
-  const int64_t need = sel->need;
-  __syncthreads();
-  const int64_t atOrAbove = static_cast<int64_t>(before) + cHi;
-  if (hiBin >= 0 && before < need && atOrAbove >= need) {
-    sel->prefix = (sel->prefix << 10) | static_cast<uint32_t>(hiBin);
-    sel->need = need - before;
-  } else if (loBin >= 0 && atOrAbove < need && atOrAbove + cLo >= need) {
-    sel->prefix = (sel->prefix << 10) | static_cast<uint32_t>(loBin);
-    sel->need = need - atOrAbove;
+  BinPick<1024, kCoarseBins>::run(pick, fine, need, &bin, &need);
+  if (threadIdx.x == 0) {
+    sel->prefix = (((sel->prefix << 10) | coarse) << 10) | bin;
+    sel->need = need;
   }
 }
 
@@ -468,36 +490,25 @@ __global__ void sampleKernel(const float* src, const float* res, int64_t n, int 
   flushShared(hist, sel->sampleTop, kTopBins);
 }
 
-// One block of 1024 threads: the threshold, the lower edge of the top bin
-// at which the sample holds its expected share of the top k plus four
-// standard deviations and 8. Left 0 (every entry a candidate) when the
-// sample never gets there.
-__global__ void thresholdKernel(int samples, int64_t n, int64_t k, Select* sel) {
-  using Scan = cub::BlockScan<uint32_t, 1024>;
-  __shared__ typename Scan::TempStorage temp;
-  const double expected = static_cast<double>(samples) * static_cast<double>(k) / n;
-  const double want = ceil(expected + 4.0 * sqrt(expected) + 8.0);
-  const int hiBin = kTopBins - 1 - 2 * static_cast<int>(threadIdx.x), loBin = hiBin - 1;
-  const uint32_t cHi = hiBin >= 0 ? sel->sampleTop[hiBin] : 0u;
-  const uint32_t cLo = loBin >= 0 ? sel->sampleTop[loBin] : 0u;
-  uint32_t before = 0;
-  Scan(temp).ExclusiveSum(cHi + cLo, before);
-  const double atOrAbove = static_cast<double>(before) + cHi;
-  if (hiBin >= 0 && before < want && atOrAbove >= want) {
-    sel->threshold = static_cast<uint32_t>(hiBin) << 20;
-  } else if (loBin >= 0 && atOrAbove < want && atOrAbove + cLo >= want) {
-    sel->threshold = static_cast<uint32_t>(loBin) << 20;
-  }
-}
-
 // a = src + residual, stored into residual (when both are given), as in
 // prepareKernel; every entry whose key is at or above the threshold is
 // appended to a sub-list as (index, key). One atomic per warp per step,
 // on a sub-list that changes from step to step and warp to warp.
+//
+// The threshold, which every block computes alike from the sample's
+// histogram: the lower edge of the top bin at which the sample holds its
+// expected share of the top k plus four standard deviations and 8; 0
+// (every entry a candidate) when the sample never gets there.
 template <bool kVec>
-__global__ void addSelectKernel(const float* src, float* res, int64_t n, int64_t per, Select* sel,
-                                uint2* cand, uint32_t subCap) {
-  const uint32_t threshold = sel->threshold;
+__global__ void addSelectKernel(const float* src, float* res, int64_t n, int64_t per, int64_t k,
+                                int samples, Select* sel, uint2* cand, uint32_t subCap) {
+  __shared__ typename BinPick<kThreads, kTopBins>::Storage pick;
+  const double expected = static_cast<double>(samples) * static_cast<double>(k) / n;
+  const auto want = static_cast<int64_t>(ceil(expected + 4.0 * sqrt(expected) + 8.0));
+  uint32_t bin = 0;
+  int64_t unused = 0;
+  BinPick<kThreads, kTopBins>::run(pick, sel->sampleTop, want, &bin, &unused);
+  const uint32_t threshold = bin << 20;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const Range r = warpRange(n, per);
   int64_t iteration = 0;
@@ -649,28 +660,21 @@ bool sampledPathFor(int64_t n, int64_t k) {
   return n >= (int64_t{1} << 16) && k * 8 <= n;
 }
 
-// With the top histogram filled: the k-th key, 11 + 10 + 10 bits (picks
-// and the refine pass over every entry, or over the candidates), and in
+// With the top histogram filled: the k-th key, 11 + 10 + 10 bits (the refine
+// pass over every entry, or over the candidates, then the low picks), and in
 // sel->need how many of the entries equal to it to take.
-void pickKthKey(bool vec, const float* vals, int64_t n, int64_t per, Select* sel, const uint2* cand,
-                uint32_t subCap, bool everyEntry, int blocks, cudaStream_t stream) {
-  // Device addresses: computed from the offsets, never through `sel`.
-  auto* bytes = reinterpret_cast<uint8_t*>(sel);
-  const auto* top = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, top));
-  const auto* coarse = reinterpret_cast<const uint32_t*>(bytes + offsetof(Select, coarse));
-  pickKernel<<<1, 1024, 0, stream>>>(top, 11, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void pickKthKey(bool vec, const float* vals, int64_t n, int64_t per, int64_t k, Select* sel,
+                const uint2* cand, uint32_t subCap, bool everyEntry, int blocks,
+                cudaStream_t stream) {
   if (vec) {
     refineKernel<true>
-        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, everyEntry);
+        <<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap, everyEntry);
   } else {
     refineKernel<false>
-        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, everyEntry);
+        <<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap, everyEntry);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKernel<<<1, 1024, 0, stream>>>(coarse, 10, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickFineKernel<<<1, 1024, 0, stream>>>(sel);
+  pickLowKernel<<<1, 1024, 0, stream>>>(sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -703,19 +707,19 @@ void topkEncodeSampled(const float* s, float* res, const float* vals, bool vec, 
 
   sampleKernel<<<(samples + 1023) / 1024, 1024, 0, stream>>>(s, res, n, samples, k, sel);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  thresholdKernel<<<1, 1024, 0, stream>>>(samples, n, k, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (vec) {
-    addSelectKernel<true><<<blocks, kThreads, 0, stream>>>(s, res, n, per, sel, cand, subCap);
+    addSelectKernel<true>
+        <<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, samples, sel, cand, subCap);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     candidateTopKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
   } else {
-    addSelectKernel<false><<<blocks, kThreads, 0, stream>>>(s, res, n, per, sel, cand, subCap);
+    addSelectKernel<false>
+        <<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, samples, sel, cand, subCap);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     candidateTopKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKthKey(vec, vals, n, per, sel, cand, subCap, false, blocks, stream);
+  pickKthKey(vec, vals, n, per, k, sel, cand, subCap, false, blocks, stream);
   if (vec) {
     markKernel<true>
         <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, above, equal);
@@ -780,7 +784,7 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
     prepareKernel<false><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKthKey(vec, vals, n, per, sel, nullptr, 0, true, blocks, stream);
+  pickKthKey(vec, vals, n, per, k, sel, nullptr, 0, true, blocks, stream);
   if (vec) {
     countKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
   } else {
