@@ -50,6 +50,7 @@ struct LaunchState {
 
 // The launch in progress: launches run one at a time, from one OS thread.
 LaunchState* active = nullptr;
+uint64_t launchCount = 0;
 
 LaunchState& current() {
   if (active == nullptr || active->current == nullptr) {
@@ -199,8 +200,13 @@ void trap() {
   throw Trapped{};
 }
 
+uint64_t launches() {
+  return launchCount;
+}
+
 void run(dim3 grid, dim3 block, size_t sharedBytes, const std::function<void()>& thread) {
   if (active != nullptr) throw std::logic_error("emulated CUDA: a kernel launched another");
+  ++launchCount;
   const unsigned threads = block.x * block.y * block.z;
   if (threads == 0 || threads > 1024) {
     throw std::invalid_argument("emulated CUDA: a block must have 1 to 1024 threads, got " +

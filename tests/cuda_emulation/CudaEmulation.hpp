@@ -58,6 +58,8 @@ void* dynamicShared();
 
 // Runs `thread` once per thread of every block (blocks in order).
 void run(dim3 grid, dim3 block, size_t sharedBytes, const std::function<void()>& thread);
+// Kernel launches so far (tests count what a step costs in launches).
+uint64_t launches();
 
 template <typename Kernel>
 struct Launch {
