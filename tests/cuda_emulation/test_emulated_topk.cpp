@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "EmulatedTestUtil.hpp"
@@ -132,7 +133,10 @@ TEST_CASE("emulated top-k encode handles NaN, Inf and unaligned buffers", "[emul
 }
 
 TEST_CASE("emulated top-k decode sums ranks in order and divides once", "[emulated][topk]") {
-  const int64_t n = 5000, k = 300;
+  // 5000: two output tiles; 50000 with 2000 pairs: thirteen tiles, and the
+  // tiles' searches of the index lists take several rounds.
+  const auto [n, k] =
+      GENERATE(std::pair<int64_t, int64_t>{5000, 300}, std::pair<int64_t, int64_t>{50000, 2000});
   const int world = 3;
   std::vector<at::Tensor> payloads;
   for (int r = 0; r < world; ++r) {
@@ -167,6 +171,23 @@ TEST_CASE("emulated top-k decode sums ranks in order and divides once", "[emulat
     INFO("divisor " << divisor << ", first difference at " << emutest::firstDifference(out, want));
     CHECK(emutest::sameBits(out, want));
   }
+}
+
+TEST_CASE("emulated top-k decode rejects indices out of order", "[emulated][topk]") {
+  const int64_t n = 100, k = 3;
+  at::Tensor rows = at::zeros({1, 8 * k}, at::kByte);
+  auto* idx = reinterpret_cast<int32_t*>(rows.data_ptr<uint8_t>());
+  idx[0] = 3;
+  idx[1] = 9;
+  idx[2] = 9;  // twice: a payload no encode writes
+  at::Tensor out = at::zeros({n});
+  CHECK_THROWS_WITH(xcomm::cuda::topkDecode(rows, k, 1.f, out), Catch::Contains("__trap"));
+}
+
+TEST_CASE("emulated top-k decode of nothing writes zeros", "[emulated][topk]") {
+  at::Tensor out = at::full({9000}, 3.f);
+  xcomm::cuda::topkDecode(at::zeros({2, 0}, at::kByte), 0, 1.f, out);
+  CHECK(at::equal(out, at::zeros({9000})));
 }
 
 TEST_CASE("emulated top-k decode rejects an index outside the bucket", "[emulated][topk]") {

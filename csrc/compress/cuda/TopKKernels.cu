@@ -430,40 +430,73 @@ __global__ void writeKernel(const float* vals, float* res, int64_t n, int64_t pe
   }
 }
 
-// out[idx] += val for one rank's pairs (indices distinct within a rank).
-__global__ void scatterAddKernel(const int32_t* idx, const float* val, int64_t k, int64_t n,
-                                 float* out) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < k;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int32_t p = idx[i];
-    if (p < 0 || p >= n) __trap();  // a corrupt payload: fail the stream, never write outside
-    out[p] = __fadd_rn(out[p], val[i]);
+// The decode: each block owns a tile of the output, sums into it in shared
+// memory every rank's pairs that fall there, in rank order, divides the
+// touched entries once, and writes the tile whole (zeros included): one
+// pass over the output instead of a memset, a scatter per rank and a
+// division pass.
+constexpr int kDecodeTile = 4096;
+constexpr int kDecodeThreads = 256;
+
+// The first position of the ascending list[0, k) whose value is >= target,
+// found by the whole block: rounds of one probe per thread (three rounds
+// for a million pairs), all threads getting the same answer.
+__device__ inline int64_t blockLowerBound(const int32_t* list, int64_t k, int64_t target) {
+  const int64_t threads = blockDim.x, t = threadIdx.x;
+  int64_t lo = 0, hi = k;  // the answer lies in [lo, hi]
+  while (true) {
+    const int64_t len = hi - lo;
+    if (len <= threads) {
+      return lo + __syncthreads_count(t < len && list[lo + t] < target);
+    }
+    const int below = __syncthreads_count(list[lo + len * t / threads] < target);
+    if (below == 0) return lo;  // the first probe is lo itself
+    // Probes 0 .. below - 1 are under the target, probe `below` (or hi) is not.
+    const int64_t nextLo = lo + len * (below - 1) / threads + 1;
+    hi = below < threads ? lo + len * below / threads : hi;
+    lo = nextLo;
   }
 }
 
-// Divides each touched entry once: a pair divides unless a later rank holds
-// the same index (each rank's indices ascend, so a binary search finds it).
-__global__ void divideKernel(const uint8_t* rows, int64_t rowBytes, int world, int64_t k,
+// rows: `world` payloads of [k int32 indices ascending | k float32 values].
+// A corrupt payload (an index outside the output, or out of order) fails
+// the stream: every block checks its share of the indices first.
+__global__ void decodeKernel(const uint8_t* rows, int64_t rowBytes, int world, int64_t k, int64_t n,
                              float divisor, float* out) {
-  const int64_t total = static_cast<int64_t>(world) * k;
-  for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < total;
-       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int r = static_cast<int>(t / k);
-    const int32_t p = reinterpret_cast<const int32_t*>(rows + r * rowBytes)[t - r * k];
-    bool later = false;
-    for (int q = r + 1; q < world && !later; ++q) {
-      const int32_t* list = reinterpret_cast<const int32_t*>(rows + q * rowBytes);
-      int64_t lo = 0, hi = k;
-      while (lo < hi) {
-        const int64_t mid = (lo + hi) / 2;
-        if (list[mid] < p)
-          lo = mid + 1;
-        else
-          hi = mid;
-      }
-      later = lo < k && list[lo] == p;
+  __shared__ float tile[kDecodeTile];
+  __shared__ uint32_t touched[kDecodeTile / 32];
+  const int t = static_cast<int>(threadIdx.x);
+  const int64_t lo = static_cast<int64_t>(blockIdx.x) * kDecodeTile;
+  const int64_t hi = min(n, lo + kDecodeTile);
+  for (int i = t; i < kDecodeTile; i += blockDim.x) tile[i] = 0.f;
+  for (int i = t; i < kDecodeTile / 32; i += blockDim.x) touched[i] = 0u;
+  const int64_t share = (k + gridDim.x - 1) / gridDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * share;
+  const int64_t last = min(k, first + share);
+  for (int r = 0; r < world; ++r) {
+    const auto* idx = reinterpret_cast<const int32_t*>(rows + r * rowBytes);
+    for (int64_t j = first + t; j < last; j += blockDim.x) {
+      const int32_t p = idx[j];
+      if (p < 0 || p >= n || (j + 1 < k && idx[j + 1] <= p)) __trap();
     }
-    if (!later) out[p] = __fdiv_rn(out[p], divisor);
+  }
+  __syncthreads();
+  for (int r = 0; r < world; ++r) {  // rank order: the same bits on every rank
+    const auto* idx = reinterpret_cast<const int32_t*>(rows + r * rowBytes);
+    const auto* val = reinterpret_cast<const float*>(rows + r * rowBytes + 4 * k);
+    const int64_t begin = blockLowerBound(idx, k, lo);
+    const int64_t end = blockLowerBound(idx, k, hi);
+    for (int64_t j = begin + t; j < end; j += blockDim.x) {
+      const auto p = static_cast<int>(idx[j] - lo);  // distinct within a rank
+      tile[p] = __fadd_rn(tile[p], val[j]);
+      atomicOr(&touched[p >> 5], 1u << (p & 31));  // a word's bits: several threads
+    }
+    __syncthreads();
+  }
+  for (int64_t i = t; i < hi - lo; i += blockDim.x) {
+    float v = tile[i];
+    if (divisor != 1.f && (touched[i >> 5] >> (i & 31) & 1u) != 0u) v = __fdiv_rn(v, divisor);
+    out[lo + i] = v;
   }
 }
 
@@ -812,27 +845,11 @@ void topkDecode(const at::Tensor& rows, int64_t k, float divisor, const at::Tens
   const int64_t n = out.numel();
   if (n == 0) return;
   DeviceGuard guard(out.device());
-  const auto stream = streamFor(out);
-  C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr<float>(), 0, n * sizeof(float), stream));
-  const int world = static_cast<int>(rows.size(0));
-  if (k == 0 || world == 0) return;
-  const auto* base = rows.data_ptr<uint8_t>();
-  const int64_t rowBytes = rows.size(1);
-  const unsigned blocks = blocksFor(k, kThreads) > 4096 ? 4096 : blocksFor(k, kThreads);
-  for (int r = 0; r < world; ++r) {  // rank order: the same bits on every rank
-    const uint8_t* row = base + r * rowBytes;
-    scatterAddKernel<<<blocks, kThreads, 0, stream>>>(reinterpret_cast<const int32_t*>(row),
-                                                      reinterpret_cast<const float*>(row + 4 * k),
-                                                      k, n, out.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  if (divisor != 1.f) {
-    const unsigned dblocks =
-        blocksFor(world * k, kThreads) > 4096 ? 4096 : blocksFor(world * k, kThreads);
-    divideKernel<<<dblocks, kThreads, 0, stream>>>(base, rowBytes, world, k, divisor,
-                                                   out.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  const auto world = static_cast<int>(k == 0 ? 0 : rows.size(0));
+  const auto blocks = static_cast<unsigned>((n + kDecodeTile - 1) / kDecodeTile);
+  decodeKernel<<<blocks, kDecodeThreads, 0, streamFor(out)>>>(
+      rows.data_ptr<uint8_t>(), rows.size(1), world, k, n, divisor, out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda
