@@ -2,6 +2,8 @@
 // What every codec kernel file shares: the caller's stream, a launch check,
 // and the block-wide reductions.
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -48,6 +50,26 @@ inline void checkDevice(const at::Tensor& t, const char* what) {
   TORCH_CHECK(onKernelDevice(t) && t.is_contiguous(), "xcomm: ", what,
               " must be a contiguous CUDA tensor, got ", t.device(),
               t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+// Calls fn(std::integral_constant<int, R>{}) with R the smallest power of two
+// at least n, and at most kMax: a kernel's compile-time width for a runtime
+// size (a PowerSGD rank, say).
+template <int R, int kMax, typename Fn>
+void withPowerOfTwoFrom(int64_t n, Fn&& fn) {
+  if constexpr (R >= kMax) {
+    fn(std::integral_constant<int, R>{});
+  } else {
+    if (n <= R) {
+      fn(std::integral_constant<int, R>{});
+    } else {
+      withPowerOfTwoFrom<R * 2, kMax>(n, std::forward<Fn>(fn));
+    }
+  }
+}
+template <int kMax, typename Fn>
+void withPowerOfTwo(int64_t n, Fn&& fn) {
+  withPowerOfTwoFrom<1, kMax>(n, std::forward<Fn>(fn));
 }
 
 inline unsigned blocksFor(int64_t work, int64_t perBlock) {

@@ -275,23 +275,6 @@ void launchGramSchmidtRegs(const std::vector<at::Tensor>& xs, size_t first, size
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Calls fn(std::integral_constant<int, R>{}) with R the smallest of 1, 2, 4,
-// 8, 16 at least `rank`.
-template <typename Fn>
-void withGsRank(int64_t rank, Fn&& fn) {
-  if (rank <= 1) {
-    fn(std::integral_constant<int, 1>{});
-  } else if (rank <= 2) {
-    fn(std::integral_constant<int, 2>{});
-  } else if (rank <= 4) {
-    fn(std::integral_constant<int, 4>{});
-  } else if (rank <= 8) {
-    fn(std::integral_constant<int, 8>{});
-  } else {
-    fn(std::integral_constant<int, 16>{});
-  }
-}
-
 constexpr int64_t kRegsMaxRank = 16;
 
 bool fitsRegisters(const at::Tensor& x) {
@@ -359,7 +342,7 @@ bool gramSchmidtBatch(const std::vector<at::Tensor>& xs, double eps, const at::T
       if (y.numel() == 0 || !fitsRegisters(y) || ry != r) break;
       ++count;
     }
-    withGsRank(r, [&](auto rank) {
+    withPowerOfTwo<16>(r, [&](auto rank) {
       if (dtype == at::kFloat) {
         launchGramSchmidtRegs<float, decltype(rank)::value>(xs, i, count, eps, flags, stream);
       } else {

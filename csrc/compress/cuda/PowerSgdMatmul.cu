@@ -161,25 +161,6 @@ void launchProjectBack(const at::Tensor& q, const at::Tensor& m, const at::Tenso
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Calls fn(std::integral_constant<int, R>{}) with R the smallest of 1, 2, 4,
-// 8, 16, 32 at least `rank`.
-template <typename Fn>
-void withRank(int64_t rank, Fn&& fn) {
-  if (rank <= 1) {
-    fn(std::integral_constant<int, 1>{});
-  } else if (rank <= 2) {
-    fn(std::integral_constant<int, 2>{});
-  } else if (rank <= 4) {
-    fn(std::integral_constant<int, 4>{});
-  } else if (rank <= 8) {
-    fn(std::integral_constant<int, 8>{});
-  } else if (rank <= 16) {
-    fn(std::integral_constant<int, 16>{});
-  } else {
-    fn(std::integral_constant<int, 32>{});
-  }
-}
-
 // m: a contiguous rows x cols matrix (of the bucket); rowsSide (rows x
 // rank) and colsSide (cols x rank): contiguous, m's dtype and device.
 bool productApplies(const at::Tensor& m, const at::Tensor& rowsSide, const at::Tensor& colsSide) {
@@ -204,7 +185,7 @@ bool powersgdProject(const at::Tensor& p, const at::Tensor& m, const at::Tensor&
     return true;
   }
   DeviceGuard guard(m.device());
-  withRank(q.size(1), [&](auto r) {
+  withPowerOfTwo<32>(q.size(1), [&](auto r) {
     if (m.scalar_type() == at::kFloat) {
       launchProject<float, decltype(r)::value>(p, m, q);
     } else {
@@ -222,7 +203,7 @@ bool powersgdProjectBack(const at::Tensor& q, const at::Tensor& m, const at::Ten
   }
   if (m.numel() == 0) return false;  // the ATen route's where() handles the empty case
   DeviceGuard guard(m.device());
-  withRank(q.size(1), [&](auto r) {
+  withPowerOfTwo<32>(q.size(1), [&](auto r) {
     if (m.scalar_type() == at::kFloat) {
       launchProjectBack<float, decltype(r)::value>(q, m, p, finite);
     } else {
