@@ -89,6 +89,14 @@ the wire, reduce_p, allreduce Q, finish.)")
   m.def("_powersgd_project_back", &xcomm::cuda::powersgdProjectBack, py::arg("q"), py::arg("m"),
         py::arg("p"), py::arg("finite"),
         "q = m.T @ p where finite, with xcomm's CUDA kernels; False where they do not apply.");
+  m.def(
+      "_gram_schmidt_batch",
+      [](const std::vector<at::Tensor>& xs, double eps, const py::object& finite) {
+        return xcomm::cuda::gramSchmidtBatch(xs, eps, tensorOrUndefined(finite));
+      },
+      py::arg("xs"), py::arg("eps"), py::arg("finite") = py::none(),
+      "Gram-Schmidt of every matrix in xs, in place, with xcomm's CUDA kernels (and whether "
+      "each was finite, into the bool tensor `finite`); False where they do not apply.");
 }
 
 }  // namespace

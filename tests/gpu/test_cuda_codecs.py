@@ -301,3 +301,77 @@ def test_powersgd_products_decline_what_they_do_not_handle(monkeypatch: pytest.M
     for p, mm, q in cases:
         assert not _C._powersgd_project(p, mm, q), (p.shape, mm.shape, q.shape, p.dtype)
         assert bool((p == 5.0).all()), "a declined product wrote its output"
+
+
+def _gram_schmidt_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """torch's hook's steps in double: each column divided by (its norm +
+    eps), then taken out of the later ones."""
+    y = x.double().clone()
+    for i in range(y.shape[1]):
+        col = y[:, i : i + 1]
+        col /= col.norm() + eps
+        if i + 1 < y.shape[1]:
+            rest = y[:, i + 1 :]
+            rest -= (col * rest).sum(0, keepdim=True) * col
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gram_schmidt_batch_matches_torch_steps_and_flags_non_finite(dtype: torch.dtype) -> None:
+    """Every P of a bucket in one call: matrices the register kernel holds
+    (several ranks), one too tall for it and one of too high a rank (the
+    global-memory kernel), an empty one, and two that are not finite."""
+    shapes = [(2048, 4), (300, 4), (8193, 4), (50, 1), (40, 20), (1000, 4), (0, 4), (64, 8)]
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(r, c, generator=g, dtype=dtype) for r, c in shapes]
+    xs[5][17, 2] = float("inf")
+    xs[7][3, 0] = float("nan")
+    wants = [_gram_schmidt_reference(x, 1e-8) for x in xs]
+    on_gpu = [x.to(DEV) for x in xs]
+    finite = torch.zeros(len(xs), dtype=torch.bool, device=DEV)
+    assert _C._gram_schmidt_batch(on_gpu, 1e-8, finite)
+    assert finite.cpu().tolist() == [True, True, True, True, True, False, True, False]
+    tol = 2e-4 if dtype == torch.float32 else 1e-10
+    for i, (got, want) in enumerate(zip(on_gpu, wants)):
+        if finite[i] and got.numel():
+            err = (got.cpu().double() - want).abs().max().item()
+            assert err <= tol, f"matrix {i} {tuple(got.shape)}: off by {err}"
+    assert not _C._gram_schmidt_batch([torch.zeros(4, 2, device=DEV).half()], 0.0)
+
+
+def test_powersgd_device_route_keeps_error_feedback_when_p_is_not_finite() -> None:
+    """A NaN in one matrix's gradient: that matrix comes back NaN, as on the
+    CPU route and in torch's hook; the other matrix and the error feedback
+    of both follow the CPU route."""
+    shapes = [(64, 48), (100, 30)]
+    sizes = [r * c for r, c in shapes]
+
+    def bucket(device: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        buf = torch.zeros(sum(sizes), device=device)
+        grads, at = [], 0
+        for (r, c), n in zip(shapes, sizes):
+            grads.append(buf[at : at + n].view(r, c))
+            at += n
+        return buf, grads
+
+    codecs = {d: _C.PowerSgdCodec(matrix_approximation_rank=4) for d in ("cpu", DEV)}
+    buckets = {d: bucket(d) for d in codecs}
+    for step in range(3):
+        g = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(step))
+        if step == 1:
+            g[5] = float("nan")
+        for d, codec in codecs.items():
+            buf, grads = buckets[d]
+            buf.copy_(g)
+            codec.set_layout(0, buf, grads, [0, 1])
+            seed = 7 if codec.needs_seed(0) else None
+            wire, _, _, _ = codec.prepare(0, buf, seed)
+            q = codec.reduce_p(0, wire.clone(), 1)
+            codec.finish(0, q.clone(), 1)
+        cpu, gpu = buckets["cpu"][1], buckets[DEV][1]
+        for i in range(len(shapes)):
+            if step == 1 and i == 0:
+                assert gpu[0].isnan().all() and cpu[0].isnan().all()
+                continue
+            scale = float(cpu[i].abs().max())
+            torch.testing.assert_close(gpu[i].cpu(), cpu[i], rtol=0, atol=1e-4 * scale)
