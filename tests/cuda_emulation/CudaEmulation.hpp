@@ -131,6 +131,9 @@ struct alignas(8) float2 {
 struct alignas(8) uint2 {
   unsigned x, y;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 struct alignas(4) char4 {
   signed char x, y, z, w;
 };
@@ -142,6 +145,9 @@ inline float2 make_float2(float x, float y) {
 }
 inline uint2 make_uint2(unsigned x, unsigned y) {
   return {x, y};
+}
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) {
+  return {x, y, z, w};
 }
 inline char4 make_char4(signed char x, signed char y, signed char z, signed char w) {
   return {x, y, z, w};

@@ -79,13 +79,20 @@ TEST_CASE("emulated top-k encode selects exactly the CPU's entries", "[emulated]
     const char* name;
     int64_t n;
     double density;
-    int kind;  // 0 randn, 1 layered, 2 crowded
+    int kind;  // 0 randn, 1 layered, 2 crowded, 3 crowded with larger entries among the ties
   };
   const Case cases[] = {
-      {"small randn (radix)", 3000, 0.05, 0},   {"k = n (radix)", 517, 1.0, 0},
-      {"crowded ties (radix)", 5000, 0.1, 2},   {"sampled randn", 70000, 0.01, 0},
-      {"sampled layered", 131072, 0.01, 1},     {"sampled crowded ties", 90000, 0.02, 2},
+      {"small randn (radix)", 3000, 0.05, 0},
+      {"k = n (radix)", 517, 1.0, 0},
+      {"crowded ties (radix)", 5000, 0.1, 2},
+      {"sampled randn", 70000, 0.01, 0},
+      {"sampled layered", 131072, 0.01, 1},
+      {"sampled crowded ties", 90000, 0.02, 2},
       {"sampled, odd length", 65539, 0.004, 0},
+      // The k-th key below the largest: entries above it come after more
+      // ties than are taken (three and four pack tiles).
+      {"crowded ties below the top (radix)", 70000, 0.3, 2},
+      {"sampled, ties among larger entries", 100000, 0.02, 3},
   };
   for (const char* select : {static_cast<const char*>(nullptr), "radix"}) {
     SelectEnv env(select);
@@ -96,6 +103,7 @@ TEST_CASE("emulated top-k encode selects exactly the CPU's entries", "[emulated]
           at::Tensor src = c.kind == 0   ? emutest::randn(c.n, c.n)
                            : c.kind == 1 ? emutest::layered(c.n, c.n)
                                          : emutest::crowded(c.n, c.n);
+          if (c.kind == 3) src.slice(0, 0, c.n, 97).mul_(4);  // 1% larger, spread out
           at::Tensor residual =
               withResidual ? emutest::randn(c.n, c.n + 1).mul_(0.5) : at::Tensor();
           const int64_t k = std::max<int64_t>(1, static_cast<int64_t>(c.density * c.n));
@@ -130,6 +138,40 @@ TEST_CASE("emulated top-k encode handles NaN, Inf and unaligned buffers", "[emul
   CHECK(emutest::sameBits(residual, e.residual));
   const auto* idx = reinterpret_cast<const int32_t*>(packed.data_ptr<uint8_t>());
   CHECK(std::find(idx, idx + k, 16) != idx + k);  // the NaN (index 17 of base) was sent
+}
+
+TEST_CASE("emulated top-k sampled path falls back to every entry where the sample misleads",
+          "[emulated][topk]") {
+  // The sample reads entries j * n / samples + n / samples / 2 (samples =
+  // min(32768, n / 8), as TopKKernels.cu's kSamples). Scaling those entries alone misleads it both
+  // ways:
+  // - sampled entries large, the rest tiny: the threshold sits among the
+  //   sampled entries, and far fewer than k are at or above it;
+  // - sampled entries tiny, the rest large: nearly every entry is a
+  //   candidate, and the candidate lists overflow.
+  // Either way the selection must run over every entry and give the same
+  // bits. 300000 entries: ten pack tiles.
+  const int64_t n = 300000, k = 3000;
+  const int64_t samples = std::min<int64_t>(32768, n / 8);
+  for (bool sampleLarge : {true, false}) {
+    for (bool withResidual : {false, true}) {
+      DYNAMIC_SECTION((sampleLarge ? "too few candidates" : "candidate lists overflow")
+                      << (withResidual ? ", with residual" : "")) {
+        at::Tensor src = emutest::randn(n, 31);
+        at::Tensor scale = at::full({n}, sampleLarge ? 1e-3f : 1e3f);
+        for (int64_t j = 0; j < samples; ++j) scale[j * n / samples + n / samples / 2] = 1.f;
+        src.mul_(scale);
+        at::Tensor residual =
+            withResidual ? emutest::randn(n, 32).mul_(scale).mul_(0.25) : at::Tensor();
+        at::Tensor a = withResidual ? src + residual : src.clone();
+        const Expected e = expectedTopk(a, k);
+        at::Tensor packed = at::empty({8 * k}, at::kByte);
+        xcomm::cuda::topkEncode(src, residual, k, packed);
+        checkPayload(packed, e, k);
+        if (withResidual) CHECK(emutest::sameBits(residual, e.residual));
+      }
+    }
+  }
 }
 
 TEST_CASE("emulated top-k decode sums ranks in order and divides once", "[emulated][topk]") {

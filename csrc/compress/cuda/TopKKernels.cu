@@ -4,37 +4,42 @@
 // The selection is TopKCodec's on the CPU, exactly: every entry whose
 // magnitude key (float bits without the sign; NaN above Inf) is above the
 // k-th largest key, then the entries equal to it by lowest index, packed as
-// [k int32 indices, ascending | k float32 values]. The k-th key is found in
-// two passes: the pass that adds the residual also histograms bits 30..20;
-// a second pass histograms the other 20 bits of the entries in the chosen
-// bin (a 1024-bin coarse histogram in shared memory, a 2^20-bin fine one in
-// global memory, touched by those few entries only). Each warp owns one
-// contiguous range of the bucket, so the last pass numbers the kept entries
-// in index order from per-warp counts (warp scans, no sort, no block
-// barrier). Every pass moves 4 consecutive entries per lane (float4s).
+// [k int32 indices, ascending | k float32 values]. The k-th key is found 11
+// + 10 + 10 bits at a time: a histogram of bits 30..20, then of the other 20
+// bits of the entries in the chosen bin (a 1024-bin coarse histogram in
+// shared memory, a 2^20-bin fine one in global memory, touched by those few
+// entries only). The chosen entries are then marked in two bitmaps (above
+// the k-th key; equal to it), with a count per tile of 32768 entries, and
+// the pack walks the bitmaps: each block takes one tile, starts after the
+// counts of the tiles before it, and numbers its entries in index order with
+// a block scan (no sort, no pass that plans the offsets).
 //
-// That radix path reads the bucket four times. On large buckets at low
-// density the sampled path reads it once: a strided sample of the entries
-// (32K of them) sets a threshold safely below the k-th magnitude; the pass
-// that adds the residual also appends every entry at or above it to a
-// candidate list (a few k entries, spread over 64 sub-lists so their
-// counters do not contend); the radix select then runs over the candidates
-// only, marks the chosen entries in two bitmaps (above the k-th key; equal
-// to it), and the ordered pack walks the bitmaps, n / 32 words, instead of
-// the bucket. The k largest magnitudes are all at or above the threshold
-// whenever at least k candidates were found, so the result is the same
-// bits. When the sample misled (fewer than k candidates, or a sub-list
-// overflowed), the same kernels select over every entry instead: decided on
-// the device, so the host never waits.
+// Two ways to the first histogram:
+// - radix (small buckets, or k above n / 8): the pass that adds the
+//   residual histograms every entry; the refine and mark passes read the
+//   bucket again. Four kernels and a memset.
+// - sampled (the default on large buckets at low density): a strided sample
+//   of the entries (32K of them) sets a threshold safely below the k-th
+//   magnitude; the pass that adds the residual appends every entry at or
+//   above it to a candidate list (a few k entries, spread over 64 sub-lists
+//   so their counters do not contend) and histograms the candidates; refine
+//   and mark then walk the candidates only. The k largest magnitudes are all
+//   at or above the threshold whenever at least k candidates were found, so
+//   the result is the same bits. When the sample misled (fewer than k
+//   candidates, or a sub-list overflowed), one more kernel histograms every
+//   entry and the passes after it select over every entry instead: decided
+//   on the device, so the host never waits. Six kernels and a memset.
 //
 // The sampled path is the default where it applies; XCOMM_TOPK_SELECT=radix
 // turns it off. Both are checked bit for bit against the CPU codec on a GPU
-// (tests/gpu/test_cuda_codecs.py runs both).
+// (tests/gpu/test_cuda_codecs.py runs both) and on the emulated GPU
+// (tests/cuda_emulation/test_emulated_topk.cpp).
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 
 #include <algorithm>
+#include <limits>
 
 #include <cub/block/block_scan.cuh>
 
@@ -47,27 +52,30 @@ namespace {
 
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBlocks = 1024;
-constexpr int kMaxWarps = kMaxBlocks * kWarps;  // the plan kernel scans 8 per thread
-constexpr int kUnroll = 4;                      // loads in flight per lane
-constexpr int kTopBins = 2048;                  // bits 30..20
-constexpr int kCoarseBins = 1024;               // bits 19..10
-constexpr int kFineBins = 1 << 20;              // bits 19..0
-constexpr int kSamples = 32768;                 // the sampled path's sample size
-constexpr int kSubLists = 64;                   // candidate sub-lists (counters apart)
+constexpr int kMaxWarps = kMaxBlocks * kWarps;
+constexpr int kUnroll = 4;              // loads in flight per lane
+constexpr int kTopBins = 2048;          // bits 30..20
+constexpr int kCoarseBins = 1024;       // bits 19..10
+constexpr int kFineBins = 1 << 20;      // bits 19..0
+constexpr int kSamples = 32768;         // the sampled path's sample size
+constexpr int kSubLists = 64;           // candidate sub-lists (counters apart)
+constexpr int kPackWordsPerThread = 4;  // bitmap words per thread of the pack (a uint4)
+constexpr int64_t kTileWords = static_cast<int64_t>(kThreads) * kPackWordsPerThread;
+constexpr int kTileShift = 15;  // a tile: 32768 entries, one pack block
+static_assert(kTileWords * 32 == (int64_t{1} << kTileShift), "a tile is one pack block");
 
 // Device-side state of one selection (zeroed before each).
 struct Select {
-  uint32_t top[kTopBins];
+  uint32_t top[kTopBins];     // sampled: the candidates' histogram of bits 30..20
+  uint32_t allTop[kTopBins];  // every entry's (radix, or the candidates fell short)
   uint32_t coarse[kCoarseBins];
-  uint32_t prefix;             // the k-th key's bits found so far (in the end: the key)
-  int64_t need;                // how many of the entries matching `prefix` are still to take
-  uint32_t kept[kMaxWarps];    // per warp: entries above the key
-  uint32_t ties[kMaxWarps];    // per warp: entries equal to it
-  uint32_t take[kMaxWarps];    // per warp: how many of its ties are taken
-  uint32_t offset[kMaxWarps];  // per warp: where its entries start in the payload
+  uint32_t everyEntry;  // 1: select over every entry, not the candidates
+  uint32_t prefix;      // the top bin of the k-th key (refine)
+  int64_t need;         // how many entries of that bin are still to take (refine)
+  uint32_t kth;         // the k-th key (mark)
+  int64_t kthNeed;      // how many of the entries equal to it to take (mark)
   // The sampled path.
   uint32_t sampleTop[kTopBins];   // the sample's histogram of bits 30..20
-  uint32_t fallback;              // 1: the candidates fell short; select over every entry
   uint32_t count[kSubLists][32];  // entries appended per sub-list (one per 128-byte line)
   uint32_t fine[kFineBins];
 };
@@ -157,13 +165,12 @@ __device__ inline void loadStep(const float* src, float* res, int64_t base, int6
   }
 }
 
-// a = src + residual, stored into residual (when both are given), and the
-// histogram of bits 30..20 over every entry.
+// The radix path's first pass: a = src + residual, stored into residual
+// (when both are given), and the histogram of bits 30..20 over every entry.
 template <bool kVec>
-__global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t per, int64_t k,
-                              Select* sel) {
+__global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t per, Select* sel) {
   __shared__ uint32_t hist[kTopBins];
-  if (blockIdx.x == 0 && threadIdx.x == 0) sel->need = k;
+  if (blockIdx.x == 0 && threadIdx.x == 0) sel->everyEntry = 1;
   clearShared(hist, kTopBins);
   const Range r = warpRange(n, per);
   for (int64_t base = r.lo; base < r.hi; base += kStep) {
@@ -177,7 +184,7 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
       }
     }
   }
-  flushShared(hist, sel->top, kTopBins);
+  flushShared(hist, sel->allTop, kTopBins);
 }
 
 // Calls fn(index, key, valid) on all 32 lanes of every warp, for every
@@ -275,94 +282,136 @@ struct BinPick {
 // (the radix path, or the sampled path's fallback), or over the candidates.
 template <bool kVec>
 __global__ void refineKernel(const float* vals, int64_t n, int64_t per, int64_t k, Select* sel,
-                             const uint2* cand, uint32_t subCap, bool everyEntry) {
+                             const uint2* cand, uint32_t subCap) {
   __shared__ uint32_t hist[kCoarseBins];
   __shared__ typename BinPick<kThreads, kTopBins>::Storage pick;
+  const bool all = sel->everyEntry != 0;
   uint32_t top = 0;
   int64_t need = 0;
-  BinPick<kThreads, kTopBins>::run(pick, sel->top, k, &top, &need);
+  BinPick<kThreads, kTopBins>::run(pick, all ? sel->allTop : sel->top, k, &top, &need);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     sel->prefix = top;
     sel->need = need;
   }
   clearShared(hist, kCoarseBins);
-  forEachEntry<kVec>(everyEntry || sel->fallback != 0, vals, n, per, sel, cand, subCap,
-                     [&](int64_t, uint32_t key, bool valid) {
-                       const bool in = valid && (key >> 20) == top;
-                       if (__any_sync(0xffffffffu, in)) {
-                         countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
-                         if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
-                       }
-                     });
+  forEachEntry<kVec>(all, vals, n, per, sel, cand, subCap, [&](int64_t, uint32_t key, bool valid) {
+    const bool in = valid && (key >> 20) == top;
+    if (__any_sync(0xffffffffu, in)) {
+      countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
+      if (in) atomicAdd(&sel->fine[key & (kFineBins - 1)], 1u);
+    }
+  });
   flushShared(hist, sel->coarse, kCoarseBins);
 }
 
-// One block of 1024 threads: the coarse bin (bits 19..10) under the chosen
-// top bin, then the fine bin (bits 9..0) under it; leaves the k-th key in
-// `prefix` and in `need` how many of the entries equal to it to take.
-__global__ void pickLowKernel(Select* sel) {
-  __shared__ typename BinPick<1024, kCoarseBins>::Storage pick;
+// Marks the domain's entries above the k-th key in `above` and those equal
+// to it in `equal` (one bit per entry of the bucket), and counts both per
+// tile: tileCounts[0, tiles) above, tileCounts[tiles, 2 tiles) equal. Every
+// block first finishes the k-th key, alike, from refine's histograms: the
+// coarse bin (bits 19..10) under the chosen top bin, then the fine bin (bits
+// 9..0) under it; block 0 records it, with how many of the entries equal to
+// it to take.
+template <bool kVec>
+__global__ void markKernel(const float* vals, int64_t n, int64_t per, Select* sel,
+                           const uint2* cand, uint32_t subCap, uint32_t* above, uint32_t* equal,
+                           uint32_t* tileCounts, int64_t tiles) {
+  __shared__ typename BinPick<kThreads, kCoarseBins>::Storage pick;
   __shared__ uint32_t fine[kCoarseBins];
   uint32_t coarse = 0, bin = 0;
   int64_t need = 0;
-  BinPick<1024, kCoarseBins>::run(pick, sel->coarse, sel->need, &coarse, &need);
+  BinPick<kThreads, kCoarseBins>::run(pick, sel->coarse, sel->need, &coarse, &need);
   for (int b = threadIdx.x; b < kCoarseBins; b += blockDim.x) {
     fine[b] = sel->fine[(coarse << 10) | static_cast<uint32_t>(b)];
   }
   __syncthreads();
-  BinPick<1024, kCoarseBins>::run(pick, fine, need, &bin, &need);
-  if (threadIdx.x == 0) {
-    sel->prefix = (((sel->prefix << 10) | coarse) << 10) | bin;
-    sel->need = need;
+  BinPick<kThreads, kCoarseBins>::run(pick, fine, need, &bin, &need);
+  const uint32_t kth = (((sel->prefix << 10) | coarse) << 10) | bin;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    sel->kth = kth;
+    sel->kthNeed = need;
   }
+  forEachEntry<kVec>(sel->everyEntry != 0, vals, n, per, sel, cand, subCap,
+                     [&](int64_t i, uint32_t key, bool valid) {
+                       const bool marked = valid && key >= kth;
+                       if (!__any_sync(0xffffffffu, marked)) return;
+                       const bool isAbove = marked && key > kth;
+                       if (marked) atomicOr((isAbove ? above : equal) + (i >> 5), 1u << (i & 31));
+                       // One atomic per tile the warp touched.
+                       const uint32_t tile =
+                           marked ? static_cast<uint32_t>(i >> kTileShift) : 0xffffffffu;
+                       const unsigned peers = __match_any_sync(0xffffffffu, tile);
+                       const unsigned ups = __ballot_sync(0xffffffffu, isAbove);
+                       if (marked && lane() == __ffs(peers) - 1) {
+                         const auto a = static_cast<uint32_t>(__popc(peers & ups));
+                         const auto e = static_cast<uint32_t>(__popc(peers)) - a;
+                         if (a != 0u) atomicAdd(&tileCounts[tile], a);
+                         if (e != 0u) atomicAdd(&tileCounts[tiles + tile], e);
+                       }
+                     });
 }
 
-// Per warp: entries above the k-th key, and entries equal to it.
-template <bool kVec>
-__global__ void countKernel(const float* vals, int64_t n, int64_t per, Select* sel) {
-  const uint32_t key = sel->prefix;
-  uint32_t kept = 0, ties = 0;
-  forEachEntry<kVec>(true, vals, n, per, sel, nullptr, 0, [&](int64_t, uint32_t k, bool valid) {
-    kept += valid && k > key;
-    ties += valid && k == key;
-  });
-  kept = __reduce_add_sync(0xffffffffu, kept);
-  ties = __reduce_add_sync(0xffffffffu, ties);
-  if (lane() == 0) {
-    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-    sel->kept[w] = kept;
-    sel->ties[w] = ties;
+// One block per tile of the bitmaps: packs the entries above the k-th key
+// and the first kthNeed entries equal to it (over the whole bucket, in
+// index order) at their place in the payload, in index order, and zeroes
+// them in the residual. A tile starts after the entries of the tiles before
+// it (their counts, summed by the block: 512 tiles for a 64 MiB bucket,
+// 8192 for 1 GiB); a thread's 4 words after the block's earlier threads' (a
+// block scan).
+__global__ void packKernel(const uint32_t* above, const uint32_t* equal, const uint32_t* tileCounts,
+                           int64_t tiles, const Select* sel, const float* vals, float* res,
+                           int32_t* outIdx, float* outVal) {
+  // Counts travel as (above << 32) | equal: each fits 31 bits.
+  using Scan = cub::BlockScan<unsigned long long, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int64_t tile = blockIdx.x;
+  unsigned long long earlier = 0;
+  for (int64_t t = threadIdx.x; t < tile; t += blockDim.x) {
+    earlier += (static_cast<unsigned long long>(tileCounts[t]) << 32) | tileCounts[tiles + t];
   }
-}
-
-// One block of 1024 threads, 8 warps' counts each: ties go to the lowest
-// warps first; each warp's entries start after all earlier warps' entries.
-__global__ void planKernel(int warps, Select* sel) {
-  constexpr int kPer = kMaxWarps / 1024;
-  using Scan = cub::BlockScan<uint32_t, 1024>;
-  __shared__ typename Scan::TempStorage temp;
-  uint32_t ties[kPer], before[kPer], mine[kPer], offset[kPer];
+  unsigned long long unused = 0, beforeTile = 0;
+  Scan(scan).ExclusiveSum(earlier, unused, beforeTile);
+  __syncthreads();  // the scan's storage is reused
+  const int64_t x0 = tile * kTileWords + static_cast<int64_t>(threadIdx.x) * kPackWordsPerThread;
+  // The bitmaps are padded to whole tiles: 16-byte loads, never past the end.
+  const uint4 up4 = *reinterpret_cast<const uint4*>(above + x0);
+  const uint4 eq4 = *reinterpret_cast<const uint4*>(equal + x0);
+  const uint32_t up[4] = {up4.x, up4.y, up4.z, up4.w};
+  const uint32_t eq[4] = {eq4.x, eq4.y, eq4.z, eq4.w};
+  unsigned long long mine = 0;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kPer + j;
-    ties[j] = w < warps ? sel->ties[w] : 0u;
+  for (int j = 0; j < 4; ++j) {
+    mine += (static_cast<unsigned long long>(__popc(up[j])) << 32) |
+            static_cast<unsigned long long>(__popc(eq[j]));
   }
-  Scan(temp).ExclusiveSum(ties, before);
-  __syncthreads();
-  const int64_t need = sel->need;
+  unsigned long long before = 0;
+  Scan(scan).ExclusiveSum(mine, before);
+  before += beforeTile;
+  auto kept = static_cast<int64_t>(before >> 32);
+  auto ties = static_cast<int64_t>(before & 0xffffffffu);
+  const int64_t need = sel->kthNeed;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kPer + j;
-    const int64_t left = need - static_cast<int64_t>(before[j]);
-    const uint32_t take = static_cast<uint32_t>(left <= 0 ? 0 : (left < ties[j] ? left : ties[j]));
-    mine[j] = (w < warps ? sel->kept[w] : 0u) + take;
-    if (w < warps) sel->take[w] = take;
-  }
-  Scan(temp).ExclusiveSum(mine, offset);
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int w = static_cast<int>(threadIdx.x) * kPer + j;
-    if (w < warps) sel->offset[w] = offset[j];
+  for (int j = 0; j < 4; ++j) {
+    // This word's ties are the next ones in index order: take its lowest
+    // bits while ties remain to be taken.
+    uint32_t chosen = up[j];
+    uint32_t e = eq[j];
+    for (int64_t left = need - ties; e != 0u && left > 0; --left) {
+      const uint32_t lowest = e & (~e + 1u);
+      chosen |= lowest;
+      e ^= lowest;
+    }
+    int64_t slot = kept + min(ties, need);
+    while (chosen != 0u) {
+      const int bit = __ffs(chosen) - 1;
+      const int64_t i = (x0 + j) * 32 + bit;
+      outIdx[slot] = static_cast<int32_t>(i);
+      outVal[slot] = vals[i];
+      if (res != nullptr) res[i] = 0.f;
+      ++slot;
+      chosen &= chosen - 1u;
+    }
+    kept += __popc(up[j]);
+    ties += __popc(eq[j]);
   }
 }
 
@@ -375,59 +424,6 @@ __device__ inline uint32_t lanePrefix(uint32_t v, uint32_t* total) {
   }
   *total = __shfl_sync(0xffffffffu, incl, 31);
   return incl - v;
-}
-
-// Per warp, in index order: packs the kept entries at the warp's offset and
-// zeroes them in the residual. A lane's 4 entries precede the next lane's.
-template <bool kVec>
-__global__ void writeKernel(const float* vals, float* res, int64_t n, int64_t per, Select* sel,
-                            int32_t* outIdx, float* outVal) {
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const uint32_t key = sel->prefix;
-  const uint32_t take = sel->take[w];
-  uint32_t at = sel->offset[w];
-  uint32_t tiesSeen = 0;
-  const Range r = warpRange(n, per);
-  for (int64_t base = r.lo; base < r.hi; base += kStep) {
-    float4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = loadQuad<kVec>(vals, quadAt(base, u), r.hi);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {  // u before u + 1: index order
-      const int64_t i0 = quadAt(base, u);
-      uint32_t keys[4];
-      uint32_t tiesHere = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        keys[j] = i0 + j < r.hi ? magnitudeKey(component(v[u], j)) : 0u;
-        tiesHere += i0 + j < r.hi && keys[j] == key;
-      }
-      uint32_t tieTotal = 0;
-      uint32_t tieRank = tiesSeen + lanePrefix(tiesHere, &tieTotal);
-      bool keep[4];
-      uint32_t keptHere = 0;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const bool valid = i0 + j < r.hi;
-        const bool tie = valid && keys[j] == key;
-        keep[j] = valid && (keys[j] > key || (tie && tieRank < take));
-        tieRank += tie;
-        keptHere += keep[j];
-      }
-      uint32_t keptTotal = 0;
-      uint32_t slot = at + lanePrefix(keptHere, &keptTotal);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (!keep[j]) continue;
-        outIdx[slot] = static_cast<int32_t>(i0 + j);
-        outVal[slot] = component(v[u], j);
-        ++slot;
-        if (res != nullptr) res[i0 + j] = 0.f;
-      }
-      at += keptTotal;
-      tiesSeen += tieTotal;
-    }
-  }
 }
 
 // The decode: each block owns a tile of the output, sums into it in shared
@@ -505,10 +501,9 @@ __global__ void decodeKernel(const uint8_t* rows, int64_t rowBytes, int world, i
 
 // The histogram of bits 30..20 of `samples` entries spread evenly over the
 // bucket (a = src + residual, as the add pass will compute it).
-__global__ void sampleKernel(const float* src, const float* res, int64_t n, int samples, int64_t k,
+__global__ void sampleKernel(const float* src, const float* res, int64_t n, int samples,
                              Select* sel) {
   __shared__ uint32_t hist[kTopBins];
-  if (blockIdx.x == 0 && threadIdx.x == 0) sel->need = k;
   clearShared(hist, kTopBins);
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool valid = j < samples;
@@ -525,8 +520,10 @@ __global__ void sampleKernel(const float* src, const float* res, int64_t n, int 
 
 // a = src + residual, stored into residual (when both are given), as in
 // prepareKernel; every entry whose key is at or above the threshold is
-// appended to a sub-list as (index, key). One atomic per warp per step,
-// on a sub-list that changes from step to step and warp to warp.
+// appended to a sub-list as (index, key), and counted in the histogram of
+// the candidates' bits 30..20. One atomic per warp per step on the
+// sub-lists' counters, on a sub-list that changes from step to step and
+// warp to warp.
 //
 // The threshold, which every block computes alike from the sample's
 // histogram: the lower edge of the top bin at which the sample holds its
@@ -536,12 +533,14 @@ template <bool kVec>
 __global__ void addSelectKernel(const float* src, float* res, int64_t n, int64_t per, int64_t k,
                                 int samples, Select* sel, uint2* cand, uint32_t subCap) {
   __shared__ typename BinPick<kThreads, kTopBins>::Storage pick;
+  __shared__ uint32_t hist[kTopBins];
   const double expected = static_cast<double>(samples) * static_cast<double>(k) / n;
   const auto want = static_cast<int64_t>(ceil(expected + 4.0 * sqrt(expected) + 8.0));
   uint32_t bin = 0;
   int64_t unused = 0;
   BinPick<kThreads, kTopBins>::run(pick, sel->sampleTop, want, &bin, &unused);
   const uint32_t threshold = bin << 20;
+  clearShared(hist, kTopBins);
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   const Range r = warpRange(n, per);
   int64_t iteration = 0;
@@ -571,12 +570,14 @@ __global__ void addSelectKernel(const float* src, float* res, int64_t n, int64_t
         const int64_t i = quadAt(base, u) + j;
         const uint32_t key = magnitudeKey(component(v[u], j));
         if (i < r.hi && key >= threshold) {
+          atomicAdd(&hist[key >> 20], 1u);
           if (at < subCap) out[at] = make_uint2(static_cast<uint32_t>(i), key);
           ++at;
         }
       }
     }
   }
+  flushShared(hist, sel->top, kTopBins);
 }
 
 // Whether the candidates hold the top k: at least k of them, none lost to
@@ -592,97 +593,24 @@ __device__ inline bool candidatesFellShort(const Select* sel, int64_t k, uint32_
   return overflow || total < k;
 }
 
-// Decides the domain (candidates, or every entry) and histograms bits
-// 30..20 over it.
+// The sampled path's fallback: where the candidates fell short, records that
+// the selection runs over every entry and histograms bits 30..20 over every
+// entry; otherwise every block returns at once.
 template <bool kVec>
-__global__ void candidateTopKernel(const float* vals, int64_t n, int64_t per, int64_t k,
-                                   Select* sel, const uint2* cand, uint32_t subCap) {
+__global__ void fallbackTopKernel(const float* vals, int64_t n, int64_t per, int64_t k, Select* sel,
+                                  uint32_t subCap) {
   __shared__ uint32_t hist[kTopBins];
   __shared__ bool fellShort;
   if (threadIdx.x == 0) {
     fellShort = candidatesFellShort(sel, k, subCap);
-    if (blockIdx.x == 0) sel->fallback = fellShort;
+    if (blockIdx.x == 0 && fellShort) sel->everyEntry = 1;
   }
-  clearShared(hist, kTopBins);  // its barrier also publishes fellShort
-  const bool all = fellShort;
-  forEachEntry<kVec>(all, vals, n, per, sel, cand, subCap,
+  __syncthreads();
+  if (!fellShort) return;  // the whole block
+  clearShared(hist, kTopBins);
+  forEachEntry<kVec>(true, vals, n, per, sel, nullptr, 0,
                      [&](int64_t, uint32_t key, bool valid) { countInto(hist, key >> 20, valid); });
-  flushShared(hist, sel->top, kTopBins);
-}
-
-// Marks the domain's entries above the k-th key in `above` and those equal
-// to it in `equal` (one bit per entry of the bucket).
-template <bool kVec>
-__global__ void markKernel(const float* vals, int64_t n, int64_t per, const Select* sel,
-                           const uint2* cand, uint32_t subCap, uint32_t* above, uint32_t* equal) {
-  const uint32_t kth = sel->prefix;
-  forEachEntry<kVec>(sel->fallback != 0, vals, n, per, sel, cand, subCap,
-                     [&](int64_t i, uint32_t key, bool valid) {
-                       if (!valid || key < kth) return;
-                       atomicOr((key > kth ? above : equal) + (i >> 5), 1u << (i & 31));
-                     });
-}
-
-// Per warp over its stretch of bitmap words: entries above the key, and
-// entries equal to it (countKernel's numbers, for planKernel).
-__global__ void countBitsKernel(const uint32_t* above, const uint32_t* equal, int64_t words,
-                                int64_t perWords, Select* sel) {
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t lo = w * perWords, hi = min(words, lo + perWords);
-  uint32_t kept = 0, ties = 0;
-  for (int64_t x = lo + lane(); x < hi; x += 32) {
-    kept += __popc(above[x]);
-    ties += __popc(equal[x]);
-  }
-  kept = __reduce_add_sync(0xffffffffu, kept);
-  ties = __reduce_add_sync(0xffffffffu, ties);
-  if (lane() == 0) {
-    sel->kept[w] = kept;
-    sel->ties[w] = ties;
-  }
-}
-
-// writeKernel over the bitmaps: per warp, in index order (lane by lane,
-// bit by bit), packs the entries above the key and its first `take` ties
-// at the warp's offset, and zeroes them in the residual.
-__global__ void writeBitsKernel(const uint32_t* above, const uint32_t* equal, int64_t words,
-                                int64_t perWords, const Select* sel, const float* vals, float* res,
-                                int32_t* outIdx, float* outVal) {
-  const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t lo = w * perWords, hi = min(words, lo + perWords);
-  const uint32_t take = sel->take[w];
-  uint32_t at = sel->offset[w];
-  uint32_t tiesSeen = 0;
-  for (int64_t x0 = lo; x0 < hi; x0 += 32) {
-    const int64_t x = x0 + lane();
-    const uint32_t up = x < hi ? above[x] : 0u;
-    uint32_t eq = x < hi ? equal[x] : 0u;
-    uint32_t tieTotal = 0;
-    const uint32_t tieRank = tiesSeen + lanePrefix(__popc(eq), &tieTotal);
-    // This word's ties are the next ones in index order: take its lowest bits
-    // while ties remain to be taken.
-    uint32_t left = tieRank < take ? take - tieRank : 0u;
-    uint32_t chosen = up;
-    while (eq != 0u && left > 0u) {
-      const uint32_t lowest = eq & (~eq + 1u);
-      chosen |= lowest;
-      eq ^= lowest;
-      --left;
-    }
-    uint32_t keptTotal = 0;
-    uint32_t slot = at + lanePrefix(__popc(chosen), &keptTotal);
-    while (chosen != 0u) {
-      const int bit = __ffs(chosen) - 1;
-      const int64_t i = x * 32 + bit;
-      outIdx[slot] = static_cast<int32_t>(i);
-      outVal[slot] = vals[i];
-      if (res != nullptr) res[i] = 0.f;
-      ++slot;
-      chosen &= chosen - 1u;
-    }
-    at += keptTotal;
-    tiesSeen += tieTotal;
-  }
+  flushShared(hist, sel->allTop, kTopBins);
 }
 
 // The sampled path, unless XCOMM_TOPK_SELECT=radix: it pays where the
@@ -693,83 +621,46 @@ bool sampledPathFor(int64_t n, int64_t k) {
   return n >= (int64_t{1} << 16) && k * 8 <= n;
 }
 
-// With the top histogram filled: the k-th key, 11 + 10 + 10 bits (the refine
-// pass over every entry, or over the candidates, then the low picks), and in
-// sel->need how many of the entries equal to it to take.
-void pickKthKey(bool vec, const float* vals, int64_t n, int64_t per, int64_t k, Select* sel,
-                const uint2* cand, uint32_t subCap, bool everyEntry, int blocks,
-                cudaStream_t stream) {
-  if (vec) {
-    refineKernel<true>
-        <<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap, everyEntry);
-  } else {
-    refineKernel<false>
-        <<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap, everyEntry);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickLowKernel<<<1, 1024, 0, stream>>>(sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+// What the passes over the bucket (or its candidates) work on.
+struct Passes {
+  const float* src;
+  float* res;
+  const float* vals;  // the accumulated entries: res, or src without a residual
+  int64_t n, per, k;
+  int samples;
+  Select* sel;
+  uint2* cand;
+  uint32_t subCap;
+  uint32_t *above, *equal, *tileCounts;
+  int64_t tiles;
+  int blocks;
+  cudaStream_t stream;
+};
 
-// The sampled path's launches (see the top of the file); the same grid as
-// the radix path for the passes over the bucket.
-void topkEncodeSampled(const float* s, float* res, const float* vals, bool vec, int64_t n,
-                       int64_t k, int blocks, int64_t per, const at::TensorOptions& options,
-                       cudaStream_t stream, int32_t* outIdx, float* outVal) {
-  const int samples = static_cast<int>(std::min<int64_t>(kSamples, n / 8));
-  // Room for 3k + 8192 candidates, and half as much again for an uneven spread.
-  const int64_t cap = std::min<int64_t>(n, 3 * k + 8192);
-  const auto subCap = static_cast<uint32_t>((3 * cap / 2 + kSubLists - 1) / kSubLists + 64);
-  const int64_t words = (n + 31) / 32;
-  const int64_t wantedWarps = std::min<int64_t>(kMaxWarps, (words + 31) / 32);
-  const int bitBlocks = static_cast<int>((wantedWarps + kWarps - 1) / kWarps);
-  const int64_t bitWarps = static_cast<int64_t>(bitBlocks) * kWarps;
-  const int64_t perWords = (words + bitWarps - 1) / bitWarps;
-
-  constexpr int64_t kAlign = 256;
-  const int64_t selBytes = (static_cast<int64_t>(sizeof(Select)) + kAlign - 1) / kAlign * kAlign;
-  const int64_t mapBytes = (words * 4 + kAlign - 1) / kAlign * kAlign;
-  const int64_t candBytes = static_cast<int64_t>(kSubLists) * subCap * 8;
-  at::Tensor state = at::empty({selBytes + 2 * mapBytes + candBytes}, options.dtype(at::kByte));
-  uint8_t* bytes = state.data_ptr<uint8_t>();
-  auto* sel = reinterpret_cast<Select*>(bytes);
-  auto* above = reinterpret_cast<uint32_t*>(bytes + selBytes);
-  auto* equal = reinterpret_cast<uint32_t*>(bytes + selBytes + mapBytes);
-  auto* cand = reinterpret_cast<uint2*>(bytes + selBytes + 2 * mapBytes);
-  C10_CUDA_CHECK(cudaMemsetAsync(bytes, 0, selBytes + 2 * mapBytes, stream));
-
-  sampleKernel<<<(samples + 1023) / 1024, 1024, 0, stream>>>(s, res, n, samples, k, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (vec) {
-    addSelectKernel<true>
-        <<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, samples, sel, cand, subCap);
+// The first histogram (of the candidates, sampled; of every entry when they
+// fell short, or radix), then the k-th key and the marks over the
+// candidates or every entry; kVec: float4 loads.
+template <bool kVec>
+void selectPasses(bool sampled, const Passes& p) {
+  if (sampled) {
+    sampleKernel<<<(p.samples + 1023) / 1024, 1024, 0, p.stream>>>(p.src, p.res, p.n, p.samples,
+                                                                   p.sel);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    candidateTopKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
-  } else {
-    addSelectKernel<false>
-        <<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, samples, sel, cand, subCap);
+    addSelectKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.src, p.res, p.n, p.per, p.k,
+                                                               p.samples, p.sel, p.cand, p.subCap);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    candidateTopKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, k, sel, cand, subCap);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKthKey(vec, vals, n, per, k, sel, cand, subCap, false, blocks, stream);
-  if (vec) {
-    markKernel<true>
-        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, above, equal);
+    fallbackTopKernel<kVec>
+        <<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.subCap);
   } else {
-    markKernel<false>
-        <<<blocks, kThreads, 0, stream>>>(vals, n, per, sel, cand, subCap, above, equal);
+    prepareKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.src, p.res, p.n, p.per, p.sel);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  countBitsKernel<<<bitBlocks, kThreads, 0, stream>>>(above, equal, words, perWords, sel);
+  refineKernel<kVec>
+      <<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.cand, p.subCap);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  planKernel<<<1, 1024, 0, stream>>>(static_cast<int>(bitWarps), sel);
+  markKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.sel, p.cand, p.subCap,
+                                                        p.above, p.equal, p.tileCounts, p.tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  writeBitsKernel<<<bitBlocks, kThreads, 0, stream>>>(above, equal, words, perWords, sel, vals, res,
-                                                      outIdx, outVal);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // The state goes back to torch's caching allocator on this stream: reused
-  // only by work queued after these kernels.
 }
 
 }  // namespace
@@ -787,13 +678,15 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   const int64_t n = any.numel();
   TORCH_CHECK(k >= 1 && k <= n && packed.numel() == k * 8,
               "xcomm: top-k payload does not hold k = ", k, " pairs of ", n, " elements");
+  TORCH_CHECK(n <= std::numeric_limits<int32_t>::max(),
+              "xcomm: top-k indices are int32; a bucket holds at most 2^31 - 1 elements, got ", n);
   DeviceGuard guard(any.device());
   const auto stream = streamFor(any);
-  // Warps own contiguous ranges of whole steps.
+  // Passes over the bucket: warps own contiguous ranges of whole steps.
   const int64_t steps = (n + kStep - 1) / kStep;
   const int64_t wanted = std::min<int64_t>(kMaxWarps, steps);
   const int blocks = static_cast<int>((wanted + kWarps - 1) / kWarps);
-  const int warps = blocks * kWarps;
+  const int64_t warps = static_cast<int64_t>(blocks) * kWarps;
   const int64_t per = ((steps + warps - 1) / warps) * kStep;
   const float* s = src.defined() ? src.data_ptr<float>() : nullptr;
   float* res = residual.defined() ? residual.data_ptr<float>() : nullptr;
@@ -803,34 +696,42 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   auto* base = packed.data_ptr<uint8_t>();
   auto* outIdx = reinterpret_cast<int32_t*>(base);
   auto* outVal = reinterpret_cast<float*>(base + 4 * k);
-  if (sampledPathFor(n, k)) {
-    topkEncodeSampled(s, res, vals, vec, n, k, blocks, per, any.options(), stream, outIdx, outVal);
-    return;
-  }
-  at::Tensor state =
-      at::empty({static_cast<int64_t>(sizeof(Select))}, any.options().dtype(at::kByte));
-  auto* sel = reinterpret_cast<Select*>(state.data_ptr<uint8_t>());
-  C10_CUDA_CHECK(cudaMemsetAsync(sel, 0, sizeof(Select), stream));
+  const bool sampled = sampledPathFor(n, k);
+
+  // One allocation: [Select | above | equal | tile counts] zeroed, then the
+  // candidates (sampled path only).
+  const int64_t tiles = (n + (int64_t{1} << kTileShift) - 1) >> kTileShift;
+  const int64_t words = tiles * kTileWords;  // padded to whole tiles
+  const int samples = static_cast<int>(std::min<int64_t>(kSamples, n / 8));
+  // Room for 3k + 8192 candidates, and half as much again for an uneven spread.
+  const int64_t cap = std::min<int64_t>(n, 3 * k + 8192);
+  const auto subCap =
+      sampled ? static_cast<uint32_t>((3 * cap / 2 + kSubLists - 1) / kSubLists + 64) : 0u;
+  constexpr int64_t kAlign = 256;
+  const auto aligned = [](int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
+  const int64_t selBytes = aligned(static_cast<int64_t>(sizeof(Select)));
+  const int64_t mapBytes = aligned(words * 4);
+  const int64_t countBytes = aligned(tiles * 2 * 4);
+  const int64_t zeroed = selBytes + 2 * mapBytes + countBytes;
+  const int64_t candBytes = static_cast<int64_t>(kSubLists) * subCap * 8;
+  at::Tensor state = at::empty({zeroed + candBytes}, any.options().dtype(at::kByte));
+  uint8_t* bytes = state.data_ptr<uint8_t>();
+  auto* sel = reinterpret_cast<Select*>(bytes);
+  auto* above = reinterpret_cast<uint32_t*>(bytes + selBytes);
+  auto* equal = reinterpret_cast<uint32_t*>(bytes + selBytes + mapBytes);
+  auto* tileCounts = reinterpret_cast<uint32_t*>(bytes + selBytes + 2 * mapBytes);
+  auto* cand = sampled ? reinterpret_cast<uint2*>(bytes + zeroed) : nullptr;
+  C10_CUDA_CHECK(cudaMemsetAsync(bytes, 0, zeroed, stream));
+
+  const Passes passes{s,    res,    vals,  n,     per,        k,     samples, sel,
+                      cand, subCap, above, equal, tileCounts, tiles, blocks,  stream};
   if (vec) {
-    prepareKernel<true><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
+    selectPasses<true>(sampled, passes);
   } else {
-    prepareKernel<false><<<blocks, kThreads, 0, stream>>>(s, res, n, per, k, sel);
+    selectPasses<false>(sampled, passes);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  pickKthKey(vec, vals, n, per, k, sel, nullptr, 0, true, blocks, stream);
-  if (vec) {
-    countKernel<true><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
-  } else {
-    countKernel<false><<<blocks, kThreads, 0, stream>>>(vals, n, per, sel);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  planKernel<<<1, 1024, 0, stream>>>(warps, sel);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (vec) {
-    writeKernel<true><<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel, outIdx, outVal);
-  } else {
-    writeKernel<false><<<blocks, kThreads, 0, stream>>>(vals, res, n, per, sel, outIdx, outVal);
-  }
+  packKernel<<<static_cast<unsigned>(tiles), kThreads, 0, stream>>>(above, equal, tileCounts, tiles,
+                                                                    sel, vals, res, outIdx, outVal);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // The state goes back to torch's caching allocator on this stream: reused
   // only by work queued after these kernels.
