@@ -187,12 +187,20 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
   flushShared(hist, sel->allTop, kTopBins);
 }
 
+// The sampled path's candidate lists, and how many blocks of a pass walk
+// them: a few k entries need far fewer blocks than the bucket's passes
+// (those beyond return at once; they are there for the fallback).
+struct Candidates {
+  const uint2* list;  // kSubLists sub-lists of subCap (index, key) pairs
+  uint32_t subCap;
+  int blocks;
+};
+
 // Calls fn(index, key, valid) on all 32 lanes of every warp, for every
 // candidate or (all) for every entry of the bucket.
 template <bool kVec, typename Fn>
 __device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int64_t per,
-                                    const Select* sel, const uint2* cand, uint32_t subCap,
-                                    Fn&& fn) {
+                                    const Select* sel, const Candidates& cands, Fn&& fn) {
   if (all) {
     const Range r = warpRange(n, per);
     for (int64_t base = r.lo; base < r.hi; base += kStep) {
@@ -210,8 +218,9 @@ __device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int6
     }
     return;
   }
+  const uint32_t subCap = cands.subCap;
   const int64_t slots = static_cast<int64_t>(kSubLists) * subCap;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t warps = static_cast<int64_t>(cands.blocks) * kWarps;
   const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   for (int64_t g0 = w * 32; g0 < slots; g0 += warps * 32) {
     const int64_t g = g0 + lane();
@@ -221,7 +230,7 @@ __device__ inline void forEachEntry(bool all, const float* vals, int64_t n, int6
       const int64_t list = g / subCap;
       const uint32_t at = static_cast<uint32_t>(g - list * subCap);
       valid = at < sel->count[list][0];
-      if (valid) c = cand[g];
+      if (valid) c = cands.list[g];
     }
     fn(static_cast<int64_t>(c.x), c.y, valid);
   }
@@ -282,10 +291,11 @@ struct BinPick {
 // (the radix path, or the sampled path's fallback), or over the candidates.
 template <bool kVec>
 __global__ void refineKernel(const float* vals, int64_t n, int64_t per, int64_t k, Select* sel,
-                             const uint2* cand, uint32_t subCap) {
+                             Candidates cands) {
   __shared__ uint32_t hist[kCoarseBins];
   __shared__ typename BinPick<kThreads, kTopBins>::Storage pick;
   const bool all = sel->everyEntry != 0;
+  if (!all && static_cast<int>(blockIdx.x) >= cands.blocks) return;  // the whole block
   uint32_t top = 0;
   int64_t need = 0;
   BinPick<kThreads, kTopBins>::run(pick, all ? sel->allTop : sel->top, k, &top, &need);
@@ -294,7 +304,7 @@ __global__ void refineKernel(const float* vals, int64_t n, int64_t per, int64_t 
     sel->need = need;
   }
   clearShared(hist, kCoarseBins);
-  forEachEntry<kVec>(all, vals, n, per, sel, cand, subCap, [&](int64_t, uint32_t key, bool valid) {
+  forEachEntry<kVec>(all, vals, n, per, sel, cands, [&](int64_t, uint32_t key, bool valid) {
     const bool in = valid && (key >> 20) == top;
     if (__any_sync(0xffffffffu, in)) {
       countInto(hist, (key >> 10) & (kCoarseBins - 1), in);
@@ -312,9 +322,10 @@ __global__ void refineKernel(const float* vals, int64_t n, int64_t per, int64_t 
 // 9..0) under it; block 0 records it, with how many of the entries equal to
 // it to take.
 template <bool kVec>
-__global__ void markKernel(const float* vals, int64_t n, int64_t per, Select* sel,
-                           const uint2* cand, uint32_t subCap, uint32_t* above, uint32_t* equal,
-                           uint32_t* tileCounts, int64_t tiles) {
+__global__ void markKernel(const float* vals, int64_t n, int64_t per, Select* sel, Candidates cands,
+                           uint32_t* above, uint32_t* equal, uint32_t* tileCounts, int64_t tiles) {
+  const bool all = sel->everyEntry != 0;
+  if (!all && static_cast<int>(blockIdx.x) >= cands.blocks) return;  // the whole block
   __shared__ typename BinPick<kThreads, kCoarseBins>::Storage pick;
   __shared__ uint32_t fine[kCoarseBins];
   uint32_t coarse = 0, bin = 0;
@@ -330,24 +341,22 @@ __global__ void markKernel(const float* vals, int64_t n, int64_t per, Select* se
     sel->kth = kth;
     sel->kthNeed = need;
   }
-  forEachEntry<kVec>(sel->everyEntry != 0, vals, n, per, sel, cand, subCap,
-                     [&](int64_t i, uint32_t key, bool valid) {
-                       const bool marked = valid && key >= kth;
-                       if (!__any_sync(0xffffffffu, marked)) return;
-                       const bool isAbove = marked && key > kth;
-                       if (marked) atomicOr((isAbove ? above : equal) + (i >> 5), 1u << (i & 31));
-                       // One atomic per tile the warp touched.
-                       const uint32_t tile =
-                           marked ? static_cast<uint32_t>(i >> kTileShift) : 0xffffffffu;
-                       const unsigned peers = __match_any_sync(0xffffffffu, tile);
-                       const unsigned ups = __ballot_sync(0xffffffffu, isAbove);
-                       if (marked && lane() == __ffs(peers) - 1) {
-                         const auto a = static_cast<uint32_t>(__popc(peers & ups));
-                         const auto e = static_cast<uint32_t>(__popc(peers)) - a;
-                         if (a != 0u) atomicAdd(&tileCounts[tile], a);
-                         if (e != 0u) atomicAdd(&tileCounts[tiles + tile], e);
-                       }
-                     });
+  forEachEntry<kVec>(all, vals, n, per, sel, cands, [&](int64_t i, uint32_t key, bool valid) {
+    const bool marked = valid && key >= kth;
+    if (!__any_sync(0xffffffffu, marked)) return;
+    const bool isAbove = marked && key > kth;
+    if (marked) atomicOr((isAbove ? above : equal) + (i >> 5), 1u << (i & 31));
+    // One atomic per tile the warp touched.
+    const uint32_t tile = marked ? static_cast<uint32_t>(i >> kTileShift) : 0xffffffffu;
+    const unsigned peers = __match_any_sync(0xffffffffu, tile);
+    const unsigned ups = __ballot_sync(0xffffffffu, isAbove);
+    if (marked && lane() == __ffs(peers) - 1) {
+      const auto a = static_cast<uint32_t>(__popc(peers & ups));
+      const auto e = static_cast<uint32_t>(__popc(peers)) - a;
+      if (a != 0u) atomicAdd(&tileCounts[tile], a);
+      if (e != 0u) atomicAdd(&tileCounts[tiles + tile], e);
+    }
+  });
 }
 
 // One block per tile of the bitmaps: packs the entries above the k-th key
@@ -608,7 +617,7 @@ __global__ void fallbackTopKernel(const float* vals, int64_t n, int64_t per, int
   __syncthreads();
   if (!fellShort) return;  // the whole block
   clearShared(hist, kTopBins);
-  forEachEntry<kVec>(true, vals, n, per, sel, nullptr, 0,
+  forEachEntry<kVec>(true, vals, n, per, sel, Candidates{},
                      [&](int64_t, uint32_t key, bool valid) { countInto(hist, key >> 20, valid); });
   flushShared(hist, sel->allTop, kTopBins);
 }
@@ -629,8 +638,8 @@ struct Passes {
   int64_t n, per, k;
   int samples;
   Select* sel;
-  uint2* cand;
-  uint32_t subCap;
+  uint2* cand;       // the candidate lists, as the add pass writes them
+  Candidates cands;  // as the passes after it read them
   uint32_t *above, *equal, *tileCounts;
   int64_t tiles;
   int blocks;
@@ -646,20 +655,19 @@ void selectPasses(bool sampled, const Passes& p) {
     sampleKernel<<<(p.samples + 1023) / 1024, 1024, 0, p.stream>>>(p.src, p.res, p.n, p.samples,
                                                                    p.sel);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    addSelectKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.src, p.res, p.n, p.per, p.k,
-                                                               p.samples, p.sel, p.cand, p.subCap);
+    addSelectKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(
+        p.src, p.res, p.n, p.per, p.k, p.samples, p.sel, p.cand, p.cands.subCap);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     fallbackTopKernel<kVec>
-        <<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.subCap);
+        <<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.cands.subCap);
   } else {
     prepareKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.src, p.res, p.n, p.per, p.sel);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  refineKernel<kVec>
-      <<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.cand, p.subCap);
+  refineKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.cands);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  markKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.sel, p.cand, p.subCap,
-                                                        p.above, p.equal, p.tileCounts, p.tiles);
+  markKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.sel, p.cands, p.above,
+                                                        p.equal, p.tileCounts, p.tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -723,8 +731,14 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   auto* cand = sampled ? reinterpret_cast<uint2*>(bytes + zeroed) : nullptr;
   C10_CUDA_CHECK(cudaMemsetAsync(bytes, 0, zeroed, stream));
 
-  const Passes passes{s,    res,    vals,  n,     per,        k,     samples, sel,
-                      cand, subCap, above, equal, tileCounts, tiles, blocks,  stream};
+  // About 8 candidate slots per thread of the candidate passes.
+  const int64_t slots = static_cast<int64_t>(kSubLists) * subCap;
+  const int candBlocks =
+      static_cast<int>(std::clamp<int64_t>((slots + 8 * kThreads - 1) / (8 * kThreads), 1, blocks));
+  const Passes passes{s,     res,     vals,       n,     per,
+                      k,     samples, sel,        cand,  Candidates{cand, subCap, candBlocks},
+                      above, equal,   tileCounts, tiles, blocks,
+                      stream};
   if (vec) {
     selectPasses<true>(sampled, passes);
   } else {
