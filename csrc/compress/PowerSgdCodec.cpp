@@ -795,7 +795,7 @@ void orthonormalizeAllOnDevice(const std::vector<at::Tensor>& xs, double eps,
   const bool householder = std::any_of(xs.begin(), xs.end(), [](const at::Tensor& x) {
     return x.size(1) > 2 && x.scalar_type() == at::kDouble;
   });
-  if (!householder) {
+  if (!householder && cuda::codecsBuilt()) {
     const auto count = static_cast<int64_t>(xs.size());
     at::Tensor flags = finite != nullptr ? at::empty({count}, xs.front().options().dtype(at::kBool))
                                          : at::Tensor();

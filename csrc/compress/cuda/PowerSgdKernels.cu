@@ -277,10 +277,17 @@ void launchGramSchmidtRegs(const std::vector<at::Tensor>& xs, size_t first, size
 
 constexpr int64_t kRegsMaxRank = 16;
 
+// The register kernel's compile-time rank for x: its rank rounded up to a
+// power of two.
+int64_t registerRank(const at::Tensor& x) {
+  int64_t r = 1;
+  while (r < x.size(1)) r *= 2;
+  return r;
+}
+
 bool fitsRegisters(const at::Tensor& x) {
   const int64_t rank = x.size(1);
-  int64_t r = 1;
-  while (r < rank) r *= 2;
+  const int64_t r = registerRank(x);
   const int perThread = x.scalar_type() == at::kDouble ? rowsPerThread<double>(static_cast<int>(r))
                                                        : rowsPerThread<float>(static_cast<int>(r));
   return rank <= kRegsMaxRank && x.size(0) <= int64_t{1024} * perThread;
@@ -332,14 +339,11 @@ bool gramSchmidtBatch(const std::vector<at::Tensor>& xs, double eps, const at::T
       ++i;
       continue;
     }
-    int64_t r = 1;
-    while (r < x.size(1)) r *= 2;
+    const int64_t r = registerRank(x);
     size_t count = 1;
     while (i + count < xs.size() && count < static_cast<size_t>(kGsBatch)) {
       const at::Tensor& y = xs[i + count];
-      int64_t ry = 1;
-      while (ry < y.size(1)) ry *= 2;
-      if (y.numel() == 0 || !fitsRegisters(y) || ry != r) break;
+      if (y.numel() == 0 || !fitsRegisters(y) || registerRank(y) != r) break;
       ++count;
     }
     withPowerOfTwo<16>(r, [&](auto rank) {
