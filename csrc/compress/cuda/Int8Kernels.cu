@@ -27,6 +27,23 @@ int threadsForChunk(int64_t chunk) {
   return static_cast<int>(warps >= kThreads / 32 ? kThreads : warps * 32);
 }
 
+// Calls f(i) for each element i < cnt of the chunk that the calling thread
+// owns. With kRegs: elements threadIdx.x + j * blockDim.x, j < kPerThread,
+// f's results kept in vals (0 past cnt); else every blockDim.x-th element,
+// results dropped (f stores them).
+template <bool kRegs, typename Fn>
+__device__ inline void visitChunk(float (&vals)[kPerThread], int64_t cnt, Fn&& f) {
+  if (kRegs) {
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+      vals[j] = i < cnt ? f(i) : 0.f;
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) f(i);
+  }
+}
+
 // The second half of encoding one chunk whose values are known (in `vals`
 // with kRegs, else at `from`): scale, quantize, residual.
 template <bool kRegs>
@@ -81,18 +98,35 @@ struct EncodeArgs {
   uint8_t* out;
 };
 
+// Chunk c of row `row`: its elements (cnt real ones, padded with zeros to
+// `padded` in q), where they come from and where its row starts.
+struct EncodeChunk {
+  int64_t lo, cnt, padded;
+  const float* s;  // null: the values are in r
+  float* r;        // null: no error feedback
+  uint8_t* rowStart;
+};
+__device__ inline EncodeChunk encodeChunk(const EncodeArgs& a, int64_t row, int64_t c) {
+  const int64_t lo = c * a.chunk, offset = row * a.stride;
+  const int64_t valid = min(max(a.n - offset, int64_t{0}), a.stride);
+  return {lo,
+          max(min(valid, lo + a.chunk) - lo, int64_t{0}),
+          min(a.qLen, lo + a.chunk) - lo,
+          a.src != nullptr ? a.src + offset + lo : nullptr,
+          a.res != nullptr ? a.res + offset + lo : nullptr,
+          a.out + row * a.rowBytes};
+}
+
 // Block (c, row): chunk c of row `row`.
 template <bool kRegs>
 __global__ void int8EncodeKernel(EncodeArgs a) {
   __shared__ float shared[32];
   const int64_t row = blockIdx.y, c = blockIdx.x;
-  const int64_t lo = c * a.chunk, offset = row * a.stride;
-  const int64_t valid = min(max(a.n - offset, int64_t{0}), a.stride);
-  const int64_t cnt = max(min(valid, lo + a.chunk) - lo, int64_t{0});
-  const int64_t padded = min(a.qLen, lo + a.chunk) - lo;
-  const float* s = a.src != nullptr ? a.src + offset + lo : nullptr;
-  float* r = a.res != nullptr ? a.res + offset + lo : nullptr;
-  uint8_t* rowStart = a.out + row * a.rowBytes;
+  const EncodeChunk ch = encodeChunk(a, row, c);
+  const int64_t lo = ch.lo, cnt = ch.cnt, padded = ch.padded;
+  const float* s = ch.s;
+  float* r = ch.r;
+  uint8_t* rowStart = ch.rowStart;
   int8_t* q = reinterpret_cast<int8_t*>(rowStart) + lo;
   uint8_t* scaleAt = rowStart + a.qLen + c * static_cast<int64_t>(sizeof(float));
 
@@ -109,15 +143,7 @@ __global__ void int8EncodeKernel(EncodeArgs a) {
     finite = finite && isfinite(v);
     return v;
   };
-  if (kRegs) {
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      vals[j] = i < cnt ? take(i) : 0.f;
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < cnt; i += blockDim.x) take(i);
-  }
+  visitChunk<kRegs>(vals, cnt, take);
   quantizeChunk<kRegs>(vals, r != nullptr ? r : s, r, cnt, padded, m, finite, q, scaleAt, shared);
 }
 
@@ -141,18 +167,10 @@ __global__ void int8ReduceKernel(const uint8_t* rows, int64_t rowBytes, int worl
     if (divisor != 1.f) acc = __fdiv_rn(acc, divisor);
     m = fmaxf(m, fabsf(acc));
     finite = finite && isfinite(acc);
+    if (sum != nullptr) sum[lo + i] = acc;  // without kRegs, the quantize pass reads it back
     return acc;
   };
-  if (kRegs) {
-#pragma unroll
-    for (int j = 0; j < kPerThread; ++j) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
-      vals[j] = i < chunk ? reduceAt(i) : 0.f;
-      if (sum != nullptr && i < chunk) sum[lo + i] = vals[j];
-    }
-  } else {
-    for (int64_t i = threadIdx.x; i < chunk; i += blockDim.x) sum[lo + i] = reduceAt(i);
-  }
+  visitChunk<kRegs>(vals, chunk, reduceAt);
   if (packed == nullptr) return;
   quantizeChunk<kRegs>(vals, sum != nullptr ? sum + lo : nullptr, nullptr, chunk, chunk, m, finite,
                        reinterpret_cast<int8_t*>(packed) + lo,
@@ -197,23 +215,17 @@ __device__ inline float4 load4(const float* p, int64_t valid) {
   if (valid > 2) v.z = p[2];
   return v;
 }
-__device__ inline void store4(float* p, float4 v, int64_t valid) {
+// Stores the first `valid` of v's 4 elements at p (one 16- or 4-byte store
+// when all 4 are): floats from a float4, int8 values from a char4.
+template <typename T, typename V>
+__device__ inline void storeUpTo4(T* p, V v, int64_t valid) {
   if (valid >= 4) {
-    *reinterpret_cast<float4*>(p) = v;
+    *reinterpret_cast<V*>(p) = v;
     return;
   }
   if (valid > 0) p[0] = v.x;
   if (valid > 1) p[1] = v.y;
   if (valid > 2) p[2] = v.z;
-}
-__device__ inline void storeQ4(int8_t* q, char4 v, int64_t valid) {
-  if (valid >= 4) {
-    *reinterpret_cast<char4*>(q) = v;
-    return;
-  }
-  if (valid > 0) q[0] = v.x;
-  if (valid > 1) q[1] = v.y;
-  if (valid > 2) q[2] = v.z;
 }
 __device__ inline float4 add4(float4 a, float4 b) {
   return make_float4(__fadd_rn(a.x, b.x), __fadd_rn(a.y, b.y), __fadd_rn(a.z, b.z),
@@ -260,8 +272,8 @@ __device__ void quantizeWarpChunk(float4 (&vals)[V], int64_t cnt, int64_t padded
       e = make_float4(isnan(a.x) ? a.x : nan, isnan(a.y) ? a.y : nan, isnan(a.z) ? a.z : nan,
                       isnan(a.w) ? a.w : nan);
     }
-    storeQ4(q + i, qq, padded - i);
-    if (r != nullptr && i < cnt) store4(r + i, e, cnt - i);
+    storeUpTo4(q + i, qq, padded - i);
+    if (r != nullptr && i < cnt) storeUpTo4(r + i, e, cnt - i);
   }
   if (lane == 0) storeUnaligned(scaleAt, scale);
 }
@@ -273,13 +285,11 @@ __global__ void int8EncodeWarpKernel(EncodeArgs a, int64_t chunksPerRow, int64_t
   if (g >= chunks) return;
   const int lane = threadIdx.x % 32;
   const int64_t row = g / chunksPerRow, c = g - row * chunksPerRow;
-  const int64_t lo = c * a.chunk, offset = row * a.stride;
-  const int64_t valid = min(max(a.n - offset, int64_t{0}), a.stride);
-  const int64_t cnt = max(min(valid, lo + a.chunk) - lo, int64_t{0});
-  const int64_t padded = min(a.qLen, lo + a.chunk) - lo;
-  const float* s = a.src != nullptr ? a.src + offset + lo : nullptr;
-  float* r = a.res != nullptr ? a.res + offset + lo : nullptr;
-  uint8_t* rowStart = a.out + row * a.rowBytes;
+  const EncodeChunk ch = encodeChunk(a, row, c);
+  const int64_t lo = ch.lo, cnt = ch.cnt, padded = ch.padded;
+  const float* s = ch.s;
+  float* r = ch.r;
+  uint8_t* rowStart = ch.rowStart;
   float4 vals[V];
   float m = 0.f;
   bool finite = true;
@@ -370,12 +380,12 @@ __global__ void int8DecodeWarpKernel(const uint8_t* rows, int64_t rowBytes, int6
     const int64_t i = lane * 4 + v * 128;
     if (i >= cnt) continue;
     const char4 q = *reinterpret_cast<const char4*>(rowStart + lo + i);
-    store4(dst + base + i,
-           make_float4(__fmul_rn(static_cast<float>(q.x), scale),
-                       __fmul_rn(static_cast<float>(q.y), scale),
-                       __fmul_rn(static_cast<float>(q.z), scale),
-                       __fmul_rn(static_cast<float>(q.w), scale)),
-           cnt - i);
+    storeUpTo4(dst + base + i,
+               make_float4(__fmul_rn(static_cast<float>(q.x), scale),
+                           __fmul_rn(static_cast<float>(q.y), scale),
+                           __fmul_rn(static_cast<float>(q.z), scale),
+                           __fmul_rn(static_cast<float>(q.w), scale)),
+               cnt - i);
   }
 }
 
