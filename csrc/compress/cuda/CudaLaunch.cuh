@@ -46,6 +46,28 @@ inline cudaStream_t streamFor(const at::Tensor& t) {
 }
 #endif
 
+// How many blocks of `kernel` (at `threads` per block) the device holds at
+// once: a grid of that size runs in one wave, so what each block does once
+// (set up and flush a shared histogram) is paid once per resident block.
+#ifdef XCOMM_CUDA_EMULATION
+template <typename Kernel>
+int residentBlocks(Kernel*, int, const c10::Device&) {
+  return 8;  // the emulated GPU: a few blocks, as a small device holds
+}
+#else
+template <typename Kernel>
+int residentBlocks(Kernel* kernel, int threads, const c10::Device& device) {
+  static const int perSm = [&] {
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+    return n < 1 ? 1 : n;
+  }();
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()));
+  return perSm * (sms < 1 ? 1 : sms);
+}
+#endif
+
 inline void checkDevice(const at::Tensor& t, const char* what) {
   TORCH_CHECK(onKernelDevice(t) && t.is_contiguous(), "xcomm: ", what,
               " must be a contiguous CUDA tensor, got ", t.device(),

@@ -51,8 +51,6 @@ namespace cuda {
 namespace {
 
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxBlocks = 1024;
-constexpr int kMaxWarps = kMaxBlocks * kWarps;
 constexpr int kUnroll = 4;              // loads in flight per lane
 constexpr int kTopBins = 2048;          // bits 30..20
 constexpr int kCoarseBins = 1024;       // bits 19..10
@@ -690,9 +688,14 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
               "xcomm: top-k indices are int32; a bucket holds at most 2^31 - 1 elements, got ", n);
   DeviceGuard guard(any.device());
   const auto stream = streamFor(any);
-  // Passes over the bucket: warps own contiguous ranges of whole steps.
+  const bool sampled = sampledPathFor(n, k);
+  // Passes over the bucket: warps own contiguous ranges of whole steps, in
+  // one wave of the first pass's blocks (the later passes' prologues are no
+  // heavier).
   const int64_t steps = (n + kStep - 1) / kStep;
-  const int64_t wanted = std::min<int64_t>(kMaxWarps, steps);
+  const int wave = sampled ? residentBlocks(addSelectKernel<true>, kThreads, any.device())
+                           : residentBlocks(prepareKernel<true>, kThreads, any.device());
+  const int64_t wanted = std::min<int64_t>(static_cast<int64_t>(wave) * kWarps, steps);
   const int blocks = static_cast<int>((wanted + kWarps - 1) / kWarps);
   const int64_t warps = static_cast<int64_t>(blocks) * kWarps;
   const int64_t per = ((steps + warps - 1) / warps) * kStep;
@@ -704,7 +707,6 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   auto* base = packed.data_ptr<uint8_t>();
   auto* outIdx = reinterpret_cast<int32_t*>(base);
   auto* outVal = reinterpret_cast<float*>(base + 4 * k);
-  const bool sampled = sampledPathFor(n, k);
 
   // One allocation: [Select | above | equal | tile counts] zeroed, then the
   // candidates (sampled path only).
