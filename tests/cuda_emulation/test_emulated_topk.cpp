@@ -174,6 +174,16 @@ TEST_CASE("emulated top-k sampled path falls back to every entry where the sampl
   }
 }
 
+TEST_CASE("emulated top-k encode refuses a bucket its int32 indices cannot address",
+          "[emulated][topk]") {
+  // 2^31 elements over a small buffer: the check runs before any entry is read.
+  std::vector<float> few(16);
+  at::Tensor huge = at::from_blob(few.data(), {int64_t{1} << 31}, at::kFloat);
+  at::Tensor packed = at::empty({8}, at::kByte);
+  CHECK_THROWS_WITH(xcomm::cuda::topkEncode(huge, at::Tensor(), 1, packed),
+                    Catch::Contains("at most 2^31 - 1 elements"));
+}
+
 TEST_CASE("emulated top-k decode sums ranks in order and divides once", "[emulated][topk]") {
   // 5000: two output tiles; 50000 with 2000 pairs: thirteen tiles, and the
   // tiles' searches of the index lists take several rounds.

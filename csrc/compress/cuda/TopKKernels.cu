@@ -70,8 +70,7 @@ struct Select {
   uint32_t everyEntry;  // 1: select over every entry, not the candidates
   uint32_t prefix;      // the top bin of the k-th key (refine)
   int64_t need;         // how many entries of that bin are still to take (refine)
-  uint32_t kth;         // the k-th key (mark)
-  int64_t kthNeed;      // how many of the entries equal to it to take (mark)
+  int64_t kthNeed;      // how many entries equal to the k-th key to take (mark)
   // The sampled path.
   uint32_t sampleTop[kTopBins];   // the sample's histogram of bits 30..20
   uint32_t count[kSubLists][32];  // entries appended per sub-list (one per 128-byte line)
@@ -186,10 +185,11 @@ __global__ void prepareKernel(const float* src, float* res, int64_t n, int64_t p
 }
 
 // The sampled path's candidate lists, and how many blocks of a pass walk
-// them: a few k entries need far fewer blocks than the bucket's passes
-// (those beyond return at once; they are there for the fallback).
+// them: about 8 list slots per thread, which for few candidates is fewer
+// blocks than the passes over the bucket launch (those beyond return at
+// once; they are there for the fallback).
 struct Candidates {
-  const uint2* list;  // kSubLists sub-lists of subCap (index, key) pairs
+  uint2* list;  // kSubLists sub-lists of subCap (index, key) pairs
   uint32_t subCap;
   int blocks;
 };
@@ -317,8 +317,8 @@ __global__ void refineKernel(const float* vals, int64_t n, int64_t per, int64_t 
 // tile: tileCounts[0, tiles) above, tileCounts[tiles, 2 tiles) equal. Every
 // block first finishes the k-th key, alike, from refine's histograms: the
 // coarse bin (bits 19..10) under the chosen top bin, then the fine bin (bits
-// 9..0) under it; block 0 records it, with how many of the entries equal to
-// it to take.
+// 9..0) under it; block 0 records how many of the entries equal to it to
+// take (the pack needs only that: the bitmaps hold the rest).
 template <bool kVec>
 __global__ void markKernel(const float* vals, int64_t n, int64_t per, Select* sel, Candidates cands,
                            uint32_t* above, uint32_t* equal, uint32_t* tileCounts, int64_t tiles) {
@@ -336,7 +336,6 @@ __global__ void markKernel(const float* vals, int64_t n, int64_t per, Select* se
   BinPick<kThreads, kCoarseBins>::run(pick, fine, need, &bin, &need);
   const uint32_t kth = (((sel->prefix << 10) | coarse) << 10) | bin;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
-    sel->kth = kth;
     sel->kthNeed = need;
   }
   forEachEntry<kVec>(all, vals, n, per, sel, cands, [&](int64_t i, uint32_t key, bool valid) {
@@ -636,8 +635,7 @@ struct Passes {
   int64_t n, per, k;
   int samples;
   Select* sel;
-  uint2* cand;       // the candidate lists, as the add pass writes them
-  Candidates cands;  // as the passes after it read them
+  Candidates cands;
   uint32_t *above, *equal, *tileCounts;
   int64_t tiles;
   int blocks;
@@ -654,7 +652,7 @@ void selectPasses(bool sampled, const Passes& p) {
                                                                    p.sel);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     addSelectKernel<kVec><<<p.blocks, kThreads, 0, p.stream>>>(
-        p.src, p.res, p.n, p.per, p.k, p.samples, p.sel, p.cand, p.cands.subCap);
+        p.src, p.res, p.n, p.per, p.k, p.samples, p.sel, p.cands.list, p.cands.subCap);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     fallbackTopKernel<kVec>
         <<<p.blocks, kThreads, 0, p.stream>>>(p.vals, p.n, p.per, p.k, p.sel, p.cands.subCap);
@@ -737,10 +735,11 @@ void topkEncode(const at::Tensor& src, const at::Tensor& residual, int64_t k,
   const int64_t slots = static_cast<int64_t>(kSubLists) * subCap;
   const int candBlocks =
       static_cast<int>(std::clamp<int64_t>((slots + 8 * kThreads - 1) / (8 * kThreads), 1, blocks));
-  const Passes passes{s,     res,     vals,       n,     per,
-                      k,     samples, sel,        cand,  Candidates{cand, subCap, candBlocks},
-                      above, equal,   tileCounts, tiles, blocks,
-                      stream};
+  const Passes passes{s,       res,    vals,
+                      n,       per,    k,
+                      samples, sel,    Candidates{cand, subCap, candBlocks},
+                      above,   equal,  tileCounts,
+                      tiles,   blocks, stream};
   if (vec) {
     selectPasses<true>(sampled, passes);
   } else {
