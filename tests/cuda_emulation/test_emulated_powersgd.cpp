@@ -167,10 +167,13 @@ TEST_CASE("emulated products P = M Q and Q = M^T P", "[emulated][powersgd]") {
   MatmulEnv env;
   struct Case {
     int64_t rows, cols, rank;
-    int64_t offset;  // elements before M: 1 makes it unaligned (the scalar path)
+    int64_t offset;  // elements before M, as a bucket holds it: any alignment
   };
-  const Case cases[] = {
-      {64, 128, 4, 0}, {33, 130, 1, 0}, {200, 96, 7, 1}, {5, 1024, 32, 0}, {300, 8, 16, 0}};
+  // P = M Q takes 8 rows per block (2 at rank 32) and 256 columns per step
+  // (128 for double at rank 32): partial last blocks and steps, ranks below
+  // their power of two, and several steps each.
+  const Case cases[] = {{64, 128, 4, 0}, {33, 130, 1, 0}, {200, 96, 7, 1}, {5, 1024, 32, 0},
+                        {300, 8, 16, 0}, {37, 600, 4, 0}, {20, 520, 3, 1}, {9, 300, 2, 2}};
   for (const auto& c : cases) {
     for (auto dtype : {at::kFloat, at::kDouble}) {
       DYNAMIC_SECTION(c.rows << " x " << c.cols << " rank " << c.rank << " offset " << c.offset

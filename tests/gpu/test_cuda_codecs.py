@@ -217,7 +217,7 @@ def test_auto_times_its_codecs_on_the_gpu_and_offers_them_there() -> None:
 def _matrix_of_bucket(rows: int, cols: int, offset: int, dtype: torch.dtype) -> torch.Tensor:
     """A rows x cols matrix inside a flat bucket at `offset` entries, as the
     codec slices it: an offset not a multiple of 4 leaves it without 16-byte
-    alignment (the kernel's scalar loads)."""
+    alignment, which the kernels must not assume."""
     g = torch.Generator().manual_seed(rows * 7 + cols)
     flat = torch.randn(offset + rows * cols + 3, generator=g, dtype=dtype).to(DEV)
     return flat.narrow(0, offset, rows * cols).view(rows, cols)
@@ -227,9 +227,9 @@ def _matrix_of_bucket(rows: int, cols: int, offset: int, dtype: torch.dtype) -> 
 @pytest.mark.parametrize(
     "rows,cols,rank,offset",
     [
-        (2048, 2048, 4, 0),  # a transformer-sized layer, float4 loads
+        (2048, 2048, 4, 0),  # a transformer-sized layer: 8 column steps per block
         (2048, 2048, 4, 1),  # the same, unaligned
-        (8, 27, 2, 0),  # a small conv kernel: cols not a multiple of 4
+        (8, 27, 2, 0),  # a small conv kernel: one partial column step
         (1000, 37, 1, 5),
         (37, 1000, 3, 0),  # rank not a power of two
         (300, 64, 17, 2),  # rank past 16

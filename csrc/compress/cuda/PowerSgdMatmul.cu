@@ -6,10 +6,9 @@
 // once, coalesced, and sums in a fixed order, so every rank computes the same
 // bits (in float for float matrices, double for double, as cuBLAS does).
 //
-// P = M Q: one warp per row of M. Lane l takes the row's entries l, l + 32,
-// ... (four consecutive ones at a time where the row allows 16-byte loads),
-// multiplies each by its row of Q (small, cached), and the warp adds its
-// lanes' partial sums with a butterfly.
+// P = M Q: a block per 8 rows of M (fewer above rank 8), its threads across
+// the columns; Q's rows are staged in shared memory, transposed, once per
+// block and step, and serve all the block's rows (see projectKernel).
 //
 // Q = M^T P: threads across M's columns, blocks over stretches of rows; each
 // block writes its stretch's partial sums, and a second kernel adds the
@@ -21,7 +20,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
 #include "compress/cuda/CudaCodecs.hpp"
 #include "compress/cuda/CudaLaunch.cuh"
@@ -51,41 +49,91 @@ __device__ inline void fmaRow(T (&acc)[R], T v, const T* qRow, int rank) {
   }
 }
 
-// P = M Q, one warp per row; kVec: the row's entries read as float4s.
-template <typename T, int R, bool kVec>
-__global__ void projectKernel(const T* m, int64_t rows, int64_t cols, const T* q, int rank, T* p) {
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (row >= rows) return;  // the same for every lane of the warp
-  const T* mr = m + row * cols;
-  T acc[R];
+// The shape of P = M Q's blocks for rank width R.
+template <typename T, int R>
+struct ProjectShape {
+  // Rows of M per block: Q's values, read once per step, serve them all;
+  // kRows x R accumulators per thread stay at most 64 registers.
+  static constexpr int kRows = R <= 8 ? 8 : 64 / R;
+  // Threads per block, each one column of M at a time: fewer where the
+  // staged Q would pass 40 KB of shared memory (double, rank 32).
+  static constexpr int kBlock = sizeof(T) * R * 256 > 40 * 1024 ? 128 : 256;
+  // Row pitch of the transposed Q: kBlock plus 32 / R entries puts the
+  // staging's writes (R consecutive values of a Q row per R lanes) in 32
+  // different banks.
+  static constexpr int kPitch = kBlock + 32 / R;
+  static constexpr int kWarps = kBlock / 32;
+};
+
+// P = M Q. A block takes kRows rows of M, and its threads walk those rows'
+// columns together, one column per thread per step, so every read of M is
+// coalesced whatever its alignment. Each step the block first copies the Q
+// rows of its kBlock columns into shared memory, transposed (a coalesced
+// read of contiguous Q), and each thread then takes its column's `rank`
+// values from there, conflict-free, for all kRows rows: Q comes from L2 once
+// per kRows rows, where one warp per row read it once per row, and no warp
+// reads Q scattered across cache lines. Sums in a fixed order: a thread's
+// columns, the warp's butterfly, the warps in turn.
+template <typename T, int R>
+__global__ void __launch_bounds__(ProjectShape<T, R>::kBlock)
+    projectKernel(const T* m, int64_t rows, int64_t cols, const T* q, int rank, T* p) {
+  using S = ProjectShape<T, R>;
+  __shared__ T qs[R][S::kPitch];
+  __shared__ T sums[S::kWarps][S::kRows * R];
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * S::kRows;
+  const int height = static_cast<int>(min(static_cast<int64_t>(S::kRows), rows - row0));
+  const int t = static_cast<int>(threadIdx.x);
+  const bool fullRank = rank == R;  // index Q with shifts, not divisions
+  T acc[S::kRows][R];
 #pragma unroll
-  for (int c = 0; c < R; ++c) acc[c] = T(0);
-  if constexpr (kVec) {
-    const auto* mv = reinterpret_cast<const float4*>(mr);
-    const int64_t quads = cols / 4;
-#pragma unroll 4
-    for (int64_t x = lane; x < quads; x += 32) {
-      const float4 v = mv[x];
-      const T* qr = q + 4 * x * rank;
-      fmaRow<T, R>(acc, v.x, qr, rank);
-      fmaRow<T, R>(acc, v.y, qr + rank, rank);
-      fmaRow<T, R>(acc, v.z, qr + 2 * rank, rank);
-      fmaRow<T, R>(acc, v.w, qr + 3 * rank, rank);
+  for (int r = 0; r < S::kRows; ++r) {
+#pragma unroll
+    for (int c = 0; c < R; ++c) acc[r][c] = T(0);
+  }
+  for (int64_t j0 = 0; j0 < cols; j0 += S::kBlock) {
+    const int width = static_cast<int>(min(static_cast<int64_t>(S::kBlock), cols - j0));
+    const T* tile = q + j0 * rank;
+    const int count = width * rank;
+    __syncthreads();  // the previous step is done with qs
+    for (int e = t; e < count; e += S::kBlock) {
+      const int c = fullRank ? e % R : e % rank;
+      const int j = fullRank ? e / R : e / rank;
+      qs[c][j] = tile[e];
     }
-  } else {
-#pragma unroll 4
-    for (int64_t j = lane; j < cols; j += 32) fmaRow<T, R>(acc, mr[j], q + j * rank, rank);
-  }
+    __syncthreads();
+    if (t < width) {
+      const T* mj = m + row0 * cols + j0 + t;
+      T v[S::kRows];
 #pragma unroll
-  for (int c = 0; c < R; ++c) {
-    for (int o = 16; o > 0; o >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], o);
+      for (int r = 0; r < S::kRows; ++r) v[r] = r < height ? mj[r * cols] : T(0);
+#pragma unroll
+      for (int c = 0; c < R; ++c) {
+        if (c < rank) {
+          const T qv = qs[c][t];
+#pragma unroll
+          for (int r = 0; r < S::kRows; ++r) acc[r][c] += v[r] * qv;
+        }
+      }
+    }
   }
-  if (lane == 0) {
+  const int warp = t / 32, lane = t % 32;
+#pragma unroll
+  for (int r = 0; r < S::kRows; ++r) {
 #pragma unroll
     for (int c = 0; c < R; ++c) {
-      if (c < rank) p[row * rank + c] = acc[c];
+      T s = acc[r][c];
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) sums[warp][r * R + c] = s;
     }
+  }
+  __syncthreads();
+  for (int i = t; i < height * R; i += S::kBlock) {
+    const int r = i / R, c = i % R;
+    if (c >= rank) continue;
+    T s = sums[0][i];
+#pragma unroll
+    for (int w = 1; w < S::kWarps; ++w) s += sums[w][i];
+    p[(row0 + r) * rank + c] = s;
   }
 }
 
@@ -123,20 +171,10 @@ __global__ void projectBackSumKernel(const T* partial, int64_t splits, int64_t n
 
 template <typename T, int R>
 void launchProject(const at::Tensor& p, const at::Tensor& m, const at::Tensor& q) {
+  using S = ProjectShape<T, R>;
   const int64_t rows = m.size(0), cols = m.size(1);
-  const int rank = static_cast<int>(q.size(1));
-  const unsigned blocks = blocksFor(rows * 32, kThreads);
-  const auto stream = streamFor(m);
-  if constexpr (std::is_same_v<T, float>) {
-    if (cols % 4 == 0 && reinterpret_cast<uintptr_t>(m.data_ptr()) % 16 == 0) {
-      projectKernel<T, R, true><<<blocks, kThreads, 0, stream>>>(
-          m.data_ptr<T>(), rows, cols, q.data_ptr<T>(), rank, p.data_ptr<T>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
-    }
-  }
-  projectKernel<T, R, false><<<blocks, kThreads, 0, stream>>>(
-      m.data_ptr<T>(), rows, cols, q.data_ptr<T>(), rank, p.data_ptr<T>());
+  projectKernel<T, R><<<blocksFor(rows, S::kRows), S::kBlock, 0, streamFor(m)>>>(
+      m.data_ptr<T>(), rows, cols, q.data_ptr<T>(), static_cast<int>(q.size(1)), p.data_ptr<T>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
