@@ -10,7 +10,11 @@ What ``scripts/gpu_check.sh`` runs on the GPU machine, one rank, one GPU:
    reaches without a kernel of ours). Rates are bucket bytes / time, as in
    ``python -m xcomm_bench codecs``, so "/ copy" reads as "this codec
    processes a bucket at x of the speed the GPU copies it";
-3. DDP steps on real buckets at world size 1 over the xcomm backend (CUDA
+3. PowerSGD's two products, P = M Q and Q = M^T P, on one 2048 x 2048
+   float32 matrix at rank 4 (``--matrix``): cuBLAS (``torch.mm``) against
+   xcomm's kernels (``XCOMM_POWERSGD_MATMUL=xcomm``), each beside a copy of
+   M, which both products read once;
+4. DDP steps on real buckets at world size 1 over the xcomm backend (CUDA
    tensors go to its inner NCCL group), with no hook, torch's hooks and
    xcomm's hooks: the median step time, and the hook's cost per step (step
    time minus the no-hook step time). At world size 1 the collectives move
@@ -211,6 +215,68 @@ def measure_codecs(device: torch.device, numel: int, reps: int, world: int = 2) 
     return rows
 
 
+#: Environment of xcomm's product kernels (read by xcomm's C++ per call).
+MATMUL_ENV = {"XCOMM_POWERSGD_MATMUL": "xcomm"}
+
+
+def measure_products(
+    device: torch.device, rows: int, cols: int, rank: int, reps: int
+) -> list[dict]:
+    """PowerSGD's two products on one ``rows x cols`` float32 matrix M, the
+    time of each against a copy of M: cuBLAS (``torch.mm``, what the codec
+    runs by default) and xcomm's kernels (``XCOMM_POWERSGD_MATMUL=xcomm``).
+    Both read M once, so "/ copy" reads as "this product streams M at x of
+    the speed the GPU copies it"; ``vs cuBLAS`` is cuBLAS's time over this
+    row's."""
+    from xcomm import _C
+
+    gen = torch.Generator().manual_seed(3)
+    m = torch.randn(rows, cols, generator=gen).to(device)
+    q = torch.randn(cols, rank, generator=gen).to(device)
+    p = torch.randn(rows, rank, generator=gen).to(device)
+    m_out, p_out, q_out = torch.empty_like(m), torch.empty_like(p), torch.empty_like(q)
+    finite = torch.ones((), dtype=torch.bool, device=device)
+
+    def ours(ran: bool) -> None:
+        if not ran:
+            raise RuntimeError("xcomm's product kernels declined (they need a GPU)")
+
+    methods: list[tuple[str, str, Callable[[], object], dict[str, str]]] = [
+        ("copy of M (reference)", "torch", lambda: m_out.copy_(m), {}),
+        ("P = M Q", "cuBLAS", lambda: torch.mm(m, q, out=p_out), {}),
+        ("P = M Q", "xcomm", lambda: ours(_C._powersgd_project(p_out, m, q)), MATMUL_ENV),
+        ("Q = M^T P", "cuBLAS", lambda: torch.mm(m.t(), p, out=q_out), {}),
+        (
+            "Q = M^T P",
+            "xcomm",
+            lambda: ours(_C._powersgd_project_back(q_out, m, p, finite)),
+            MATMUL_ENV,
+        ),
+    ]
+    timer = _timer(device)
+    out: list[dict] = []
+    copy_ms = None
+    cublas_ms: dict[str, float] = {}
+    for name, impl, fn, env in methods:
+        row: dict[str, Any] = {"product": name, "impl": impl, "rows": rows, "cols": cols}
+        row["rank"] = rank
+        try:
+            with _env(env):
+                row["ms"] = 1000 * statistics.median(timer(fn, reps))
+        except Exception as e:  # noqa: BLE001 - reported as the row's result
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            out.append(row)
+            continue
+        copy_ms = row["ms"] if copy_ms is None else copy_ms
+        row["ratio"] = copy_ms / row["ms"]
+        if impl == "cuBLAS":
+            cublas_ms[name] = row["ms"]
+        elif name in cublas_ms:
+            row["vs_cublas"] = cublas_ms[name] / row["ms"]
+        out.append(row)
+    return out
+
+
 def time_rows(events: Iterable[Any], per: float, device: bool) -> dict[str, tuple[float, float]]:
     """``key -> (us, count)`` per step or call from ``prof.key_averages()``.
 
@@ -245,6 +311,38 @@ def time_rows(events: Iterable[Any], per: float, device: bool) -> dict[str, tupl
         if us > 0:
             rows[e.key] = (us / per, e.count / per)
     return rows
+
+
+def busy_us(events: Iterable[Any]) -> float:
+    """Microseconds in which the device ran anything: the union of the
+    device's own events' intervals (kernels, memcpys, memsets; from
+    ``prof.events()``). Against the wall time it tells a device-bound step
+    (busy near the wall) from one whose time goes to the host: launches,
+    Python, callbacks, waits.
+
+    Example::
+
+        >>> from types import SimpleNamespace as E
+        >>> from torch.autograd import DeviceType
+        >>> def ev(start, end, kind=DeviceType.CUDA):
+        ...     return E(device_type=kind, time_range=E(start=start, end=end))
+        >>> busy_us([ev(0, 10), ev(5, 12), ev(20, 25), ev(0, 100, DeviceType.CPU)])
+        17.0
+    """
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (float(e.time_range.start), float(e.time_range.end))
+        for e in events
+        if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU
+    )
+    total, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
 
 
 def profile_codecs(device: torch.device, numel: int, world: int = 2, calls: int = 5) -> str:
@@ -290,7 +388,7 @@ def _model(device: torch.device, width: int, depth: int) -> torch.nn.Module:
 #: xcomm's PowerSGD with its own kernels for P = M Q and Q = M^T P.
 XCOMM_MATMUL = "xcomm powersgd_hook r4, xcomm matmul"
 #: Environment a hook's rows run under (read by xcomm's C++ per call).
-HOOK_ENV: dict[str, dict[str, str]] = {XCOMM_MATMUL: {"XCOMM_POWERSGD_MATMUL": "xcomm"}}
+HOOK_ENV: dict[str, dict[str, str]] = {XCOMM_MATMUL: MATMUL_ENV}
 
 
 def _hooks() -> dict[str, Callable[[dist.ProcessGroup | None, torch.nn.Module], Any]]:
@@ -407,7 +505,10 @@ def profile_ddp(
     the launches per step, and the same beyond the no-hook step, kernel by
     kernel. The device time beyond the no-hook step is the hook's compute on
     the GPU; the wall time beyond it adds the host's share (dispatch, Python,
-    future callbacks), which a launch-bound step shows instead."""
+    future callbacks), which a launch-bound step shows instead. On a GPU the
+    summary also gives the time per step in which the device ran anything
+    (:func:`busy_us`): near the wall time, the step is device-bound; far
+    below it, the host or a wait holds the step."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -416,7 +517,10 @@ def profile_ddp(
     per_kernel: dict[str, dict[str, tuple[float, float]]] = {}
     beyond_none: dict[str, float] = {}
     parts: list[str] = []
-    summary = ["hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"]
+    summary = [
+        "hook | device us/step | beyond none | launches/step | wall ms/step (profiled)"
+        + (" | device busy ms/step" if cuda else "")
+    ]
     for name in PROFILED_HOOKS:
         try:
             with _env(HOOK_ENV.get(name, {})):
@@ -440,7 +544,10 @@ def profile_ddp(
         base = per_kernel.get("none", {})
         beyond = total - sum(us for us, _ in base.values())
         beyond_none[name] = beyond
-        summary.append(f"{name} | {total:.0f} | {beyond:+.0f} | {launches:.0f} | {wall_ms:.2f}")
+        row = f"{name} | {total:.0f} | {beyond:+.0f} | {launches:.0f} | {wall_ms:.2f}"
+        if cuda:  # how much of the wall time the device was busy at all
+            row += f" | {busy_us(prof.events()) / steps / 1000:.2f}"
+        summary.append(row)
         if name == "none":
             continue
         extra = sorted(
@@ -468,7 +575,9 @@ def profile_ddp(
     return "\n\n".join([head, "\n".join(summary), *parts])
 
 
-def format_markdown(info: dict, codec_rows: list[dict], ddp_rows: list[dict], cfg: dict) -> str:
+def format_markdown(
+    info: dict, codec_rows: list[dict], product_rows: list[dict], ddp_rows: list[dict], cfg: dict
+) -> str:
     lines = [
         "device: " + ", ".join(f"{k} {v}" for k, v in info.items()),
         "",
@@ -487,6 +596,24 @@ def format_markdown(info: dict, codec_rows: list[dict], ddp_rows: list[dict], cf
         else:
             lines.append(
                 f"| {r['method']} | {r['impl']} | {r['ms']:.3f} | {r['gb_s']:.1f} | {r['ratio']:.2f} |"
+            )
+    lines += [
+        "",
+        (
+            f"PowerSGD's products: float32 M of {cfg['rows']} x {cfg['cols']}, rank "
+            f"{cfg['rank']}, median of {cfg['reps']}; / copy = copy of M's time / this time"
+        ),
+        "",
+        "| product | impl | ms | / copy | vs cuBLAS |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in product_rows:
+        if "error" in r:
+            lines.append(f"| {r['product']} | {r['impl']} | fails: {r['error']} | | |")
+        else:
+            vs = f"{r['vs_cublas']:.2f}" if "vs_cublas" in r else ""
+            lines.append(
+                f"| {r['product']} | {r['impl']} | {r['ms']:.4f} | {r['ratio']:.2f} | {vs} |"
             )
     lines += [
         "",
@@ -534,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=6)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--matrix",
+        default="2048x2048x4",
+        help="rows x cols x rank of the PowerSGD products' matrix (2048x2048x4)",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for gpu.json and gpu.md")
     p.add_argument(
         "--profile",
@@ -567,18 +699,27 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "profile.txt").write_text(text + "\n")
         return 0
     cfg = {k: getattr(args, k) for k in ("numel", "reps", "width", "depth", "batch", "steps")}
+    cfg["rows"], cfg["cols"], cfg["rank"] = (int(x) for x in args.matrix.lower().split("x"))
     info = device_info(device)
     print(json.dumps(info), flush=True)
     codec_rows = measure_codecs(device, args.numel, args.reps)
+    product_rows = measure_products(device, cfg["rows"], cfg["cols"], cfg["rank"], args.reps)
     with _world_of_one():
         ddp_rows = measure_ddp(device, args.width, args.depth, args.batch, args.steps)
-    text = format_markdown(info, codec_rows, ddp_rows, cfg)
+    text = format_markdown(info, codec_rows, product_rows, ddp_rows, cfg)
     print(text, flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu.json").write_text(
             json.dumps(
-                {"info": info, "config": cfg, "codecs": codec_rows, "ddp": ddp_rows}, indent=1
+                {
+                    "info": info,
+                    "config": cfg,
+                    "codecs": codec_rows,
+                    "products": product_rows,
+                    "ddp": ddp_rows,
+                },
+                indent=1,
             )
         )
         (args.out / "gpu.md").write_text(text + "\n")
