@@ -882,8 +882,9 @@ void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
     // A matrix whose P is not finite keeps its previous Q (its warm start).
     at::Tensor q = matrixOf(b.q, t.qOffset, t.cols, t.rank);
     at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
-    if (!cuda::powersgdProjectBack(q, m, p, finite))
-      q.copy_(at::where(finite, at::mm(m.t(), p), q));
+    if (!cuda::powersgdProjectBack(q, m, p, finite)) {
+      at::where_out(q, finite, at::mm(m.t(), p), q);  // elementwise: q may be its own `other`
+    }
   }
 }
 
@@ -899,13 +900,12 @@ void PowerSgdCodec::finishOnDevice(Bucket& b, int64_t worldSize) {
     at::Tensor m = matrixOf(b.buffer, t.offset, t.rows, t.cols);
     at::Tensor p = matrixOf(b.wire, t.wireOffset, t.rows, t.rank);
     const at::Tensor& finite = b.finiteOnDevice[i];
-    const at::Tensor err =
-        b.error.defined() ? matrixOf(b.error, t.offset, t.rows, t.cols) : at::Tensor();
+    at::Tensor err = b.error.defined() ? matrixOf(b.error, t.offset, t.rows, t.cols) : at::Tensor();
     if (cuda::powersgdReconstruct(m, err, p, q, finite)) continue;  // one kernel
     at::Tensor decompressed = at::mm(p, q.t());
     if (b.error.defined()) {
       // Not finite on some rank: NaN on every rank, and the error left as it was.
-      err.copy_(at::where(finite, m - decompressed, err));
+      at::where_out(err, finite, m - decompressed, err);
     }
     m.copy_(at::where(finite, decompressed, std::numeric_limits<double>::quiet_NaN()));
   }
