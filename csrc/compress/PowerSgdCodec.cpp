@@ -853,7 +853,9 @@ void PowerSgdCodec::reducePOnDevice(Bucket& b, int64_t worldSize) {
   const BucketPlan& plan = b.plan;
   const auto w = static_cast<double>(worldSize);
   b.finiteOnDevice.assign(plan.tensors.size(), at::Tensor());
-  if (plan.uncompressedNumel > 0) {
+  if (plan.uncompressedNumel > 0 &&
+      !cuda::powersgdUnpackUncompressed(b.buffer, b.error, b.wire, b.uncompressedIndex,
+                                        worldSize)) {
     const at::Tensor& index = b.uncompressedIndex;
     at::Tensor avg = b.wire.narrow(0, 0, plan.uncompressedNumel).div(w);
     if (b.error.defined()) {

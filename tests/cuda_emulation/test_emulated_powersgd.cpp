@@ -1,8 +1,9 @@
 // PowerSGD's CUDA kernels (compress/cuda/PowerSgdKernels.cu and
 // PowerSgdMatmul.cu) on the emulated GPU: Gram-Schmidt against torch's
 // hook's steps computed in double, the one-pass reconstruction bit for bit
-// against its sums in k order, and the opt-in products against double
-// products (their sums run in another order than a naive loop's).
+// against its sums in k order, the uncompressed tensors' unpacking bit for
+// bit against its formula, and the opt-in products against double products
+// (their sums run in another order than a naive loop's).
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -279,10 +280,11 @@ TEST_CASE("emulated PowerSGD device route gives the CPU route's steps", "[emulat
         step(*device, b, 11);
         INFO("step " << s);
         // Three matrices of one rank: one Gram-Schmidt launch for the Qs and
-        // one for the Ps (which also says which P was finite), then per
-        // matrix the reconstruction, and the products where xcomm runs them
-        // (P = M Q one kernel, Q = M^T P two).
-        CHECK(emu::launches() - before == 2 + 3 + (matmul ? 3 * 3 : 0));
+        // one for the Ps (which also says which P was finite), one for the
+        // bias after its allreduce, then per matrix the reconstruction, and
+        // the products where xcomm runs them (P = M Q one kernel, Q = M^T P
+        // two).
+        CHECK(emu::launches() - before == 3 + 3 + (matmul ? 3 * 3 : 0));
         for (size_t i = 0; i < a.grads.size(); ++i) {
           INFO("tensor " << i);
           if (s == 2 && i == 0) {
@@ -297,4 +299,59 @@ TEST_CASE("emulated PowerSGD device route gives the CPU route's steps", "[emulat
       }
     }
   }
+}
+
+TEST_CASE("emulated unpacking of the uncompressed tensors after their allreduce",
+          "[emulated][powersgd]") {
+  // The bucket's entries 3..9 and 20..24 are uncompressed; the wire holds
+  // their sums over 3 ranks in that order, one not finite each way.
+  std::vector<int64_t> at;
+  for (int64_t j = 3; j < 10; ++j) at.push_back(j);
+  for (int64_t j = 20; j < 25; ++j) at.push_back(j);
+  const auto n = static_cast<int64_t>(at.size());
+  const at::Tensor index = at::tensor(at, at::kLong);
+  const int64_t world = 3;
+  for (auto dtype : {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16}) {
+    for (bool withError : {false, true}) {
+      DYNAMIC_SECTION(c10::toString(dtype) << (withError ? " with error" : "")) {
+        at::Tensor buffer = emutest::randn(30, 40).to(dtype);
+        at::Tensor wire = (emutest::randn(n + 5, 41) * 3).to(dtype);  // P follows in the wire
+        wire[2] = std::numeric_limits<double>::quiet_NaN();
+        wire[8] = -std::numeric_limits<double>::infinity();
+        at::Tensor error = withError ? emutest::randn(30, 42).to(dtype) : at::Tensor();
+        // Expected: each entry by the formula, in double for double, else float.
+        at::Tensor wantBuffer = buffer.clone();
+        at::Tensor wantError = withError ? error.clone() : at::Tensor();
+        const bool dbl = dtype == at::kDouble;
+        const double inverse = dbl ? 1.0 / world : static_cast<double>(1.0f / world);
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t j = at[static_cast<size_t>(i)];
+          const double s = wire[i].item<double>();
+          const double product =
+              dbl ? s * inverse
+                  : static_cast<double>(static_cast<float>(s) * static_cast<float>(inverse));
+          const at::Tensor avg = at::scalar_tensor(product, at::kDouble).to(dtype);
+          if (withError && std::isfinite(avg.item<double>())) {
+            const double g = buffer[j].item<double>(), a = avg.item<double>();
+            const double diff =
+                dbl ? g - a : static_cast<double>(static_cast<float>(g) - static_cast<float>(a));
+            wantError[j] = at::scalar_tensor(diff, at::kDouble).to(dtype);
+          }
+          wantBuffer[j] = avg;
+        }
+        REQUIRE(xcomm::cuda::powersgdUnpackUncompressed(buffer, error, wire, index, world));
+        CHECK(emutest::sameBits(buffer, wantBuffer));
+        if (withError) CHECK(emutest::sameBits(error, wantError));
+        CHECK(buffer[5].isnan().item<bool>());  // wire[2]: NaN in, NaN out
+      }
+    }
+  }
+  // What it does not take: the caller then runs its ATen ops.
+  at::Tensor buffer = at::zeros({30});
+  CHECK_FALSE(xcomm::cuda::powersgdUnpackUncompressed(buffer, at::Tensor(), at::zeros({3}), index,
+                                                      world));  // wire too short
+  CHECK_FALSE(xcomm::cuda::powersgdUnpackUncompressed(buffer, at::Tensor(), at::zeros({20}),
+                                                      index.to(at::kInt), world));
+  CHECK_FALSE(xcomm::cuda::powersgdUnpackUncompressed(buffer, at::zeros({30}, at::kDouble),
+                                                      at::zeros({20}), index, world));
 }

@@ -82,6 +82,15 @@ bool gramSchmidtBatch(const std::vector<at::Tensor>& xs, double eps, const at::T
 // where it does not apply; the caller then runs its ATen ops.
 bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::Tensor& p,
                          const at::Tensor& q, const at::Tensor& finite);
+// PowerSGD's uncompressed tensors (biases, norms) after their allreduce, in
+// one pass: for i < index.numel(), avg = wire[i] * (1 / worldSize) (as
+// ATen's division by a scalar computes it on a GPU; in float for the 16-bit
+// types); with `error`, error[index[i]] = buffer[index[i]] - avg where avg
+// is finite (left as it was elsewhere); then buffer[index[i]] = avg. All 1-D
+// and contiguous, `index` int64, the rest of one dtype, on one device.
+// Returns false (and does nothing) where it does not apply.
+bool powersgdUnpackUncompressed(const at::Tensor& buffer, const at::Tensor& error,
+                                const at::Tensor& wire, const at::Tensor& index, int64_t worldSize);
 // PowerSGD's products where XCOMM_POWERSGD_MATMUL=xcomm: p = m q, and
 // q = m^T p where `finite` (a 0-dim bool on the device) is true (q is left
 // as it was elsewhere). `m` rows x cols, `p` rows x rank, `q` cols x rank,

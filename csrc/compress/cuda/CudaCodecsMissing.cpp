@@ -60,6 +60,11 @@ bool powersgdReconstruct(const at::Tensor&, const at::Tensor&, const at::Tensor&
   return false;  // the caller's ATen route
 }
 
+bool powersgdUnpackUncompressed(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, int64_t) {
+  return false;  // the caller's ATen route
+}
+
 bool powersgdProject(const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   return false;  // the caller's at::mm
 }

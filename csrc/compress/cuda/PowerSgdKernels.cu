@@ -17,7 +17,10 @@
 // And the last phase, decompression with error feedback, as one pass over
 // the matrix: read M, write the residual and the approximation, where the
 // ATen route runs a matmul, a subtraction, two selects and two copies
-// (six launches and about thirteen passes over the matrix).
+// (six launches and about thirteen passes over the matrix). And the
+// uncompressed tensors after their allreduce, one kernel where the ATen
+// route runs eight ops (a division, two gathers, a test, a subtraction, a
+// select and two scatters): the hook's step costs host time per op.
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
@@ -210,7 +213,72 @@ void launchReconstruct(const at::Tensor& m, const at::Tensor& err, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The uncompressed tensors after their allreduce, one thread per entry
+// (grid-stride): the average as ATen's division by a scalar computes it on a
+// GPU (times the reciprocal, in float for the 16-bit types), the residual
+// where the average is finite, then the average into the bucket.
+template <typename T>
+__global__ void unpackUncompressedKernel(T* buffer, T* error, const T* wire, const int64_t* index,
+                                         int64_t n, typename Accum<T>::type inverse) {
+  using A = typename Accum<T>::type;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t j = index[i];
+    const T avg = static_cast<T>(static_cast<A>(wire[i]) * inverse);
+    if (error != nullptr && isfinite(static_cast<A>(avg))) {
+      error[j] = static_cast<T>(static_cast<A>(buffer[j]) - static_cast<A>(avg));
+    }
+    buffer[j] = avg;
+  }
+}
+
+template <typename T>
+void launchUnpackUncompressed(const at::Tensor& buffer, const at::Tensor& error,
+                              const at::Tensor& wire, const at::Tensor& index, int64_t worldSize) {
+  using A = typename Accum<T>::type;
+  const int64_t n = index.numel();
+  const A inverse = A(1) / static_cast<A>(worldSize);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(blocksFor(n, kThreads), 65535));
+  unpackUncompressedKernel<T><<<blocks, kThreads, 0, streamFor(buffer)>>>(
+      buffer.data_ptr<T>(), error.defined() ? error.data_ptr<T>() : nullptr, wire.data_ptr<T>(),
+      index.data_ptr<int64_t>(), n, inverse);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
+
+bool powersgdUnpackUncompressed(const at::Tensor& buffer, const at::Tensor& error,
+                                const at::Tensor& wire, const at::Tensor& index,
+                                int64_t worldSize) {
+  const auto dtype = buffer.scalar_type();
+  const auto same = [&](const at::Tensor& t) {
+    return onKernelDevice(t) && t.device() == buffer.device() && t.is_contiguous() && t.dim() == 1;
+  };
+  if (!same(buffer) || !same(wire) || !same(index) || (error.defined() && !same(error)) ||
+      wire.scalar_type() != dtype || (error.defined() && error.scalar_type() != dtype) ||
+      index.scalar_type() != at::kLong || wire.numel() < index.numel() ||
+      (error.defined() && error.numel() != buffer.numel()) || worldSize < 1) {
+    return false;
+  }
+  if (index.numel() == 0) return true;
+  DeviceGuard guard(buffer.device());
+  switch (dtype) {
+    case at::kFloat:
+      launchUnpackUncompressed<float>(buffer, error, wire, index, worldSize);
+      return true;
+    case at::kDouble:
+      launchUnpackUncompressed<double>(buffer, error, wire, index, worldSize);
+      return true;
+    case at::kHalf:
+      launchUnpackUncompressed<c10::Half>(buffer, error, wire, index, worldSize);
+      return true;
+    case at::kBFloat16:
+      launchUnpackUncompressed<c10::BFloat16>(buffer, error, wire, index, worldSize);
+      return true;
+    default:
+      return false;
+  }
+}
 
 bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::Tensor& p,
                          const at::Tensor& q, const at::Tensor& finite) {
