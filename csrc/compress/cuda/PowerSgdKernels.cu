@@ -245,6 +245,28 @@ void launchUnpackUncompressed(const at::Tensor& buffer, const at::Tensor& error,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Calls fn(T{}) for the element type T of `dtype` (float, double, half,
+// bfloat16) and returns true; false for any other dtype.
+template <typename Fn>
+bool withPowerSgdType(at::ScalarType dtype, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat:
+      fn(float{});
+      return true;
+    case at::kDouble:
+      fn(double{});
+      return true;
+    case at::kHalf:
+      fn(c10::Half{});
+      return true;
+    case at::kBFloat16:
+      fn(c10::BFloat16{});
+      return true;
+    default:
+      return false;
+  }
+}
+
 }  // namespace
 
 bool powersgdUnpackUncompressed(const at::Tensor& buffer, const at::Tensor& error,
@@ -262,22 +284,9 @@ bool powersgdUnpackUncompressed(const at::Tensor& buffer, const at::Tensor& erro
   }
   if (index.numel() == 0) return true;
   DeviceGuard guard(buffer.device());
-  switch (dtype) {
-    case at::kFloat:
-      launchUnpackUncompressed<float>(buffer, error, wire, index, worldSize);
-      return true;
-    case at::kDouble:
-      launchUnpackUncompressed<double>(buffer, error, wire, index, worldSize);
-      return true;
-    case at::kHalf:
-      launchUnpackUncompressed<c10::Half>(buffer, error, wire, index, worldSize);
-      return true;
-    case at::kBFloat16:
-      launchUnpackUncompressed<c10::BFloat16>(buffer, error, wire, index, worldSize);
-      return true;
-    default:
-      return false;
-  }
+  return withPowerSgdType(dtype, [&](auto zero) {
+    launchUnpackUncompressed<decltype(zero)>(buffer, error, wire, index, worldSize);
+  });
 }
 
 bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::Tensor& p,
@@ -296,22 +305,8 @@ bool powersgdReconstruct(const at::Tensor& m, const at::Tensor& err, const at::T
   }
   if (m.numel() == 0) return true;
   DeviceGuard guard(m.device());
-  switch (dtype) {
-    case at::kFloat:
-      launchReconstruct<float>(m, err, p, q, finite);
-      return true;
-    case at::kDouble:
-      launchReconstruct<double>(m, err, p, q, finite);
-      return true;
-    case at::kHalf:
-      launchReconstruct<c10::Half>(m, err, p, q, finite);
-      return true;
-    case at::kBFloat16:
-      launchReconstruct<c10::BFloat16>(m, err, p, q, finite);
-      return true;
-    default:
-      return false;
-  }
+  return withPowerSgdType(
+      dtype, [&](auto zero) { launchReconstruct<decltype(zero)>(m, err, p, q, finite); });
 }
 
 namespace {
