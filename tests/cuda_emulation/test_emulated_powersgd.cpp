@@ -171,10 +171,12 @@ TEST_CASE("emulated products P = M Q and Q = M^T P", "[emulated][powersgd]") {
     int64_t offset;  // elements before M, as a bucket holds it: any alignment
   };
   // P = M Q takes 8 rows per block (2 at rank 32) and 256 columns per step
-  // (128 for double at rank 32): partial last blocks and steps, ranks below
-  // their power of two, and several steps each.
+  // times 4 (ranks 1-2), 2 (rank 4) or 1 (128 for double at rank 32):
+  // partial last blocks and steps, ranks below their power of two, and
+  // several steps each.
   const Case cases[] = {{64, 128, 4, 0}, {33, 130, 1, 0}, {200, 96, 7, 1}, {5, 1024, 32, 0},
-                        {300, 8, 16, 0}, {37, 600, 4, 0}, {20, 520, 3, 1}, {9, 300, 2, 2}};
+                        {300, 8, 16, 0}, {37, 600, 4, 0}, {20, 520, 3, 1}, {9, 300, 2, 2},
+                        {3, 2500, 2, 1}, {11, 2100, 1, 0}};
   for (const auto& c : cases) {
     for (auto dtype : {at::kFloat, at::kDouble}) {
       DYNAMIC_SECTION(c.rows << " x " << c.cols << " rank " << c.rank << " offset " << c.offset

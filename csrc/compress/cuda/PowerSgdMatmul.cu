@@ -7,8 +7,9 @@
 // bits (in float for float matrices, double for double, as cuBLAS does).
 //
 // P = M Q: a block per 8 rows of M (fewer above rank 8), its threads across
-// the columns; Q's rows are staged in shared memory, transposed, once per
-// block and step, and serve all the block's rows (see projectKernel).
+// the columns (up to 4 each per step); Q's rows are staged in shared
+// memory, transposed, once per block and step, and serve all the block's
+// rows (see projectKernel).
 //
 // Q = M^T P: threads across M's columns, blocks over stretches of rows; each
 // block writes its stretch's partial sums, and a second kernel adds the
@@ -55,25 +56,31 @@ struct ProjectShape {
   // Rows of M per block: Q's values, read once per step, serve them all;
   // kRows x R accumulators per thread stay at most 64 registers.
   static constexpr int kRows = R <= 8 ? 8 : 64 / R;
-  // Threads per block, each one column of M at a time: fewer where the
-  // staged Q would pass 40 KB of shared memory (double, rank 32).
-  static constexpr int kBlock = sizeof(T) * R * 256 > 40 * 1024 ? 128 : 256;
-  // Row pitch of the transposed Q: kBlock plus 32 / R entries puts the
-  // staging's writes (R consecutive values of a Q row per R lanes) in 32
-  // different banks.
-  static constexpr int kPitch = kBlock + 32 / R;
+  // Columns per thread per step: at small ranks each thread keeps more of M
+  // in flight (kCols x kRows loads) where registers allow.
+  static constexpr int kCols = R <= 2 ? 4 : (R <= 4 ? 2 : 1);
+  // Threads per block: fewer where the staged Q would pass 40 KB of shared
+  // memory (double, rank 32).
+  static constexpr int kBlock = sizeof(T) * R * kCols * 256 > 40 * 1024 ? 128 : 256;
+  // Columns per step, and the row pitch of the transposed Q: kTile plus
+  // 32 / R entries puts the staging's writes (R consecutive values of a Q
+  // row per R lanes) in 32 different banks.
+  static constexpr int kTile = kCols * kBlock;
+  static constexpr int kPitch = kTile + 32 / R;
   static constexpr int kWarps = kBlock / 32;
 };
 
 // P = M Q. A block takes kRows rows of M, and its threads walk those rows'
-// columns together, one column per thread per step, so every read of M is
-// coalesced whatever its alignment. Each step the block first copies the Q
-// rows of its kBlock columns into shared memory, transposed (a coalesced
-// read of contiguous Q), and each thread then takes its column's `rank`
-// values from there, conflict-free, for all kRows rows: Q comes from L2 once
-// per kRows rows, where one warp per row read it once per row, and no warp
-// reads Q scattered across cache lines. Sums in a fixed order: a thread's
-// columns, the warp's butterfly, the warps in turn.
+// columns together, kCols columns per thread per step (t, t + kBlock, ...),
+// so every read of M is coalesced whatever its alignment. Each step the
+// block first copies the Q rows of its kTile columns into shared memory,
+// transposed (a coalesced read of contiguous Q), and each thread then takes
+// its columns' `rank` values from there, conflict-free, for all kRows rows:
+// Q comes from L2 once per kRows rows, where one warp per row read it once
+// per row, and no warp reads Q scattered across cache lines. A step's loads
+// of M are issued before its barriers, so they are in flight while Q is
+// staged. Sums in a fixed order: a thread's columns, the warp's butterfly,
+// the warps in turn.
 template <typename T, int R>
 __global__ void __launch_bounds__(ProjectShape<T, R>::kBlock)
     projectKernel(const T* m, int64_t rows, int64_t cols, const T* q, int rank, T* p) {
@@ -90,8 +97,18 @@ __global__ void __launch_bounds__(ProjectShape<T, R>::kBlock)
 #pragma unroll
     for (int c = 0; c < R; ++c) acc[r][c] = T(0);
   }
-  for (int64_t j0 = 0; j0 < cols; j0 += S::kBlock) {
-    const int width = static_cast<int>(min(static_cast<int64_t>(S::kBlock), cols - j0));
+  for (int64_t j0 = 0; j0 < cols; j0 += S::kTile) {
+    const int width = static_cast<int>(min(static_cast<int64_t>(S::kTile), cols - j0));
+    const T* mj = m + row0 * cols + j0 + t;
+    T v[S::kCols][S::kRows];
+#pragma unroll
+    for (int k = 0; k < S::kCols; ++k) {
+      const bool in = t + k * S::kBlock < width;
+#pragma unroll
+      for (int r = 0; r < S::kRows; ++r) {
+        v[k][r] = in && r < height ? mj[r * cols + k * S::kBlock] : T(0);
+      }
+    }
     const T* tile = q + j0 * rank;
     const int count = width * rank;
     __syncthreads();  // the previous step is done with qs
@@ -101,17 +118,16 @@ __global__ void __launch_bounds__(ProjectShape<T, R>::kBlock)
       qs[c][j] = tile[e];
     }
     __syncthreads();
-    if (t < width) {
-      const T* mj = m + row0 * cols + j0 + t;
-      T v[S::kRows];
 #pragma unroll
-      for (int r = 0; r < S::kRows; ++r) v[r] = r < height ? mj[r * cols] : T(0);
+    for (int k = 0; k < S::kCols; ++k) {
+      const int j = t + k * S::kBlock;
+      if (j >= width) break;
 #pragma unroll
       for (int c = 0; c < R; ++c) {
         if (c < rank) {
-          const T qv = qs[c][t];
+          const T qv = qs[c][j];
 #pragma unroll
-          for (int r = 0; r < S::kRows; ++r) acc[r][c] += v[r] * qv;
+          for (int r = 0; r < S::kRows; ++r) acc[r][c] += v[k][r] * qv;
         }
       }
     }
