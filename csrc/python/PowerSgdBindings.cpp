@@ -90,6 +90,17 @@ the wire, reduce_p, allreduce Q, finish.)")
         py::arg("p"), py::arg("finite"),
         "q = m.T @ p where finite, with xcomm's CUDA kernels; False where they do not apply.");
   m.def(
+      "_powersgd_unpack_uncompressed",
+      [](const at::Tensor& buffer, const py::object& error, const at::Tensor& wire,
+         const at::Tensor& index, int64_t worldSize) {
+        return xcomm::cuda::powersgdUnpackUncompressed(buffer, tensorOrUndefined(error), wire,
+                                                       index, worldSize);
+      },
+      py::arg("buffer"), py::arg("error"), py::arg("wire"), py::arg("index"), py::arg("world_size"),
+      "The uncompressed tensors after their allreduce, with xcomm's CUDA kernel: "
+      "buffer[index] = wire / world_size, and error[index] = the old buffer[index] minus that "
+      "where it is finite; False where it does not apply.");
+  m.def(
       "_gram_schmidt_batch",
       [](const std::vector<at::Tensor>& xs, double eps, const py::object& finite) {
         return xcomm::cuda::gramSchmidtBatch(xs, eps, tensorOrUndefined(finite));

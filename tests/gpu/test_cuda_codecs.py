@@ -339,6 +339,44 @@ def test_gram_schmidt_batch_matches_torch_steps_and_flags_non_finite(dtype: torc
     assert not _C._gram_schmidt_batch([torch.zeros(4, 2, device=DEV).half()], 0.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_error", [False, True])
+def test_powersgd_unpacking_equals_the_aten_ops_it_replaces(
+    dtype: torch.dtype, with_error: bool
+) -> None:
+    """The uncompressed tensors after their allreduce: one kernel, bit for bit
+    what the ATen route's ops give on the GPU (a division by the world size,
+    the residual where the average is finite, two scatters), NaN and Inf in
+    the sums included."""
+    g = torch.Generator().manual_seed(5)
+    n_bucket, world = 5000, 3
+    index = torch.cat([torch.arange(10, 1210), torch.arange(3000, 3777)]).to(DEV)
+    n = index.numel()
+    buffer = torch.randn(n_bucket, generator=g).to(dtype).to(DEV)
+    wire = (torch.randn(n + 40, generator=g) * 3).to(dtype).to(DEV)  # P follows in the wire
+    wire[7], wire[900] = float("nan"), float("-inf")
+    error = torch.randn(n_bucket, generator=g).to(dtype).to(DEV) if with_error else None
+
+    want_buffer, want_error = buffer.clone(), None if error is None else error.clone()
+    avg = wire[:n].div(world)
+    if want_error is not None:
+        grad, err = want_buffer.index_select(0, index), want_error.index_select(0, index)
+        want_error.index_copy_(0, index, torch.where(torch.isfinite(avg), grad - avg, err))
+    want_buffer.index_copy_(0, index, avg)
+
+    assert _C._powersgd_unpack_uncompressed(buffer, error, wire, index, world)
+    as_int = {torch.float32: torch.int32, torch.float64: torch.int64}.get(dtype, torch.int16)
+
+    def same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        differ = (got.view(as_int) != want.view(as_int)) & ~(got.isnan() & want.isnan())
+        assert not bool(differ.any()), f"{what}: {int(differ.sum())} entries differ"
+
+    same(buffer, want_buffer, "bucket")
+    assert bool(buffer[17].isnan()), "the NaN sum's entry"  # wire[7] -> bucket entry 10 + 7
+    if error is not None:
+        same(error, want_error, "residual")
+
+
 def test_powersgd_device_route_keeps_error_feedback_when_p_is_not_finite() -> None:
     """A NaN in one matrix's gradient: that matrix comes back NaN, as on the
     CPU route and in torch's hook; the other matrix and the error feedback
