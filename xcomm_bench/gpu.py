@@ -258,8 +258,13 @@ def measure_products(
     copy_ms = None
     cublas_ms: dict[str, float] = {}
     for name, impl, fn, env in methods:
-        row: dict[str, Any] = {"product": name, "impl": impl, "rows": rows, "cols": cols}
-        row["rank"] = rank
+        row: dict[str, Any] = {
+            "product": name,
+            "impl": impl,
+            "rows": rows,
+            "cols": cols,
+            "rank": rank,
+        }
         try:
             with _env(env):
                 row["ms"] = 1000 * statistics.median(timer(fn, reps))
@@ -650,6 +655,17 @@ def _size(text: str) -> int:
     return codecs._parse_size(text)
 
 
+def _matrix(text: str) -> tuple[int, int, int]:
+    """``"ROWSxCOLSxRANK"`` as three positive integers, or a usage error."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(
+            f"--matrix wants ROWSxCOLSxRANK, three positive integers (e.g. 2048x2048x4); got {text!r}"
+        )
+    rows, cols, rank = (int(p) for p in parts)
+    return rows, cols, rank
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m xcomm_bench gpu", description=__doc__.split("\n")[0]
@@ -663,7 +679,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument(
         "--matrix",
-        default="2048x2048x4",
+        type=_matrix,
+        default=(2048, 2048, 4),
         help="rows x cols x rank of the PowerSGD products' matrix (2048x2048x4)",
     )
     p.add_argument("--out", type=Path, default=None, help="folder for gpu.json and gpu.md")
@@ -699,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "profile.txt").write_text(text + "\n")
         return 0
     cfg = {k: getattr(args, k) for k in ("numel", "reps", "width", "depth", "batch", "steps")}
-    cfg["rows"], cfg["cols"], cfg["rank"] = (int(x) for x in args.matrix.lower().split("x"))
+    cfg["rows"], cfg["cols"], cfg["rank"] = args.matrix
     info = device_info(device)
     print(json.dumps(info), flush=True)
     codec_rows = measure_codecs(device, args.numel, args.reps)

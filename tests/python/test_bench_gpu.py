@@ -89,3 +89,16 @@ def test_profile_arithmetic_examples_hold() -> None:
         sys.path.remove(ROOT)
     failures, tried = doctest.testmod(gpu)
     assert tried >= 8 and failures == 0
+
+
+def test_a_malformed_matrix_is_a_usage_error_naming_the_option() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "xcomm_bench", "gpu", *SMALL, "--matrix", "2048x2048"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--matrix wants ROWSxCOLSxRANK" in proc.stderr and "'2048x2048'" in proc.stderr
