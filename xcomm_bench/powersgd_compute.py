@@ -1,6 +1,8 @@
 """Compute per step of xcomm's PowerSGD hook against torch's, on the same buckets.
 
-Run: ``python -m xcomm_bench.powersgd_compute [--ranks 1,2,4] [--steps 10]``.
+Run: ``python -m xcomm_bench.powersgd_compute [--ranks 1,2,4] [--steps 10]``;
+``--models mlp-small --bucket-mb 0.02`` times the per-bucket host work, and
+``--compare-ref REV`` adds xcomm's hook as it was at git revision REV.
 
 Both hooks run over a world-size-1 process group, so their collectives are
 trivial and the time is the hooks' own work (plus the few microseconds of
@@ -61,10 +63,40 @@ def resnet18_shapes() -> list[tuple[int, ...]]:
     return shapes
 
 
+def small_mlp_shapes() -> list[tuple[int, ...]]:
+    """12 x Linear(64): with ``--bucket-mb 0.02`` a bucket per layer, each a
+    64 x 64 matrix and a bias, so a step is almost all per-bucket host work
+    (Python, dispatch, futures, callbacks) rather than arithmetic."""
+    return [(64, 64), (64,)] * 12
+
+
 MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
     "mlp-20M": mlp_shapes,
     "resnet18": resnet18_shapes,
+    "mlp-small": small_mlp_shapes,
 }
+
+
+def hook_at(ref: str) -> Any:
+    """xcomm's ``powersgd`` hook module as it was at git revision ``ref``,
+    loaded beside today's (same ``xcomm._C``): to time a change of the hook's
+    Python side against its predecessor in one run."""
+    import importlib.util
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(
+        ["git", "-C", root, "show", f"{ref}:python/xcomm/hooks/powersgd.py"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    path = os.path.join(tempfile.mkdtemp(), "powersgd_ref.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("xcomm.hooks._powersgd_ref", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its relative imports resolve in xcomm.hooks
+    return module
 
 
 class Bucket:
@@ -100,7 +132,8 @@ class Bucket:
 def ddp_buckets(shapes: Sequence[tuple[int, ...]], bucket_mb: float) -> list[Bucket]:
     """DDP's rebuilt buckets when gradients become ready in reverse order."""
     ready = [torch.empty(s) for s in reversed(shapes)]
-    limits = [dist._DEFAULT_FIRST_BUCKET_BYTES, int(bucket_mb * MiB)]
+    cap = int(bucket_mb * MiB)
+    limits = [min(dist._DEFAULT_FIRST_BUCKET_BYTES, cap), cap]
     indices, _ = dist._compute_bucket_assignment_by_size(ready, limits)
     rev = list(reversed(shapes))
     return [
@@ -140,7 +173,9 @@ def time_hooks(
     return times
 
 
-def measure(model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0) -> dict[str, Any]:
+def measure(
+    model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0, ref: Any = None
+) -> dict[str, Any]:
     from xcomm.hooks import PowerSGDState, powersgd_hook
 
     buckets = ddp_buckets(MODELS[model](), bucket_mb)
@@ -158,11 +193,16 @@ def measure(model: str, rank: int, steps: int, bucket_mb: float, seed: int = 0) 
         "torch": (torch_powersgd.powerSGD_hook, torch_powersgd.PowerSGDState(None, **config)),
         "xcomm": (powersgd_hook, PowerSGDState(None, **config)),
     }
+    if ref is not None:
+        runs["ref"] = (ref.powersgd_hook, ref.PowerSGDState(None, **config))
     for name, t in time_hooks(runs, buckets, grads, steps, warmup).items():
         result[name] = statistics.median(t["wall"]) * 1e3
         result[name + "_cpu"] = statistics.median(t["cpu"]) * 1e3
     result["ratio"] = result["xcomm"] / result["torch"]
     result["cpu_ratio"] = result["xcomm_cpu"] / result["torch_cpu"]
+    if ref is not None:
+        result["ref_ratio"] = result["xcomm"] / result["ref"]
+        result["ref_cpu_ratio"] = result["xcomm_cpu"] / result["ref_cpu"]
     return result
 
 
@@ -180,12 +220,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
     )
+    parser.add_argument(
+        "--compare-ref",
+        default=None,
+        metavar="REV",
+        help="also time xcomm's hook as it was at git revision REV (columns 'ref ms', "
+        "'xcomm/ref' and 'cpu/ref'), to measure a change of the hook against its predecessor",
+    )
     args = parser.parse_args(argv)  # fmt: skip
 
     import xcomm  # noqa: F401 - registers the backend
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    ref = hook_at(args.compare_ref) if args.compare_ref else None
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group(
             args.backend, init_method="file://" + os.path.join(tmp, "store"), rank=0, world_size=1
@@ -201,17 +249,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{'xcomm ms':>9} {'xcomm/torch':>11} {'torch cpu':>9} {'xcomm cpu':>9} "
                 f"{'cpu ratio':>9}"
             )
+            if ref is not None:
+                header += f" {'ref ms':>8} {'ref cpu':>8} {'xcomm/ref':>9} {'cpu/ref':>7}"
             print(header)
             print("-" * len(header))
             for model in args.models.split(","):
                 for rank in (int(r) for r in args.ranks.split(",")):
-                    r = measure(model, rank, args.steps, args.bucket_mb)
-                    print(
+                    r = measure(model, rank, args.steps, args.bucket_mb, ref=ref)
+                    line = (
                         f"{r['model']:10} {r['params'] / 1e6:6.1f}M {r['buckets']:7d} {r['rank']:4d} "
                         f"{r['torch']:9.2f} {r['xcomm']:9.2f} {r['ratio']:11.2f} "
-                        f"{r['torch_cpu']:9.2f} {r['xcomm_cpu']:9.2f} {r['cpu_ratio']:9.2f}",
-                        flush=True,
+                        f"{r['torch_cpu']:9.2f} {r['xcomm_cpu']:9.2f} {r['cpu_ratio']:9.2f}"
                     )
+                    if ref is not None:
+                        line += (
+                            f" {r['ref']:8.2f} {r['ref_cpu']:8.2f} {r['ref_ratio']:9.2f} "
+                            f"{r['ref_cpu_ratio']:7.2f}"
+                        )
+                    print(line, flush=True)
         finally:
             dist.destroy_process_group()
     return 0

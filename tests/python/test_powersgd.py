@@ -166,35 +166,64 @@ if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
 
 
-class _FailingReduceP:
-    """The codec, except that reduce_p (run in a future callback) raises."""
+class _FailedWork(torch.distributed.Work):
+    """A collective that failed: its future holds a real error, as a
+    transport's does (a Python ``set_exception`` would hold it as a value)."""
 
-    def __init__(self, codec: Any) -> None:
-        self._codec = codec
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        started: torch.futures.Future = torch.futures.Future()
+        started.set_result(None)
+        self._future = started.then(lambda _: _raise(RuntimeError(message)))
 
-    def reduce_p(self, *args: Any) -> Any:
-        raise ValueError("injected reduce_p failure")
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._codec, name)
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()
+        return True
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+class _FailingQAllreduce(torch.distributed.ProcessGroup):
+    """The WORLD group, except that every second allreduce (each bucket's
+    Q, issued from a future callback inside the C++ chain) fails."""
+
+    def __init__(self) -> None:
+        world = torch.distributed.group.WORLD
+        super().__init__(world.rank(), world.size())
+        self._world = world
+        self.calls = 0
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> torch.distributed.Work:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            return _FailedWork("injected Q allreduce failure")
+        return self._world.allreduce(tensors, opts or torch.distributed.AllreduceOptions())
+
+    def getBackendName(self) -> str:
+        return "failing-q"
 
 
 def _rank_failing_hook(ctx: RankContext) -> str:
-    model = DDP(make_model())
+    model = DDP(make_model(), bucket_cap_mb=0.01)  # several buckets
+    group = _FailingQAllreduce()
     state = hooks.PowerSGDState(
-        None,
+        group,
         matrix_approximation_rank=2,
         start_powerSGD_iter=0,
         use_error_feedback=False,
         warm_start=False,
     )
     model.register_comm_hook(state, hooks.powersgd_hook)
-    state._codec = _FailingReduceP(state._codec)
     x, y = batch(ctx.rank, 0)
     try:
         torch.nn.functional.cross_entropy(model(x), y).backward()
     except Exception as e:  # noqa: BLE001 - the message is the result
-        return f"{type(e).__name__}: {e}"
+        return f"{type(e).__name__}: {e} (allreduces {group.calls}, iter {state.iter})"
     return "no error"
 
 
@@ -202,5 +231,9 @@ def test_a_failing_hook_reaches_ddp_with_its_own_message() -> None:
     """Before: DDP read the exception object as the hook's value and raised
     "Unable to cast ... to Tensor"."""
     for message in run_ranks(_rank_failing_hook, 2, timeout=120):
-        assert "injected reduce_p failure" in message, message
+        assert "injected Q allreduce failure" in message, message
         assert "Unable to cast" not in message, message
+        # The first bucket failed at its Q: the later buckets, waiting for
+        # their turn, failed with its error and issued nothing; the step is
+        # not counted.
+        assert message.endswith("(allreduces 2, iter 0)"), message

@@ -313,7 +313,7 @@ class AutoState(PicklableState):
         )
         self._powersgd.stats = self.stats
         self._int8.order = self.order
-        self._powersgd._order = self.order
+        self._powersgd._shared_order = self.order
         self.iter = 0
         self._choices = MethodChoices(self.switch_margin)
         self._measure = MeasuredLink(

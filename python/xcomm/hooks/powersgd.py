@@ -30,7 +30,9 @@ Per bucket and step (after ``start_powerSGD_iter`` steps of plain averaging):
 4. the bucket becomes P Q^T / world_size and the error feedback keeps what
    was not transmitted.
 
-The collectives are chained through future callbacks; nothing blocks.
+The collectives and the phases between them are chained through future
+callbacks in C++ (``xcomm._C.PowerSgdAllreduce``): nothing blocks, and no
+Python runs per collective.
 
 Differences from torch's hook, all outside its supported cases or in its
 favour:
@@ -64,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._common import IssueOrder, IssueStream, ddp_result, mark_issued
+from ._common import IssueOrder, mark_issued
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
@@ -231,7 +233,10 @@ class PowerSGDState:
         # Per bucket index: weak references to the parameters of its current
         # layout, to notice cheaply when DDP rebuilds the bucket.
         self._bucket_params: dict[int, list[weakref.ref]] = {}
-        self._order = IssueOrder()
+        self._allreduce = _C.PowerSgdAllreduce()
+        # Set by a hook that orders PowerSGD's collectives with other methods'
+        # (auto_hook): buckets then take turns there, not in _allreduce.
+        self._shared_order: IssueOrder | None = None
 
     # -- torch's configuration attributes (read-only: the codec holds them) --
     matrix_approximation_rank = property(lambda self: self._config["matrix_approximation_rank"])
@@ -258,6 +263,11 @@ class PowerSGDState:
             self.iter += 1
         if self.iter == self.start_powerSGD_iter:
             logger.info("Start to apply PowerSGD after %s iterations.", self.iter)
+
+    def _count_step(self, bucket: dist.GradBucket, done: torch.futures.Future) -> torch.Tensor:
+        averaged = done.value()  # a failed step raises here, and is not counted
+        self.maybe_increase_iter(bucket)
+        return averaged
 
     def compression_stats(self) -> tuple[float, int, int]:
         """(rate, elements before, elements after) since compression started, as torch."""
@@ -434,6 +444,32 @@ def _allreduce(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
+def _start_in_shared_turn(
+    state: PowerSGDState,
+    group: dist.ProcessGroup,
+    index: int,
+    buffer: torch.Tensor,
+    wire: torch.Tensor,
+) -> torch.futures.Future[torch.Tensor]:
+    """Starts the bucket's collectives in its turn of ``state._shared_order``."""
+    ready, issued = state._shared_order.next_turn()  # type: ignore[union-attr]
+    # A Python future failed by set_exception holds the exception as its
+    # value; through `then` it becomes an error C++ sees.
+    turn = ready.then(lambda f: f.value())
+    fut, done = state._allreduce.start(state._codec, group, index, buffer, wire, turn)
+
+    def pass_turn(f: torch.futures.Future) -> None:
+        try:
+            f.value()
+        except BaseException as exc:  # noqa: BLE001 - the next bucket fails with it
+            mark_issued(issued, exc)
+            return
+        mark_issued(issued)
+
+    done.add_done_callback(pass_turn)
+    return fut
+
+
 def powersgd_hook(
     state: PowerSGDState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -475,65 +511,18 @@ def powersgd_hook(
     )
     state._report_compression_stats(bucket)
 
-    # Chained by callbacks: each runs when its allreduce completes (on the
-    # backend's thread) and starts the next; nothing waits. On a GPU the
-    # result carries CUDA events, so DDP's stream waits for finish's kernels.
-    cuda = buffer.device.type == "cuda"
-    result: torch.futures.Future[torch.Tensor] = torch.futures.Future(
-        devices=[buffer.device] if cuda else None
-    )
-    stream = IssueStream(buffer)
-
-    # The second allreduce is issued from a callback; taking turns keeps the
-    # order of collectives the same on every rank (see IssueOrder).
-    ready, issued = state._order.next_turn()
-
-    def fail(exc: BaseException) -> None:
-        mark_issued(issued, exc)
-        codec.abort_step(index)
-        result.set_exception(exc)
-
-    def on_q(summed_q: torch.Tensor) -> None:
-        try:
-            codec.finish(index, summed_q, world_size)
-            state.maybe_increase_iter(bucket)
-        except BaseException as exc:  # noqa: BLE001 - handed to the future
-            fail(exc)
-            return
-        result.set_result(buffer)
-
-    def on_wire(summed_wire: torch.Tensor) -> None:
-        try:
-            q = codec.reduce_p(index, summed_wire, world_size)
-            if q.numel() == 0:  # nothing compressed in this bucket
-                mark_issued(issued)
-                on_q(q)
-                return
-            fut = _allreduce(group, q)
-            mark_issued(issued)
-            fut.add_done_callback(lambda fut: _then(fut, on_q))
-        except BaseException as exc:  # noqa: BLE001
-            fail(exc)
-
-    def _then(fut: torch.futures.Future, fn: Any) -> None:
-        try:
-            value = fut.value()[0]
-        except BaseException as exc:  # noqa: BLE001 - the collective failed
-            fail(exc)
-            return
-        fn(value)
-
-    def start(turn: torch.futures.Future) -> None:
-        try:
-            turn.value()  # an earlier bucket's failure fails this one too
-            if wire.numel() == 0:
-                on_wire(wire)
-            else:
-                with stream.active():  # maybe another thread: the stream prepare's kernels ran in
-                    fut = _allreduce(group, wire)
-                fut.add_done_callback(lambda fut: _then(fut, on_wire))
-        except BaseException as exc:  # noqa: BLE001
-            fail(exc)
-
-    ready.add_done_callback(start)
-    return ddp_result(result)
+    # The two allreduces and the phases between them run in C++, chained by
+    # future callbacks (see csrc/collectives/PowerSgdAllreduce.hpp): nothing
+    # waits, no Python runs per collective, and buckets take turns so every
+    # rank issues the collectives in the same order. On a GPU the future
+    # carries CUDA events, so DDP's stream waits for finish's kernels.
+    if state._shared_order is None:
+        fut, _ = state._allreduce.start(codec, group, index, buffer, wire)
+    else:
+        fut = _start_in_shared_turn(state, group, index, buffer, wire)
+    if not bucket.is_last():
+        state.maybe_increase_iter(bucket)
+        return fut
+    # torch counts the step once its last bucket is done; so does this, in
+    # the one Python callback of the step.
+    return fut.then(lambda done: state._count_step(bucket, done))
