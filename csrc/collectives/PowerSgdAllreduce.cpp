@@ -30,11 +30,17 @@ struct BucketStep : std::enable_shared_from_this<BucketStep> {
     return group->allreduce(tensors, c10d::AllreduceOptions())->getFuture();
   }
 
+  // The group is let go once the last collective is out: this step may end on
+  // one of the group's own threads (a Gloo worker runs the Q callback), and
+  // if it held the last reference there (the caller destroyed the group
+  // meanwhile), the group's destructor would join the thread it runs on.
   void markIssued() {
+    group.reset();
     if (!issued->completed()) issued->markCompleted(c10::IValue());
   }
 
   void fail(const std::exception_ptr& error) {
+    group.reset();
     issued->setErrorIfNeeded(error);
     try {
       codec->abortStep(bucket);
