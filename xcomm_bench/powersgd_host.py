@@ -84,14 +84,16 @@ def _rank(args: argparse.Namespace, out: str) -> None:
                     (time.process_time() - cpu) / args.steps,
                 )
             )
-    result: dict[str, Any] = {"world": dist.get_world_size(), "buckets": None}
+    result: dict[str, Any] = {
+        "world": dist.get_world_size(),
+        "buckets": len(states["xcomm"]._bucket_params),
+    }
     for name, samples in times.items():
         result[name] = statistics.median(s[0] for s in samples) * 1e6
         result[name + "_cpu"] = statistics.median(s[1] for s in samples) * 1e6
     if "ref" in runs:
         grads = [[p.grad for p in runs[n][0].parameters()] for n in ("xcomm", "ref")]
         result["same_grads"] = all(torch.equal(a, b) for a, b in zip(*grads))
-    result["buckets"] = len(states["xcomm"]._bucket_params)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
@@ -120,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .launch import module_command, run_ranks
 
-    passed = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passed = list(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         rc = run_ranks(

@@ -122,15 +122,6 @@ class StepCounter:
             self.iter += 1
 
 
-def ddp_result(fut: torch.futures.Future) -> torch.futures.Future:
-    """``fut`` as DDP can read it. A Python future failed with
-    ``set_exception`` holds the exception as its *value* (Python's ``wait()``
-    raises it; DDP's C++ reducer does not, and fails with "Unable to cast ...
-    to Tensor"); chained through ``then``, the failure becomes the returned
-    future's error and DDP raises the hook's own message."""
-    return fut.then(lambda f: f.value())
-
-
 def then_collective(
     fut: torch.futures.Future,
     issue: Callable[[torch.futures.Future], torch.futures.Future],
