@@ -237,3 +237,14 @@ def test_a_failing_hook_reaches_ddp_with_its_own_message() -> None:
         # their turn, failed with its error and issued nothing; the step is
         # not counted.
         assert message.endswith("(allreduces 2, iter 0)"), message
+
+
+def test_the_chain_without_a_codec_or_group_is_a_clear_error() -> None:
+    """The C++ chain refuses None where the hook passes its codec and group,
+    rather than crashing on a null pointer."""
+    chain = xcomm._C.PowerSgdAllreduce()
+    codec = hooks.PowerSGDState(None, matrix_approximation_rank=1)._codec
+    with pytest.raises(RuntimeError, match="a codec and a process group are needed"):
+        chain.start(None, None, 0, torch.zeros(2), torch.zeros(2))
+    with pytest.raises(RuntimeError, match="a codec and a process group are needed"):
+        chain.start(codec, None, 0, torch.zeros(2), torch.zeros(2))
