@@ -147,11 +147,17 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     return factory.cpu(prefixed(name, groupStore), g->rank, g->size, timeout);
   };
 
+  // Rank 0's shared-memory sizes are agreed before any Gloo connection: a bad
+  // value then fails every rank here, rather than rank 0 tearing down its
+  // half of a Gloo mesh its peers are still connecting ("closed by peer").
+  ShmCpuBackend::Config config;
+  if (plan.usesShm()) {
+    config = shmConfig(shmStore, rank);
+    config.leaderCompression = plan.leaderCompression;
+  }
   XcommBackend::InnerBackends inner;
   const BackendPtr gloo = make("xcomm/gloo");
   if (plan.usesShm()) {
-    auto config = shmConfig(shmStore, rank);
-    config.leaderCompression = plan.leaderCompression;
     std::string whyNot;
     c10::intrusive_ptr<ShmCpuBackend> shm;
     if (plan.shape == GroupShape::kSingleHostShm) {

@@ -117,18 +117,33 @@ def test_group_plan_of_a_gloo_group_is_an_error() -> None:
         assert "not xcomm" in msg, msg
 
 
-def _rank_bad_slot_env(ctx: RankContext) -> str:
+def _rank_bad_slot_env(ctx: RankContext) -> tuple[str, int]:
+    import xcomm.backend
+
     os.environ["XCOMM_SHM_SLOT_BYTES"] = "lots"
+    made = []
+    real_gloo = xcomm.backend._gloo
+
+    def counting_gloo(*args: object) -> object:
+        made.append(args)
+        return real_gloo(*args)
+
+    xcomm.backend._gloo = counting_gloo
     try:
         dist.new_group(backend="xcomm")
     except ValueError as e:
-        return str(e)
-    return "no error"
+        return str(e), len(made)
+    finally:
+        xcomm.backend._gloo = real_gloo
+    return "no error", len(made)
 
 
 def test_a_bad_shm_size_on_rank_0_is_an_error_on_every_rank() -> None:
     """Rank 0 chooses the segment sizes; a bad value must fail every rank at
-    once (the others used to wait for rank 0's choice until the timeout)."""
+    once (the others used to wait for rank 0's choice until the timeout), and
+    before any Gloo group is connected: rank 0 leaving a Gloo mesh its peer
+    was still joining failed the peer with "Connection closed by peer"."""
     results = run_ranks(_rank_bad_slot_env, 2, timeout=60)
-    for msg in results:
+    for msg, gloo_groups in results:
         assert "XCOMM_SHM_SLOT_BYTES must be an integer, got 'lots'" in msg, msg
+        assert gloo_groups == 0
