@@ -77,25 +77,33 @@ MODELS: dict[str, Callable[[], list[tuple[int, ...]]]] = {
 }
 
 
-def hook_at(ref: str) -> Any:
-    """xcomm's ``powersgd`` hook module as it was at git revision ``ref``,
-    loaded beside today's (same ``xcomm._C``): to time a change of the hook's
-    Python side against its predecessor in one run."""
+def hook_at(ref: str, name: str = "powersgd") -> Any:
+    """xcomm's hook module ``xcomm.hooks.<name>`` as it was at git revision
+    ``ref``, loaded beside today's (same ``xcomm._C``), with the helpers of
+    ``hooks/_common.py`` at ``ref`` too: to time a change of a hook's Python
+    side against its predecessor in one run."""
     import importlib.util
     import subprocess
+    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(
-        ["git", "-C", root, "show", f"{ref}:python/xcomm/hooks/powersgd.py"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = os.path.join(tempfile.mkdtemp(), "powersgd_ref.py")
-    with open(path, "w") as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("xcomm.hooks._powersgd_ref", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # its relative imports resolve in xcomm.hooks
+    tag = "".join(c if c.isalnum() else "_" for c in ref)
+    module = None
+    for part in ("_common", name):
+        source = subprocess.run(
+            ["git", "-C", root, "show", f"{ref}:python/xcomm/hooks/{part}.py"],
+            check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        source = source.replace("from ._common import", f"from ._common_at_{tag} import")
+        path = os.path.join(tempfile.mkdtemp(), f"{part}.py")
+        with open(path, "w") as f:
+            f.write(source)
+        full = f"xcomm.hooks.{part}_at_{tag}"
+        spec = importlib.util.spec_from_file_location(full, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module  # for the next part's import of it
+        spec.loader.exec_module(module)  # its other relative imports resolve in xcomm.hooks
     return module
 
 

@@ -1,10 +1,8 @@
 // Python bindings of the PowerSGD codec: xcomm._C.PowerSgdCodec, driven by
 // python/xcomm/hooks/powersgd.py. The compute phases release the GIL: they
 // run in collective callbacks, beside the training thread.
-#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "collectives/PowerSgdAllreduce.hpp"
 #include "compress/PowerSgdCodec.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 #include "python/Bindings.hpp"
@@ -83,42 +81,6 @@ the wire, reduce_p, allreduce Q, finish.)")
       .def("set_warm_buckets", &Codec::setWarmBuckets, py::arg("buckets"))
       .def("clear_state", &Codec::clearState)
       .def("compression_ranks", &Codec::compressionRanks, py::arg("bucket"));
-
-  py::class_<xcomm::PowerSgdAllreduce, std::shared_ptr<xcomm::PowerSgdAllreduce>>(
-      m, "PowerSgdAllreduce", R"(PowerSGD's two allreduces of a DDP bucket, chained in C++
-(see csrc/collectives/PowerSgdAllreduce.hpp). One per hook state: buckets take
-turns, so every rank issues the collectives in the same order.)")
-      .def(py::init([] {
-        // DDP reads a Python hook's result as a Python object.
-        return std::make_shared<xcomm::PowerSgdAllreduce>(
-            c10::PyObjectType::get(), [](const at::Tensor& averaged) {
-              py::gil_scoped_acquire gil;
-              return torch::jit::toIValue(py::cast(averaged), c10::PyObjectType::get());
-            });
-      }))
-      .def(
-          "start",
-          [](xcomm::PowerSgdAllreduce& self, std::shared_ptr<Codec> codec,
-             c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t bucket, at::Tensor buffer,
-             at::Tensor wire, const std::shared_ptr<torch::jit::PythonFutureWrapper>& turn) {
-            xcomm::PowerSgdAllreduce::Started started;
-            {
-              // Collectives may complete inline and run the next phases here.
-              py::gil_scoped_release release;
-              started = self.start(std::move(codec), std::move(group), bucket, std::move(buffer),
-                                   std::move(wire),
-                                   turn ? turn->fut : c10::intrusive_ptr<c10::ivalue::Future>());
-            }
-            return py::make_tuple(
-                std::make_shared<torch::jit::PythonFutureWrapper>(started.result),
-                std::make_shared<torch::jit::PythonFutureWrapper>(started.issued));
-          },
-          py::arg("codec"), py::arg("group"), py::arg("bucket"), py::arg("buffer"), py::arg("wire"),
-          py::arg("turn") = nullptr,
-          "After codec.prepare(bucket, buffer) returned wire: allreduce it, reduce_p, allreduce "
-          "Q, finish. Returns (result, issued): futures of buffer (the average) and of the "
-          "bucket's last collective issued. The first allreduce waits for `turn` (a future that "
-          "fails only with a real error) or, without one, for the previous bucket started here.");
 
   // The GPU products on their own, for tests against torch.mm (the codec
   // calls them only where XCOMM_POWERSGD_MATMUL=xcomm, as these do).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -72,26 +71,6 @@ def warn_host_codec(name: str, tensor: torch.Tensor) -> None:
         tensor.device,
         name.removesuffix("_hook").removesuffix("_compress"),
     )
-
-
-class IssueStream:
-    """Where a hook's later collectives go on a GPU: the current CUDA stream
-    of the bucket's device when the hook ran. A collective issued from a
-    callback thread then waits for the kernels the hook queued there; on a
-    CPU bucket it is a no-op.
-
-    Example::
-
-        >>> import torch
-        >>> with IssueStream(torch.empty(1)).active():  # CPU: nothing changes
-        ...     pass
-    """
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
-
-    def active(self) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
 
 def check_floating(name: str, tensor: torch.Tensor) -> None:
@@ -197,6 +176,34 @@ def mark_issued(issued: torch.futures.Future, exc: BaseException | None = None) 
         issued.set_result(None)
     else:
         issued.set_exception(exc)
+
+
+def start_in_shared_turn(
+    order: IssueOrder,
+    start: Callable[[torch.futures.Future], tuple[torch.futures.Future, torch.futures.Future]],
+) -> torch.futures.Future:
+    """Starts a chain of C++ (``_C.PowerSgdAllreduce``, ``_C.Int8Allreduce``)
+    in the next turn of a Python :class:`IssueOrder` shared with other
+    methods, and passes the turn on once the chain issued its last collective.
+
+    ``start(turn)`` starts the chain once ``turn`` completes and returns its
+    ``(result, issued)`` futures; the result is returned.
+    """
+    ready, issued = order.next_turn()
+    # A Python future failed by set_exception holds the exception as its
+    # value; through `then` it becomes an error C++ sees.
+    result, done = start(ready.then(lambda f: f.value()))
+
+    def pass_turn(f: torch.futures.Future) -> None:
+        try:
+            f.value()
+        except BaseException as exc:  # noqa: BLE001 - the next bucket fails with it
+            mark_issued(issued, exc)
+            return
+        mark_issued(issued)
+
+    done.add_done_callback(pass_turn)
+    return result
 
 
 class PicklableState:

@@ -312,7 +312,7 @@ class AutoState(PicklableState):
             pg, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2
         )
         self._powersgd.stats = self.stats
-        self._int8.order = self.order
+        self._int8._shared_order = self.order
         self._powersgd._shared_order = self.order
         self.iter = 0
         self._choices = MethodChoices(self.switch_margin)

@@ -69,6 +69,12 @@ class BucketView:
         self._index = index
         self._buffer = buffer
 
+    @property
+    def index(self) -> torch.Tensor | None:
+        """Where :attr:`tensor`'s elements go in the bucket, or None when
+        :attr:`tensor` is the bucket's buffer itself."""
+        return self._index
+
     def write_back(self) -> torch.Tensor:
         """Puts the view's values into the bucket's buffer and returns the buffer."""
         if self._index is not None:

@@ -25,20 +25,15 @@ import torch.distributed as dist
 from .. import _C
 from ._common import (
     IssueOrder,
-    IssueStream,
     PicklableState,
     StepCounter,
-    all_gather_single,
     allreduce_mean,
     check_floating,
     check_start_iter,
     feedback_store,
-    group_size,
-    mark_issued,
-    then_collective,
+    start_in_shared_turn,
     warn_host_codec,
 )
-from ._streams import used_on_this_stream
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
 
@@ -85,7 +80,10 @@ class Int8State(PicklableState):
         self.codec = _C.Int8Codec(self.chunk_elems)
         self.feedback = feedback_store(self)
         self.steps = StepCounter()
-        self.order = IssueOrder()
+        self._chain = _C.Int8Allreduce()
+        # Set by a hook that orders int8's collectives with other methods'
+        # (auto_hook): buckets then take turns there, not in _chain.
+        self._shared_order: IssueOrder | None = None
 
     def state_dict(self) -> dict:
         return {
@@ -112,58 +110,30 @@ def int8_compress_hook(
         return allreduce_mean(state, bucket, state.stats)
     state.steps.after_bucket(bucket)
 
-    group, codec, world = (
-        state.process_group,
-        state.codec,
-        group_size(state.process_group),
-    )
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    codec, world = state.codec, group.size()
     view = state.feedback.view(bucket)
-    key, flat = view.key, view.tensor
-    shard = codec.shard_elems(flat.numel(), world)
     if state.error_feedback:  # one pass: add the residual, quantize, keep what was not sent
-        packed = codec.pack_shards_with_feedback(flat, world, state.feedback.feedback, key)
+        packed = codec.pack_shards_with_feedback(
+            view.tensor, world, state.feedback.feedback, view.key
+        )
     else:
         state.feedback.flush(view)
-        packed = codec.pack_shards(flat, world)  # [world, bytes_per_shard]
-    shard_bytes = packed.shape[1]
+        packed = codec.pack_shards(view.tensor, world)  # [world, bytes_per_shard]
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world),
-        alltoall_bytes(packed.numel(), world) + allgather_bytes(shard_bytes, world),
+        alltoall_bytes(packed.numel(), world) + allgather_bytes(packed.shape[1], world),
     )
-    received = torch.empty_like(packed)
-    gathered = torch.empty(world * shard_bytes, dtype=torch.uint8, device=packed.device)
-    ready, issued = state.order.next_turn()
-    stream = IssueStream(packed)  # where the encode kernel ran, on a GPU
 
-    def exchange(f: torch.futures.Future) -> torch.futures.Future:
-        with stream.active():  # a callback thread's stream knows nothing of the encode
-            return dist.all_to_all_single(received, packed, group=group, async_op=True).get_future()
+    # The alltoall, the reduction of this rank's shard, the allgather and the
+    # unpacking run in C++, chained by future callbacks (see
+    # csrc/collectives/Int8Allreduce.hpp): nothing waits, no Python runs per
+    # collective, and buckets take turns so every rank issues the collectives
+    # in the same order. On a GPU the first collective goes to the stream
+    # current now (where the encode ran), and the future carries CUDA events.
+    def start(turn: torch.futures.Future | None) -> tuple[torch.futures.Future, ...]:
+        return state._chain.start(codec, group, buffer, view.tensor, view.index, packed, turn)
 
-    def reduce_and_gather(f: torch.futures.Future) -> torch.futures.Future:
-        try:
-            mean_packed = codec.reduce_and_pack(received, shard, float(world))
-            used_on_this_stream(received)
-            work = all_gather_single(gathered, mean_packed, group=group, async_op=True)
-        except BaseException as e:
-            mark_issued(issued, e)
-            raise
-        mark_issued(issued)
-        return work.get_future()
-
-    first = then_collective(ready, exchange, buffer.device)
-    first.add_done_callback(lambda f: _release_on_failure(f, issued))
-
-    def unpack(f: torch.futures.Future) -> torch.Tensor:
-        codec.unpack_all(gathered, shard, flat)
-        used_on_this_stream(gathered)
-        return view.write_back()
-
-    return then_collective(first, reduce_and_gather, buffer.device).then(unpack)
-
-
-def _release_on_failure(f: torch.futures.Future, issued: torch.futures.Future) -> None:
-    """Passes a failed first step on to the next bucket's turn instead of hanging it."""
-    try:
-        f.value()
-    except BaseException as e:  # noqa: BLE001 - handed to the next turn
-        mark_issued(issued, e)
+    if state._shared_order is None:
+        return start(None)[0]
+    return start_in_shared_turn(state._shared_order, start)

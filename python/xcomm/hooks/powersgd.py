@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._common import IssueOrder, mark_issued
+from ._common import IssueOrder, start_in_shared_turn
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
@@ -444,32 +444,6 @@ def _allreduce(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.futures.
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
-def _start_in_shared_turn(
-    state: PowerSGDState,
-    group: dist.ProcessGroup,
-    index: int,
-    buffer: torch.Tensor,
-    wire: torch.Tensor,
-) -> torch.futures.Future[torch.Tensor]:
-    """Starts the bucket's collectives in its turn of ``state._shared_order``."""
-    ready, issued = state._shared_order.next_turn()  # type: ignore[union-attr]
-    # A Python future failed by set_exception holds the exception as its
-    # value; through `then` it becomes an error C++ sees.
-    turn = ready.then(lambda f: f.value())
-    fut, done = state._allreduce.start(state._codec, group, index, buffer, wire, turn)
-
-    def pass_turn(f: torch.futures.Future) -> None:
-        try:
-            f.value()
-        except BaseException as exc:  # noqa: BLE001 - the next bucket fails with it
-            mark_issued(issued, exc)
-            return
-        mark_issued(issued)
-
-    done.add_done_callback(pass_turn)
-    return fut
-
-
 def powersgd_hook(
     state: PowerSGDState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
@@ -516,10 +490,13 @@ def powersgd_hook(
     # waits, no Python runs per collective, and buckets take turns so every
     # rank issues the collectives in the same order. On a GPU the future
     # carries CUDA events, so DDP's stream waits for finish's kernels.
+    def start(turn: torch.futures.Future | None) -> tuple[torch.futures.Future, ...]:
+        return state._allreduce.start(codec, group, index, buffer, wire, turn)
+
     if state._shared_order is None:
-        fut, _ = state._allreduce.start(codec, group, index, buffer, wire)
+        fut = start(None)[0]
     else:
-        fut = _start_in_shared_turn(state, group, index, buffer, wire)
+        fut = start_in_shared_turn(state._shared_order, start)
     if not bucket.is_last():
         state.maybe_increase_iter(bucket)
         return fut

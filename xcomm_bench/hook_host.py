@@ -1,14 +1,14 @@
-"""DDP step time of xcomm's PowerSGD hook where a bucket's host work dominates.
+"""DDP step time of xcomm's PowerSGD or int8 hook where a bucket's host work dominates.
 
-Run: ``python -m xcomm_bench.powersgd_host [--world 2] [--compare-ref REV]``.
+Run: ``python -m xcomm_bench.hook_host [--hook powersgd|int8] [--world 2] [--compare-ref REV]``.
 
 A model of 12 ``Linear(64, 64)`` layers in DDP buckets of ``--bucket-mb``
 (0.02 MiB: about a layer per bucket), so a bucket's arithmetic is a few
 microseconds and its cost is the hook's host work: Python, dispatch, futures,
-callbacks, the GIL. Each rank runs DDP without a hook, with xcomm's
-``powersgd_hook`` (rank 4) and, with ``--compare-ref REV``, with the hook as it
-was at git revision REV (same ``xcomm._C``, see
-:func:`xcomm_bench.powersgd_compute.hook_at`). The variants take turns round by
+callbacks, the GIL. Each rank runs DDP without a hook, with xcomm's hook
+(``powersgd_hook`` at rank 4, or ``int8_compress_hook``) and, with
+``--compare-ref REV``, with the hook as it was at git revision REV (same
+``xcomm._C``, see :func:`xcomm_bench.powersgd_compute.hook_at`). The variants take turns round by
 round, each round ``--steps`` forward/backward steps after a barrier; reported
 are rank 0's medians over ``--rounds`` rounds of wall and CPU time (every
 thread of the process) per step, the hook's cost (step minus the no-hook
@@ -40,27 +40,27 @@ import torch.distributed as dist
 def _rank(args: argparse.Namespace, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import xcomm.hooks as xh
+    from xcomm.hooks import int8, powersgd
 
     from .powersgd_compute import hook_at
 
     torch.set_num_threads(1)
     dist.init_process_group("xcomm", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    hooks: dict[str, Any] = {"none": None, "xcomm": xh}
+    hooks: dict[str, Any] = {"none": None, "xcomm": {"powersgd": powersgd, "int8": int8}[args.hook]}
     if args.compare_ref:
-        hooks["ref"] = hook_at(args.compare_ref)
-
-    states: dict[str, Any] = {}
+        hooks["ref"] = hook_at(args.compare_ref, args.hook)
 
     def make(name: str, module: Any) -> tuple[torch.nn.Module, Callable[[], None]]:
         torch.manual_seed(0)
         layers = [torch.nn.Linear(64, 64) for _ in range(12)]
         model = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=args.bucket_mb)
-        if module is not None:
+        if module is not None and args.hook == "powersgd":
             state = module.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
             model.register_comm_hook(state, module.powersgd_hook)
-            states[name] = state
+        elif module is not None:
+            state = module.Int8State(None)
+            model.register_comm_hook(state, module.int8_compress_hook)
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
 
         def step() -> None:
@@ -86,7 +86,7 @@ def _rank(args: argparse.Namespace, out: str) -> None:
             )
     result: dict[str, Any] = {
         "world": dist.get_world_size(),
-        "buckets": len(states["xcomm"]._bucket_params),
+        "buckets": len(runs["xcomm"][0]._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(",")),
     }
     for name, samples in times.items():
         result[name] = statistics.median(s[0] for s in samples) * 1e6
@@ -102,8 +102,9 @@ def _rank(args: argparse.Namespace, out: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m xcomm_bench.powersgd_host", description=__doc__.split("\n")[0]
+        prog="python -m xcomm_bench.hook_host", description=__doc__.split("\n")[0]
     )
+    parser.add_argument("--hook", choices=("powersgd", "int8"), default="powersgd")
     parser.add_argument("--world", type=int, default=2, help="ranks, on loopback")
     parser.add_argument("--steps", type=int, default=100, help="steps per round")
     parser.add_argument("--rounds", type=int, default=7, help="rounds (medians over them)")
@@ -126,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         rc = run_ranks(
-            module_command("xcomm_bench.powersgd_host", *passed, "--worker", out),
+            module_command("xcomm_bench.hook_host", *passed, "--worker", out),
             args.world,
             timeout=600,
         )
@@ -135,8 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return rc
         with open(out) as f:
             r = json.load(f)
+    hook = "PowerSGD (rank 4)" if args.hook == "powersgd" else "int8"
     print(
-        f"DDP step with PowerSGD (rank 4), 12 x Linear(64), {r['buckets']} buckets, world size "
+        f"DDP step with {hook}, 12 x Linear(64), {r['buckets']} buckets, world size "
         f"{r['world']} (xcomm, loopback), 1 torch thread, median of {args.rounds} rounds of "
         f"{args.steps} steps, rank 0"
     )

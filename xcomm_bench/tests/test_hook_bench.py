@@ -1,5 +1,5 @@
-"""The PowerSGD host-work benchmarks in a quick run: the ref hook loads from
-git beside today's, both run, and their gradients agree."""
+"""The host-work benchmarks of the PowerSGD and int8 hooks in a quick run: the
+ref hook loads from git beside today's, both run, and their gradients agree."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from xcomm_bench import powersgd_compute, powersgd_host
+from xcomm_bench import hook_host, powersgd_compute
 from xcomm_bench.launch import REPO
 
 
@@ -44,9 +44,12 @@ def test_compute_times_the_ref_hook_beside_todays(tmp_path: Path) -> None:
     assert r["ref_ratio"] == r["xcomm"] / r["ref"]
 
 
-def test_host_benchmark_runs_ddp_with_both_hooks(capsys: pytest.CaptureFixture[str]) -> None:
-    rc = powersgd_host.main(
-        ["--world", "2", "--steps", "2", "--rounds", "1", "--compare-ref", "HEAD"]
+@pytest.mark.parametrize("hook", ["powersgd", "int8"])
+def test_host_benchmark_runs_ddp_with_both_hooks(
+    hook: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = hook_host.main(
+        ["--hook", hook, "--world", "2", "--steps", "2", "--rounds", "1", "--compare-ref", "HEAD"]
     )
     out = capsys.readouterr().out
     assert rc == 0, out

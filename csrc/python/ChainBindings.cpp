@@ -1,0 +1,101 @@
+// Python bindings of the compressed allreduces chained in C++
+// (csrc/collectives/BucketChain.hpp): xcomm._C.PowerSgdAllreduce and
+// xcomm._C.Int8Allreduce, one per hook state, started by the hooks in
+// python/xcomm/hooks/.
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "collectives/Int8Allreduce.hpp"
+#include "collectives/PowerSgdAllreduce.hpp"
+#include "python/Bindings.hpp"
+
+namespace py = pybind11;
+
+namespace xcomm::python {
+namespace {
+
+using PythonFuture = std::shared_ptr<torch::jit::PythonFutureWrapper>;
+
+// DDP reads a Python hook's result as a Python object.
+xcomm::ChainResult pythonResult() {
+  return {c10::PyObjectType::get(), [](const at::Tensor& averaged) {
+            py::gil_scoped_acquire gil;
+            return torch::jit::toIValue(py::cast(averaged), c10::PyObjectType::get());
+          }};
+}
+
+xcomm::FuturePtr futureOf(const PythonFuture& turn) {
+  return turn ? turn->fut : xcomm::FuturePtr();
+}
+
+// Starts a chain without the GIL (collectives may complete inline and run the
+// next phases here); returns (result, issued) as Python futures.
+template <typename Start>
+py::tuple startWithoutGil(Start start) {
+  xcomm::StartedBucket started;
+  {
+    py::gil_scoped_release release;
+    started = start();
+  }
+  return py::make_tuple(std::make_shared<torch::jit::PythonFutureWrapper>(started.result),
+                        std::make_shared<torch::jit::PythonFutureWrapper>(started.issued));
+}
+
+constexpr const char* kTurnDoc =
+    " Returns (result, issued): futures of buffer (the average) and of the bucket's last "
+    "collective issued. The first collective waits for `turn` (a future that fails only with a "
+    "real error) or, without one, for the previous bucket started here.";
+
+void bindChains(py::module_& m) {
+  py::class_<xcomm::PowerSgdAllreduce, std::shared_ptr<xcomm::PowerSgdAllreduce>>(
+      m, "PowerSgdAllreduce", R"(PowerSGD's two allreduces of a DDP bucket, chained in C++
+(see csrc/collectives/PowerSgdAllreduce.hpp). One per hook state: buckets take
+turns, so every rank issues the collectives in the same order.)")
+      .def(py::init([] { return std::make_shared<xcomm::PowerSgdAllreduce>(pythonResult()); }))
+      .def(
+          "start",
+          [](xcomm::PowerSgdAllreduce& self, std::shared_ptr<xcomm::PowerSgdCodec> codec,
+             c10::intrusive_ptr<c10d::ProcessGroup> group, int64_t bucket, at::Tensor buffer,
+             at::Tensor wire, const PythonFuture& turn) {
+            return startWithoutGil([&] {
+              return self.start(std::move(codec), std::move(group), bucket, std::move(buffer),
+                                std::move(wire), futureOf(turn));
+            });
+          },
+          py::arg("codec"), py::arg("group"), py::arg("bucket"), py::arg("buffer"), py::arg("wire"),
+          py::arg("turn") = nullptr,
+          (std::string("After codec.prepare(bucket, buffer) returned wire: allreduce it, "
+                       "reduce_p, allreduce Q, finish.") +
+           kTurnDoc)
+              .c_str());
+
+  py::class_<xcomm::Int8Allreduce, std::shared_ptr<xcomm::Int8Allreduce>>(
+      m, "Int8Allreduce", R"(The int8 hook's alltoall and allgather of a DDP bucket, chained
+in C++ (see csrc/collectives/Int8Allreduce.hpp). One per hook state: buckets take
+turns, so every rank issues the collectives in the same order.)")
+      .def(py::init([] { return std::make_shared<xcomm::Int8Allreduce>(pythonResult()); }))
+      .def(
+          "start",
+          [](xcomm::Int8Allreduce& self, std::shared_ptr<xcomm::Int8Codec> codec,
+             c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer, at::Tensor flat,
+             std::optional<at::Tensor> index, at::Tensor packed, const PythonFuture& turn) {
+            return startWithoutGil([&] {
+              return self.start(std::move(codec), std::move(group), std::move(buffer),
+                                std::move(flat), index.value_or(at::Tensor()), std::move(packed),
+                                futureOf(turn));
+            });
+          },
+          py::arg("codec"), py::arg("group"), py::arg("buffer"), py::arg("flat"), py::arg("index"),
+          py::arg("packed"), py::arg("turn") = nullptr,
+          (std::string("After codec.pack_shards(flat, world) returned packed: alltoall it, "
+                       "reduce_and_pack, allgather, unpack_all into flat, and flat into "
+                       "buffer[index] where index is given.") +
+           kTurnDoc)
+              .c_str());
+}
+
+}  // namespace
+
+XCOMM_REGISTER_BINDINGS(chains, bindChains);
+
+}  // namespace xcomm::python
