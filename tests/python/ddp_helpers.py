@@ -1,7 +1,8 @@
 """Training and checkpoint helpers shared by the DDP hook tests.
 
 Each test module keeps its own batches; these drive them, and ``small_mlp``
-is the small model several modules share.
+is the small model several modules share. ``FailedWork`` is a collective
+that failed, for the hooks' failure paths.
 """
 
 from __future__ import annotations
@@ -62,3 +63,25 @@ def checkpoint_resume(
     state2.load_state_dict(saved["hook"])
     train(model2, opt2, batch, rank, second)
     return uninterrupted, flat_params(model2)
+
+
+class FailedWork(torch.distributed.Work):
+    """A collective that failed: its future holds a real error, as a
+    transport's does (a Python ``set_exception`` would hold it as a value)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        started: torch.futures.Future = torch.futures.Future()
+        started.set_result(None)
+        self._future = started.then(lambda _: _raise(RuntimeError(message)))
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._future.wait()
+        return True
+
+
+def _raise(error: Exception) -> None:
+    raise error

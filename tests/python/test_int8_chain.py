@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ddp_helpers import FailedWork
 from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
@@ -99,27 +100,6 @@ def test_hook_equals_the_codec_phases_run_by_hand(world_size: int, ef: bool) -> 
     run_ranks(_rank_hook_vs_by_hand, world_size, ef)
 
 
-class _FailedWork(dist.Work):
-    """A collective that failed: its future holds a real error."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        started: torch.futures.Future = torch.futures.Future()
-        started.set_result(None)
-        self._future = started.then(lambda _: _raise(RuntimeError(message)))
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()
-        return True
-
-
-def _raise(error: Exception) -> None:
-    raise error
-
-
 class _FailingAlltoall(dist.ProcessGroup):
     """The WORLD group, except that its ``fail_at``-th alltoall fails; the
     allgathers go to WORLD's backend."""
@@ -134,7 +114,7 @@ class _FailingAlltoall(dist.ProcessGroup):
     def alltoall_base(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any) -> Any:
         self.calls += 1
         if self.calls == self.fail_at:
-            return _FailedWork(f"injected alltoall failure {self.calls}")
+            return FailedWork(f"injected alltoall failure {self.calls}")
         return self._world.alltoall_base(out, inp, out_splits, in_splits, opts)
 
     all_to_all_single = alltoall_base

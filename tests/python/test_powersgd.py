@@ -14,7 +14,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_helpers import checkpoint_resume, flat_params, train
+from ddp_helpers import FailedWork, checkpoint_resume, flat_params, train
 from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
@@ -166,28 +166,6 @@ if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
 
 
-class _FailedWork(torch.distributed.Work):
-    """A collective that failed: its future holds a real error, as a
-    transport's does (a Python ``set_exception`` would hold it as a value)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__()
-        started: torch.futures.Future = torch.futures.Future()
-        started.set_result(None)
-        self._future = started.then(lambda _: _raise(RuntimeError(message)))
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def wait(self, timeout: Any = None) -> bool:
-        self._future.wait()
-        return True
-
-
-def _raise(error: Exception) -> None:
-    raise error
-
-
 class _FailingQAllreduce(torch.distributed.ProcessGroup):
     """The WORLD group, except that every second allreduce (each bucket's
     Q, issued from a future callback inside the C++ chain) fails."""
@@ -201,7 +179,7 @@ class _FailingQAllreduce(torch.distributed.ProcessGroup):
     def allreduce(self, tensors: Any, opts: Any = None) -> torch.distributed.Work:
         self.calls += 1
         if self.calls % 2 == 0:
-            return _FailedWork("injected Q allreduce failure")
+            return FailedWork("injected Q allreduce failure")
         return self._world.allreduce(tensors, opts or torch.distributed.AllreduceOptions())
 
     def getBackendName(self) -> str:
