@@ -1,12 +1,14 @@
-"""DDP step time of xcomm's PowerSGD or int8 hook where a bucket's host work dominates.
+"""DDP step time of an xcomm hook where a bucket's host work dominates.
 
-Run: ``python -m xcomm_bench.hook_host [--hook powersgd|int8] [--world 2] [--compare-ref REV]``.
+Run: ``python -m xcomm_bench.hook_host [--hook powersgd|int8|topk|randomk] [--world 2]
+[--compare-ref REV]``.
 
 A model of 12 ``Linear(64, 64)`` layers in DDP buckets of ``--bucket-mb``
 (0.02 MiB: about a layer per bucket), so a bucket's arithmetic is a few
 microseconds and its cost is the hook's host work: Python, dispatch, futures,
 callbacks, the GIL. Each rank runs DDP without a hook, with xcomm's hook
-(``powersgd_hook`` at rank 4, or ``int8_compress_hook``) and, with
+(``powersgd_hook`` at rank 4, ``int8_compress_hook``, ``topk_hook`` or
+``randomk_hook`` at density 1%) and, with
 ``--compare-ref REV``, with the hook as it was at git revision REV (same
 ``xcomm._C``, see :func:`xcomm_bench.powersgd_compute.hook_at`). The variants take turns round by
 round, each round ``--steps`` forward/backward steps after a barrier; reported
@@ -40,16 +42,17 @@ import torch.distributed as dist
 def _rank(args: argparse.Namespace, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from xcomm.hooks import int8, powersgd
+    from xcomm.hooks import int8, powersgd, sparse
 
     from .powersgd_compute import hook_at
 
     torch.set_num_threads(1)
     dist.init_process_group("xcomm", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
-    hooks: dict[str, Any] = {"none": None, "xcomm": {"powersgd": powersgd, "int8": int8}[args.hook]}
+    modules = {"powersgd": powersgd, "int8": int8, "topk": sparse, "randomk": sparse}
+    hooks: dict[str, Any] = {"none": None, "xcomm": modules[args.hook]}
     if args.compare_ref:
-        hooks["ref"] = hook_at(args.compare_ref, args.hook)
+        hooks["ref"] = hook_at(args.compare_ref, modules[args.hook].__name__.rsplit(".", 1)[1])
 
     def make(name: str, module: Any) -> tuple[torch.nn.Module, Callable[[], None]]:
         torch.manual_seed(0)
@@ -58,9 +61,12 @@ def _rank(args: argparse.Namespace, out: str) -> None:
         if module is not None and args.hook == "powersgd":
             state = module.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
             model.register_comm_hook(state, module.powersgd_hook)
+        elif module is not None and args.hook == "int8":
+            model.register_comm_hook(module.Int8State(None), module.int8_compress_hook)
+        elif module is not None and args.hook == "topk":
+            model.register_comm_hook(module.TopKState(None, 0.01), module.topk_hook)
         elif module is not None:
-            state = module.Int8State(None)
-            model.register_comm_hook(state, module.int8_compress_hook)
+            model.register_comm_hook(module.RandomKState(None, 0.01), module.randomk_hook)
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
 
         def step() -> None:
@@ -104,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m xcomm_bench.hook_host", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--hook", choices=("powersgd", "int8"), default="powersgd")
+    parser.add_argument(
+        "--hook", choices=("powersgd", "int8", "topk", "randomk"), default="powersgd"
+    )
     parser.add_argument("--world", type=int, default=2, help="ranks, on loopback")
     parser.add_argument("--steps", type=int, default=100, help="steps per round")
     parser.add_argument("--rounds", type=int, default=7, help="rounds (medians over them)")
@@ -136,7 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return rc
         with open(out) as f:
             r = json.load(f)
-    hook = "PowerSGD (rank 4)" if args.hook == "powersgd" else "int8"
+    hook = {"powersgd": "PowerSGD (rank 4)", "topk": "top-k 1%", "randomk": "random-k 1%"}.get(
+        args.hook, args.hook
+    )
     print(
         f"DDP step with {hook}, 12 x Linear(64), {r['buckets']} buckets, world size "
         f"{r['world']} (xcomm, loopback), 1 torch thread, median of {args.rounds} rounds of "

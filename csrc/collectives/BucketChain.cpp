@@ -5,6 +5,8 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include "common/CurrentStream.hpp"
+
 namespace xcomm {
 
 BucketStep::BucketStep(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer,
@@ -28,6 +30,14 @@ void BucketStep::markIssued() {
 
 void BucketStep::complete() {
   result_->markCompleted(wrap_ ? wrap_(buffer_) : c10::IValue(buffer_));
+}
+
+void BucketStep::completeFrom(const at::Tensor& flat, const at::Tensor& index) {
+  if (index.defined()) {
+    buffer_.index_copy_(0, index, flat);
+    usedOnCurrentStream({flat, index});  // this step's temporaries, on a callback's stream
+  }
+  complete();
 }
 
 void BucketStep::fail(const std::exception_ptr& error) {

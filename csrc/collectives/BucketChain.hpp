@@ -84,6 +84,10 @@ class BucketStep : public std::enable_shared_from_this<BucketStep> {
   void markIssued();
   // Completes the result with the buffer.
   void complete();
+  // Completes it after the decode into `flat`: the buffer itself, or (`index`
+  // defined: a resumed run's parameter order) elements of it, copied back to
+  // buffer[index] first.
+  void completeFrom(const at::Tensor& flat, const at::Tensor& index);
 
   // Runs `next(step)` once `done` completed, or fails the step with its error.
   template <typename Step, typename Next>

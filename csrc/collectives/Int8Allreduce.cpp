@@ -50,11 +50,7 @@ class Int8Step : public BucketStep {
   void onGathered() {
     codec_->unpackAll(gathered_, shardElems_, flat_);
     usedOnCurrentStream({gathered_});
-    if (index_.defined()) {  // a resumed run's parameter order: back into the bucket
-      buffer().index_copy_(0, index_, flat_);
-      usedOnCurrentStream({flat_, index_});
-    }
-    complete();
+    completeFrom(flat_, index_);
   }
 
   std::shared_ptr<const Int8Codec> codec_;

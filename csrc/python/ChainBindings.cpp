@@ -1,12 +1,13 @@
 // Python bindings of the compressed allreduces chained in C++
-// (csrc/collectives/BucketChain.hpp): xcomm._C.PowerSgdAllreduce and
-// xcomm._C.Int8Allreduce, one per hook state, started by the hooks in
-// python/xcomm/hooks/.
+// (csrc/collectives/BucketChain.hpp): xcomm._C.PowerSgdAllreduce,
+// Int8Allreduce, TopKAllreduce and RandomKAllreduce, one per hook state,
+// started by the hooks in python/xcomm/hooks/.
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "collectives/Int8Allreduce.hpp"
 #include "collectives/PowerSgdAllreduce.hpp"
+#include "collectives/SparseAllreduce.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -90,6 +91,53 @@ turns, so every rank issues the collectives in the same order.)")
           (std::string("After codec.pack_shards(flat, world) returned packed: alltoall it, "
                        "reduce_and_pack, allgather, unpack_all into flat, and flat into "
                        "buffer[index] where index is given.") +
+           kTurnDoc)
+              .c_str());
+
+  py::class_<xcomm::TopKAllreduce, std::shared_ptr<xcomm::TopKAllreduce>>(
+      m, "TopKAllreduce", R"(The top-k hook's allgather and decode of a DDP bucket, chained
+in C++ (see csrc/collectives/SparseAllreduce.hpp). One per hook state.)")
+      .def(py::init([] { return std::make_shared<xcomm::TopKAllreduce>(pythonResult()); }))
+      .def(
+          "start",
+          [](xcomm::TopKAllreduce& self, std::shared_ptr<xcomm::TopKCodec> codec,
+             c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer, at::Tensor flat,
+             std::optional<at::Tensor> index, at::Tensor packed, int64_t k,
+             const PythonFuture& turn) {
+            return startWithoutGil([&] {
+              return self.start(std::move(codec), std::move(group), std::move(buffer),
+                                std::move(flat), index.value_or(at::Tensor()), std::move(packed), k,
+                                futureOf(turn));
+            });
+          },
+          py::arg("codec"), py::arg("group"), py::arg("buffer"), py::arg("flat"), py::arg("index"),
+          py::arg("packed"), py::arg("k"), py::arg("turn") = nullptr,
+          (std::string("After codec.encode(key, flat, k) returned packed: allgather it, decode "
+                       "into flat, and flat into buffer[index] where index is given.") +
+           kTurnDoc)
+              .c_str());
+
+  py::class_<xcomm::RandomKAllreduce, std::shared_ptr<xcomm::RandomKAllreduce>>(
+      m, "RandomKAllreduce", R"(The random-k hook's allreduce and decode of a DDP bucket,
+chained in C++ (see csrc/collectives/SparseAllreduce.hpp). One per hook state.)")
+      .def(py::init([] { return std::make_shared<xcomm::RandomKAllreduce>(pythonResult()); }))
+      .def(
+          "start",
+          [](xcomm::RandomKAllreduce& self, std::shared_ptr<xcomm::RandomKCodec> codec,
+             c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer, at::Tensor flat,
+             std::optional<at::Tensor> index, at::Tensor values, at::Tensor positions,
+             const PythonFuture& turn) {
+            return startWithoutGil([&] {
+              return self.start(std::move(codec), std::move(group), std::move(buffer),
+                                std::move(flat), index.value_or(at::Tensor()), std::move(values),
+                                std::move(positions), futureOf(turn));
+            });
+          },
+          py::arg("codec"), py::arg("group"), py::arg("buffer"), py::arg("flat"), py::arg("index"),
+          py::arg("values"), py::arg("positions"), py::arg("turn") = nullptr,
+          (std::string("After codec.encode(key, flat, positions) returned values: allreduce "
+                       "them, decode into flat, and flat into buffer[index] where index is "
+                       "given.") +
            kTurnDoc)
               .c_str());
 }

@@ -14,7 +14,7 @@ namespace py = pybind11;
 namespace {
 
 template <typename Codec>
-void bindFeedbackState(py::class_<Codec>& cls) {
+void bindFeedbackState(py::class_<Codec, std::shared_ptr<Codec>>& cls) {
   cls.def(
          "feedback_state",
          [](Codec& c) {
@@ -110,7 +110,8 @@ void bindCodecs(py::module_& m) {
       .def("round_trip", &xcomm::Int8Codec::roundTrip, py::arg("flat"),
            py::call_guard<py::gil_scoped_release>());
 
-  py::class_<xcomm::TopKCodec> topk(m, "TopKCodec", "Top-k sparsification with error feedback.");
+  py::class_<xcomm::TopKCodec, std::shared_ptr<xcomm::TopKCodec>> topk(
+      m, "TopKCodec", "Top-k sparsification with error feedback.");
   topk.def(py::init<bool, bool, int64_t, uint64_t>(), py::arg("approximate"),
            py::arg("error_feedback"), py::arg("sample_size") = 4096, py::arg("seed") = 0)
       .def_static("k_for", &xcomm::TopKCodec::kFor, py::arg("numel"), py::arg("density"))
@@ -135,8 +136,8 @@ void bindCodecs(py::module_& m) {
       .def("set_rng_state", &xcomm::TopKCodec::setRngState, py::arg("state"));
   bindFeedbackState(topk);
 
-  py::class_<xcomm::RandomKCodec> randk(m, "RandomKCodec",
-                                        "Random-k sparsification from a shared seed.");
+  py::class_<xcomm::RandomKCodec, std::shared_ptr<xcomm::RandomKCodec>> randk(
+      m, "RandomKCodec", "Random-k sparsification from a shared seed.");
   randk.def(py::init<uint64_t, bool>(), py::arg("seed"), py::arg("error_feedback"))
       .def("positions", &xcomm::RandomKCodec::positions, py::arg("key"), py::arg("step"),
            py::arg("numel"), py::arg("density"), py::arg("device") = at::Device(at::kCPU),

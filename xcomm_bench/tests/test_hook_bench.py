@@ -44,7 +44,7 @@ def test_compute_times_the_ref_hook_beside_todays(tmp_path: Path) -> None:
     assert r["ref_ratio"] == r["xcomm"] / r["ref"]
 
 
-@pytest.mark.parametrize("hook", ["powersgd", "int8"])
+@pytest.mark.parametrize("hook", ["powersgd", "int8", "topk", "randomk"])
 def test_host_benchmark_runs_ddp_with_both_hooks(
     hook: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -145,7 +145,10 @@ class IssueOrder:
     answers by aborting the process. DDP calls the hook for buckets in the
     same order on every rank, so each bucket takes a turn here: its first
     collective starts once the previous bucket has issued its last one.
-    Transfers still overlap the rest of the backward pass.
+    Transfers still overlap the rest of the backward pass. The hooks' own
+    chains take such turns in C++ (``BucketTurns``,
+    csrc/collectives/BucketChain.hpp); this Python order is the one
+    ``auto_hook`` shares between its methods.
 
     Example::
 

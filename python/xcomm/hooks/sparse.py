@@ -25,16 +25,13 @@ from .. import _C
 from ._common import (
     PicklableState,
     StepCounter,
-    all_gather_single,
     allreduce_mean,
     check_density,
     check_floating,
     check_start_iter,
     feedback_store,
-    group_size,
     warn_host_codec,
 )
-from ._streams import used_on_this_stream
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes
 
@@ -94,6 +91,7 @@ class TopKState(PicklableState):
         self.codec = _C.TopKCodec(
             self.approximate, False, 4096, self.seed
         )  # residuals: self.feedback
+        self._chain = _C.TopKAllreduce()
         self.steps = StepCounter()
         self.feedback = feedback_store(self)
 
@@ -131,7 +129,8 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     density = state.current_density()
     state.steps.after_bucket(bucket)
 
-    world = group_size(state.process_group)
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = group.size()
     k = _C.TopKCodec.k_for(buffer.numel(), density)
     view = state.feedback.view(bucket)
     if state.error_feedback:
@@ -142,15 +141,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
-    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
-    fut = all_gather_single(gathered, packed, group=state.process_group, async_op=True).get_future()
-
-    def decode(f: torch.futures.Future) -> torch.Tensor:
-        state.codec.decode(gathered, k, view.tensor, float(world))
-        used_on_this_stream(gathered)
-        return view.write_back()
-
-    return fut.then(decode)
+    # The allgather and the decode run in C++ (csrc/collectives/SparseAllreduce.hpp):
+    # no Python callback, future or collective wrapper per bucket.
+    return state._chain.start(state.codec, group, buffer, view.tensor, view.index, packed, k)[0]
 
 
 @dataclass
@@ -188,6 +181,7 @@ class RandomKState(PicklableState):
         check_density("RandomKState", self.density)
         check_start_iter("RandomKState", self.start_iter, self.error_feedback)
         self.codec = _C.RandomKCodec(self.seed, False)  # residuals: self.feedback
+        self._chain = _C.RandomKAllreduce()
         self.steps = StepCounter()
         self.feedback = feedback_store(self)
 
@@ -217,7 +211,8 @@ def randomk_hook(
     step = state.steps.iter
     state.steps.after_bucket(bucket)
 
-    world = group_size(state.process_group)
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = group.size()
     view = state.feedback.view(bucket)
     key = view.key
     positions = state.codec.positions(key, step, buffer.numel(), state.density, buffer.device)
@@ -229,12 +224,7 @@ def randomk_hook(
         state.feedback.flush(view)
         values = state.codec.encode(key, view.tensor, positions)
     state.stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world))
-    fut = dist.all_reduce(values, group=state.process_group, async_op=True).get_future()
-
-    def decode(f: torch.futures.Future) -> torch.Tensor:
-        summed = f.value()[0]
-        state.codec.decode(summed, positions, view.tensor, float(world))
-        used_on_this_stream(summed, positions)
-        return view.write_back()
-
-    return fut.then(decode)
+    # The allreduce and the decode run in C++ (csrc/collectives/SparseAllreduce.hpp).
+    return state._chain.start(
+        state.codec, group, buffer, view.tensor, view.index, values, positions
+    )[0]
