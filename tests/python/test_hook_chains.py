@@ -241,3 +241,18 @@ def test_a_chain_without_a_codec_or_group_is_a_clear_error() -> None:
         for c in (None, codec):
             with pytest.raises(RuntimeError, match="a codec and a process group are needed"):
                 start(c)
+
+
+def _rank_bad_packed(ctx: RankContext) -> str:
+    t = torch.zeros(8)
+    bad = torch.zeros(3, 4, dtype=torch.uint8)  # 3 rows for a world of 1
+    try:
+        xcomm._C.Int8Allreduce().start(xcomm._C.Int8Codec(CHUNK), dist.group.WORLD, t, t, None, bad)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_int8_chain_refuses_a_payload_not_shaped_by_pack_shards() -> None:
+    for message in run_ranks(_rank_bad_packed, 1):
+        assert "packed must be uint8 [world_size, bytes]" in message, message
