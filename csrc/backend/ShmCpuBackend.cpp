@@ -65,6 +65,46 @@ uint64_t denseBytes(const std::vector<at::Tensor>& ts) {
   return bytes;
 }
 
+// The rows of `t` (dim 0) that go to or come from each rank, as views:
+// `splits` rows each, or an equal share when `splits` is empty. Empty when
+// `t` has no rows to split or the splits do not describe it (the fallback
+// then raises its own error).
+std::vector<at::Tensor> splitRows(const at::Tensor& t, const std::vector<int64_t>& splits,
+                                  int size) {
+  if (t.dim() == 0) return {};
+  std::vector<at::Tensor> pieces;
+  int64_t offset = 0;
+  for (int r = 0; r < size; ++r) {
+    int64_t rows = 0;
+    if (splits.empty()) {
+      if (t.size(0) % size != 0) return {};
+      rows = t.size(0) / size;
+    } else {
+      if (static_cast<int>(splits.size()) != size || splits[r] < 0) return {};
+      rows = splits[r];
+    }
+    if (offset + rows > t.size(0)) return {};
+    pieces.push_back(t.narrow(0, offset, rows));
+    offset += rows;
+  }
+  if (offset != t.size(0)) return {};
+  return pieces;
+}
+
+// Whether `size` inputs and outputs all have the shape of inputs[0].
+bool sameShapes(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                int size) {
+  if (static_cast<int>(inputs.size()) != size || static_cast<int>(outputs.size()) != size) {
+    return false;
+  }
+  for (int r = 0; r < size; ++r) {
+    if (inputs[r].sizes() != inputs[0].sizes() || outputs[r].sizes() != inputs[0].sizes()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 int redOpOf(const c10d::ReduceOp& op) {
   return static_cast<int>(op.op_);
 }
@@ -240,7 +280,7 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::viaFallback(
                                                             redOp, root, static_cast<int>(type)),
                                       bytes};
   // The fallback's work is waited for on the worker: it keeps the group's
-  // issue order, and these ops (rooted ops, all_to_all, dtypes without a
+  // issue order, and these ops (reduce, gather, scatter, dtypes without a
   // kernel here) are not the ones worth overlapping with the next.
   return submit(
       type, title, std::move(outputs), asyncOp, timeout,
@@ -478,23 +518,41 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall_base(at::Tensor& output, 
                                                             std::vector<int64_t>& outputSplits,
                                                             std::vector<int64_t>& inputSplits,
                                                             const c10d::AllToAllOptions& opts) {
-  // Sizes may differ between ranks (uneven splits): only the op and dtype must agree.
-  return viaFallback(c10d::OpType::ALLTOALL_BASE, "shm:gloo:all_to_all_single", {output},
-                     opts.asyncOp, opts.timeout, input.scalar_type(), 0, 0, 0,
-                     [this, output, input, outputSplits, inputSplits, opts]() mutable {
-                       return fallback_->alltoall_base(output, input, outputSplits, inputSplits,
-                                                       opts);
-                     });
+  auto sends = splitRows(input, inputSplits, size_);
+  auto recvs = splitRows(output, outputSplits, size_);
+  if (!flat() || !plainCpu({output, input}) || sends.empty() || recvs.empty() ||
+      !shm::alltoallFits(*transport_)) {
+    // Sizes may differ between ranks (uneven splits): only the op and dtype must agree.
+    return viaFallback(c10d::OpType::ALLTOALL_BASE, "shm:gloo:all_to_all_single", {output},
+                       opts.asyncOp, opts.timeout, input.scalar_type(), 0, 0, 0,
+                       [this, output, input, outputSplits, inputSplits, opts]() mutable {
+                         return fallback_->alltoall_base(output, input, outputSplits, inputSplits,
+                                                         opts);
+                       });
+  }
+  return submit(c10d::OpType::ALLTOALL_BASE, "shm:all_to_all_single", {output}, opts.asyncOp,
+                opts.timeout, [this, sends, recvs](Clock::time_point deadline) mutable {
+                  shm::alltoall(*transport_, sends, recvs, deadline, "all_to_all_single");
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllToAllOptions& opts) {
-  return viaFallback(c10d::OpType::ALLTOALL, "shm:gloo:all_to_all", outputs, opts.asyncOp,
-                     opts.timeout, dtypeOf(inputs), 0, 0, 0,
-                     [this, outputs, inputs, opts]() mutable {
-                       return fallback_->alltoall(outputs, inputs, opts);
-                     });
+  if (!flat() || !plainCpu(inputs) || !plainCpu(outputs) || !sameShapes(inputs, outputs, size_) ||
+      !shm::alltoallFits(*transport_)) {
+    // Gloo takes the list form with one shape throughout and raises otherwise;
+    // so does xcomm, on every group shape (uneven pieces: all_to_all_single).
+    return viaFallback(c10d::OpType::ALLTOALL, "shm:gloo:all_to_all", outputs, opts.asyncOp,
+                       opts.timeout, dtypeOf(inputs), 0, 0, 0,
+                       [this, outputs, inputs, opts]() mutable {
+                         return fallback_->alltoall(outputs, inputs, opts);
+                       });
+  }
+  return submit(c10d::OpType::ALLTOALL, "shm:all_to_all", outputs, opts.asyncOp, opts.timeout,
+                [this, outputs, inputs](Clock::time_point deadline) mutable {
+                  shm::alltoall(*transport_, inputs, outputs, deadline, "all_to_all");
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::send(std::vector<at::Tensor>& tensors, int dstRank,

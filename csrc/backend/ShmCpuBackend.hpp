@@ -1,8 +1,8 @@
 #pragma once
 // ShmCpuBackend: the CPU transport of a group whose ranks all share one host.
 //
-// Allreduce, broadcast, allgather, reduce_scatter (list and flat forms) and
-// barrier run over ShmTransport on a worker thread (in issue order); a call
+// Allreduce, broadcast, allgather, reduce_scatter, all_to_all (list and flat
+// forms) and barrier run over ShmTransport on a worker thread (in issue order); a call
 // with async_op=False on an idle backend runs on the caller's thread instead,
 // which saves two thread hand-offs. Everything else, and dtypes without a
 // shared-memory kernel, goes to the fallback backend (Gloo), so the group
@@ -95,6 +95,13 @@ class ShmCpuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
   // Delegated to the fallback backend (after the agreement barrier).
@@ -109,13 +116,6 @@ class ShmCpuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& outputSplits,
-                                               std::vector<int64_t>& inputSplits,
-                                               const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
-                                          std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,

@@ -39,6 +39,8 @@ std::string render(ShmTransport::Descriptor d) {
       break;
     case OpCode::kBarrier:
       return "barrier()";
+    case OpCode::kAlltoall:  // sizes differ per rank; they are checked pair by pair
+      return "all_to_all(" + std::string(c10::toString(dtype)) + ")";
     case OpCode::kFallback:
       out << c10d::opTypeToString(static_cast<c10d::OpType>(fallbackOp)) << "(root=" << root
           << ", ";

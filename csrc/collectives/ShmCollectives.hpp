@@ -37,6 +37,15 @@ void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at:
 // output = reduction over ranks of their inputs[this rank].
 void reduceScatter(ShmTransport& transport, at::Tensor& output,
                    const std::vector<at::Tensor>& inputs, RedOp op, Deadline deadline);
+// sends[d] goes to rank d, recvs[s] comes from rank s; each pair's sizes may
+// differ from the other pairs' (uneven splits) but must agree between the two
+// ranks of the pair, or every rank raises. Any dtype: the bytes are moved.
+// `op` names the collective in errors.
+void alltoall(ShmTransport& transport, const std::vector<at::Tensor>& sends,
+              std::vector<at::Tensor>& recvs, Deadline deadline, const char* op);
+// Whether the transport's slots hold alltoall's per-rank header (the same on
+// every rank: the slot size is agreed).
+bool alltoallFits(const ShmTransport& transport);
 void barrier(ShmTransport& transport, Deadline deadline);
 // For a collective that runs elsewhere (the fallback backend): a barrier at
 // which every rank checks that all ranks are issuing `call`, so a rank whose
@@ -54,6 +63,7 @@ enum class OpCode : uint64_t {
   kReduceScatter,
   kBarrier,
   kFallback,  // run by the fallback backend; `fallbackOp` says which
+  kAlltoall,
 };
 
 // What every rank must agree on, packed for ShmTransport::publishDescriptor:

@@ -148,6 +148,96 @@ TEST_CASE("shm collectives give every rank the exact result, across chunks", "[s
   CHECK(shmFiles().empty());  // unlinked once every rank had mapped it
 }
 
+namespace {
+
+// Rank s sends rank d (s + 2d) % 5 rows of `cols` elements, valued
+// 1000 s + 100 d + i: zero-sized pieces and pieces of different sizes.
+int64_t rowsFrom(int s, int d) {
+  return (s + 2 * d) % 5;
+}
+
+}  // namespace
+
+TEST_CASE("shm all_to_all moves every pair's piece, uneven and across rounds", "[shm][alltoall]") {
+  // 256-byte slots: a header of 2 x size counts, then regions of a few bytes,
+  // so the larger pieces take many rounds; 1 MiB: one round.
+  for (size_t slot : {size_t{256}, size_t{1} << 20}) {
+    for (int size : {2, 3, 4}) {
+      INFO("size " << size << " slot " << slot);
+      std::vector<std::string> errors(size);
+      onRanks(size, slot, [&](int rank, xcomm::ShmTransport& t) {
+        try {
+          for (int64_t cols : {int64_t{1}, int64_t{7}}) {
+            std::vector<at::Tensor> sends, recvs;
+            for (int d = 0; d < size; ++d) {
+              const int64_t rows = rowsFrom(rank, d);
+              sends.push_back(at::arange(rows * cols, at::kDouble) + 1000 * rank + 100 * d);
+              recvs.push_back(at::full({rowsFrom(d, rank) * cols}, -1.0, at::kDouble));
+            }
+            xcomm::shm::alltoall(t, sends, recvs, in(std::chrono::seconds(20)), "all_to_all");
+            for (int s = 0; s < size; ++s) {
+              const auto expected =
+                  at::arange(rowsFrom(s, rank) * cols, at::kDouble) + 1000 * s + 100 * rank;
+              TORCH_CHECK(at::equal(recvs[s], expected), "rank ", rank, " got a wrong piece from ",
+                          s, " (cols ", cols, ")");
+            }
+          }
+        } catch (const std::exception& e) {
+          errors[rank] = e.what();
+        }
+      });
+      for (int r = 0; r < size; ++r) CHECK(errors[r] == "");
+    }
+  }
+}
+
+TEST_CASE("shm all_to_all: a pair whose sizes disagree raises on every rank, which stay in step",
+          "[shm][alltoall]") {
+  std::vector<std::string> errors(3);
+  std::vector<at::Tensor> after(3);
+  onRanks(3, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    // Rank 2 expects 3 floats from rank 1, which sends it 2.
+    std::vector<at::Tensor> sends, recvs;
+    for (int r = 0; r < 3; ++r) {
+      sends.push_back(at::ones({2}, at::kFloat));
+      recvs.push_back(at::zeros({rank == 2 && r == 1 ? 3 : 2}, at::kFloat));
+    }
+    try {
+      xcomm::shm::alltoall(t, sends, recvs, in(std::chrono::seconds(20)), "all_to_all_single");
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+    after[rank] = at::full({3}, static_cast<float>(rank));
+    xcomm::shm::allreduce(t, after[rank], RedOp::SUM, in(std::chrono::seconds(20)));
+  });
+  for (int r = 0; r < 3; ++r) {
+    CHECK_THAT(errors[r], Catch::Contains("all_to_all_single: rank 1 sends 8 bytes to rank 2, but "
+                                          "rank 2 expects 12 bytes from rank 1"));
+    CHECK(at::equal(after[r], at::full({3}, 3.0f)));
+  }
+}
+
+TEST_CASE("shm all_to_all against another collective raises on both ranks", "[shm][alltoall]") {
+  std::vector<std::string> errors(2);
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    auto x = at::ones({4}, at::kFloat);
+    std::vector<at::Tensor> sends{x, x}, recvs{at::empty({4}), at::empty({4})};
+    try {
+      if (rank == 0) {
+        xcomm::shm::allreduce(t, x, RedOp::SUM, in(std::chrono::seconds(20)));
+      } else {
+        xcomm::shm::alltoall(t, sends, recvs, in(std::chrono::seconds(20)), "all_to_all");
+      }
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    CHECK_THAT(errors[r], Catch::Contains("rank 0: all_reduce(SUM, Float, 16 bytes); rank 1: "
+                                          "all_to_all(Float)"));
+  }
+}
+
 TEST_CASE("a missing peer times out at the deadline, then the transport stays broken", "[shm]") {
   onRanks(2, 4096, [](int rank, xcomm::ShmTransport& t) {
     if (rank == 1) return;  // never arrives

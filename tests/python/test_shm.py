@@ -139,6 +139,8 @@ def _rank_all_reduce(ctx: RankContext) -> tuple[list[str], dict[str, str], int]:
 
 
 def _rank_data_movement(ctx: RankContext) -> tuple[list[str], dict[str, str]]:
+    import xcomm.shm
+
     chk = Mismatches(ctx)
     _check_active(chk)
     ws, rank = ctx.world_size, ctx.rank
@@ -176,6 +178,40 @@ def _rank_data_movement(ctx: RankContext) -> tuple[list[str], dict[str, str]]:
                 dist.all_gather_into_tensor(flat, x)
                 _same(chk, f"{label} into_tensor", flat, torch.cat(ref))
                 digests[label] = _digest(flat)
+            # Uneven: rank s sends rank d (s + 2d + n) % 5 rows of 3; n=1000: many rounds.
+            rows = [
+                [(s + 2 * d + n) % 5 if n < 1000 else n + s + d for d in range(ws)]
+                for s in range(ws)
+            ]
+            label = f"all_to_all_single {base}"
+            with chk.case(label):
+                x = (
+                    make_input(ctx, dtype, (sum(rows[rank]), 3), salt=4)
+                    if dtype != torch.complex64
+                    else torch.full((sum(rows[rank]), 3), complex(rank, 2))
+                )
+                out_rows = [rows[s][rank] for s in range(ws)]
+                ref = torch.empty(sum(out_rows), 3, dtype=dtype)
+                got = torch.full_like(ref, 7)
+                dist.all_to_all_single(ref, x, out_rows, rows[rank], group=ctx.ref)
+                before = xcomm.shm.ops_run()
+                dist.all_to_all_single(got, x, out_rows, rows[rank])
+                if xcomm.shm.ops_run() != before + 1:
+                    chk.fail(label, "did not run over shared memory")
+                _same(chk, label, got, ref)  # each rank's own pieces: no digest to agree on
+            label = f"all_to_all {base}"
+            with chk.case(label):
+                # Gloo's list form takes one shape throughout, and so does xcomm's.
+                ins = [x.roll(d, 0)[:2].clone() for d in range(ws)] if len(x) >= 2 else [x] * ws
+                ref_list = [torch.empty_like(t) for t in ins]
+                got_list = [torch.full_like(t, 7) for t in ins]
+                dist.all_to_all(ref_list, ins, group=ctx.ref)
+                before = xcomm.shm.ops_run()
+                dist.all_to_all(got_list, ins)
+                if xcomm.shm.ops_run() != before + 1:
+                    chk.fail(label, "did not run over shared memory")
+                for r in range(ws):
+                    _same(chk, f"{label} [{r}]", got_list[r], ref_list[r])
             if dtype == torch.complex64:
                 continue
             for name, op in BASIC_OPS.items():
@@ -223,6 +259,7 @@ def test_all_reduce_matches_gloo(world_size: int) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_broadcast_all_gather_reduce_scatter_match_gloo(world_size: int) -> None:
+    """And all_to_all (single, uneven, and list): every dtype, over shared memory."""
     results = run_ranks(_rank_data_movement, world_size, env=SMALL_SLOTS, timeout=120)
     assert_no_mismatches([r[0] for r in results])
     _assert_ranks_agree([r[1] for r in results])
@@ -280,7 +317,14 @@ def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
         # Shared memory on one rank, the Gloo fallback on the other: before,
         # both waited for each other until the timeout.
         "shm_vs_fallback": lambda: (
+            dist.all_reduce(torch.ones(6)) if rank == 0 else dist.reduce(x, dst=0)
+        ),
+        "all_to_all_vs_all_reduce": lambda: (
             dist.all_reduce(torch.ones(6)) if rank == 0 else dist.all_to_all_single(other, x)
+        ),
+        # Rank 0 sends rank 1 three rows; rank 1 expects two.
+        "all_to_all_splits": lambda: dist.all_to_all_single(
+            torch.zeros(6 - rank), torch.ones(6), [3 - rank, 3], [3, 3]
         ),
         # Both on the fallback, different roots (Gloo's reduce takes them as they are).
         "reduce_root": lambda: dist.reduce(torch.ones(4), dst=rank),
@@ -304,6 +348,11 @@ def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
 @pytest.mark.xcomm_specific
 def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers() -> None:
     res = run_ranks(_rank_mismatch, 2)
+    splits = [r["errors"].pop("all_to_all_splits") for r in res]
+    for error in splits:
+        assert error == splits[0], splits  # the same account on every rank
+        assert error.startswith("ValueError"), error
+        assert "rank 0 sends 12 bytes to rank 1, but rank 1 expects 8 bytes from rank 0" in error
     for r in res:
         for name, error in r["errors"].items():
             assert error and "called different collectives" in error, (name, res)
@@ -316,7 +365,8 @@ def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers() -> None:
         assert tail == res[1]["errors"][name].split("called different collectives")[1]
     assert "broadcast(root=0" in res[0]["errors"]["broadcast_root"]
     assert "broadcast(root=1" in res[0]["errors"]["broadcast_root"]
-    assert "ALLTOALL_BASE" in res[0]["errors"]["shm_vs_fallback"]
+    assert "REDUCE(root=0" in res[0]["errors"]["shm_vs_fallback"]
+    assert "all_to_all(Float)" in res[0]["errors"]["all_to_all_vs_all_reduce"]
 
 
 def _rank_fault(ctx: RankContext, victim: int, how: str) -> dict[str, Any] | None:
