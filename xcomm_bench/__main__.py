@@ -167,7 +167,7 @@ def _add_collectives(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from .ddp import MODELS, REDUCTIONS
+    from .ddp import DEFAULT_REDUCTIONS, MODELS, REDUCTIONS
 
     p = sub.add_parser(
         "ddp",
@@ -180,8 +180,9 @@ def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     a("--models", default=",".join(MODELS), help=f"comma-separated (default {','.join(MODELS)})")
     a(
         "--reductions",
-        default=",".join(REDUCTIONS),
-        help=f"comma-separated (default {','.join(REDUCTIONS)}); 'none' is always run",
+        default=",".join(DEFAULT_REDUCTIONS),
+        help=f"comma-separated, of {','.join(REDUCTIONS)} (default {','.join(DEFAULT_REDUCTIONS)}); "
+        "'none' is always run",
     )
     a("--rates", default="0.1gbit,1gbit,10gbit", help="link rates (default 0.1gbit,1gbit,10gbit)")
     a("--nodes", type=int, default=None, help="emulated nodes (default 2; 0 = loopback, no root)")

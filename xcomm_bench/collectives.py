@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -86,29 +86,57 @@ class BackendSpec:
 
     Parsed from ``"name"`` or ``"name:device"``; the default device is
     ``cuda`` for nccl and ``cpu`` otherwise (``xcomm:cuda`` puts xcomm's
-    tensors on the GPU).
+    tensors on the GPU). xcomm takes variants after ``+``, each an
+    ``xcomm.Options`` setting (see ``VARIANTS``): ``xcomm+noshm+unchecked``
+    is xcomm with ``shm=False, check_collectives=False``.
     """
 
     name: str
     device: str
+    variants: tuple[str, ...] = ()
+
+    VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
+        "noshm": {"shm": False},
+        "unchecked": {"check_collectives": False},
+    }
 
     @classmethod
     def parse(cls, text: str) -> BackendSpec:
         """``BackendSpec.parse("xcomm:cuda") == BackendSpec("xcomm", "cuda")``."""
-        name, _, device = text.strip().partition(":")
+        head, _, device = text.strip().partition(":")
+        name, *variants = head.split("+")
         if not name:
             raise ValueError(f"empty backend name in {text!r}")
+        if variants and name != "xcomm":
+            raise ValueError(f"backend {name!r}: only xcomm takes +variants, got {text!r}")
+        for v in variants:
+            if v not in cls.VARIANTS:
+                raise ValueError(
+                    f"unknown variant {v!r} in {text!r}; known: {sorted(cls.VARIANTS)}"
+                )
         if not device:
             device = "cuda" if name == "nccl" else "cpu"
         if device not in ("cpu", "cuda"):
             raise ValueError(f"backend {name!r}: device must be cpu or cuda, got {device!r}")
-        return cls(name, device)
+        return cls(name, device, tuple(variants))
 
     @property
     def label(self) -> str:
-        """``name`` for the default device, else ``name:device``."""
+        """``name`` (with its variants) for the default device, else ``name:device``."""
         default = "cuda" if self.name == "nccl" else "cpu"
-        return self.name if self.device == default else f"{self.name}:{self.device}"
+        name = "+".join((self.name, *self.variants))
+        return name if self.device == default else f"{name}:{self.device}"
+
+    def pg_options(self) -> Any:
+        """The ``pg_options`` its group is made with (None: the backend's defaults)."""
+        if not self.variants:
+            return None
+        import xcomm
+
+        settings: dict[str, Any] = {}
+        for v in self.variants:
+            settings.update(self.VARIANTS[v])
+        return xcomm.Options(**settings)
 
 
 @dataclasses.dataclass
@@ -397,7 +425,9 @@ def run_sweep(
         torch.cuda.set_device(local_rank % max(1, torch.cuda.device_count()))
     timeout = datetime.timedelta(seconds=cfg.pg_timeout_s)
     coord = dist.new_group(backend="gloo", timeout=timeout)
-    groups = {s: dist.new_group(backend=s.name, timeout=timeout) for s in specs}
+    groups = {
+        s: dist.new_group(backend=s.name, timeout=timeout, pg_options=s.pg_options()) for s in specs
+    }
     dtype = _DTYPES[cfg.dtype]
     sizes = message_sizes(cfg.min_bytes, cfg.max_bytes, cfg.factor)
     results: list[Measurement] = []

@@ -29,7 +29,10 @@ Reductions: ``none`` (DDP's own allreduce), xcomm's hooks ``fp16``,
 ``backend-bf16``, ``backend-int8`` and ``backend-auto`` register no hook:
 DDP runs on a group made with ``xcomm.Options(compression=...)``, whose
 backend compresses the allreduces itself (no error feedback; accounted bytes
-are the group's ``compression_stats``).
+are the group's ``compression_stats``). ``unchecked`` is ``none`` on a
+group made with ``xcomm.Options(check_collectives=False)``: what the rank
+agreement check of a group without shared memory costs a step (``none``
+runs with it wherever the group has it).
 
 Warm-up: the first ``warmup`` steps (default 3: DDP rebuilds its buckets
 after step 1, PowerSGD compresses from step 3 and allocates its state then)
@@ -78,6 +81,7 @@ import torch.distributed as dist
 from .launch import module_command, run_ranks
 
 __all__ = [
+    "DEFAULT_REDUCTIONS",
     "MODELS",
     "REDUCTIONS",
     "DDPBenchConfig",
@@ -104,7 +108,11 @@ REDUCTIONS: tuple[str, ...] = (
     "backend-bf16",
     "backend-int8",
     "backend-auto",
+    "unchecked",
 )
+#: What a run compares unless told otherwise (``unchecked`` only matters on
+#: groups without shared memory, and is asked for by name).
+DEFAULT_REDUCTIONS: tuple[str, ...] = tuple(r for r in REDUCTIONS if r != "unchecked")
 #: The static reductions each auto is compared with: the hook's against every
 #: other reduction of the run, the backend's against what it chooses from.
 _AUTO_PEERS: dict[str, tuple[str, ...] | None] = {
@@ -118,11 +126,19 @@ _AUTO_PEERS: dict[str, tuple[str, ...] | None] = {
 _BACKEND_GROUPS: dict[str, Any] = {}
 
 
+def _own_group(reduction: str) -> bool:
+    """Whether the reduction runs DDP on a group of its own (see ``_backend_group``)."""
+    return reduction.startswith("backend-") or reduction == "unchecked"
+
+
 def _backend_group(reduction: str, group: Any) -> Any:
     if reduction not in _BACKEND_GROUPS:
         import xcomm
 
-        options = xcomm.Options(compression=reduction.removeprefix("backend-"))
+        if reduction == "unchecked":
+            options = xcomm.Options(check_collectives=False)
+        else:
+            options = xcomm.Options(compression=reduction.removeprefix("backend-"))
         _BACKEND_GROUPS[reduction] = dist.new_group(
             dist.get_process_group_ranks(group), backend="xcomm", pg_options=options
         )
@@ -278,7 +294,7 @@ class DDPBenchConfig:
     """
 
     models: list[str] = dataclasses.field(default_factory=lambda: list(MODELS))
-    reductions: list[str] = dataclasses.field(default_factory=lambda: list(REDUCTIONS))
+    reductions: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_REDUCTIONS))
     rates: list[str] = dataclasses.field(default_factory=lambda: ["0.1gbit", "1gbit", "10gbit"])
     nodes: int = 2
     ranks_per_node: int = 1
@@ -480,7 +496,7 @@ class _Runner:
 
         torch.manual_seed(1234)  # same initial weights on every rank, every reduction
         self.reduction = reduction
-        if reduction.startswith("backend-"):
+        if _own_group(reduction):
             group = _backend_group(reduction, group)
         self.module = spec.build()
         self.params = sum(p.numel() for p in self.module.parameters())
@@ -512,7 +528,7 @@ class _Runner:
         from xcomm import hooks as xhooks
 
         m = self.model
-        if reduction == "none":
+        if reduction in ("none", "unchecked"):
             return None
         if reduction.startswith("backend-"):
             return group._get_backend(torch.device("cpu"))  # its compression_stats count
@@ -573,7 +589,7 @@ class _Runner:
         return 0.0
 
     def _per_step_formula(self) -> float:
-        if self.reduction == "none":
+        if self.reduction in ("none", "unchecked"):
             return _allreduce_bytes(self.grad_bytes, self.world)
         if self.reduction == "torch-fp16":
             return _allreduce_bytes(self.grad_bytes / 2, self.world)

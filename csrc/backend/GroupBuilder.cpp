@@ -9,6 +9,7 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/CheckedCpuBackend.hpp"
 #include "backend/GroupPlan.hpp"
 #include "backend/ShmCpuBackend.hpp"
 #include "transport/HostIdentity.hpp"
@@ -156,7 +157,19 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     config.leaderCompression = plan.leaderCompression;
   }
   XcommBackend::InnerBackends inner;
-  const BackendPtr gloo = make("xcomm/gloo");
+  BackendPtr gloo = make("xcomm/gloo");
+  // Checked before the shared-memory attempt in a hierarchical group (its
+  // Gloo ops span hosts), after it otherwise (a failed single-host attempt
+  // leaves a plain group, which needs it): every rank builds it at the same point.
+  bool isChecked = false;
+  auto checked = [&] {
+    if (isChecked) return;
+    isChecked = true;
+    if (auto checks = make("xcomm/gloo-check")) {
+      gloo = c10::make_intrusive<CheckedCpuBackend>(gloo, checks, timeout);
+    }
+  };
+  if (plan.shape == GroupShape::kHierarchical) checked();
   if (plan.usesShm()) {
     std::string whyNot;
     c10::intrusive_ptr<ShmCpuBackend> shm;
@@ -179,6 +192,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
       plan = plan.fallbackToPlain(whyNot);
     }
   }
+  if (plan.shape == GroupShape::kPlain) checked();
   inner.cpu = inner.shm ? BackendPtr(inner.shm) : gloo;
   inner.cpuCompressed = make("xcomm/gloo-int8");
   BackendPtr fusionControl = make("xcomm/gloo-fusion");

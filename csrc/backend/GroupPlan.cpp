@@ -54,6 +54,7 @@ GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std:
   plan.localRank = rank;
   plan.localSize = size;
   plan.backendCompression = options.compression;
+  plan.checkCollectives = options.checkCollectives;
   plan.fusionThresholdBytes = options.fusionThresholdBytes;
   plan.fusionCycle =
       options.fusionThresholdBytes > 0 ? options.fusionCycle() : std::chrono::microseconds{0};
@@ -123,6 +124,13 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
   std::vector<AuxGroup> groups;
   groups.push_back({"xcomm/gloo", "the CPU transport: every op the shape does not run itself", true,
                     rank, size});
+  if (checksCollectives()) {
+    groups.push_back({"xcomm/gloo-check",
+                      "checks that every rank calls the same collective (op, dtype, reduce op, "
+                      "root, sizes) before Gloo runs it: Gloo aborts, hangs or returns a wrong "
+                      "result otherwise",
+                      true, rank, size});
+  }
   if (shape == GroupShape::kHierarchical) {
     groups.push_back({"xcomm/leaders", "the hierarchical allreduce's step between hosts",
                       localRank == 0, localRank == 0 ? host : -1, hosts});
@@ -165,6 +173,12 @@ std::string GroupPlan::describe() const {
                                     : std::string("on demand"))
         << "\n";
   }
+  out << "collective checks: "
+      << (checksCollectives() ? "on (before each Gloo op)"
+          : shape == GroupShape::kSingleHostShm
+              ? "over shared memory"
+              : (size < 2 ? "off (one rank)" : "off (Options(check_collectives=False))"))
+      << "\n";
   for (const auto& g : auxGroups()) {
     out << "group " << g.name << (g.member ? "" : " (not a member)") << ": " << g.why << "\n";
   }

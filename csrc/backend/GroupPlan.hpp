@@ -55,6 +55,9 @@ struct GroupPlan {
   // a hierarchical allreduce; at most one of them is not kNone.
   CompressionConfig backendCompression;
   CompressionConfig leaderCompression;
+  // Options(check_collectives): every collective Gloo runs for this group
+  // first checks that all ranks called the same one (CheckedCpuBackend).
+  bool checkCollectives = true;
   int64_t fusionThresholdBytes = 0;
   std::chrono::microseconds fusionCycle{0};
 
@@ -75,6 +78,11 @@ struct GroupPlan {
     const bool autoOnOneHost =
         backendCompression.method == Compression::kAuto && shape == GroupShape::kSingleHostShm;
     return autoOnOneHost ? Compression::kNone : backendCompression.method;
+  }
+  // Whether Gloo's ops are checked by CheckedCpuBackend: groups of two or
+  // more ranks whose ops do not all pass shared memory's own agreement.
+  bool checksCollectives() const {
+    return checkCollectives && size > 1 && shape != GroupShape::kSingleHostShm;
   }
   bool isLeader() const { return shape == GroupShape::kHierarchical && localRank == 0; }
   // Every auxiliary group this plan needs, members or not.

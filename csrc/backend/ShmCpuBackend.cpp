@@ -20,16 +20,6 @@ std::vector<at::Tensor> piecesPerRank(const at::Tensor& whole, const at::Tensor&
   return pieces;
 }
 
-// Gloo's reduce_scatter works have no future; xcomm's behave the same so
-// that code moving between the two sees the same API.
-class FuturelessWork : public FutureWork {
- public:
-  using FutureWork::FutureWork;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    TORCH_CHECK(false, "Work::getFuture not implemented.");
-  }
-};
-
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> flat;
   for (const auto& list : lists) flat.insert(flat.end(), list.begin(), list.end());

@@ -21,6 +21,10 @@ struct XcommOptions : c10d::Backend::Options {
   // CPU collectives over shared memory where the group's shape allows it
   // (GroupPlan); the environment's XCOMM_SHM=0 also turns it off.
   bool shm = true;
+  // Check before each collective Gloo runs (groups without shared memory)
+  // that every rank called the same one; a mismatch is a ValueError on
+  // every rank instead of Gloo's abort, hang or wrong result.
+  bool checkCollectives = true;
   // Fusion of small async CPU allreduces up to this many bytes; 0: off.
   int64_t fusionThresholdBytes = 0;
   // With fusion on, a background cycle sends held ops at most this late; 0: on demand.

@@ -93,4 +93,14 @@ class FutureWork : public c10d::Work {
   int sourceRank_ = -1;
 };
 
+// Gloo's reduce_scatter works have no future; xcomm's behave the same so
+// that code moving between the two sees the same API.
+class FuturelessWork : public FutureWork {
+ public:
+  using FutureWork::FutureWork;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    TORCH_CHECK(false, "Work::getFuture not implemented.");
+  }
+};
+
 }  // namespace xcomm

@@ -38,7 +38,7 @@ double numberField(const py::handle& value, const char* name) {
 c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
     const py::object& timeout, const py::object& compression, const py::object& minBytes,
     const py::object& chunkElems, const py::object& shm, const py::object& fusionBytes,
-    const py::object& cycleMs) {
+    const py::object& cycleMs, const py::object& checkCollectives) {
   auto options = xcomm::XcommOptions::create();
   if (!timeout.is_none()) {
     auto timedelta = py::module_::import("datetime").attr("timedelta");
@@ -69,6 +69,11 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
     throw py::type_error("xcomm.Options: shm must be a bool, got " + typeName(shm));
   }
   options->shm = shm.cast<bool>();
+  if (!PyBool_Check(checkCollectives.ptr())) {
+    throw py::type_error("xcomm.Options: check_collectives must be a bool, got " +
+                         typeName(checkCollectives));
+  }
+  options->checkCollectives = checkCollectives.cast<bool>();
   options->fusionThresholdBytes = intField(fusionBytes, "fusion_threshold_bytes");
   options->fusionCycleMs = numberField(cycleMs, "fusion_cycle_ms");
   options->validate();
@@ -89,6 +94,7 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
   d["leader_compression"] = xcomm::compressionName(plan.leaderCompression.method);
   d["fusion_threshold_bytes"] = plan.fusionThresholdBytes;
   d["fusion_cycle_ms"] = plan.fusionCycle.count() / 1000.0;
+  d["checks_collectives"] = plan.checksCollectives();
   py::list groups;
   for (const auto& g : plan.auxGroups()) {
     py::dict entry;
@@ -117,6 +123,7 @@ void bindGroup(py::module_& m) {
            py::arg("shm") = defaults.shm,
            py::arg("fusion_threshold_bytes") = defaults.fusionThresholdBytes,
            py::arg("fusion_cycle_ms") = defaults.fusionCycleMs,
+           py::arg("check_collectives") = defaults.checkCollectives,
            "The C++ options of a group, checked (TypeError/ValueError naming the option). "
            "Users pass xcomm.Options, which converts to this.")
       .def_property_readonly("timeout", [](const xcomm::XcommOptions& o) { return o.timeout; })
@@ -131,7 +138,8 @@ void bindGroup(py::module_& m) {
           [](const xcomm::XcommOptions& o) { return o.compression.int8ChunkElems; })
       .def_readonly("shm", &xcomm::XcommOptions::shm)
       .def_readonly("fusion_threshold_bytes", &xcomm::XcommOptions::fusionThresholdBytes)
-      .def_readonly("fusion_cycle_ms", &xcomm::XcommOptions::fusionCycleMs);
+      .def_readonly("fusion_cycle_ms", &xcomm::XcommOptions::fusionCycleMs)
+      .def_readonly("check_collectives", &xcomm::XcommOptions::checkCollectives);
 
   m.def(
       "build_group",

@@ -81,6 +81,20 @@ class Options:
             fills, another op is issued, or ``wait()`` is called;
             ``get_future()`` and ``is_completed()`` do not hurry them. 0
             (default): no cycle, held ops leave only at those points.
+        check_collectives: In a group whose CPU collectives run on Gloo
+            (ranks on different hosts, or ``shm=False``), first check that
+            every rank called the same collective: each op exchanges a
+            small descriptor (op, dtype, reduce op, root, bytes; an
+            all-to-all's per-pair sizes) with every other rank, point to
+            point over a Gloo group of its own, from a worker thread, so the
+            caller never waits on it; a rank that skips the op fails the
+            others' check at the timeout, named. A mismatch is
+            the same ``ValueError`` on every rank, naming both calls, and
+            the group stays usable; plain Gloo aborts the process, waits
+            for the timeout, or returns a wrong result instead. It costs one
+            small round trip per op (see docs/benchmarks.md). Groups on one
+            host check over shared memory whatever this says. ``True``
+            (default).
 
     Example::
 
@@ -100,6 +114,7 @@ class Options:
     shm: bool = _DEFAULTS.shm
     fusion_threshold_bytes: int = _DEFAULTS.fusion_threshold_bytes
     fusion_cycle_ms: float = _DEFAULTS.fusion_cycle_ms
+    check_collectives: bool = _DEFAULTS.check_collectives
 
     def __post_init__(self) -> None:
         self.to_cpp()  # checks every field (TypeError/ValueError naming it)
@@ -120,4 +135,5 @@ class Options:
             shm=self.shm,
             fusion_threshold_bytes=self.fusion_threshold_bytes,
             fusion_cycle_ms=self.fusion_cycle_ms,
+            check_collectives=self.check_collectives,
         )

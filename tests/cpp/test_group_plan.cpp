@@ -69,7 +69,9 @@ TEST_CASE("hosts with several ranks: hierarchical, only the leaders' step compre
     CHECK(plan.backendCompression.method == Compression::kNone);
     CHECK(plan.leaderCompression.method == Compression::kInt8);
     // int8 runs on the leaders' group, not on a group of its own.
-    CHECK(auxNames(plan) == std::vector<std::string>{"xcomm/gloo", "xcomm/leaders"});
+    // Its Gloo ops span hosts: checked over a group of their own.
+    CHECK(auxNames(plan) ==
+          std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check", "xcomm/leaders"});
     const auto& leaders = aux(plan, "xcomm/leaders");
     CHECK(leaders.member == (expectLocal[rank] == 0));
     CHECK(leaders.size == 3);
@@ -88,7 +90,8 @@ TEST_CASE("a shared-memory failure falls back to plain and moves compression to 
   CHECK(fallback.backendCompression.method == Compression::kInt8);
   CHECK(fallback.leaderCompression.method == Compression::kNone);
   CHECK(fallback.localRank == 3);
-  CHECK(auxNames(fallback) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-int8"});
+  CHECK(auxNames(fallback) ==
+        std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check", "xcomm/gloo-int8"});
 }
 
 TEST_CASE("plain groups: one rank per host, shm off by option or environment, one rank", "[plan]") {
@@ -107,6 +110,22 @@ TEST_CASE("plain groups: one rank per host, shm off by option or environment, on
   auto byOption = GroupPlan::decide(0, 2, {}, options, ShmSwitches{});
   CHECK(byOption.shape == GroupShape::kPlain);
   CHECK_THAT(byOption.why, Contains("shm=False"));
+}
+
+TEST_CASE("collectives Gloo runs are checked unless one host's shared memory checks them",
+          "[plan]") {
+  XcommOptions options;
+  auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
+  CHECK(twoHosts.checksCollectives());
+  CHECK(auxNames(twoHosts) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check"});
+  CHECK_THAT(twoHosts.describe(), Contains("collective checks: on"));
+  CHECK_FALSE(GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{}).checksCollectives());
+  CHECK_FALSE(GroupPlan::decide(0, 1, {}, options, ShmSwitches{}).checksCollectives());
+  options.checkCollectives = false;
+  auto off = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
+  CHECK_FALSE(off.checksCollectives());
+  CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo"});
+  CHECK_THAT(off.describe(), Contains("check_collectives=False"));
 }
 
 TEST_CASE("fusion gets its own control group, on demand or with a cycle", "[plan]") {

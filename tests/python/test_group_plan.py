@@ -75,7 +75,10 @@ def test_plan_follows_host_identities(tags: list[str], shape: str) -> None:
         cycle = r["cycle"]
         assert cycle["shape"] == "plain" and "shm=False" in cycle["why"]
         assert cycle["fusion_cycle_ms"] == 1.0
-        assert set(_groups(cycle)) == {"xcomm/gloo", "xcomm/gloo-fusion"}
+        assert set(_groups(cycle)) == {"xcomm/gloo", "xcomm/gloo-check", "xcomm/gloo-fusion"}
+        assert cycle["checks_collectives"] and plan["checks_collectives"] == (
+            shape != "single-host shared memory"
+        )
     # Every rank agrees on everything but its own coordinates.
     common = [
         {
@@ -99,6 +102,9 @@ def test_options_defaults_and_checks_come_from_cpp() -> None:
         xcomm.Options(fusion_threshold_bytes=True)
     with pytest.raises(TypeError, match="shm must be a bool"):
         xcomm.Options(shm=1)
+    assert opts.check_collectives is cpp.check_collectives is True
+    with pytest.raises(TypeError, match="check_collectives must be a bool"):
+        xcomm.Options(check_collectives="yes")
     with pytest.raises(ValueError, match="timeout must be positive"):
         xcomm.Options(timeout=datetime.timedelta(0))
 

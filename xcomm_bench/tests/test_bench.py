@@ -100,6 +100,17 @@ def test_backend_spec() -> None:
     assert BackendSpec.parse("xcomm:cuda").label == "xcomm:cuda"
     with pytest.raises(ValueError):
         BackendSpec.parse("gloo:tpu")
+    # Variants are Options settings of xcomm's group, kept in the label.
+    spec = BackendSpec.parse("xcomm+noshm+unchecked")
+    assert spec == BackendSpec("xcomm", "cpu", ("noshm", "unchecked"))
+    assert spec.label == "xcomm+noshm+unchecked"
+    options = spec.pg_options()
+    assert options.shm is False and options.check_collectives is False
+    assert BackendSpec.parse("xcomm").pg_options() is None
+    with pytest.raises(ValueError, match="unknown variant"):
+        BackendSpec.parse("xcomm+fast")
+    with pytest.raises(ValueError, match="only xcomm"):
+        BackendSpec.parse("gloo+noshm")
 
 
 def test_config_argv_round_trip() -> None:
@@ -410,6 +421,7 @@ def test_ddp_smoke_runs_every_reduction_and_counts_bytes(tmp_path: Path) -> None
 
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "xcomm_bench", "ddp", "--smoke", "--models", "mlp"]
+    cmd += ["--reductions", ",".join(REDUCTIONS)]  # unchecked is not a default one
     cmd += ["--out", str(out), "--no-progress", "--timeout", "120"]
     # Both ranks are on one host, where xcomm would take its shared-memory
     # path; torch's powerSGD_hook times out on it (its compressed step, found
@@ -428,6 +440,7 @@ def test_ddp_smoke_runs_every_reduction_and_counts_bytes(tmp_path: Path) -> None
     b = {k: float(r["bytes_per_step"]) for k, r in rows.items()}
     params = int(rows["none"]["params"])
     assert b["none"] == pytest.approx(4 * params)  # ring allreduce, 2 ranks: 2 (n-1)/n = 1
+    assert b["unchecked"] == pytest.approx(b["none"])  # descriptors are not gradient bytes
     assert b["fp16"] == pytest.approx(b["none"] / 2)
     assert b["torch-fp16"] == pytest.approx(b["none"] / 2)
     assert b["powersgd"] == pytest.approx(b["torch-powersgd"])

@@ -1,0 +1,526 @@
+#include "backend/CheckedCpuBackend.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "collectives/ReduceKernels.hpp"
+
+namespace xcomm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+// Point-to-point tags of the checks group: one per kind of row.
+constexpr int kDescriptorTag = 1;
+constexpr int kPairsTag = 2;
+// Up to this many ranks, descriptor rows also carry an all-to-all's per-pair
+// sizes (2 x ranks int64s): one exchange instead of two.
+constexpr int kInlinePairsMaxRanks = 16;
+
+std::vector<int64_t> row(const CheckedCpuBackend::Call& c) {
+  return {static_cast<int64_t>(c.type),
+          static_cast<int64_t>(c.dtype),
+          c.redOp,
+          c.root,
+          c.bytes,
+          c.tensors};
+}
+
+// The name torch.distributed gives each op (c10d's OpType has one COALESCED
+// for several, and upper-case names users never type).
+const char* nameOf(c10d::OpType type, int64_t redOp) {
+  switch (type) {
+    case c10d::OpType::BROADCAST:
+      return "broadcast";
+    case c10d::OpType::ALLREDUCE:
+      return "all_reduce";
+    case c10d::OpType::ALLREDUCE_COALESCED:
+      return "all_reduce_coalesced";
+    case c10d::OpType::REDUCE:
+      return "reduce";
+    case c10d::OpType::ALLGATHER:
+      return "all_gather";
+    case c10d::OpType::_ALLGATHER_BASE:
+      return "all_gather_into_tensor";
+    case c10d::OpType::ALLGATHER_COALESCED:
+      return "all_gather_coalesced";
+    case c10d::OpType::GATHER:
+      return "gather";
+    case c10d::OpType::SCATTER:
+      return "scatter";
+    case c10d::OpType::REDUCE_SCATTER:
+      return "reduce_scatter";
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+      return "reduce_scatter_tensor";
+    case c10d::OpType::ALLTOALL_BASE:
+      return "all_to_all_single";
+    case c10d::OpType::ALLTOALL:
+      return "all_to_all";
+    case c10d::OpType::BARRIER:
+      return "barrier";
+    case c10d::OpType::COALESCED:
+      return redOp >= 0 ? "reduce_scatter_tensor_coalesced" : "all_gather_into_tensor_coalesced";
+    default:
+      return "an unknown op";
+  }
+}
+
+// "all_reduce(SUM, Float, 400 bytes)" and the like.
+std::string render(const std::vector<int64_t>& r) {
+  const auto type = static_cast<c10d::OpType>(r[0]);
+  const auto dtype = static_cast<at::ScalarType>(r[1]);
+  std::ostringstream out;
+  out << nameOf(type, r[2]) << "(";
+  if (type == c10d::OpType::BARRIER) return out.str() + ")";
+  if (type == c10d::OpType::ALLTOALL_BASE || type == c10d::OpType::ALLTOALL) {
+    return out.str() + c10::toString(dtype) + ")";  // sizes are checked pair by pair
+  }
+  if (r[2] >= 0) out << reduceOpName(static_cast<c10d::ReduceOp::RedOpType>(r[2])) << ", ";
+  if (r[3] >= 0) out << "root=" << r[3] << ", ";
+  if (dtype != at::ScalarType::Undefined) out << c10::toString(dtype) << ", ";
+  if (r[5] > 1) out << r[5] << " tensors, ";
+  out << r[4] << " bytes)";
+  return out.str();
+}
+
+int64_t denseBytes(const std::vector<at::Tensor>& ts) {
+  int64_t bytes = 0;
+  for (const auto& t : ts) {
+    if (t.layout() == at::kStrided) bytes += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return bytes;
+}
+
+CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
+                               int64_t redOp = -1, int64_t root = -1) {
+  CheckedCpuBackend::Call c;
+  c.type = type;
+  c.dtype = ts.empty() ? at::ScalarType::Undefined : ts[0].scalar_type();
+  c.redOp = redOp;
+  c.root = root;
+  c.bytes = denseBytes(ts);
+  c.tensors = static_cast<int64_t>(ts.size());
+  return c;
+}
+
+std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> flat;
+  for (const auto& list : lists) flat.insert(flat.end(), list.begin(), list.end());
+  return flat;
+}
+
+// Bytes of each of `size` pieces of `t` along dim 0 (`splits` empty: even).
+std::vector<int64_t> pieceBytes(const at::Tensor& t, const std::vector<int64_t>& splits, int size) {
+  const int64_t rowBytes = t.dim() == 0 || t.size(0) == 0
+                               ? 0
+                               : t.numel() * static_cast<int64_t>(t.element_size()) / t.size(0);
+  std::vector<int64_t> bytes(size);
+  for (int r = 0; r < size; ++r) {
+    bytes[r] = splits.empty() ? t.numel() * static_cast<int64_t>(t.element_size()) / size
+                              : splits[r] * rowBytes;
+  }
+  return bytes;
+}
+
+// An error's message, without the C++ stack c10 appends to what().
+std::string messageOf(const std::exception& e) {
+  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&e)) {
+    return c10Error->what_without_backtrace();
+  }
+  return e.what();
+}
+
+// Twice the op's timeout and a second: past the inner backend's own limit.
+std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
+  return 2 * timeout + std::chrono::seconds(1);
+}
+
+}  // namespace
+
+CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
+                                     c10::intrusive_ptr<c10d::Backend> checks,
+                                     std::chrono::milliseconds timeout)
+    : Backend(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
+      inner_(std::move(inner)),
+      checks_(std::move(checks)),
+      timeoutMs_(timeout.count()) {
+  TORCH_CHECK(inner_ && checks_,
+              "xcomm: the checked CPU backend needs an inner and a checks backend");
+  TORCH_CHECK(checks_->getRank() == rank_ && checks_->getSize() == size_,
+              "xcomm: the checks backend's rank/size differ from the group's");
+}
+
+CheckedCpuBackend::~CheckedCpuBackend() = default;
+
+void CheckedCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
+  timeoutMs_ = timeout.count();
+  inner_->setTimeout(timeout);
+  checks_->setTimeout(timeout);
+}
+
+void CheckedCpuBackend::shutdown() {
+  queue_.shutdown();
+  inner_->shutdown();
+  checks_->shutdown();
+}
+
+void CheckedCpuBackend::abort() {
+  // The worker may be waiting in a check: the checks group's abort ends it.
+  checks_->abort();
+  inner_->abort();
+  queue_.shutdown();
+}
+
+std::chrono::milliseconds CheckedCpuBackend::limit(std::chrono::milliseconds timeout) const {
+  return timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
+}
+
+std::vector<std::vector<int64_t>> CheckedCpuBackend::exchange(const char* title,
+                                                              const std::vector<int64_t>& mine,
+                                                              int tag,
+                                                              std::chrono::milliseconds timeout) {
+  // Point-to-point, every rank to every rank: Gloo posts sends and receives
+  // on the calling thread, where its collectives hop through its worker
+  // threads and cost several times more for a few bytes. Only this worker
+  // uses the checks group, and rows of one kind (one tag) always have the
+  // same length, so messages can never be matched with the wrong receive.
+  const auto n = static_cast<int64_t>(mine.size());
+  std::vector<at::Tensor> rows(size_);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<int> peers;  // of each work
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) {
+      rows[r] = at::tensor(mine, at::kLong);
+      continue;
+    }
+    rows[r] = at::empty({n}, at::kLong);
+    std::vector<at::Tensor> in{rows[r]};
+    works.push_back(checks_->recv(in, r, tag));
+    peers.push_back(r);
+  }
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    std::vector<at::Tensor> out{rows[rank_]};
+    works.push_back(checks_->send(out, r, tag));
+    peers.push_back(r);
+  }
+  // Gloo's point-to-point waits take their limit from wait(): together
+  // they end at `timeout`.
+  const auto deadline = Clock::now() + timeout;
+  for (size_t i = 0; i < works.size(); ++i) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    try {
+      works[i]->wait(std::max(left, std::chrono::milliseconds(1)));
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(DistBackendError,
+                      c10::str("xcomm.", title, ": rank ", peers[i], " did not take part within ",
+                               timeout.count(),
+                               " ms in checking that every rank called the same collective (it "
+                               "died, hangs, or skipped this collective): ",
+                               messageOf(e)));
+    }
+  }
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& t : rows) {
+    const auto* p = t.data_ptr<int64_t>();
+    out.emplace_back(p, p + n);
+  }
+  return out;
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(const char* title, Call call,
+                                                         std::vector<int64_t> pairs,
+                                                         std::vector<at::Tensor> outputs,
+                                                         std::chrono::milliseconds timeout,
+                                                         bool withFuture, Issue issue) {
+  c10::intrusive_ptr<FutureWork> work;
+  c10::IValue result(std::move(outputs));
+  if (withFuture) {
+    work = c10::make_intrusive<FutureWork>(rank_, call.type, nullptr, std::move(result),
+                                           tensorListType());
+  } else {
+    work = c10::make_intrusive<FuturelessWork>(rank_, call.type, nullptr, std::move(result),
+                                               tensorListType());
+  }
+  const auto wait = limit(timeout);
+  seq_++;
+  queue_.push([this, work, title, call, pairs = std::move(pairs), wait, issue = std::move(issue)] {
+    try {
+      // In a small group every row has room for an all-to-all's sizes, so
+      // one exchange checks it; rows of other ops carry zeros there.
+      const bool inlinePairs = size_ <= kInlinePairsMaxRanks;
+      auto mine = row(call);
+      const auto fields = static_cast<std::ptrdiff_t>(mine.size());
+      if (inlinePairs) {
+        mine.resize(mine.size() + 2 * size_, 0);
+        std::copy(pairs.begin(), pairs.end(), mine.begin() + fields);
+      }
+      const auto rows = exchange(title, mine, kDescriptorTag, wait);
+      auto descriptor = [&](int r) {
+        return std::vector<int64_t>(rows[r].begin(), rows[r].begin() + fields);
+      };
+      for (int r = 1; r < size_; ++r) {
+        TORCH_CHECK_VALUE(descriptor(r) == descriptor(0), "xcomm.", title,
+                          ": the ranks called different collectives (rank 0: ",
+                          render(descriptor(0)), "; rank ", r, ": ", render(descriptor(r)),
+                          "); every rank must issue the same collectives, with the same root, "
+                          "sizes, dtype and reduce op, in the same order");
+      }
+      if (!pairs.empty()) {
+        std::vector<std::vector<int64_t>> sizes;
+        if (inlinePairs) {
+          for (const auto& r : rows) sizes.emplace_back(r.begin() + fields, r.end());
+        } else {
+          sizes = exchange(title, pairs, kPairsTag, wait);
+        }
+        for (int s = 0; s < size_; ++s) {
+          for (int d = 0; d < size_; ++d) {
+            const int64_t sent = sizes[s][d];
+            const int64_t expected = sizes[d][size_ + s];
+            TORCH_CHECK_VALUE(sent == expected, "xcomm.", title, ": rank ", s, " sends ", sent,
+                              " bytes to rank ", d, ", but rank ", d, " expects ", expected,
+                              " bytes from rank ", s,
+                              "; each rank's input split for a peer must equal that peer's "
+                              "output split for it");
+          }
+        }
+      }
+      auto inner = issue();
+      if (!inner) {  // a synchronous op that already ran
+        work->markSucceeded();
+        return;
+      }
+      c10::intrusive_ptr<c10::ivalue::Future> done;
+      try {
+        done = inner->getFuture();
+      } catch (const c10::Error&) {
+        // Gloo's reduce-scatters have no future: wait here (their own timeout bounds it).
+      }
+      if (!done) {
+        inner->wait(backstop(wait));
+        work->markSucceeded();
+        return;
+      }
+      // Completes on the inner backend's thread, as the inner work's own
+      // future would: the worker moves on to the next op's check.
+      done->addCallback([work](c10::ivalue::Future& f) {
+        if (f.hasError()) {
+          work->markFailed(f.exception_ptr());
+        } else {
+          work->markSucceeded();
+        }
+      });
+    } catch (...) {
+      work->markFailed(std::current_exception());
+    }
+  });
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                            const c10d::BroadcastOptions& opts) {
+  const auto call = callOf(c10d::OpType::BROADCAST, tensors, -1,
+                           opts.rootRank * static_cast<int64_t>(tensors.size()) + opts.rootTensor);
+  return submit("broadcast", call, {}, tensors, opts.timeout, true,
+                [this, tensors, opts]() mutable { return inner_->broadcast(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                            const c10d::AllreduceOptions& opts) {
+  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp.op_);
+  return submit("all_reduce", call, {}, tensors, opts.timeout, true,
+                [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const auto call = callOf(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp.op_);
+  return submit(
+      "all_reduce_coalesced", call, {}, tensors, opts.timeout, true,
+      [this, tensors, opts]() mutable { return inner_->allreduce_coalesced(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                         const c10d::ReduceOptions& opts) {
+  const auto call = callOf(c10d::OpType::REDUCE, tensors, opts.reduceOp.op_, opts.rootRank);
+  return submit("reduce", call, {}, tensors, opts.timeout, true,
+                [this, tensors, opts]() mutable { return inner_->reduce(tensors, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const auto call = callOf(c10d::OpType::ALLGATHER, inputs);
+  return submit(
+      "all_gather", call, {}, flatten(outputs), opts.timeout, true,
+      [this, outputs, inputs, opts]() mutable { return inner_->allgather(outputs, inputs, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_allgather_base(
+    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  const auto call = callOf(c10d::OpType::_ALLGATHER_BASE, {input});
+  return submit("all_gather_into_tensor", call, {}, {output}, opts.timeout, true,
+                [this, output, input, opts]() mutable {
+                  return inner_->_allgather_base(output, input, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const auto call = callOf(c10d::OpType::COALESCED, inputs);
+  return submit("all_gather_into_tensor_coalesced", call, {}, outputs, opts.timeout, true,
+                [this, outputs, inputs, opts]() mutable {
+                  return inner_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const auto call = callOf(c10d::OpType::ALLGATHER_COALESCED, inputs);
+  return submit("all_gather_coalesced", call, {}, flatten(outputs), opts.timeout, true,
+                [this, outputs, inputs, opts]() mutable {
+                  return inner_->allgather_coalesced(outputs, inputs, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const auto call = callOf(c10d::OpType::GATHER, inputs, -1, opts.rootRank);
+  return submit(
+      "gather", call, {}, flatten(outputs), opts.timeout, true,
+      [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const auto call = callOf(c10d::OpType::SCATTER, outputs, -1, opts.rootRank);
+  return submit(
+      "scatter", call, {}, outputs, opts.timeout, true,
+      [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp.op_);
+  return submit("reduce_scatter", call, {}, outputs, opts.timeout, false,
+                [this, outputs, inputs, opts]() mutable {
+                  return inner_->reduce_scatter(outputs, inputs, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  const auto call = callOf(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.reduceOp.op_);
+  return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, false,
+                [this, output, input, opts]() mutable {
+                  return inner_->_reduce_scatter_base(output, input, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto call = callOf(c10d::OpType::COALESCED, outputs, opts.reduceOp.op_);
+  return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, false,
+                [this, outputs, inputs, opts]() mutable {
+                  return inner_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall_base(at::Tensor& output,
+                                                                at::Tensor& input,
+                                                                std::vector<int64_t>& outputSplits,
+                                                                std::vector<int64_t>& inputSplits,
+                                                                const c10d::AllToAllOptions& opts) {
+  // Sizes may differ between ranks: only op and dtype in the descriptor,
+  // then every pair's sizes.
+  Call call;
+  call.type = c10d::OpType::ALLTOALL_BASE;
+  call.dtype = input.scalar_type();
+  auto pairs = pieceBytes(input, inputSplits, size_);
+  const auto in = pieceBytes(output, outputSplits, size_);
+  pairs.insert(pairs.end(), in.begin(), in.end());
+  return submit("all_to_all_single", call, std::move(pairs), {output}, opts.timeout, true,
+                [this, output, input, outputSplits, inputSplits, opts]() mutable {
+                  return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::AllToAllOptions& opts) {
+  Call call;
+  call.type = c10d::OpType::ALLTOALL;
+  call.dtype = inputs.empty() ? at::ScalarType::Undefined : inputs[0].scalar_type();
+  std::vector<int64_t> pairs;
+  if (static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_) {
+    for (const auto& t : inputs) pairs.push_back(denseBytes({t}));
+    for (const auto& t : outputs) pairs.push_back(denseBytes({t}));
+  } else {
+    call.tensors = static_cast<int64_t>(inputs.size());  // Gloo raises on the list's length
+  }
+  return submit(
+      "all_to_all", call, std::move(pairs), outputs, opts.timeout, true,
+      [this, outputs, inputs, opts]() mutable { return inner_->alltoall(outputs, inputs, opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::barrier(const c10d::BarrierOptions& opts) {
+  Call call;
+  call.type = c10d::OpType::BARRIER;
+  return submit("barrier", call, {}, {}, opts.timeout, true,
+                [this, opts]() mutable { return inner_->barrier(opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::send(std::vector<at::Tensor>& tensors,
+                                                       int dstRank, int tag) {
+  seq_++;
+  return inner_->send(tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::recv(std::vector<at::Tensor>& tensors,
+                                                       int srcRank, int tag) {
+  seq_++;
+  return inner_->recv(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                                int tag) {
+  seq_++;
+  return inner_->recvAnysource(tensors, tag);
+}
+
+void CheckedCpuBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  // Runs on the worker, after every op queued before it was issued; its
+  // error (the ranks that did not arrive) is rethrown here.
+  auto work =
+      c10::make_intrusive<FutureWork>(rank_, c10d::OpType::BARRIER, nullptr,
+                                      c10::IValue(std::vector<at::Tensor>{}), tensorListType());
+  queue_.push([this, work, opts, waitAllRanks] {
+    try {
+      inner_->monitoredBarrier(opts, waitAllRanks);
+      work->markSucceeded();
+    } catch (...) {
+      work->markFailed(std::current_exception());
+    }
+  });
+  work->wait();
+}
+
+void CheckedCpuBackend::setSequenceNumberForGroup() {
+  inner_->setSequenceNumberForGroup();
+  seq_ = 0;
+}
+
+uint64_t CheckedCpuBackend::getSequenceNumberForGroup() {
+  return seq_.load();
+}
+
+}  // namespace xcomm

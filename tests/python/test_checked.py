@@ -1,0 +1,232 @@
+"""Collectives on groups whose CPU ops run on Gloo check rank agreement.
+
+Ranks on different hosts, or ``Options(shm=False)``: every collective first
+exchanges a descriptor (op, dtype, reduce op, root, bytes; an all-to-all's
+per-pair sizes) over a Gloo group of its own (``CheckedCpuBackend``). The
+reference is what plain gloo does with the same calls, seen with a 2-rank
+script at this stop: different sizes or dtypes abort the receiving process
+(``gloo::EnforceNotMet``), different reduce ops return a wrong sum on both
+ranks (SUM on one, MAX on the other: ``[5, 5, 3, 3]``), different ops or
+roots wait for the timeout. Here each is the same ``ValueError`` on every
+rank, at once, and the group stays usable.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import RankContext, run_ranks
+
+pytestmark = pytest.mark.xcomm_specific
+
+
+def _attempt(call: Callable[[], object]) -> str | None:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _group(ctx: RankContext, hosts: int, check: bool = True) -> dist.ProcessGroup:
+    import xcomm
+
+    if hosts > 1:  # logical hosts: ranks {0, 1} on one, {2, 3} on the other
+        os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank * hosts // ctx.world_size}"
+        options = xcomm.Options(check_collectives=check)
+    else:
+        options = xcomm.Options(shm=False, check_collectives=check)
+    return dist.new_group(backend="xcomm", pg_options=options)
+
+
+def _rank_mismatch(ctx: RankContext, hosts: int) -> dict[str, Any]:
+    import xcomm
+
+    group = _group(ctx, hosts)
+    plan = xcomm.group_plan(group)
+    rank, ws = ctx.rank, ctx.world_size
+    odd = rank % 2  # in a 4-rank group, ranks 1 and 3 disagree with 0 and 2
+    x = torch.full((6,), float(rank))
+    cases: dict[str, Callable[[], object]] = {
+        "broadcast_root": lambda: dist.broadcast(x, src=odd, group=group),
+        "all_gather_sizes": lambda: dist.all_gather_into_tensor(
+            torch.zeros(ws * (4 + odd)), torch.ones(4 + odd), group=group
+        ),
+        # Rank 0 sends rank 1 three rows; rank 1 expects two.
+        "all_to_all_splits": lambda: dist.all_to_all_single(
+            torch.zeros(3 * ws - odd),
+            torch.ones(3 * ws),
+            [3 - odd] + [3] * (ws - 1),
+            None,
+            group=group,
+        ),
+        "barrier_vs_broadcast": lambda: (
+            dist.barrier(group=group) if odd else dist.broadcast(x, src=0, group=group)
+        ),
+        "gather_root": lambda: dist.gather(
+            x, [torch.zeros(6) for _ in range(ws)] if rank == odd else None, dst=odd, group=group
+        ),
+    }
+    if hosts == 1:  # all_reduce of a hierarchical group runs over shared memory and the leaders
+        cases.update(
+            {
+                "sizes": lambda: dist.all_reduce(torch.ones(4 + 4 * odd), group=group),
+                "reduce_op": lambda: dist.all_reduce(
+                    torch.ones(4), op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM, group=group
+                ),
+                "dtype": lambda: dist.all_reduce(
+                    torch.ones(4, dtype=torch.float64 if odd else torch.float32), group=group
+                ),
+                "all_reduce_vs_broadcast": lambda: (
+                    dist.broadcast(x, src=0, group=group)
+                    if odd
+                    else dist.all_reduce(x, group=group)
+                ),
+            }
+        )
+    out: dict[str, Any] = {"errors": {}, "seconds": {}, "plan": plan}
+    for name, call in cases.items():
+        start = time.monotonic()
+        out["errors"][name] = _attempt(call)
+        out["seconds"][name] = time.monotonic() - start
+        t = torch.ones(7)
+        dist.broadcast(t, src=ws - 1, group=group)  # a Gloo op: the group is still in step
+        s = torch.ones(5)
+        dist.all_reduce(s, group=group)
+        assert t.tolist() == [1.0] * 7 and s.tolist() == [float(ws)] * 5, (name, t, s)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("world_size", "hosts"),
+    [pytest.param(2, 1, id="plain-ws2"), pytest.param(4, 2, id="hierarchical-ws4")],
+)
+def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers(
+    world_size: int, hosts: int
+) -> None:
+    res = run_ranks(_rank_mismatch, world_size, hosts, timeout=180)
+    for r in res:
+        assert r["plan"]["checks_collectives"], r["plan"]
+        assert "xcomm/gloo-check" in [g["name"] for g in r["plan"]["groups"]]
+        for name, error in r["errors"].items():
+            assert error and error.startswith("ValueError"), (name, error)
+            # At once, not at the group's timeout (40 s in the tests).
+            assert r["seconds"][name] < 10, (name, r["seconds"])
+    # Every rank gives the same account of the disagreement.
+    for name in res[0]["errors"]:
+        tails = [r["errors"][name].split(": ", 2)[-1] for r in res]
+        assert all(t == tails[0] for t in tails), (name, tails)
+    errors = res[0]["errors"]
+    assert (
+        "rank 0: broadcast(root=0, Float, 24 bytes); rank 1: broadcast(root=1"
+        in (errors["broadcast_root"])
+    )
+    assert (
+        "all_gather_into_tensor(Float, 16 bytes); rank 1: all_gather_into_tensor(Float, 20"
+        in (errors["all_gather_sizes"])
+    )
+    assert (
+        "rank 0: broadcast(root=0, Float, 24 bytes); rank 1: barrier()"
+        in (errors["barrier_vs_broadcast"])
+    )
+    assert "gather(root=0" in errors["gather_root"] and "gather(root=1" in errors["gather_root"]
+    assert (
+        "rank 0 sends 12 bytes to rank 1, but rank 1 expects 8 bytes from rank 0"
+        in errors["all_to_all_splits"]
+    ), errors["all_to_all_splits"]
+    if hosts == 1:
+        assert (
+            "all_reduce(SUM, Float, 16 bytes); rank 1: all_reduce(SUM, Float, 32"
+            in (errors["sizes"])
+        )
+        assert (
+            "all_reduce(SUM, Float, 16 bytes); rank 1: all_reduce(MAX, Float, 16"
+            in (errors["reduce_op"])
+        )
+        assert "rank 1: all_reduce(SUM, Double, 32 bytes)" in errors["dtype"]
+        assert (
+            "rank 0: all_reduce(SUM, Float, 24 bytes); rank 1: broadcast(root=0"
+            in (errors["all_reduce_vs_broadcast"])
+        )
+
+
+def _rank_async_order(ctx: RankContext, check: bool) -> dict[str, Any]:
+    """Many async ops of mixed kinds in flight at once: each result equals
+    the reference group's, and none waits for the previous to finish."""
+    import xcomm
+
+    group = _group(ctx, 1, check=check)
+    ws = ctx.world_size
+    torch.manual_seed(ctx.rank)
+    tensors, refs, works = [], [], []
+    for i in range(24):
+        n = 1 + 997 * (i % 5)
+        x = torch.randn(n)
+        ref = x.clone()
+        if i % 3 == 0:
+            dist.all_reduce(ref, group=ctx.ref)
+            works.append(dist.all_reduce(x, group=group, async_op=True))
+            tensors.append(x)
+        elif i % 3 == 1:
+            dist.broadcast(ref, src=i % ws, group=ctx.ref)
+            works.append(dist.broadcast(x, src=i % ws, group=group, async_op=True))
+            tensors.append(x)
+        else:
+            ref_out = torch.zeros(n * ws)
+            dist.all_gather_into_tensor(ref_out, x, group=ctx.ref)
+            out = torch.zeros(n * ws)
+            works.append(dist.all_gather_into_tensor(out, x, group=group, async_op=True))
+            tensors.append(out)
+            ref = ref_out
+        refs.append(ref)
+    for w in works:
+        w.wait()
+    dist.monitored_barrier(group=group)
+    return {
+        "same": [torch.equal(t, r) for t, r in zip(tensors, refs, strict=True)],
+        "plan": xcomm.group_plan(group),
+    }
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_async_ops_in_flight_match_gloo(check: bool) -> None:
+    res = run_ranks(_rank_async_order, 2, check)
+    for r in res:
+        assert all(r["same"]), r["same"]
+        assert r["plan"]["checks_collectives"] == check
+        names = [g["name"] for g in r["plan"]["groups"]]
+        assert ("xcomm/gloo-check" in names) == check, names
+
+
+def _rank_missing_peer(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1 skips a collective: rank 0's fails within the timeout, naming it."""
+    import datetime
+
+    import xcomm
+
+    group = dist.new_group(
+        backend="xcomm",
+        pg_options=xcomm.Options(shm=False, timeout=datetime.timedelta(seconds=3)),
+    )
+    out: dict[str, Any] = {}
+    if ctx.rank == 0:
+        start = time.monotonic()
+        out["error"] = _attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
+        out["seconds"] = time.monotonic() - start
+    dist.barrier(group=ctx.ref)  # rank 1 waits here until rank 0 has given up
+    return out
+
+
+def test_a_peer_that_skips_a_collective_is_an_error_within_the_timeout() -> None:
+    res = run_ranks(_rank_missing_peer, 2, destroy=False)
+    error, seconds = res[0]["error"], res[0]["seconds"]
+    assert error and error.startswith("DistBackendError"), error
+    assert "xcomm.all_reduce: rank 1 did not take part within 3000 ms" in error, error
+    assert 2.5 < seconds < 10, seconds
