@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "backend/TensorLists.hpp"
 #include "collectives/ReduceKernels.hpp"
 
 namespace xcomm {
@@ -85,30 +86,16 @@ std::string render(const std::vector<int64_t>& r) {
   return out.str();
 }
 
-int64_t denseBytes(const std::vector<at::Tensor>& ts) {
-  int64_t bytes = 0;
-  for (const auto& t : ts) {
-    if (t.layout() == at::kStrided) bytes += t.numel() * static_cast<int64_t>(t.element_size());
-  }
-  return bytes;
-}
-
 CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
                                int64_t redOp = -1, int64_t root = -1) {
   CheckedCpuBackend::Call c;
   c.type = type;
-  c.dtype = ts.empty() ? at::ScalarType::Undefined : ts[0].scalar_type();
+  c.dtype = dtypeOf(ts);
   c.redOp = redOp;
   c.root = root;
-  c.bytes = denseBytes(ts);
+  c.bytes = static_cast<int64_t>(denseBytes(ts));
   c.tensors = static_cast<int64_t>(ts.size());
   return c;
-}
-
-std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<at::Tensor> flat;
-  for (const auto& list : lists) flat.insert(flat.end(), list.begin(), list.end());
-  return flat;
 }
 
 // Bytes of each of `size` pieces of `t` along dim 0 (`splits` empty: even).
@@ -459,11 +446,11 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tenso
                                                            const c10d::AllToAllOptions& opts) {
   Call call;
   call.type = c10d::OpType::ALLTOALL;
-  call.dtype = inputs.empty() ? at::ScalarType::Undefined : inputs[0].scalar_type();
+  call.dtype = dtypeOf(inputs);
   std::vector<int64_t> pairs;
   if (static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_) {
-    for (const auto& t : inputs) pairs.push_back(denseBytes({t}));
-    for (const auto& t : outputs) pairs.push_back(denseBytes({t}));
+    for (const auto& t : inputs) pairs.push_back(static_cast<int64_t>(denseBytes({t})));
+    for (const auto& t : outputs) pairs.push_back(static_cast<int64_t>(denseBytes({t})));
   } else {
     call.tensors = static_cast<int64_t>(inputs.size());  // Gloo raises on the list's length
   }

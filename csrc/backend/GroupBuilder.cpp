@@ -161,15 +161,13 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   // Checked before the shared-memory attempt in a hierarchical group (its
   // Gloo ops span hosts), after it otherwise (a failed single-host attempt
   // leaves a plain group, which needs it): every rank builds it at the same point.
-  bool isChecked = false;
   auto checked = [&] {
-    if (isChecked) return;
-    isChecked = true;
     if (auto checks = make("xcomm/gloo-check")) {
       gloo = c10::make_intrusive<CheckedCpuBackend>(gloo, checks, timeout);
     }
   };
-  if (plan.shape == GroupShape::kHierarchical) checked();
+  const bool checkFirst = plan.shape == GroupShape::kHierarchical;
+  if (checkFirst) checked();
   if (plan.usesShm()) {
     std::string whyNot;
     c10::intrusive_ptr<ShmCpuBackend> shm;
@@ -192,7 +190,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
       plan = plan.fallbackToPlain(whyNot);
     }
   }
-  if (plan.shape == GroupShape::kPlain) checked();
+  if (!checkFirst && plan.shape == GroupShape::kPlain) checked();
   inner.cpu = inner.shm ? BackendPtr(inner.shm) : gloo;
   inner.cpuCompressed = make("xcomm/gloo-int8");
   BackendPtr fusionControl = make("xcomm/gloo-fusion");

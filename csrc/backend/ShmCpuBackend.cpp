@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "backend/TensorLists.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/ShmCollectives.hpp"
 
@@ -20,12 +21,6 @@ std::vector<at::Tensor> piecesPerRank(const at::Tensor& whole, const at::Tensor&
   return pieces;
 }
 
-std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<at::Tensor> flat;
-  for (const auto& list : lists) flat.insert(flat.end(), list.begin(), list.end());
-  return flat;
-}
-
 // Whether `whole` is `size` pieces shaped like `piece`, concatenated along
 // dim 0: the only layout Gloo accepts for the flat allgather/reduce_scatter.
 // Anything else goes to Gloo, which raises its own error.
@@ -39,20 +34,6 @@ bool plainCpu(const std::vector<at::Tensor>& ts) {
     if (!t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous()) return false;
   }
   return true;
-}
-
-// What every rank must agree on for a fallback op: dtype and dense bytes (a
-// sparse tensor's size legitimately differs between ranks).
-at::ScalarType dtypeOf(const std::vector<at::Tensor>& ts) {
-  return ts.empty() ? at::ScalarType::Undefined : ts[0].scalar_type();
-}
-
-uint64_t denseBytes(const std::vector<at::Tensor>& ts) {
-  uint64_t bytes = 0;
-  for (const auto& t : ts) {
-    if (t.layout() == at::kStrided) bytes += t.numel() * t.element_size();
-  }
-  return bytes;
 }
 
 // The rows of `t` (dim 0) that go to or come from each rank, as views:

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/TensorLists.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/FlatCollectives.hpp"
 
@@ -13,12 +14,6 @@ std::vector<at::Tensor> slicesPerRank(const at::Tensor& t, int size, int64_t n) 
   std::vector<at::Tensor> slices;
   for (int r = 0; r < size; ++r) slices.push_back(t.view({-1}).narrow(0, r * n, n));
   return slices;
-}
-
-std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
-  std::vector<at::Tensor> flat;
-  for (const auto& list : lists) flat.insert(flat.end(), list.begin(), list.end());
-  return flat;
 }
 
 }  // namespace

@@ -131,6 +131,15 @@ class RankContext:
         return True
 
 
+def error_of(call: Callable[[], object]) -> str | None:
+    """``"Type: message"`` of what ``call()`` raised, or None when it returned."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the caller compares messages across ranks
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def backend_pg_options(timeout: datetime.timedelta | None, backend: str = BACKEND) -> Any:
     """``xcomm.Options(timeout=...)`` for xcomm; ``None`` for other backends."""
     if backend != "xcomm":

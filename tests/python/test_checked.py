@@ -22,17 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import RankContext, run_ranks
+from dist_harness import RankContext, error_of, run_ranks
 
 pytestmark = pytest.mark.xcomm_specific
-
-
-def _attempt(call: Callable[[], object]) -> str | None:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _group(ctx: RankContext, hosts: int, check: bool = True) -> dist.ProcessGroup:
@@ -94,7 +86,7 @@ def _rank_mismatch(ctx: RankContext, hosts: int) -> dict[str, Any]:
     out: dict[str, Any] = {"errors": {}, "seconds": {}, "plan": plan}
     for name, call in cases.items():
         start = time.monotonic()
-        out["errors"][name] = _attempt(call)
+        out["errors"][name] = error_of(call)
         out["seconds"][name] = time.monotonic() - start
         t = torch.ones(7)
         dist.broadcast(t, src=ws - 1, group=group)  # a Gloo op: the group is still in step
@@ -218,7 +210,7 @@ def _rank_missing_peer(ctx: RankContext) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if ctx.rank == 0:
         start = time.monotonic()
-        out["error"] = _attempt(lambda: dist.all_reduce(torch.ones(4), group=group))
+        out["error"] = error_of(lambda: dist.all_reduce(torch.ones(4), group=group))
         out["seconds"] = time.monotonic() - start
     dist.barrier(group=ctx.ref)  # rank 1 waits here until rank 0 has given up
     return out

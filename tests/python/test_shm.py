@@ -41,6 +41,7 @@ from dist_harness import (
     RankContext,
     assert_no_mismatches,
     dtype_name,
+    error_of,
     make_input,
     run_ranks,
 )
@@ -293,14 +294,6 @@ def test_switches_and_subgroups() -> None:
     assert not any(r["default"] or r["off"] for r in res), res
 
 
-def _attempt(call: Callable[[], object]) -> str | None:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
     """Ranks that disagree (a user bug) must all raise, at once, never return."""
     rank = ctx.rank
@@ -337,7 +330,7 @@ def _rank_mismatch(ctx: RankContext) -> dict[str, Any]:
     }
     for name, call in cases.items():
         start = time.monotonic()
-        out["errors"][name] = _attempt(call)
+        out["errors"][name] = error_of(call)
         out["seconds"][name] = time.monotonic() - start
         t = torch.ones(7)
         dist.all_reduce(t)  # the group is still in step
