@@ -98,6 +98,7 @@ class BackendSpec:
     VARIANTS: ClassVar[dict[str, dict[str, Any]]] = {
         "noshm": {"shm": False},
         "unchecked": {"check_collectives": False},
+        "uncarried": {"carry_small_ops": False},
     }
 
     @classmethod

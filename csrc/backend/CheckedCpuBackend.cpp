@@ -1,6 +1,7 @@
 #include "backend/CheckedCpuBackend.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -19,14 +20,25 @@ constexpr int kPairsTag = 2;
 // Up to this many ranks, descriptor rows also carry an all-to-all's per-pair
 // sizes (2 x ranks int64s): one exchange instead of two.
 constexpr int kInlinePairsMaxRanks = 16;
+// A descriptor row, in int64s: the call (kFields, compared between ranks),
+// whether this rank can carry the op, the bytes it carries; then the pair
+// sizes when inline, then the carried bytes, padded to whole int64s.
+constexpr int64_t kFields = 6;
+constexpr int64_t kCarryFlag = 6;
+constexpr int64_t kCarriedBytes = 7;
+constexpr int64_t kHeaderWords = 8;
 
-std::vector<int64_t> row(const CheckedCpuBackend::Call& c) {
-  return {static_cast<int64_t>(c.type),
-          static_cast<int64_t>(c.dtype),
-          c.redOp,
-          c.root,
-          c.bytes,
-          c.tensors};
+int64_t wordsFor(int64_t bytes) {
+  return (bytes + 7) / 8;
+}
+
+void putCall(int64_t* row, const CheckedCpuBackend::Call& c) {
+  row[0] = static_cast<int64_t>(c.type);
+  row[1] = static_cast<int64_t>(c.dtype);
+  row[2] = c.redOp;
+  row[3] = c.root;
+  row[4] = c.bytes;
+  row[5] = c.tensors;
 }
 
 // The name torch.distributed gives each op (c10d's OpType has one COALESCED
@@ -68,8 +80,8 @@ const char* nameOf(c10d::OpType type, int64_t redOp) {
   }
 }
 
-// "all_reduce(SUM, Float, 400 bytes)" and the like.
-std::string render(const std::vector<int64_t>& r) {
+// "all_reduce(SUM, Float, 400 bytes)" and the like, from a row's call fields.
+std::string render(const int64_t* r) {
   const auto type = static_cast<c10d::OpType>(r[0]);
   const auto dtype = static_cast<at::ScalarType>(r[1]);
   std::ostringstream out;
@@ -128,15 +140,17 @@ std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
 
 CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
                                      c10::intrusive_ptr<c10d::Backend> checks,
-                                     std::chrono::milliseconds timeout)
+                                     std::chrono::milliseconds timeout, int64_t carryBytes)
     : Backend(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
       inner_(std::move(inner)),
       checks_(std::move(checks)),
+      carryBytes_(carryBytes / 8 * 8),
       timeoutMs_(timeout.count()) {
   TORCH_CHECK(inner_ && checks_,
               "xcomm: the checked CPU backend needs an inner and a checks backend");
   TORCH_CHECK(checks_->getRank() == rank_ && checks_->getSize() == size_,
               "xcomm: the checks backend's rank/size differ from the group's");
+  TORCH_CHECK(carryBytes_ >= 0, "xcomm: carryBytes must be >= 0, got ", carryBytes);
 }
 
 CheckedCpuBackend::~CheckedCpuBackend() = default;
@@ -164,32 +178,31 @@ std::chrono::milliseconds CheckedCpuBackend::limit(std::chrono::milliseconds tim
   return timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
 }
 
-std::vector<std::vector<int64_t>> CheckedCpuBackend::exchange(const char* title,
-                                                              const std::vector<int64_t>& mine,
-                                                              int tag,
-                                                              std::chrono::milliseconds timeout) {
+std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title, const at::Tensor& mine,
+                                                    int64_t capacity, int tag,
+                                                    std::chrono::milliseconds timeout) {
   // Point-to-point, every rank to every rank: Gloo posts sends and receives
   // on the calling thread, where its collectives hop through its worker
-  // threads and cost several times more for a few bytes. Only this worker
-  // uses the checks group, and rows of one kind (one tag) always have the
-  // same length, so messages can never be matched with the wrong receive.
-  const auto n = static_cast<int64_t>(mine.size());
+  // threads and cost several times more for a few bytes. Only one thread at
+  // a time uses the checks group, and every receive of one tag has the same
+  // size, at least any row sent with it: Gloo takes a message shorter than
+  // the receive's buffer, and aborts the process on a longer one.
   std::vector<at::Tensor> rows(size_);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<int> peers;  // of each work
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) {
-      rows[r] = at::tensor(mine, at::kLong);
+      rows[r] = mine;
       continue;
     }
-    rows[r] = at::empty({n}, at::kLong);
+    rows[r] = at::empty({capacity}, at::kLong);
     std::vector<at::Tensor> in{rows[r]};
     works.push_back(checks_->recv(in, r, tag));
     peers.push_back(r);
   }
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    std::vector<at::Tensor> out{rows[rank_]};
+    std::vector<at::Tensor> out{mine};
     works.push_back(checks_->send(out, r, tag));
     peers.push_back(r);
   }
@@ -210,19 +223,138 @@ std::vector<std::vector<int64_t>> CheckedCpuBackend::exchange(const char* title,
                                messageOf(e)));
     }
   }
-  std::vector<std::vector<int64_t>> out;
-  for (const auto& t : rows) {
-    const auto* p = t.data_ptr<int64_t>();
-    out.emplace_back(p, p + n);
+  return rows;
+}
+
+void CheckedCpuBackend::drain(std::chrono::milliseconds timeout) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  {
+    std::lock_guard<std::mutex> lock(inflightMutex_);
+    works.swap(inflight_);
   }
-  return out;
+  for (const auto& w : works) w->wait(timeout);  // an earlier op's error fails the barrier
+}
+
+CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call& call,
+                                                  const std::vector<int64_t>& pairs,
+                                                  const CarriedOp& carry,
+                                                  std::chrono::milliseconds wait,
+                                                  const Issue& issue,
+                                                  const c10::intrusive_ptr<FutureWork>& work) {
+  try {
+    if (carry.capable && carry.drainFirst) drain(backstop(wait));
+    // In a small group every row has room for an all-to-all's sizes, so one
+    // exchange checks it; rows of other ops carry zeros there.
+    const bool inlinePairs = size_ <= kInlinePairsMaxRanks;
+    const int64_t payloadAt = kHeaderWords + (inlinePairs ? 2 * size_ : 0);
+    at::Tensor payload;
+    if (carry.capable && carry.payload) payload = carry.payload();
+    const int64_t payloadBytes = payload.defined() ? payload.numel() : 0;
+    TORCH_CHECK(payloadBytes <= carryBytes_, "xcomm: a carried op of ", payloadBytes,
+                " bytes exceeds the group's ", carryBytes_);
+    at::Tensor mine = at::zeros({payloadAt + wordsFor(payloadBytes)}, at::kLong);
+    auto* row = mine.data_ptr<int64_t>();
+    putCall(row, call);
+    row[kCarryFlag] = carry.capable ? 1 : 0;
+    row[kCarriedBytes] = payloadBytes;
+    if (inlinePairs) std::copy(pairs.begin(), pairs.end(), row + kHeaderWords);
+    if (payloadBytes > 0) {
+      std::memcpy(row + payloadAt, payload.data_ptr(), static_cast<size_t>(payloadBytes));
+    }
+    const auto rows = exchange(title, mine, payloadAt + carryBytes_ / 8, kDescriptorTag, wait);
+    const int64_t* first = rows[0].data_ptr<int64_t>();
+    bool carried = true;
+    for (int r = 0; r < size_; ++r) {
+      const int64_t* other = rows[r].data_ptr<int64_t>();
+      TORCH_CHECK_VALUE(std::equal(first, first + kFields, other), "xcomm.", title,
+                        ": the ranks called different collectives (rank 0: ", render(first),
+                        "; rank ", r, ": ", render(other),
+                        "); every rank must issue the same collectives, with the same root, "
+                        "sizes, dtype and reduce op, in the same order");
+      carried = carried && other[kCarryFlag] == 1;
+    }
+    if (!pairs.empty()) {
+      std::vector<const int64_t*> sizes;
+      std::vector<at::Tensor> pairRows;
+      if (inlinePairs) {
+        for (const auto& r : rows) sizes.push_back(r.data_ptr<int64_t>() + kHeaderWords);
+      } else {
+        pairRows = exchange(title, at::tensor(pairs, at::kLong), 2 * size_, kPairsTag, wait);
+        for (const auto& r : pairRows) sizes.push_back(r.data_ptr<int64_t>());
+      }
+      for (int s = 0; s < size_; ++s) {
+        for (int d = 0; d < size_; ++d) {
+          const int64_t sent = sizes[s][d];
+          const int64_t expected = sizes[d][size_ + s];
+          TORCH_CHECK_VALUE(sent == expected, "xcomm.", title, ": rank ", s, " sends ", sent,
+                            " bytes to rank ", d, ", but rank ", d, " expects ", expected,
+                            " bytes from rank ", s,
+                            "; each rank's input split for a peer must equal that peer's "
+                            "output split for it");
+        }
+      }
+    }
+    if (carried) {
+      std::vector<at::Tensor> payloads;
+      for (const auto& r : rows) {
+        const int64_t bytes = r.data_ptr<int64_t>()[kCarriedBytes];
+        TORCH_CHECK(bytes >= 0 && bytes <= carryBytes_, "xcomm.", title,
+                    ": a peer's row says it carries ", bytes, " bytes, beyond the group's ",
+                    carryBytes_, " (mismatched xcomm builds?)");
+        payloads.push_back(r.view(at::kByte).narrow(0, payloadAt * 8, bytes));
+      }
+      carry.finish(payloads);
+      carriedOps_++;
+      return Outcome::complete();
+    }
+    auto inner = issue();
+    if (!inner) return Outcome::complete();  // a synchronous op that already ran
+    c10::intrusive_ptr<c10::ivalue::Future> done;
+    try {
+      done = inner->getFuture();
+    } catch (const c10::Error&) {
+      // Gloo's reduce-scatters have no future: wait here (their own timeout bounds it).
+    }
+    if (!done) {
+      inner->wait(backstop(wait));
+      return Outcome::complete();
+    }
+    {
+      std::lock_guard<std::mutex> lock(inflightMutex_);
+      inflight_.erase(std::remove_if(inflight_.begin(), inflight_.end(),
+                                     [](const auto& w) { return w->isCompleted(); }),
+                      inflight_.end());
+      inflight_.push_back(inner);
+    }
+    // Completes on the inner backend's thread, as the inner work's own
+    // future would: the worker moves on to the next op's check.
+    done->addCallback([work](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        work->markFailed(f.exception_ptr());
+      } else {
+        work->markSucceeded();
+      }
+    });
+    return Outcome{};
+  } catch (...) {
+    return Outcome::failed(std::current_exception());
+  }
+}
+
+void CheckedCpuBackend::Outcome::mark(FutureWork& work) const {
+  if (error) {
+    work.markFailed(error);
+  } else {
+    work.markSucceeded();
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(const char* title, Call call,
                                                          std::vector<int64_t> pairs,
                                                          std::vector<at::Tensor> outputs,
                                                          std::chrono::milliseconds timeout,
-                                                         bool withFuture, Issue issue) {
+                                                         bool asyncOp, bool withFuture, Issue issue,
+                                                         CarriedOp carry) {
   c10::intrusive_ptr<FutureWork> work;
   c10::IValue result(std::move(outputs));
   if (withFuture) {
@@ -232,77 +364,25 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(const char* title, Call
     work = c10::make_intrusive<FuturelessWork>(rank_, call.type, nullptr, std::move(result),
                                                tensorListType());
   }
+  if (carryBytes_ == 0) carry = CarriedOp{};
   const auto wait = limit(timeout);
+  std::lock_guard<std::mutex> lock(submitMutex_);
   seq_++;
-  queue_.push([this, work, title, call, pairs = std::move(pairs), wait, issue = std::move(issue)] {
-    try {
-      // In a small group every row has room for an all-to-all's sizes, so
-      // one exchange checks it; rows of other ops carry zeros there.
-      const bool inlinePairs = size_ <= kInlinePairsMaxRanks;
-      auto mine = row(call);
-      const auto fields = static_cast<std::ptrdiff_t>(mine.size());
-      if (inlinePairs) {
-        mine.resize(mine.size() + 2 * size_, 0);
-        std::copy(pairs.begin(), pairs.end(), mine.begin() + fields);
-      }
-      const auto rows = exchange(title, mine, kDescriptorTag, wait);
-      auto descriptor = [&](int r) {
-        return std::vector<int64_t>(rows[r].begin(), rows[r].begin() + fields);
-      };
-      for (int r = 1; r < size_; ++r) {
-        TORCH_CHECK_VALUE(descriptor(r) == descriptor(0), "xcomm.", title,
-                          ": the ranks called different collectives (rank 0: ",
-                          render(descriptor(0)), "; rank ", r, ": ", render(descriptor(r)),
-                          "); every rank must issue the same collectives, with the same root, "
-                          "sizes, dtype and reduce op, in the same order");
-      }
-      if (!pairs.empty()) {
-        std::vector<std::vector<int64_t>> sizes;
-        if (inlinePairs) {
-          for (const auto& r : rows) sizes.emplace_back(r.begin() + fields, r.end());
-        } else {
-          sizes = exchange(title, pairs, kPairsTag, wait);
-        }
-        for (int s = 0; s < size_; ++s) {
-          for (int d = 0; d < size_; ++d) {
-            const int64_t sent = sizes[s][d];
-            const int64_t expected = sizes[d][size_ + s];
-            TORCH_CHECK_VALUE(sent == expected, "xcomm.", title, ": rank ", s, " sends ", sent,
-                              " bytes to rank ", d, ", but rank ", d, " expects ", expected,
-                              " bytes from rank ", s,
-                              "; each rank's input split for a peer must equal that peer's "
-                              "output split for it");
-          }
-        }
-      }
-      auto inner = issue();
-      if (!inner) {  // a synchronous op that already ran
-        work->markSucceeded();
-        return;
-      }
-      c10::intrusive_ptr<c10::ivalue::Future> done;
-      try {
-        done = inner->getFuture();
-      } catch (const c10::Error&) {
-        // Gloo's reduce-scatters have no future: wait here (their own timeout bounds it).
-      }
-      if (!done) {
-        inner->wait(backstop(wait));
-        work->markSucceeded();
-        return;
-      }
-      // Completes on the inner backend's thread, as the inner work's own
-      // future would: the worker moves on to the next op's check.
-      done->addCallback([work](c10::ivalue::Future& f) {
-        if (f.hasError()) {
-          work->markFailed(f.exception_ptr());
-        } else {
-          work->markSucceeded();
-        }
-      });
-    } catch (...) {
-      work->markFailed(std::current_exception());
+  if (!asyncOp && pending_.load() == 0) {
+    // Nothing queued or running: the order is kept, and the caller waits
+    // anyway; no callback can be attached yet, so marking here runs none.
+    const auto outcome = run(title, call, pairs, carry, wait, issue, work);
+    if (outcome.done) outcome.mark(*work);
+    return work;
+  }
+  pending_++;
+  queue_.push([this, work, title, call, pairs = std::move(pairs), carry = std::move(carry), wait,
+               issue = std::move(issue)] {
+    const auto outcome = run(title, call, pairs, carry, wait, issue, work);
+    if (outcome.done) {
+      completions_.run([work, outcome] { outcome.mark(*work); });
     }
+    pending_--;
   });
   return work;
 }
@@ -311,29 +391,35 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::broadcast(std::vector<at::Tens
                                                             const c10d::BroadcastOptions& opts) {
   const auto call = callOf(c10d::OpType::BROADCAST, tensors, -1,
                            opts.rootRank * static_cast<int64_t>(tensors.size()) + opts.rootTensor);
-  return submit("broadcast", call, {}, tensors, opts.timeout, true,
-                [this, tensors, opts]() mutable { return inner_->broadcast(tensors, opts); });
+  return submit(
+      "broadcast", call, {}, tensors, opts.timeout, opts.asyncOp, true,
+      [this, tensors, opts]() mutable { return inner_->broadcast(tensors, opts); },
+      opts.rootTensor == 0
+          ? carriedBroadcast(tensors, static_cast<int>(opts.rootRank), rank_, carryBytes_)
+          : CarriedOp{});
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp.op_);
-  return submit("all_reduce", call, {}, tensors, opts.timeout, true,
-                [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); });
+  return submit(
+      "all_reduce", call, {}, tensors, opts.timeout, opts.asyncOp, true,
+      [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); },
+      carriedAllreduce(tensors, opts.reduceOp, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp.op_);
   return submit(
-      "all_reduce_coalesced", call, {}, tensors, opts.timeout, true,
+      "all_reduce_coalesced", call, {}, tensors, opts.timeout, opts.asyncOp, true,
       [this, tensors, opts]() mutable { return inner_->allreduce_coalesced(tensors, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::ReduceOptions& opts) {
   const auto call = callOf(c10d::OpType::REDUCE, tensors, opts.reduceOp.op_, opts.rootRank);
-  return submit("reduce", call, {}, tensors, opts.timeout, true,
+  return submit("reduce", call, {}, tensors, opts.timeout, opts.asyncOp, true,
                 [this, tensors, opts]() mutable { return inner_->reduce(tensors, opts); });
 }
 
@@ -342,25 +428,28 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather(
     const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLGATHER, inputs);
   return submit(
-      "all_gather", call, {}, flatten(outputs), opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->allgather(outputs, inputs, opts); });
+      "all_gather", call, {}, flatten(outputs), opts.timeout, opts.asyncOp, true,
+      [this, outputs, inputs, opts]() mutable { return inner_->allgather(outputs, inputs, opts); },
+      carriedAllgather(outputs, inputs, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::_ALLGATHER_BASE, {input});
-  return submit("all_gather_into_tensor", call, {}, {output}, opts.timeout, true,
-                [this, output, input, opts]() mutable {
-                  return inner_->_allgather_base(output, input, opts);
-                });
+  return submit(
+      "all_gather_into_tensor", call, {}, {output}, opts.timeout, opts.asyncOp, true,
+      [this, output, input, opts]() mutable {
+        return inner_->_allgather_base(output, input, opts);
+      },
+      carriedAllgatherBase(output, input, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::COALESCED, inputs);
-  return submit("all_gather_into_tensor_coalesced", call, {}, outputs, opts.timeout, true,
-                [this, outputs, inputs, opts]() mutable {
+  return submit("all_gather_into_tensor_coalesced", call, {}, outputs, opts.timeout, opts.asyncOp,
+                true, [this, outputs, inputs, opts]() mutable {
                   return inner_->allgather_into_tensor_coalesced(outputs, inputs, opts);
                 });
 }
@@ -369,8 +458,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLGATHER_COALESCED, inputs);
-  return submit("all_gather_coalesced", call, {}, flatten(outputs), opts.timeout, true,
-                [this, outputs, inputs, opts]() mutable {
+  return submit("all_gather_coalesced", call, {}, flatten(outputs), opts.timeout, opts.asyncOp,
+                true, [this, outputs, inputs, opts]() mutable {
                   return inner_->allgather_coalesced(outputs, inputs, opts);
                 });
 }
@@ -380,7 +469,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
     const c10d::GatherOptions& opts) {
   const auto call = callOf(c10d::OpType::GATHER, inputs, -1, opts.rootRank);
   return submit(
-      "gather", call, {}, flatten(outputs), opts.timeout, true,
+      "gather", call, {}, flatten(outputs), opts.timeout, opts.asyncOp, true,
       [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); });
 }
 
@@ -389,7 +478,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
     const c10d::ScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::SCATTER, outputs, -1, opts.rootRank);
   return submit(
-      "scatter", call, {}, outputs, opts.timeout, true,
+      "scatter", call, {}, outputs, opts.timeout, opts.asyncOp, true,
       [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); });
 }
 
@@ -397,7 +486,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp.op_);
-  return submit("reduce_scatter", call, {}, outputs, opts.timeout, false,
+  return submit("reduce_scatter", call, {}, outputs, opts.timeout, opts.asyncOp, false,
                 [this, outputs, inputs, opts]() mutable {
                   return inner_->reduce_scatter(outputs, inputs, opts);
                 });
@@ -406,7 +495,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.reduceOp.op_);
-  return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, false,
+  return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, opts.asyncOp, false,
                 [this, output, input, opts]() mutable {
                   return inner_->_reduce_scatter_base(output, input, opts);
                 });
@@ -416,8 +505,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter_tensor_coalesce
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::COALESCED, outputs, opts.reduceOp.op_);
-  return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, false,
-                [this, outputs, inputs, opts]() mutable {
+  return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, opts.asyncOp,
+                false, [this, outputs, inputs, opts]() mutable {
                   return inner_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
                 });
 }
@@ -435,8 +524,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall_base(at::Tensor& outp
   auto pairs = pieceBytes(input, inputSplits, size_);
   const auto in = pieceBytes(output, outputSplits, size_);
   pairs.insert(pairs.end(), in.begin(), in.end());
-  return submit("all_to_all_single", call, std::move(pairs), {output}, opts.timeout, true,
-                [this, output, input, outputSplits, inputSplits, opts]() mutable {
+  return submit("all_to_all_single", call, std::move(pairs), {output}, opts.timeout, opts.asyncOp,
+                true, [this, output, input, outputSplits, inputSplits, opts]() mutable {
                   return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
                 });
 }
@@ -455,15 +544,16 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tenso
     call.tensors = static_cast<int64_t>(inputs.size());  // Gloo raises on the list's length
   }
   return submit(
-      "all_to_all", call, std::move(pairs), outputs, opts.timeout, true,
+      "all_to_all", call, std::move(pairs), outputs, opts.timeout, opts.asyncOp, true,
       [this, outputs, inputs, opts]() mutable { return inner_->alltoall(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::barrier(const c10d::BarrierOptions& opts) {
   Call call;
   call.type = c10d::OpType::BARRIER;
-  return submit("barrier", call, {}, {}, opts.timeout, true,
-                [this, opts]() mutable { return inner_->barrier(opts); });
+  return submit(
+      "barrier", call, {}, {}, opts.timeout, opts.asyncOp, true,
+      [this, opts]() mutable { return inner_->barrier(opts); }, carriedBarrier());
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::send(std::vector<at::Tensor>& tensors,
@@ -490,14 +580,19 @@ void CheckedCpuBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool 
   auto work =
       c10::make_intrusive<FutureWork>(rank_, c10d::OpType::BARRIER, nullptr,
                                       c10::IValue(std::vector<at::Tensor>{}), tensorListType());
-  queue_.push([this, work, opts, waitAllRanks] {
-    try {
-      inner_->monitoredBarrier(opts, waitAllRanks);
-      work->markSucceeded();
-    } catch (...) {
-      work->markFailed(std::current_exception());
-    }
-  });
+  {
+    std::lock_guard<std::mutex> lock(submitMutex_);
+    pending_++;
+    queue_.push([this, work, opts, waitAllRanks] {
+      try {
+        inner_->monitoredBarrier(opts, waitAllRanks);
+        work->markSucceeded();
+      } catch (...) {
+        work->markFailed(std::current_exception());
+      }
+      pending_--;
+    });
+  }
   work->wait();
 }
 

@@ -16,19 +16,29 @@
 // group stays in step and usable. A rank that does not take part fails the
 // others' check at the timeout, named.
 //
+// A small op rides in the check's own message (collectives/
+// CarriedCollectives.hpp): all_reduce, broadcast and all_gather of up to
+// `carryBytes` per rank, and barrier, complete with the exchange and never
+// reach Gloo.
+//
 // One worker thread issues the checks and then the ops in the caller's
 // order; it does not wait for an op to finish before checking the next, so
 // consecutive async ops still overlap (their transfers share the link
-// anyway). The caller's thread never blocks on the check.
+// anyway). A synchronous op with nothing queued before it runs on the
+// caller's thread instead, saving two thread hand-offs.
 // Options(check_collectives=False) leaves Gloo unwrapped.
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <functional>
+#include <mutex>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/XcommWork.hpp"
+#include "collectives/CarriedCollectives.hpp"
+#include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
 
 namespace xcomm {
@@ -47,14 +57,21 @@ class CheckedCpuBackend : public c10d::Backend {
   };
 
   // `inner` runs the ops; `checks` (a group of the same ranks no other op
-  // uses) carries the descriptors.
+  // uses) carries the descriptors, and ops of up to `carryBytes` per rank
+  // (0: none). Every rank must pass the same `carryBytes`, and a nonzero one
+  // needs a `checks` whose receives accept shorter messages than their
+  // buffer (Gloo's do).
   CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
-                    c10::intrusive_ptr<c10d::Backend> checks, std::chrono::milliseconds timeout);
+                    c10::intrusive_ptr<c10d::Backend> checks, std::chrono::milliseconds timeout,
+                    int64_t carryBytes = 0);
   ~CheckedCpuBackend() override;
 
   // The inner backend's name ("gloo"): that is what moves the data.
   const std::string getBackendName() const override { return inner_->getBackendName(); }
   const c10::intrusive_ptr<c10d::Backend>& inner() const { return inner_; }
+  int64_t carryBytes() const { return carryBytes_; }
+  // Ops completed by the check's exchange alone (never issued on Gloo).
+  uint64_t carriedOps() const { return carriedOps_.load(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
   void abort() override;
@@ -116,24 +133,52 @@ class CheckedCpuBackend : public c10d::Backend {
 
  private:
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>()>;
-  // Queues: agree on `call` (and on `pairs`, every rank's bytes to and from
-  // every rank, for an all_to_all), then `issue()`; the returned work
-  // completes with the inner op's work. `title` names the op in errors.
+  // Agrees on `call` (and on `pairs`, every rank's bytes to and from every
+  // rank, for an all_to_all); then completes the op with the exchange when
+  // every rank can `carry` it, else `issue()`s it and completes the returned
+  // work with the inner op's. On the worker, or on the caller's thread for a
+  // synchronous op with nothing queued. `title` names the op in errors.
   c10::intrusive_ptr<c10d::Work> submit(const char* title, Call call, std::vector<int64_t> pairs,
                                         std::vector<at::Tensor> outputs,
-                                        std::chrono::milliseconds timeout, bool withFuture,
-                                        Issue issue);
-  // Every rank's `row` (sent to and received from every rank with `tag`
-  // over the checks group); a peer missing at `timeout` is a
-  // DistBackendError naming it and `title`.
-  std::vector<std::vector<int64_t>> exchange(const char* title, const std::vector<int64_t>& row,
-                                             int tag, std::chrono::milliseconds timeout);
+                                        std::chrono::milliseconds timeout, bool asyncOp,
+                                        bool withFuture, Issue issue, CarriedOp carry = {});
+  // What submit() does once the op's turn comes: `done` when the work is to
+  // be completed now (carried, ran, or failed: `error`), else the inner op's
+  // future completes it.
+  struct Outcome {
+    bool done = false;
+    std::exception_ptr error;
+    static Outcome complete() { return {true, nullptr}; }
+    static Outcome failed(std::exception_ptr e) { return {true, std::move(e)}; }
+    void mark(FutureWork& work) const;
+  };
+  Outcome run(const char* title, const Call& call, const std::vector<int64_t>& pairs,
+              const CarriedOp& carry, std::chrono::milliseconds timeout, const Issue& issue,
+              const c10::intrusive_ptr<FutureWork>& work);
+  // Every rank's row: `mine` (int64s) goes to every other rank with `tag`
+  // over the checks group, and a row of up to `capacity` int64s comes back
+  // from each (rank order; this rank's is `mine`). A peer missing at
+  // `timeout` is a DistBackendError naming it and `title`.
+  std::vector<at::Tensor> exchange(const char* title, const at::Tensor& mine, int64_t capacity,
+                                   int tag, std::chrono::milliseconds timeout);
+  // Waits for the inner ops issued so far (a barrier's "earlier ops first").
+  void drain(std::chrono::milliseconds timeout);
   std::chrono::milliseconds limit(std::chrono::milliseconds timeout) const;
 
   c10::intrusive_ptr<c10d::Backend> inner_;
   c10::intrusive_ptr<c10d::Backend> checks_;
+  const int64_t carryBytes_;
   std::atomic<int64_t> timeoutMs_;
   std::atomic<uint64_t> seq_{0};  // ops called, point-to-point included
+  std::atomic<uint64_t> carriedOps_{0};
+  std::mutex submitMutex_;       // a caller's inline run against the queue
+  std::atomic<int> pending_{0};  // queued or running on the worker
+  std::mutex inflightMutex_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;  // issued inner ops, maybe not done
+  // Completes carried and failed ops that ran on the worker: future
+  // callbacks may wait for another op of this group, which needs the worker.
+  // Before queue_: it outlives the worker that feeds it.
+  CompletionPool completions_;
   OpQueue queue_{"xcomm collective checks"};
 };
 

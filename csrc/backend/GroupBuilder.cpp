@@ -141,6 +141,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     }
     plan = GroupPlan::decide(rank, size, ids, *options, switches);
   }
+  if (!factory.receivesShorter) plan.carrySmallOps = false;
   auto make = [&](const std::string& name) -> BackendPtr {
     const auto groups = plan.auxGroups();
     const AuxGroup* g = findAux(groups, name);
@@ -163,7 +164,9 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   // leaves a plain group, which needs it): every rank builds it at the same point.
   auto checked = [&] {
     if (auto checks = make("xcomm/gloo-check")) {
-      gloo = c10::make_intrusive<CheckedCpuBackend>(gloo, checks, timeout);
+      inner.checked =
+          c10::make_intrusive<CheckedCpuBackend>(gloo, checks, timeout, plan.carryBytes());
+      gloo = inner.checked;
     }
   };
   const bool checkFirst = plan.shape == GroupShape::kHierarchical;

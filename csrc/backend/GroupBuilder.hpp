@@ -30,6 +30,10 @@ struct InnerBackendFactory {
                                                   int rank, int size,
                                                   std::chrono::milliseconds timeout)>
       cuda;
+  // Whether the CPU backends' receives take a message shorter than their
+  // buffer (Gloo's do; xcomm's store transport wants exact sizes): small ops
+  // ride in the collective checks' exchange only then.
+  bool receivesShorter = true;
 };
 
 // `allowShm` false keeps the group plain whatever the options say (the

@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "collectives/CarriedCollectives.hpp"
+
 namespace xcomm {
 namespace {
 
@@ -55,6 +57,7 @@ GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std:
   plan.localSize = size;
   plan.backendCompression = options.compression;
   plan.checkCollectives = options.checkCollectives;
+  plan.carrySmallOps = options.carrySmallOps;
   plan.fusionThresholdBytes = options.fusionThresholdBytes;
   plan.fusionCycle =
       options.fusionThresholdBytes > 0 ? options.fusionCycle() : std::chrono::microseconds{0};
@@ -150,6 +153,10 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
   return groups;
 }
 
+int64_t GroupPlan::carryBytes() const {
+  return checksCollectives() && carrySmallOps ? carryCapacityBytes(size) : 0;
+}
+
 std::string GroupPlan::describe() const {
   std::ostringstream out;
   out << "shape: " << groupShapeName(shape) << " (" << why << ")\n";
@@ -174,7 +181,11 @@ std::string GroupPlan::describe() const {
         << "\n";
   }
   out << "collective checks: "
-      << (checksCollectives() ? "on (before each Gloo op)"
+      << (checksCollectives()
+              ? (carryBytes() > 0
+                     ? "on (before each Gloo op; ops of up to " + std::to_string(carryBytes()) +
+                           " bytes per rank, and barriers, carried by the check)"
+                     : std::string("on (before each Gloo op)"))
           : shape == GroupShape::kSingleHostShm
               ? "over shared memory"
               : (size < 2 ? "off (one rank)" : "off (Options(check_collectives=False))"))

@@ -58,6 +58,8 @@ struct GroupPlan {
   // Options(check_collectives): every collective Gloo runs for this group
   // first checks that all ranks called the same one (CheckedCpuBackend).
   bool checkCollectives = true;
+  // Options(carry_small_ops): small ops ride in the check's exchange.
+  bool carrySmallOps = true;
   int64_t fusionThresholdBytes = 0;
   std::chrono::microseconds fusionCycle{0};
 
@@ -84,6 +86,8 @@ struct GroupPlan {
   bool checksCollectives() const {
     return checkCollectives && size > 1 && shape != GroupShape::kSingleHostShm;
   }
+  // Bytes per rank an op may carry in the check's exchange (0: none).
+  int64_t carryBytes() const;
   bool isLeader() const { return shape == GroupShape::kHierarchical && localRank == 0; }
   // Every auxiliary group this plan needs, members or not.
   std::vector<AuxGroup> auxGroups() const;

@@ -76,6 +76,7 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
                    std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
     return c10::make_intrusive<StoreCpuBackend>(prefixed, r, n, timeout);
   };
+  factory.receivesShorter = false;
   return buildGroup(store, rank, size, std::move(options), factory, /*allowShm=*/false);
 }
 

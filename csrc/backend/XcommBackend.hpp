@@ -14,6 +14,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "backend/CheckedCpuBackend.hpp"
 #include "backend/GroupPlan.hpp"
 #include "backend/ShmCpuBackend.hpp"
 #include "backend/TensorStaging.hpp"
@@ -40,6 +41,8 @@ class XcommBackend : public c10d::Backend {
     c10::intrusive_ptr<c10d::Backend> cpuCompressed;
     // The shared-memory backend when the plan's shape uses one (then also `cpu`).
     c10::intrusive_ptr<ShmCpuBackend> shm;
+    // The checks around Gloo (`cpu`, or the shared-memory backend's Gloo route).
+    c10::intrusive_ptr<CheckedCpuBackend> checked;
   };
 
   // Groups are built by buildGroup (backend/GroupBuilder.hpp), which makes
@@ -62,6 +65,10 @@ class XcommBackend : public c10d::Backend {
   const CompressedAllreduce* compression() const;
   // Collectives run over shared memory; -1 when the group uses none.
   int64_t shmOps() const { return inner_.shm ? static_cast<int64_t>(inner_.shm->shmOps()) : -1; }
+  // Ops carried by the rank-agreement check alone; -1 when Gloo is not checked.
+  int64_t carriedOps() const {
+    return inner_.checked ? static_cast<int64_t>(inner_.checked->carriedOps()) : -1;
+  }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
   // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. A

@@ -25,6 +25,9 @@ struct XcommOptions : c10d::Backend::Options {
   // that every rank called the same one; a mismatch is a ValueError on
   // every rank instead of Gloo's abort, hang or wrong result.
   bool checkCollectives = true;
+  // With the check on, small all_reduce, broadcast, all_gather and barrier
+  // travel inside the check's own exchange instead of a Gloo op after it.
+  bool carrySmallOps = true;
   // Fusion of small async CPU allreduces up to this many bytes; 0: off.
   int64_t fusionThresholdBytes = 0;
   // With fusion on, a background cycle sends held ops at most this late; 0: on demand.

@@ -38,7 +38,8 @@ double numberField(const py::handle& value, const char* name) {
 c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
     const py::object& timeout, const py::object& compression, const py::object& minBytes,
     const py::object& chunkElems, const py::object& shm, const py::object& fusionBytes,
-    const py::object& cycleMs, const py::object& checkCollectives) {
+    const py::object& cycleMs, const py::object& checkCollectives,
+    const py::object& carrySmallOps) {
   auto options = xcomm::XcommOptions::create();
   if (!timeout.is_none()) {
     auto timedelta = py::module_::import("datetime").attr("timedelta");
@@ -74,6 +75,11 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
                          typeName(checkCollectives));
   }
   options->checkCollectives = checkCollectives.cast<bool>();
+  if (!PyBool_Check(carrySmallOps.ptr())) {
+    throw py::type_error("xcomm.Options: carry_small_ops must be a bool, got " +
+                         typeName(carrySmallOps));
+  }
+  options->carrySmallOps = carrySmallOps.cast<bool>();
   options->fusionThresholdBytes = intField(fusionBytes, "fusion_threshold_bytes");
   options->fusionCycleMs = numberField(cycleMs, "fusion_cycle_ms");
   options->validate();
@@ -95,6 +101,7 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
   d["fusion_threshold_bytes"] = plan.fusionThresholdBytes;
   d["fusion_cycle_ms"] = plan.fusionCycle.count() / 1000.0;
   d["checks_collectives"] = plan.checksCollectives();
+  d["carry_bytes"] = plan.carryBytes();
   py::list groups;
   for (const auto& g : plan.auxGroups()) {
     py::dict entry;
@@ -124,6 +131,7 @@ void bindGroup(py::module_& m) {
            py::arg("fusion_threshold_bytes") = defaults.fusionThresholdBytes,
            py::arg("fusion_cycle_ms") = defaults.fusionCycleMs,
            py::arg("check_collectives") = defaults.checkCollectives,
+           py::arg("carry_small_ops") = defaults.carrySmallOps,
            "The C++ options of a group, checked (TypeError/ValueError naming the option). "
            "Users pass xcomm.Options, which converts to this.")
       .def_property_readonly("timeout", [](const xcomm::XcommOptions& o) { return o.timeout; })
@@ -139,7 +147,8 @@ void bindGroup(py::module_& m) {
       .def_readonly("shm", &xcomm::XcommOptions::shm)
       .def_readonly("fusion_threshold_bytes", &xcomm::XcommOptions::fusionThresholdBytes)
       .def_readonly("fusion_cycle_ms", &xcomm::XcommOptions::fusionCycleMs)
-      .def_readonly("check_collectives", &xcomm::XcommOptions::checkCollectives);
+      .def_readonly("check_collectives", &xcomm::XcommOptions::checkCollectives)
+      .def_readonly("carry_small_ops", &xcomm::XcommOptions::carrySmallOps);
 
   m.def(
       "build_group",

@@ -88,6 +88,9 @@ PYBIND11_MODULE(_C, m) {
 (the C++-only path; slow, needs nothing but the store).)")
       .def_property_readonly("shm_ops", &xcomm::XcommBackend::shmOps,
                              "Collectives run over shared memory; -1 when the group uses none.")
+      .def_property_readonly("carried_ops", &xcomm::XcommBackend::carriedOps,
+                             "Collectives completed by the rank-agreement check's own exchange "
+                             "(never issued on Gloo); -1 when the group's Gloo is not checked.")
       .def_property_readonly("cpu_backend_name",
                              [](const xcomm::XcommBackend& b) {
                                const auto& t = b.innerBackends().cpu;

@@ -95,6 +95,16 @@ class Options:
             small round trip per op (see docs/benchmarks.md). Groups on one
             host check over shared memory whatever this says. ``True``
             (default).
+        carry_small_ops: With ``check_collectives``, a small collective
+            travels inside the check's own exchange instead of a Gloo op
+            after it: ``all_reduce``, ``broadcast``, ``all_gather`` and
+            ``all_gather_into_tensor`` of up to 32 KiB per rank (256 KiB
+            over the other ranks beyond 9 ranks;
+            ``xcomm.group_plan(g)["carry_bytes"]``), and ``barrier``. An
+            all_reduce is then one exchange and a local reduction in rank
+            order, the same bits on every rank. Ops are carried only when
+            every rank can carry them (dense CPU tensors of a dtype Gloo
+            takes); otherwise Gloo runs them. ``True`` (default).
 
     Example::
 
@@ -115,6 +125,7 @@ class Options:
     fusion_threshold_bytes: int = _DEFAULTS.fusion_threshold_bytes
     fusion_cycle_ms: float = _DEFAULTS.fusion_cycle_ms
     check_collectives: bool = _DEFAULTS.check_collectives
+    carry_small_ops: bool = _DEFAULTS.carry_small_ops
 
     def __post_init__(self) -> None:
         self.to_cpp()  # checks every field (TypeError/ValueError naming it)
@@ -136,4 +147,5 @@ class Options:
             fusion_threshold_bytes=self.fusion_threshold_bytes,
             fusion_cycle_ms=self.fusion_cycle_ms,
             check_collectives=self.check_collectives,
+            carry_small_ops=self.carry_small_ops,
         )

@@ -1,12 +1,14 @@
 // GroupPlan: a group's shape, auxiliary groups and compression site follow
 // from the members' host identities and the options alone.
 #include "backend/GroupPlan.hpp"
+#include "collectives/CarriedCollectives.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
 
 using Catch::Contains;
 using xcomm::AuxGroup;
+using xcomm::carryCapacityBytes;
 using xcomm::Compression;
 using xcomm::GroupPlan;
 using xcomm::GroupShape;
@@ -126,6 +128,27 @@ TEST_CASE("collectives Gloo runs are checked unless one host's shared memory che
   CHECK_FALSE(off.checksCollectives());
   CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo"});
   CHECK_THAT(off.describe(), Contains("check_collectives=False"));
+}
+
+TEST_CASE("small ops ride in the check: 32 KiB per rank, spread thinner past 9 ranks", "[plan]") {
+  CHECK(carryCapacityBytes(1) == 0);
+  CHECK(carryCapacityBytes(2) == 32 * 1024);
+  CHECK(carryCapacityBytes(9) == 32 * 1024);
+  // Each rank sends its bytes to every other rank: 256 KiB in all per op.
+  CHECK(carryCapacityBytes(10) == 256 * 1024 / 9 / 8 * 8);
+  CHECK(carryCapacityBytes(64) * 63 <= 256 * 1024);
+  CHECK(carryCapacityBytes(64) % 8 == 0);
+  XcommOptions options;
+  auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
+  CHECK(twoHosts.carryBytes() == 32 * 1024);
+  CHECK_THAT(twoHosts.describe(), Contains("ops of up to 32768 bytes per rank"));
+  // Nothing to carry without the check, or on one host (shared memory's own route).
+  CHECK(GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{}).carryBytes() == 0);
+  options.carrySmallOps = false;
+  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{}).carryBytes() == 0);
+  options.carrySmallOps = true;
+  options.checkCollectives = false;
+  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{}).carryBytes() == 0);
 }
 
 TEST_CASE("fusion gets its own control group, on demand or with a cycle", "[plan]") {

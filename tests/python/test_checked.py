@@ -150,8 +150,8 @@ def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers(
 
 
 def _rank_async_order(ctx: RankContext, check: bool) -> dict[str, Any]:
-    """Many async ops of mixed kinds in flight at once: each result equals
-    the reference group's, and none waits for the previous to finish."""
+    """Many async ops of mixed kinds in flight at once, a few synchronous
+    ones among them: each result equals the reference group's."""
     import xcomm
 
     group = _group(ctx, 1, check=check)
@@ -159,12 +159,15 @@ def _rank_async_order(ctx: RankContext, check: bool) -> dict[str, Any]:
     torch.manual_seed(ctx.rank)
     tensors, refs, works = [], [], []
     for i in range(24):
-        n = 1 + 997 * (i % 5)
+        # Up to 80 KB: carried in the check's exchange (up to 32 KiB) and not.
+        n = 1 + 4999 * (i % 5)
         x = torch.randn(n)
         ref = x.clone()
         if i % 3 == 0:
             dist.all_reduce(ref, group=ctx.ref)
-            works.append(dist.all_reduce(x, group=group, async_op=True))
+            # Every fourth synchronous, behind the async ops still queued.
+            work = dist.all_reduce(x, group=group, async_op=i % 4 != 0)
+            works.append(work) if work is not None else None
             tensors.append(x)
         elif i % 3 == 1:
             dist.broadcast(ref, src=i % ws, group=ctx.ref)
@@ -222,3 +225,164 @@ def test_a_peer_that_skips_a_collective_is_an_error_within_the_timeout() -> None
     assert error and error.startswith("DistBackendError"), error
     assert "xcomm.all_reduce: rank 1 did not take part within 3000 ms" in error, error
     assert 2.5 < seconds < 10, seconds
+
+
+def _rank_carried_ops(ctx: RankContext) -> dict[str, Any]:
+    """Small ops on a checked Gloo route ride in the check's own exchange:
+    each result equals Gloo's bit for bit, and the group counts which ops
+    were carried."""
+    import xcomm
+
+    group = _group(ctx, 1)
+    plain = dist.new_group(
+        backend="xcomm", pg_options=xcomm.Options(shm=False, carry_small_ops=False)
+    )
+    backend = group._get_backend(torch.device("cpu"))
+    rank, ws = ctx.rank, ctx.world_size
+    gen = ctx.generator()
+    cap = xcomm.group_plan(group)["carry_bytes"]
+    R = dist.ReduceOp
+
+    def values(n: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        x = torch.randn(n, generator=gen) * 20
+        if dtype == torch.bool:
+            return x > 0
+        return x.to(dtype)
+
+    def reduce_case(
+        x: torch.Tensor, op: Any = R.SUM
+    ) -> Callable[[dist.ProcessGroup], list[torch.Tensor]]:
+        def run(g: dist.ProcessGroup) -> list[torch.Tensor]:
+            y = x.clone() if x.is_contiguous() else x.clone().t().contiguous().t()
+            dist.all_reduce(y, op=op, group=g)
+            return [y]
+
+        return run
+
+    cases: dict[str, tuple[Callable[[dist.ProcessGroup], list[torch.Tensor]], bool]] = {}
+    for dtype, ops in {
+        torch.float32: [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX],
+        torch.float64: [R.SUM, R.AVG],
+        torch.float16: [R.SUM, R.AVG, R.MAX],
+        torch.bfloat16: [R.SUM, R.AVG, R.PRODUCT],
+        torch.int32: [R.SUM, R.MAX, R.BAND, R.BOR, R.BXOR],
+        torch.int64: [R.SUM, R.PRODUCT],
+        torch.int8: [R.SUM, R.MIN],
+        torch.uint8: [R.SUM, R.BXOR],
+        torch.bool: [R.SUM, R.PRODUCT, R.MAX, R.BAND],
+    }.items():
+        for op in ops:
+            cases[f"all_reduce_{dtype}_{op}"] = (reduce_case(values(37, dtype), op), True)
+    cases["all_reduce_complex"] = (
+        reduce_case(torch.complex(values(9, torch.float32), values(9, torch.float32))),
+        True,
+    )
+    cases["all_reduce_scalar"] = (reduce_case(values((), torch.float32)), True)
+    cases["all_reduce_transposed"] = (reduce_case(values((3, 5), torch.float32).t(), R.MAX), True)
+    cases["all_reduce_at_limit"] = (reduce_case(values(cap // 4, torch.float32)), True)
+    cases["all_reduce_past_limit"] = (reduce_case(values(cap // 4 + 1, torch.float32)), False)
+
+    def broadcast_case(
+        src: int, x: torch.Tensor
+    ) -> Callable[[dist.ProcessGroup], list[torch.Tensor]]:
+        def run(g: dist.ProcessGroup) -> list[torch.Tensor]:
+            y = x.clone()
+            dist.broadcast(y, src=src, group=g)
+            return [y]
+
+        return run
+
+    for src in range(ws):
+        cases[f"broadcast_from_{src}"] = (broadcast_case(src, values((4, 6), torch.float64)), True)
+    cases["broadcast_past_limit"] = (broadcast_case(0, values(cap + 1, torch.uint8)), False)
+    x = values(11, torch.int64)
+    big = values(cap // 2 + 1, torch.float16)
+
+    def all_gather(g: dist.ProcessGroup) -> list[torch.Tensor]:
+        outs = [torch.zeros(11, dtype=torch.int64) for _ in range(ws)]
+        dist.all_gather(outs, x, group=g)
+        return outs
+
+    def all_gather_into(g: dist.ProcessGroup) -> list[torch.Tensor]:
+        out = torch.zeros(ws * 11, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, x, group=g)
+        return [out]
+
+    def all_gather_into_2d(g: dist.ProcessGroup) -> list[torch.Tensor]:
+        # Gloo refuses an output whose chunks are shaped (1, 11) for an input
+        # of (11): so must the carried path.
+        out = torch.zeros(ws, 11, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, x, group=g)
+        return [out]
+
+    def all_gather_past_limit(g: dist.ProcessGroup) -> list[torch.Tensor]:
+        out = torch.zeros(ws * big.numel(), dtype=big.dtype)
+        dist.all_gather_into_tensor(out, big, group=g)
+        return [out]
+
+    def gather_object(g: dist.ProcessGroup) -> list[torch.Tensor]:
+        objs: list[Any] = [None] * ws
+        dist.all_gather_object(objs, {"rank": rank, "pad": "x" * (100 * rank)}, group=g)
+        return [torch.tensor([len(o["pad"]) + o["rank"] for o in objs])]
+
+    cases["all_gather"] = (all_gather, True)
+    cases["all_gather_into_tensor"] = (all_gather_into, True)
+    cases["all_gather_past_limit"] = (all_gather_past_limit, False)
+    cases["all_gather_into_2d"] = (all_gather_into_2d, False)
+    cases["all_gather_object"] = (gather_object, True)
+    cases["barrier"] = (lambda g: [torch.tensor(dist.barrier(group=g) is None)], True)
+
+    out: dict[str, Any] = {"same": {}, "carried": {}, "cap": cap}
+    out["uncarried_cap"] = xcomm.group_plan(plain)["carry_bytes"]
+    for name, (run, _) in cases.items():
+        ref_error = error_of(lambda: run(ctx.ref))  # noqa: B023
+        before = backend.carried_ops
+        if ref_error is not None:  # every route refuses it too
+            errors = [error_of(lambda: run(g)) for g in (group, plain)]  # noqa: B023
+            out["carried"][name] = backend.carried_ops - before
+            out["same"][name] = all(e is not None for e in errors)
+            continue
+        ref = run(ctx.ref)
+        got = run(group)
+        out["carried"][name] = backend.carried_ops - before
+        out["same"][name] = all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+        unc = run(plain)
+        out["same"][name] &= all(torch.equal(a, b) for a, b in zip(unc, ref, strict=True))
+    out["expected"] = {name: carried for name, (_, carried) in cases.items()}
+    out["plain_carried"] = plain._get_backend(torch.device("cpu")).carried_ops
+    out["description"] = xcomm.group_plan(group)["description"]
+    return out
+
+
+def test_small_ops_ride_in_the_check_and_equal_gloo_bit_for_bit() -> None:
+    res = run_ranks(_rank_carried_ops, 2)
+    for r in res:
+        assert r["cap"] == 32768 and r["uncarried_cap"] == 0, r
+        assert "ops of up to 32768 bytes per rank, and barriers, carried" in r["description"]
+        assert all(r["same"].values()), {k: v for k, v in r["same"].items() if not v}
+        # all_gather_object is two all_gathers (sizes, then bytes).
+        carried = {k: v > 0 for k, v in r["carried"].items()}
+        assert carried == r["expected"], {
+            k: (carried[k], r["expected"][k]) for k in carried if carried[k] != r["expected"][k]
+        }
+        assert r["carried"]["all_gather_object"] == 2, r["carried"]
+        assert r["plain_carried"] == 0
+
+
+def _rank_barrier_waits(ctx: RankContext) -> dict[str, Any]:
+    """A carried barrier still completes after this rank's earlier ops, as
+    Gloo's barrier does; and it fails with an earlier op's error."""
+    group = _group(ctx, 1)
+    out: dict[str, Any] = {"done": []}
+    for _ in range(3):
+        x = torch.ones(4 << 20)  # 16 MB: on Gloo, not carried
+        work = dist.all_reduce(x, group=group, async_op=True)
+        dist.barrier(group=group)
+        out["done"].append(work.is_completed() and x[0].item() == ctx.world_size)
+    return out
+
+
+def test_a_carried_barrier_waits_for_the_ops_before_it() -> None:
+    res = run_ranks(_rank_barrier_waits, 2)
+    for r in res:
+        assert all(r["done"]), r["done"]

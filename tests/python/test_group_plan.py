@@ -105,6 +105,10 @@ def test_options_defaults_and_checks_come_from_cpp() -> None:
     assert opts.check_collectives is cpp.check_collectives is True
     with pytest.raises(TypeError, match="check_collectives must be a bool"):
         xcomm.Options(check_collectives="yes")
+    assert opts.carry_small_ops is cpp.carry_small_ops is True
+    assert xcomm.Options(carry_small_ops=False).to_cpp().carry_small_ops is False
+    with pytest.raises(TypeError, match="carry_small_ops must be a bool"):
+        xcomm.Options(carry_small_ops=1)
     with pytest.raises(ValueError, match="timeout must be positive"):
         xcomm.Options(timeout=datetime.timedelta(0))
 
