@@ -178,7 +178,8 @@ std::chrono::milliseconds CheckedCpuBackend::limit(std::chrono::milliseconds tim
   return timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
 }
 
-std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title, const at::Tensor& mine,
+std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
+                                                    const std::vector<at::Tensor>& outgoing,
                                                     int64_t capacity, int tag,
                                                     std::chrono::milliseconds timeout) {
   // Point-to-point, every rank to every rank: Gloo posts sends and receives
@@ -192,7 +193,7 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title, const at:
   std::vector<int> peers;  // of each work
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) {
-      rows[r] = mine;
+      rows[r] = outgoing[r];
       continue;
     }
     rows[r] = at::empty({capacity}, at::kLong);
@@ -202,7 +203,7 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title, const at:
   }
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    std::vector<at::Tensor> out{mine};
+    std::vector<at::Tensor> out{outgoing[r]};
     works.push_back(checks_->send(out, r, tag));
     peers.push_back(r);
   }
@@ -247,21 +248,35 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
     // exchange checks it; rows of other ops carry zeros there.
     const bool inlinePairs = size_ <= kInlinePairsMaxRanks;
     const int64_t payloadAt = kHeaderWords + (inlinePairs ? 2 * size_ : 0);
-    at::Tensor payload;
-    if (carry.capable && carry.payload) payload = carry.payload();
-    const int64_t payloadBytes = payload.defined() ? payload.numel() : 0;
-    TORCH_CHECK(payloadBytes <= carryBytes_, "xcomm: a carried op of ", payloadBytes,
-                " bytes exceeds the group's ", carryBytes_);
-    at::Tensor mine = at::zeros({payloadAt + wordsFor(payloadBytes)}, at::kLong);
-    auto* row = mine.data_ptr<int64_t>();
-    putCall(row, call);
-    row[kCarryFlag] = carry.capable ? 1 : 0;
-    row[kCarriedBytes] = payloadBytes;
-    if (inlinePairs) std::copy(pairs.begin(), pairs.end(), row + kHeaderWords);
-    if (payloadBytes > 0) {
-      std::memcpy(row + payloadAt, payload.data_ptr(), static_cast<size_t>(payloadBytes));
+    // One row per peer (the same tensor where the same bytes go to several):
+    // the call, the pair sizes, the bytes carried to that peer.
+    std::vector<at::Tensor> outgoing(size_);
+    at::Tensor last;
+    for (int peer = 0; peer < size_; ++peer) {
+      at::Tensor payload;
+      if (carry.capable && carry.payload) payload = carry.payload(peer);
+      const int64_t payloadBytes = payload.defined() ? payload.numel() : 0;
+      TORCH_CHECK(payloadBytes <= carryBytes_, "xcomm: a carried op of ", payloadBytes,
+                  " bytes exceeds the group's ", carryBytes_);
+      if (peer > 0 && payload.defined() == last.defined() &&
+          (!payload.defined() ||
+           (payload.data_ptr() == last.data_ptr() && payload.numel() == last.numel()))) {
+        outgoing[peer] = outgoing[peer - 1];
+        continue;
+      }
+      last = payload;
+      at::Tensor mine = at::zeros({payloadAt + wordsFor(payloadBytes)}, at::kLong);
+      auto* row = mine.data_ptr<int64_t>();
+      putCall(row, call);
+      row[kCarryFlag] = carry.capable ? 1 : 0;
+      row[kCarriedBytes] = payloadBytes;
+      if (inlinePairs) std::copy(pairs.begin(), pairs.end(), row + kHeaderWords);
+      if (payloadBytes > 0) {
+        std::memcpy(row + payloadAt, payload.data_ptr(), static_cast<size_t>(payloadBytes));
+      }
+      outgoing[peer] = mine;
     }
-    const auto rows = exchange(title, mine, payloadAt + carryBytes_ / 8, kDescriptorTag, wait);
+    const auto rows = exchange(title, outgoing, payloadAt + carryBytes_ / 8, kDescriptorTag, wait);
     const int64_t* first = rows[0].data_ptr<int64_t>();
     bool carried = true;
     for (int r = 0; r < size_; ++r) {
@@ -279,7 +294,8 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
       if (inlinePairs) {
         for (const auto& r : rows) sizes.push_back(r.data_ptr<int64_t>() + kHeaderWords);
       } else {
-        pairRows = exchange(title, at::tensor(pairs, at::kLong), 2 * size_, kPairsTag, wait);
+        pairRows = exchange(title, std::vector<at::Tensor>(size_, at::tensor(pairs, at::kLong)),
+                            2 * size_, kPairsTag, wait);
         for (const auto& r : pairRows) sizes.push_back(r.data_ptr<int64_t>());
       }
       for (int s = 0; s < size_; ++s) {
@@ -470,7 +486,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
   const auto call = callOf(c10d::OpType::GATHER, inputs, -1, opts.rootRank);
   return submit(
       "gather", call, {}, flatten(outputs), opts.timeout, opts.asyncOp, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); });
+      [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); },
+      carriedGather(outputs, inputs, static_cast<int>(opts.rootRank), rank_, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
@@ -479,17 +496,20 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
   const auto call = callOf(c10d::OpType::SCATTER, outputs, -1, opts.rootRank);
   return submit(
       "scatter", call, {}, outputs, opts.timeout, opts.asyncOp, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); });
+      [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); },
+      carriedScatter(outputs, inputs, static_cast<int>(opts.rootRank), rank_, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp.op_);
-  return submit("reduce_scatter", call, {}, outputs, opts.timeout, opts.asyncOp, false,
-                [this, outputs, inputs, opts]() mutable {
-                  return inner_->reduce_scatter(outputs, inputs, opts);
-                });
+  return submit(
+      "reduce_scatter", call, {}, outputs, opts.timeout, opts.asyncOp, false,
+      [this, outputs, inputs, opts]() mutable {
+        return inner_->reduce_scatter(outputs, inputs, opts);
+      },
+      carriedReduceScatter(outputs, inputs, opts.reduceOp, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
@@ -524,10 +544,12 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall_base(at::Tensor& outp
   auto pairs = pieceBytes(input, inputSplits, size_);
   const auto in = pieceBytes(output, outputSplits, size_);
   pairs.insert(pairs.end(), in.begin(), in.end());
-  return submit("all_to_all_single", call, std::move(pairs), {output}, opts.timeout, opts.asyncOp,
-                true, [this, output, input, outputSplits, inputSplits, opts]() mutable {
-                  return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
-                });
+  return submit(
+      "all_to_all_single", call, std::move(pairs), {output}, opts.timeout, opts.asyncOp, true,
+      [this, output, input, outputSplits, inputSplits, opts]() mutable {
+        return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
+      },
+      carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -545,7 +567,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tenso
   }
   return submit(
       "all_to_all", call, std::move(pairs), outputs, opts.timeout, opts.asyncOp, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->alltoall(outputs, inputs, opts); });
+      [this, outputs, inputs, opts]() mutable { return inner_->alltoall(outputs, inputs, opts); },
+      carriedAlltoall(outputs, inputs, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::barrier(const c10d::BarrierOptions& opts) {

@@ -17,9 +17,9 @@
 // others' check at the timeout, named.
 //
 // A small op rides in the check's own message (collectives/
-// CarriedCollectives.hpp): all_reduce, broadcast and all_gather of up to
-// `carryBytes` per rank, and barrier, complete with the exchange and never
-// reach Gloo.
+// CarriedCollectives.hpp): every collective whose bytes from one rank to
+// another are at most `carryBytes`, and barrier, completes with the
+// exchange and never reaches Gloo.
 //
 // One worker thread issues the checks and then the ops in the caller's
 // order; it does not wait for an op to finish before checking the next, so
@@ -155,12 +155,12 @@ class CheckedCpuBackend : public c10d::Backend {
   Outcome run(const char* title, const Call& call, const std::vector<int64_t>& pairs,
               const CarriedOp& carry, std::chrono::milliseconds timeout, const Issue& issue,
               const c10::intrusive_ptr<FutureWork>& work);
-  // Every rank's row: `mine` (int64s) goes to every other rank with `tag`
-  // over the checks group, and a row of up to `capacity` int64s comes back
-  // from each (rank order; this rank's is `mine`). A peer missing at
-  // `timeout` is a DistBackendError naming it and `title`.
-  std::vector<at::Tensor> exchange(const char* title, const at::Tensor& mine, int64_t capacity,
-                                   int tag, std::chrono::milliseconds timeout);
+  // Every rank's row for this one: `outgoing[r]` (int64s) goes to rank r
+  // with `tag` over the checks group, and a row of up to `capacity` int64s
+  // comes back from each (rank order; this rank's is `outgoing[rank]`). A
+  // peer missing at `timeout` is a DistBackendError naming it and `title`.
+  std::vector<at::Tensor> exchange(const char* title, const std::vector<at::Tensor>& outgoing,
+                                   int64_t capacity, int tag, std::chrono::milliseconds timeout);
   // Waits for the inner ops issued so far (a barrier's "earlier ops first").
   void drain(std::chrono::milliseconds timeout);
   std::chrono::milliseconds limit(std::chrono::milliseconds timeout) const;

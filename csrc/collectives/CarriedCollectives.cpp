@@ -1,6 +1,7 @@
 #include "collectives/CarriedCollectives.hpp"
 
 #include <algorithm>
+#include <memory>
 
 #include "collectives/ReduceKernels.hpp"
 
@@ -44,6 +45,39 @@ at::Tensor bytesView(const at::Tensor& t) {
   return t.contiguous().reshape({-1}).view(at::kByte);
 }
 
+// `t`'s bytes for every peer, made once, when the op runs.
+std::function<at::Tensor(int)> sameBytesForAll(const at::Tensor& t) {
+  auto made = std::make_shared<at::Tensor>();
+  return [t, made](int) {
+    if (!made->defined()) *made = bytesView(t);
+    return *made;
+  };
+}
+
+// A tensor of `like`'s dtype and device, the rest as Gloo checks it.
+bool sameKind(const at::Tensor& t, const at::Tensor& like) {
+  return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() &&
+         t.scalar_type() == like.scalar_type();
+}
+
+// Rows per piece of `t` along dim 0 for `size` peers (empty `splits`: even),
+// or empty when Gloo would refuse them.
+std::vector<int64_t> piecesOf(const at::Tensor& t, const std::vector<int64_t>& splits, int size) {
+  if (t.dim() == 0) return {};
+  const int64_t rows = t.size(0);
+  if (splits.empty()) {
+    if (rows % size != 0) return {};
+    return std::vector<int64_t>(size, rows / size);
+  }
+  if (static_cast<int>(splits.size()) != size) return {};
+  int64_t sum = 0;
+  for (const auto s : splits) {
+    if (s < 0) return {};
+    sum += s;
+  }
+  return sum == rows ? splits : std::vector<int64_t>{};
+}
+
 // Rank r's bytes as a flat tensor of `like`'s dtype.
 at::Tensor asElements(const at::Tensor& bytes, const at::Tensor& like) {
   return bytes.view(like.scalar_type());
@@ -71,7 +105,7 @@ CarriedOp carriedAllreduce(const std::vector<at::Tensor>& tensors, const c10d::R
   }
   const at::Tensor t = tensors[0];
   carried.capable = true;
-  carried.payload = [t] { return bytesView(t); };
+  carried.payload = sameBytesForAll(t);
   carried.finish = [t, red, size](const std::vector<at::Tensor>& rows) {
     // Every rank folds the same rows in the same order: the same bits everywhere.
     at::Tensor acc = t.is_contiguous() ? t.view({-1}) : at::empty({t.numel()}, t.options());
@@ -90,7 +124,7 @@ CarriedOp carriedBroadcast(const std::vector<at::Tensor>& tensors, int root, int
   const at::Tensor t = tensors[0];
   carried.capable = true;
   if (rank == root) {
-    carried.payload = [t] { return bytesView(t); };
+    carried.payload = [t](int) { return bytesView(t); };
     carried.finish = [](const std::vector<at::Tensor>&) {};
   } else {
     carried.finish = [t, root](const std::vector<at::Tensor>& rows) {
@@ -117,7 +151,7 @@ CarriedOp carriedAllgather(const std::vector<std::vector<at::Tensor>>& outputs,
   }
   const std::vector<at::Tensor> outs = outputs[0];
   carried.capable = true;
-  carried.payload = [in] { return bytesView(in); };
+  carried.payload = sameBytesForAll(in);
   carried.finish = [outs](const std::vector<at::Tensor>& rows) {
     for (size_t r = 0; r < outs.size(); ++r) {
       outs[r].copy_(asElements(rows[r], outs[r]).view(outs[r].sizes()));
@@ -143,7 +177,7 @@ CarriedOp carriedAllgatherBase(const at::Tensor& output, const at::Tensor& input
   const at::Tensor in = input;
   const at::Tensor out = output;
   carried.capable = true;
-  carried.payload = [in] { return bytesView(in); };
+  carried.payload = sameBytesForAll(in);
   carried.finish = [out, n = in.numel()](const std::vector<at::Tensor>& rows) {
     at::Tensor flat =
         out.is_contiguous() ? out.view({-1}) : at::empty({out.numel()}, out.options());
@@ -151,6 +185,151 @@ CarriedOp carriedAllgatherBase(const at::Tensor& output, const at::Tensor& input
       flat.narrow(0, static_cast<int64_t>(r) * n, n).copy_(asElements(rows[r], out));
     }
     if (!out.is_contiguous()) out.copy_(flat.view(out.sizes()));
+  };
+  return carried;
+}
+
+CarriedOp carriedReduceScatter(const std::vector<at::Tensor>& outputs,
+                               const std::vector<std::vector<at::Tensor>>& inputs,
+                               const c10d::ReduceOp& op, int size, int64_t capacityBytes) {
+  CarriedOp carried;
+  const RedOp red = op.op_;
+  // AVG stays Gloo's to do or refuse.
+  const bool knownOp = red == RedOp::SUM || red == RedOp::PRODUCT || red == RedOp::MIN ||
+                       red == RedOp::MAX || red == RedOp::BAND || red == RedOp::BOR ||
+                       red == RedOp::BXOR;
+  if (outputs.size() != 1 || inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size ||
+      !knownOp || !carriedTensor(outputs[0], capacityBytes) ||
+      !reduceOpSupports(red, outputs[0].scalar_type())) {
+    return carried;
+  }
+  const at::Tensor out = outputs[0];
+  for (const auto& in : inputs[0]) {
+    if (!sameKind(in, out) || in.sizes() != out.sizes()) return carried;
+  }
+  const std::vector<at::Tensor> pieces = inputs[0];
+  carried.capable = true;
+  carried.payload = [pieces](int peer) { return bytesView(pieces[peer]); };
+  carried.finish = [out, red, size](const std::vector<at::Tensor>& rows) {
+    at::Tensor acc = out.is_contiguous() ? out.view({-1}) : at::empty({out.numel()}, out.options());
+    acc.copy_(asElements(rows[0], out));
+    for (size_t r = 1; r < rows.size(); ++r) reduceInto(acc, asElements(rows[r], out), red);
+    finishReduction(acc, red, size);
+    if (!out.is_contiguous()) out.copy_(acc.view(out.sizes()));
+  };
+  return carried;
+}
+
+CarriedOp carriedGather(const std::vector<std::vector<at::Tensor>>& outputs,
+                        const std::vector<at::Tensor>& inputs, int root, int rank, int size,
+                        int64_t capacityBytes) {
+  CarriedOp carried;
+  if (inputs.size() != 1 || !carriedTensor(inputs[0], capacityBytes)) return carried;
+  const at::Tensor in = inputs[0];
+  if (rank != root) {
+    if (!outputs.empty()) return carried;  // Gloo: no output list off the root
+    carried.capable = true;
+    carried.payload = [in, root](int peer) { return peer == root ? bytesView(in) : at::Tensor(); };
+    carried.finish = [](const std::vector<at::Tensor>&) {};
+    return carried;
+  }
+  if (outputs.size() != 1 || static_cast<int>(outputs[0].size()) != size) return carried;
+  for (const auto& out : outputs[0]) {
+    if (!sameKind(out, in) || out.sizes() != in.sizes()) return carried;
+  }
+  const std::vector<at::Tensor> outs = outputs[0];
+  carried.capable = true;
+  carried.payload = [in, rank](int peer) { return peer == rank ? bytesView(in) : at::Tensor(); };
+  carried.finish = [outs](const std::vector<at::Tensor>& rows) {
+    for (size_t r = 0; r < outs.size(); ++r) {
+      outs[r].copy_(asElements(rows[r], outs[r]).view(outs[r].sizes()));
+    }
+  };
+  return carried;
+}
+
+CarriedOp carriedScatter(const std::vector<at::Tensor>& outputs,
+                         const std::vector<std::vector<at::Tensor>>& inputs, int root, int rank,
+                         int size, int64_t capacityBytes) {
+  CarriedOp carried;
+  if (outputs.size() != 1 || !carriedTensor(outputs[0], capacityBytes)) return carried;
+  const at::Tensor out = outputs[0];
+  std::vector<at::Tensor> pieces;
+  if (rank == root) {
+    if (inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size) return carried;
+    for (const auto& in : inputs[0]) {
+      if (!sameKind(in, out) || in.sizes() != out.sizes()) return carried;
+    }
+    pieces = inputs[0];
+  } else if (!inputs.empty()) {
+    return carried;  // Gloo: no input list off the root
+  }
+  carried.capable = true;
+  carried.payload = [pieces](int peer) {
+    return pieces.empty() ? at::Tensor() : bytesView(pieces[peer]);
+  };
+  carried.finish = [out, root](const std::vector<at::Tensor>& rows) {
+    out.copy_(asElements(rows[root], out).view(out.sizes()));
+  };
+  return carried;
+}
+
+CarriedOp carriedAlltoallBase(const at::Tensor& output, const at::Tensor& input,
+                              const std::vector<int64_t>& outputSplits,
+                              const std::vector<int64_t>& inputSplits, int size,
+                              int64_t capacityBytes) {
+  CarriedOp carried;
+  if (!carriedTensor(input, capacityBytes * size) || !sameKind(output, input)) return carried;
+  const auto sent = piecesOf(input, inputSplits, size);
+  const auto got = piecesOf(output, outputSplits, size);
+  if (sent.empty() || got.empty()) return carried;
+  const int64_t inRow = input.numel() == 0 ? 0 : input.numel() / input.size(0);
+  const int64_t element = static_cast<int64_t>(input.element_size());
+  for (int r = 0; r < size; ++r) {
+    if (sent[r] * inRow * element > capacityBytes) return carried;
+  }
+  std::vector<int64_t> sentAt(size, 0), gotAt(size, 0);
+  for (int r = 1; r < size; ++r) {
+    sentAt[r] = sentAt[r - 1] + sent[r - 1];
+    gotAt[r] = gotAt[r - 1] + got[r - 1];
+  }
+  const at::Tensor in = input;
+  const at::Tensor out = output;
+  carried.capable = true;
+  carried.payload = [in, sent, sentAt](int peer) {
+    return bytesView(in.narrow(0, sentAt[peer], sent[peer]));
+  };
+  // The pair sizes were checked before: rank r's bytes fill piece r exactly.
+  carried.finish = [out, got, gotAt](const std::vector<at::Tensor>& rows) {
+    for (size_t r = 0; r < rows.size(); ++r) {
+      at::Tensor piece = out.narrow(0, gotAt[r], got[r]);
+      piece.copy_(asElements(rows[r], out).view(piece.sizes()));
+    }
+  };
+  return carried;
+}
+
+CarriedOp carriedAlltoall(const std::vector<at::Tensor>& outputs,
+                          const std::vector<at::Tensor>& inputs, int size, int64_t capacityBytes) {
+  CarriedOp carried;
+  if (static_cast<int>(inputs.size()) != size || static_cast<int>(outputs.size()) != size) {
+    return carried;
+  }
+  // Gloo's requirement: every tensor of both lists shaped as the first input.
+  for (int r = 0; r < size; ++r) {
+    if (!carriedTensor(inputs[r], capacityBytes) || !sameKind(outputs[r], inputs[0]) ||
+        inputs[r].sizes() != inputs[0].sizes() || outputs[r].sizes() != inputs[0].sizes()) {
+      return carried;
+    }
+  }
+  const std::vector<at::Tensor> ins = inputs;
+  const std::vector<at::Tensor> outs = outputs;
+  carried.capable = true;
+  carried.payload = [ins](int peer) { return bytesView(ins[peer]); };
+  carried.finish = [outs](const std::vector<at::Tensor>& rows) {
+    for (size_t r = 0; r < outs.size(); ++r) {
+      outs[r].copy_(asElements(rows[r], outs[r]).view(outs[r].sizes()));
+    }
   };
   return carried;
 }

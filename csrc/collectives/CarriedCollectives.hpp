@@ -6,9 +6,13 @@
 // CheckedCpuBackend). A small op can put its data in that same message: an
 // all_reduce is then one exchange plus a local reduction, in rank order, so
 // every rank computes the same bits; a broadcast or an all_gather is one
-// exchange plus copies. Gloo's own algorithms take several dependent round
+// exchange plus copies; an all_to_all sends each peer its own piece, a
+// gather or a reduce sends bytes to the root only. Gloo's own algorithms
+// take several dependent round
 // trips for a few bytes (~2 ms for an 8-byte all_reduce between two ranks on
 // a busy 2-core machine), the exchange one.
+// (On a plain group a reduce-scatter runs as an all_to_all_single plus a
+// local reduction, collectives/AlltoallReduceScatter: carried with it.)
 //
 // Each function here says whether this rank can carry the op (a dense CPU
 // tensor of a dtype and reduce op Gloo takes, up to `capacityBytes`, outputs
@@ -30,10 +34,12 @@ struct CarriedOp {
   // A barrier: the group's earlier ops complete before the exchange, as
   // Gloo's barrier waits for them.
   bool drainFirst = false;
-  // This rank's bytes (a contiguous uint8 tensor), read when the op runs;
-  // null, or an undefined result, for none.
-  std::function<at::Tensor()> payload;
-  // Writes the outputs from every rank's bytes, in rank order.
+  // The bytes this rank sends `peer` (a contiguous uint8 tensor; for
+  // peer == this rank, the part it keeps), read when the op runs; null, or
+  // an undefined result, for none. Returning the same tensor for several
+  // peers lets one row serve them all.
+  std::function<at::Tensor(int peer)> payload;
+  // Writes the outputs from the bytes every rank sent this one, in rank order.
   std::function<void(const std::vector<at::Tensor>&)> finish;
 };
 
@@ -50,6 +56,24 @@ CarriedOp carriedAllgather(const std::vector<std::vector<at::Tensor>>& outputs,
                            const std::vector<at::Tensor>& inputs, int size, int64_t capacityBytes);
 CarriedOp carriedAllgatherBase(const at::Tensor& output, const at::Tensor& input, int size,
                                int64_t capacityBytes);
+CarriedOp carriedReduce(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op, int root,
+                        int rank, int size, int64_t capacityBytes);
+CarriedOp carriedReduceScatter(const std::vector<at::Tensor>& outputs,
+                               const std::vector<std::vector<at::Tensor>>& inputs,
+                               const c10d::ReduceOp& op, int size, int64_t capacityBytes);
+CarriedOp carriedGather(const std::vector<std::vector<at::Tensor>>& outputs,
+                        const std::vector<at::Tensor>& inputs, int root, int rank, int size,
+                        int64_t capacityBytes);
+CarriedOp carriedScatter(const std::vector<at::Tensor>& outputs,
+                         const std::vector<std::vector<at::Tensor>>& inputs, int root, int rank,
+                         int size, int64_t capacityBytes);
+// Empty splits: even pieces along dim 0.
+CarriedOp carriedAlltoallBase(const at::Tensor& output, const at::Tensor& input,
+                              const std::vector<int64_t>& outputSplits,
+                              const std::vector<int64_t>& inputSplits, int size,
+                              int64_t capacityBytes);
+CarriedOp carriedAlltoall(const std::vector<at::Tensor>& outputs,
+                          const std::vector<at::Tensor>& inputs, int size, int64_t capacityBytes);
 CarriedOp carriedBarrier();
 
 }  // namespace xcomm
