@@ -95,16 +95,19 @@ class Options:
             small round trip per op (see docs/benchmarks.md). Groups on one
             host check over shared memory whatever this says. ``True``
             (default).
-        carry_small_ops: With ``check_collectives``, a small collective
-            travels inside the check's own exchange instead of a Gloo op
-            after it: ``all_reduce``, ``broadcast``, ``all_gather`` and
-            ``all_gather_into_tensor`` of up to 32 KiB per rank (256 KiB
-            over the other ranks beyond 9 ranks;
-            ``xcomm.group_plan(g)["carry_bytes"]``), and ``barrier``. An
+        carry_small_ops: With ``check_collectives``, a collective whose
+            bytes from one rank to another are at most 32 KiB (256 KiB over
+            the other ranks beyond 9 ranks;
+            ``xcomm.group_plan(g)["carry_bytes"]``) travels inside the
+            check's own exchange instead of a Gloo op after it:
+            ``all_reduce``, ``broadcast``, ``all_gather(_into_tensor)``,
+            ``all_to_all(_single)``, ``reduce_scatter(_tensor)``,
+            ``gather``, ``scatter``, and ``barrier`` (not ``reduce``). An
             all_reduce is then one exchange and a local reduction in rank
             order, the same bits on every rank. Ops are carried only when
             every rank can carry them (dense CPU tensors of a dtype Gloo
-            takes); otherwise Gloo runs them. ``True`` (default).
+            takes, shapes Gloo accepts); otherwise Gloo runs them. ``True``
+            (default).
 
     Example::
 
