@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "collectives/ReduceKernels.hpp"
+#include "collectives/VectorReduce.hpp"
 
 namespace xcomm {
 namespace {
@@ -13,22 +14,19 @@ using RedOp = c10d::ReduceOp::RedOpType;
 constexpr int64_t kMaxCarryBytes = 32 * 1024;
 constexpr int64_t kCarryBudgetBytes = 256 * 1024;  // sent by one rank per op, all peers together
 
-// The dtypes Gloo reduces and moves (torch converts complex tensors to real views first).
+// The dtypes Gloo reduces and moves: shared memory's, but int16 (torch
+// converts complex tensors to real views first).
 bool carriedDtype(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat:
-    case at::kDouble:
-    case at::kHalf:
-    case at::kBFloat16:
-    case at::kChar:
-    case at::kByte:
-    case at::kInt:
-    case at::kLong:
-    case at::kBool:
-      return true;
-    default:
-      return false;
-  }
+  return vectorReduceSupports(dtype) && dtype != at::kShort;
+}
+
+// A reduce op Gloo runs as itself on `dtype` (AVG as a SUM and a division,
+// where `avg` says Gloo takes it; PREMUL_SUM reaches Gloo lowered to SUM).
+bool carriedReduceOp(RedOp red, at::ScalarType dtype, bool avg) {
+  const bool known = red == RedOp::SUM || (avg && red == RedOp::AVG) || red == RedOp::PRODUCT ||
+                     red == RedOp::MIN || red == RedOp::MAX || red == RedOp::BAND ||
+                     red == RedOp::BOR || red == RedOp::BXOR;
+  return known && reduceOpSupports(red, dtype);
 }
 
 int64_t bytesOf(const at::Tensor& t) {
@@ -83,6 +81,16 @@ at::Tensor asElements(const at::Tensor& bytes, const at::Tensor& like) {
   return bytes.view(like.scalar_type());
 }
 
+// `out` = every rank's bytes folded in rank order: the same rows in the same
+// order on every rank, so the same bits everywhere.
+void foldInto(const at::Tensor& out, const std::vector<at::Tensor>& rows, RedOp red, int size) {
+  at::Tensor acc = out.is_contiguous() ? out.view({-1}) : at::empty({out.numel()}, out.options());
+  acc.copy_(asElements(rows[0], out));
+  for (size_t r = 1; r < rows.size(); ++r) reduceInto(acc, asElements(rows[r], out), red);
+  finishReduction(acc, red, size);
+  if (!out.is_contiguous()) out.copy_(acc.view(out.sizes()));
+}
+
 }  // namespace
 
 int64_t carryCapacityBytes(int size) {
@@ -95,24 +103,16 @@ CarriedOp carriedAllreduce(const std::vector<at::Tensor>& tensors, const c10d::R
                            int size, int64_t capacityBytes) {
   CarriedOp carried;
   const RedOp red = op.op_;
-  // PREMUL_SUM reaches Gloo lowered to SUM; an op Gloo refuses stays Gloo's to refuse.
-  const bool knownOp = red == RedOp::SUM || red == RedOp::AVG || red == RedOp::PRODUCT ||
-                       red == RedOp::MIN || red == RedOp::MAX || red == RedOp::BAND ||
-                       red == RedOp::BOR || red == RedOp::BXOR;
-  if (tensors.size() != 1 || !carriedTensor(tensors[0], capacityBytes) || !knownOp ||
-      !reduceOpSupports(red, tensors[0].scalar_type())) {
+  // An op Gloo refuses stays Gloo's to refuse.
+  if (tensors.size() != 1 || !carriedTensor(tensors[0], capacityBytes) ||
+      !carriedReduceOp(red, tensors[0].scalar_type(), /*avg=*/true)) {
     return carried;
   }
   const at::Tensor t = tensors[0];
   carried.capable = true;
   carried.payload = sameBytesForAll(t);
   carried.finish = [t, red, size](const std::vector<at::Tensor>& rows) {
-    // Every rank folds the same rows in the same order: the same bits everywhere.
-    at::Tensor acc = t.is_contiguous() ? t.view({-1}) : at::empty({t.numel()}, t.options());
-    acc.copy_(asElements(rows[0], t));
-    for (size_t r = 1; r < rows.size(); ++r) reduceInto(acc, asElements(rows[r], t), red);
-    finishReduction(acc, red, size);
-    if (!t.is_contiguous()) t.copy_(acc.view(t.sizes()));
+    foldInto(t, rows, red, size);
   };
   return carried;
 }
@@ -195,12 +195,9 @@ CarriedOp carriedReduceScatter(const std::vector<at::Tensor>& outputs,
   CarriedOp carried;
   const RedOp red = op.op_;
   // AVG stays Gloo's to do or refuse.
-  const bool knownOp = red == RedOp::SUM || red == RedOp::PRODUCT || red == RedOp::MIN ||
-                       red == RedOp::MAX || red == RedOp::BAND || red == RedOp::BOR ||
-                       red == RedOp::BXOR;
   if (outputs.size() != 1 || inputs.size() != 1 || static_cast<int>(inputs[0].size()) != size ||
-      !knownOp || !carriedTensor(outputs[0], capacityBytes) ||
-      !reduceOpSupports(red, outputs[0].scalar_type())) {
+      !carriedTensor(outputs[0], capacityBytes) ||
+      !carriedReduceOp(red, outputs[0].scalar_type(), /*avg=*/false)) {
     return carried;
   }
   const at::Tensor out = outputs[0];
@@ -211,11 +208,7 @@ CarriedOp carriedReduceScatter(const std::vector<at::Tensor>& outputs,
   carried.capable = true;
   carried.payload = [pieces](int peer) { return bytesView(pieces[peer]); };
   carried.finish = [out, red, size](const std::vector<at::Tensor>& rows) {
-    at::Tensor acc = out.is_contiguous() ? out.view({-1}) : at::empty({out.numel()}, out.options());
-    acc.copy_(asElements(rows[0], out));
-    for (size_t r = 1; r < rows.size(); ++r) reduceInto(acc, asElements(rows[r], out), red);
-    finishReduction(acc, red, size);
-    if (!out.is_contiguous()) out.copy_(acc.view(out.sizes()));
+    foldInto(out, rows, red, size);
   };
   return carried;
 }
