@@ -11,7 +11,9 @@ namespace {
 
 using RedOp = c10d::ReduceOp::RedOpType;
 
-constexpr int64_t kMaxCarryBytes = 32 * 1024;
+// 128 KiB: a carried op beat checking and then running Gloo at every size
+// measured, 64 and 128 KiB included (docs/benchmarks.md, stop 39).
+constexpr int64_t kMaxCarryBytes = 128 * 1024;
 constexpr int64_t kCarryBudgetBytes = 256 * 1024;  // sent by one rank per op, all peers together
 
 // The dtypes Gloo reduces and moves: shared memory's, but int16 (torch

@@ -43,9 +43,9 @@ struct CarriedOp {
   std::function<void(const std::vector<at::Tensor>&)> finish;
 };
 
-// The most bytes a rank carries per op in a group of `size` ranks: 32 KiB
-// up to 9 ranks, then 256 KiB spread over the other ranks (each rank sends
-// its bytes to every other one), 0 for one rank.
+// The most bytes a rank carries to one peer per op in a group of `size`
+// ranks: 128 KiB up to 3 ranks, then 256 KiB spread over the other ranks
+// (each rank may send its bytes to every other one), 0 for one rank.
 int64_t carryCapacityBytes(int size);
 
 CarriedOp carriedAllreduce(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,

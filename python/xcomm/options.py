@@ -96,8 +96,8 @@ class Options:
             host check over shared memory whatever this says. ``True``
             (default).
         carry_small_ops: With ``check_collectives``, a collective whose
-            bytes from one rank to another are at most 32 KiB (256 KiB over
-            the other ranks beyond 9 ranks;
+            bytes from one rank to another are at most 128 KiB (256 KiB
+            over the other ranks beyond 3 ranks;
             ``xcomm.group_plan(g)["carry_bytes"]``) travels inside the
             check's own exchange instead of a Gloo op after it:
             ``all_reduce``, ``broadcast``, ``all_gather(_into_tensor)``,

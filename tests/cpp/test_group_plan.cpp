@@ -130,18 +130,19 @@ TEST_CASE("collectives Gloo runs are checked unless one host's shared memory che
   CHECK_THAT(off.describe(), Contains("check_collectives=False"));
 }
 
-TEST_CASE("small ops ride in the check: 32 KiB per rank, spread thinner past 9 ranks", "[plan]") {
+TEST_CASE("small ops ride in the check: 128 KiB per pair, spread thinner past 3 ranks", "[plan]") {
   CHECK(carryCapacityBytes(1) == 0);
-  CHECK(carryCapacityBytes(2) == 32 * 1024);
+  CHECK(carryCapacityBytes(2) == 128 * 1024);
+  CHECK(carryCapacityBytes(3) == 128 * 1024);
+  // Each rank may send its bytes to every other rank: 256 KiB in all per op.
+  CHECK(carryCapacityBytes(4) == 256 * 1024 / 3 / 8 * 8);
   CHECK(carryCapacityBytes(9) == 32 * 1024);
-  // Each rank sends its bytes to every other rank: 256 KiB in all per op.
-  CHECK(carryCapacityBytes(10) == 256 * 1024 / 9 / 8 * 8);
   CHECK(carryCapacityBytes(64) * 63 <= 256 * 1024);
   CHECK(carryCapacityBytes(64) % 8 == 0);
   XcommOptions options;
   auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
-  CHECK(twoHosts.carryBytes() == 32 * 1024);
-  CHECK_THAT(twoHosts.describe(), Contains("ops of up to 32768 bytes per rank"));
+  CHECK(twoHosts.carryBytes() == 128 * 1024);
+  CHECK_THAT(twoHosts.describe(), Contains("ops of up to 131072 bytes per rank"));
   // Nothing to carry without the check, or on one host (shared memory's own route).
   CHECK(GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{}).carryBytes() == 0);
   options.carrySmallOps = false;
