@@ -24,8 +24,7 @@
 // One worker thread issues the checks and then the ops in the caller's
 // order; it does not wait for an op to finish before checking the next, so
 // consecutive async ops still overlap (their transfers share the link
-// anyway). A synchronous op with nothing queued before it runs on the
-// caller's thread instead, saving two thread hand-offs.
+// anyway). Synchronous ops too: see submit() for why not the caller's thread.
 // Options(check_collectives=False) leaves Gloo unwrapped.
 #include <atomic>
 #include <chrono>
@@ -136,8 +135,7 @@ class CheckedCpuBackend : public c10d::Backend {
   // Agrees on `call` (and on `pairs`, every rank's bytes to and from every
   // rank, for an all_to_all); then completes the op with the exchange when
   // every rank can `carry` it, else `issue()`s it and completes the returned
-  // work with the inner op's. On the worker, or on the caller's thread for a
-  // synchronous op with nothing queued. `title` names the op in errors.
+  // work with the inner op's, on the worker. `title` names the op in errors.
   c10::intrusive_ptr<c10d::Work> submit(const char* title, Call call, std::vector<int64_t> pairs,
                                         std::vector<at::Tensor> outputs,
                                         std::chrono::milliseconds timeout, bool asyncOp,
@@ -171,8 +169,7 @@ class CheckedCpuBackend : public c10d::Backend {
   std::atomic<int64_t> timeoutMs_;
   std::atomic<uint64_t> seq_{0};  // ops called, point-to-point included
   std::atomic<uint64_t> carriedOps_{0};
-  std::mutex submitMutex_;       // a caller's inline run against the queue
-  std::atomic<int> pending_{0};  // queued or running on the worker
+  std::mutex submitMutex_;  // sequence numbers counted in queue order
   std::mutex inflightMutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;  // issued inner ops, maybe not done
   // Completes carried and failed ops that ran on the worker: future

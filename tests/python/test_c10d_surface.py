@@ -196,17 +196,6 @@ def _rank_profiler_events(ctx: RankContext) -> dict[str, Any]:
     return res
 
 
-@pytest.mark.xfail(
-    tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 14),
-    reason=(
-        "KNOWN BUG (stop 39, open): on torch 2.14.1, a rank whose groups check "
-        "collectives (CheckedCpuBackend: shm=False, with or without carrying) crashes "
-        "at exit after profiled ops in about half the runs: glibc 'tcache_thread_shutdown(): "
-        "unaligned tcache chunk detected', a use-after-free; not seen on 2.13 or without "
-        "the check. Root cause not found yet."
-    ),
-    strict=False,
-)
 def test_each_op_is_one_profiler_event_named_xcomm_op_with_gloos_input_shapes() -> None:
     """Like Gloo's ``gloo:<op>``, every xcomm op is exactly one async
     ``xcomm:<op>`` event (``xcomm:<op>:<how>`` when compressed or fused), on
