@@ -365,12 +365,9 @@ void CheckedCpuBackend::Outcome::mark(FutureWork& work) const {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(const char* title, Call call,
-                                                         std::vector<int64_t> pairs,
-                                                         std::vector<at::Tensor> outputs,
-                                                         std::chrono::milliseconds timeout,
-                                                         bool asyncOp, bool withFuture, Issue issue,
-                                                         CarriedOp carry) {
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(
+    const char* title, Call call, std::vector<int64_t> pairs, std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout, bool withFuture, Issue issue, CarriedOp carry) {
   c10::intrusive_ptr<FutureWork> work;
   c10::IValue result(std::move(outputs));
   if (withFuture) {
@@ -389,7 +386,6 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(const char* title, Call
   // thread hand-offs, but on torch 2.14.1 a process that profiled such ops
   // then aborted at exit in about half the runs (glibc: "unaligned tcache
   // chunk", a use-after-free; 0 of 10 runs with this path off).
-  (void)asyncOp;
   queue_.push([this, work, title, call, pairs = std::move(pairs), carry = std::move(carry), wait,
                issue = std::move(issue)] {
     const auto outcome = run(title, call, pairs, carry, wait, issue, work);
@@ -405,7 +401,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::broadcast(std::vector<at::Tens
   const auto call = callOf(c10d::OpType::BROADCAST, tensors, -1,
                            opts.rootRank * static_cast<int64_t>(tensors.size()) + opts.rootTensor);
   return submit(
-      "broadcast", call, {}, tensors, opts.timeout, opts.asyncOp, true,
+      "broadcast", call, {}, tensors, opts.timeout, true,
       [this, tensors, opts]() mutable { return inner_->broadcast(tensors, opts); },
       opts.rootTensor == 0
           ? carriedBroadcast(tensors, static_cast<int>(opts.rootRank), rank_, carryBytes_)
@@ -416,7 +412,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tens
                                                             const c10d::AllreduceOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp.op_);
   return submit(
-      "all_reduce", call, {}, tensors, opts.timeout, opts.asyncOp, true,
+      "all_reduce", call, {}, tensors, opts.timeout, true,
       [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); },
       carriedAllreduce(tensors, opts.reduceOp, size_, carryBytes_));
 }
@@ -425,14 +421,14 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp.op_);
   return submit(
-      "all_reduce_coalesced", call, {}, tensors, opts.timeout, opts.asyncOp, true,
+      "all_reduce_coalesced", call, {}, tensors, opts.timeout, true,
       [this, tensors, opts]() mutable { return inner_->allreduce_coalesced(tensors, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::ReduceOptions& opts) {
   const auto call = callOf(c10d::OpType::REDUCE, tensors, opts.reduceOp.op_, opts.rootRank);
-  return submit("reduce", call, {}, tensors, opts.timeout, opts.asyncOp, true,
+  return submit("reduce", call, {}, tensors, opts.timeout, true,
                 [this, tensors, opts]() mutable { return inner_->reduce(tensors, opts); });
 }
 
@@ -441,7 +437,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather(
     const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLGATHER, inputs);
   return submit(
-      "all_gather", call, {}, flatten(outputs), opts.timeout, opts.asyncOp, true,
+      "all_gather", call, {}, flatten(outputs), opts.timeout, true,
       [this, outputs, inputs, opts]() mutable { return inner_->allgather(outputs, inputs, opts); },
       carriedAllgather(outputs, inputs, size_, carryBytes_));
 }
@@ -450,7 +446,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::_ALLGATHER_BASE, {input});
   return submit(
-      "all_gather_into_tensor", call, {}, {output}, opts.timeout, opts.asyncOp, true,
+      "all_gather_into_tensor", call, {}, {output}, opts.timeout, true,
       [this, output, input, opts]() mutable {
         return inner_->_allgather_base(output, input, opts);
       },
@@ -461,8 +457,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_into_tensor_coalesce
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::COALESCED, inputs);
-  return submit("all_gather_into_tensor_coalesced", call, {}, outputs, opts.timeout, opts.asyncOp,
-                true, [this, outputs, inputs, opts]() mutable {
+  return submit("all_gather_into_tensor_coalesced", call, {}, outputs, opts.timeout, true,
+                [this, outputs, inputs, opts]() mutable {
                   return inner_->allgather_into_tensor_coalesced(outputs, inputs, opts);
                 });
 }
@@ -471,8 +467,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::ALLGATHER_COALESCED, inputs);
-  return submit("all_gather_coalesced", call, {}, flatten(outputs), opts.timeout, opts.asyncOp,
-                true, [this, outputs, inputs, opts]() mutable {
+  return submit("all_gather_coalesced", call, {}, flatten(outputs), opts.timeout, true,
+                [this, outputs, inputs, opts]() mutable {
                   return inner_->allgather_coalesced(outputs, inputs, opts);
                 });
 }
@@ -482,7 +478,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
     const c10d::GatherOptions& opts) {
   const auto call = callOf(c10d::OpType::GATHER, inputs, -1, opts.rootRank);
   return submit(
-      "gather", call, {}, flatten(outputs), opts.timeout, opts.asyncOp, true,
+      "gather", call, {}, flatten(outputs), opts.timeout, true,
       [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); },
       carriedGather(outputs, inputs, static_cast<int>(opts.rootRank), rank_, size_, carryBytes_));
 }
@@ -492,7 +488,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
     const c10d::ScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::SCATTER, outputs, -1, opts.rootRank);
   return submit(
-      "scatter", call, {}, outputs, opts.timeout, opts.asyncOp, true,
+      "scatter", call, {}, outputs, opts.timeout, true,
       [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); },
       carriedScatter(outputs, inputs, static_cast<int>(opts.rootRank), rank_, size_, carryBytes_));
 }
@@ -502,7 +498,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp.op_);
   return submit(
-      "reduce_scatter", call, {}, outputs, opts.timeout, opts.asyncOp, false,
+      "reduce_scatter", call, {}, outputs, opts.timeout, false,
       [this, outputs, inputs, opts]() mutable {
         return inner_->reduce_scatter(outputs, inputs, opts);
       },
@@ -512,7 +508,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.reduceOp.op_);
-  return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, opts.asyncOp, false,
+  return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, false,
                 [this, output, input, opts]() mutable {
                   return inner_->_reduce_scatter_base(output, input, opts);
                 });
@@ -522,8 +518,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter_tensor_coalesce
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto call = callOf(c10d::OpType::COALESCED, outputs, opts.reduceOp.op_);
-  return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, opts.asyncOp,
-                false, [this, outputs, inputs, opts]() mutable {
+  return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, false,
+                [this, outputs, inputs, opts]() mutable {
                   return inner_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
                 });
 }
@@ -542,7 +538,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall_base(at::Tensor& outp
   const auto in = pieceBytes(output, outputSplits, size_);
   pairs.insert(pairs.end(), in.begin(), in.end());
   return submit(
-      "all_to_all_single", call, std::move(pairs), {output}, opts.timeout, opts.asyncOp, true,
+      "all_to_all_single", call, std::move(pairs), {output}, opts.timeout, true,
       [this, output, input, outputSplits, inputSplits, opts]() mutable {
         return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
       },
@@ -563,7 +559,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tenso
     call.tensors = static_cast<int64_t>(inputs.size());  // Gloo raises on the list's length
   }
   return submit(
-      "all_to_all", call, std::move(pairs), outputs, opts.timeout, opts.asyncOp, true,
+      "all_to_all", call, std::move(pairs), outputs, opts.timeout, true,
       [this, outputs, inputs, opts]() mutable { return inner_->alltoall(outputs, inputs, opts); },
       carriedAlltoall(outputs, inputs, size_, carryBytes_));
 }
@@ -572,7 +568,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::barrier(const c10d::BarrierOpt
   Call call;
   call.type = c10d::OpType::BARRIER;
   return submit(
-      "barrier", call, {}, {}, opts.timeout, opts.asyncOp, true,
+      "barrier", call, {}, {}, opts.timeout, true,
       [this, opts]() mutable { return inner_->barrier(opts); }, carriedBarrier());
 }
 

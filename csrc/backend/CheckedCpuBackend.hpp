@@ -138,8 +138,8 @@ class CheckedCpuBackend : public c10d::Backend {
   // work with the inner op's, on the worker. `title` names the op in errors.
   c10::intrusive_ptr<c10d::Work> submit(const char* title, Call call, std::vector<int64_t> pairs,
                                         std::vector<at::Tensor> outputs,
-                                        std::chrono::milliseconds timeout, bool asyncOp,
-                                        bool withFuture, Issue issue, CarriedOp carry = {});
+                                        std::chrono::milliseconds timeout, bool withFuture,
+                                        Issue issue, CarriedOp carry = {});
   // What submit() does once the op's turn comes: `done` when the work is to
   // be completed now (carried, ran, or failed: `error`), else the inner op's
   // future completes it.
