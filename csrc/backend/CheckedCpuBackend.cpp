@@ -9,6 +9,7 @@
 
 #include "backend/TensorLists.hpp"
 #include "collectives/ReduceKernels.hpp"
+#include "common/OpNames.hpp"
 
 namespace xcomm {
 namespace {
@@ -41,51 +42,12 @@ void putCall(int64_t* row, const CheckedCpuBackend::Call& c) {
   row[5] = c.tensors;
 }
 
-// The name torch.distributed gives each op (c10d's OpType has one COALESCED
-// for several, and upper-case names users never type).
-const char* nameOf(c10d::OpType type, int64_t redOp) {
-  switch (type) {
-    case c10d::OpType::BROADCAST:
-      return "broadcast";
-    case c10d::OpType::ALLREDUCE:
-      return "all_reduce";
-    case c10d::OpType::ALLREDUCE_COALESCED:
-      return "all_reduce_coalesced";
-    case c10d::OpType::REDUCE:
-      return "reduce";
-    case c10d::OpType::ALLGATHER:
-      return "all_gather";
-    case c10d::OpType::_ALLGATHER_BASE:
-      return "all_gather_into_tensor";
-    case c10d::OpType::ALLGATHER_COALESCED:
-      return "all_gather_coalesced";
-    case c10d::OpType::GATHER:
-      return "gather";
-    case c10d::OpType::SCATTER:
-      return "scatter";
-    case c10d::OpType::REDUCE_SCATTER:
-      return "reduce_scatter";
-    case c10d::OpType::_REDUCE_SCATTER_BASE:
-      return "reduce_scatter_tensor";
-    case c10d::OpType::ALLTOALL_BASE:
-      return "all_to_all_single";
-    case c10d::OpType::ALLTOALL:
-      return "all_to_all";
-    case c10d::OpType::BARRIER:
-      return "barrier";
-    case c10d::OpType::COALESCED:
-      return redOp >= 0 ? "reduce_scatter_tensor_coalesced" : "all_gather_into_tensor_coalesced";
-    default:
-      return "an unknown op";
-  }
-}
-
 // "all_reduce(SUM, Float, 400 bytes)" and the like, from a row's call fields.
 std::string render(const int64_t* r) {
   const auto type = static_cast<c10d::OpType>(r[0]);
   const auto dtype = static_cast<at::ScalarType>(r[1]);
   std::ostringstream out;
-  out << nameOf(type, r[2]) << "(";
+  out << opName(type, r[2]) << "(";
   if (type == c10d::OpType::BARRIER) return out.str() + ")";
   if (type == c10d::OpType::ALLTOALL_BASE || type == c10d::OpType::ALLTOALL) {
     return out.str() + c10::toString(dtype) + ")";  // sizes are checked pair by pair
@@ -140,11 +102,13 @@ std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
 
 CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
                                      c10::intrusive_ptr<c10d::Backend> checks,
-                                     std::chrono::milliseconds timeout, int64_t carryBytes)
+                                     std::chrono::milliseconds timeout, int64_t carryBytes,
+                                     std::string memberName)
     : Backend(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
       inner_(std::move(inner)),
       checks_(std::move(checks)),
       carryBytes_(carryBytes / 8 * 8),
+      memberName_(std::move(memberName)),
       timeoutMs_(timeout.count()) {
   TORCH_CHECK(inner_ && checks_,
               "xcomm: the checked CPU backend needs an inner and a checks backend");
@@ -217,8 +181,8 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
       works[i]->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
       C10_THROW_ERROR(DistBackendError,
-                      c10::str("xcomm.", title, ": rank ", peers[i], " did not take part within ",
-                               timeout.count(),
+                      c10::str("xcomm.", title, ": ", memberName_, " ", peers[i],
+                               " did not take part within ", timeout.count(),
                                " ms in checking that every rank called the same collective (it "
                                "died, hangs, or skipped this collective): ",
                                messageOf(e)));
@@ -282,8 +246,8 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
     for (int r = 0; r < size_; ++r) {
       const int64_t* other = rows[r].data_ptr<int64_t>();
       TORCH_CHECK_VALUE(std::equal(first, first + kFields, other), "xcomm.", title,
-                        ": the ranks called different collectives (rank 0: ", render(first),
-                        "; rank ", r, ": ", render(other),
+                        ": the ranks called different collectives (", memberName_,
+                        " 0: ", render(first), "; ", memberName_, " ", r, ": ", render(other),
                         "); every rank must issue the same collectives, with the same root, "
                         "sizes, dtype and reduce op, in the same order");
       carried = carried && other[kCarryFlag] == 1;
@@ -302,9 +266,9 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
         for (int d = 0; d < size_; ++d) {
           const int64_t sent = sizes[s][d];
           const int64_t expected = sizes[d][size_ + s];
-          TORCH_CHECK_VALUE(sent == expected, "xcomm.", title, ": rank ", s, " sends ", sent,
-                            " bytes to rank ", d, ", but rank ", d, " expects ", expected,
-                            " bytes from rank ", s,
+          TORCH_CHECK_VALUE(sent == expected, "xcomm.", title, ": ", memberName_, " ", s, " sends ",
+                            sent, " bytes to ", memberName_, " ", d, ", but ", memberName_, " ", d,
+                            " expects ", expected, " bytes from ", memberName_, " ", s,
                             "; each rank's input split for a peer must equal that peer's "
                             "output split for it");
         }
@@ -415,6 +379,15 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tens
       "all_reduce", call, {}, tensors, opts.timeout, true,
       [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); },
       carriedAllreduce(tensors, opts.reduceOp, size_, carryBytes_));
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::agreeOnAllreduce(
+    const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp.op_);
+  // Never carried (no CarriedOp): the rows hold the call alone, and issue()
+  // has nothing to run.
+  return submit("all_reduce", call, {}, tensors, opts.timeout, true,
+                []() { return c10::intrusive_ptr<c10d::Work>(); });
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(

@@ -59,10 +59,11 @@ class CheckedCpuBackend : public c10d::Backend {
   // uses) carries the descriptors, and ops of up to `carryBytes` per rank
   // (0: none). Every rank must pass the same `carryBytes`, and a nonzero one
   // needs a `checks` whose receives accept shorter messages than their
-  // buffer (Gloo's do).
+  // buffer (Gloo's do). Errors call a member `memberName` and its number
+  // ("rank 1"; a hierarchical group's leaders are "host 1").
   CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
                     c10::intrusive_ptr<c10d::Backend> checks, std::chrono::milliseconds timeout,
-                    int64_t carryBytes = 0);
+                    int64_t carryBytes = 0, std::string memberName = "rank");
   ~CheckedCpuBackend() override;
 
   // The inner backend's name ("gloo"): that is what moves the data.
@@ -73,6 +74,12 @@ class CheckedCpuBackend : public c10d::Backend {
   uint64_t carriedOps() const { return carriedOps_.load(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
+  // Checks, in this group's order, that every rank calls this allreduce, and
+  // runs nothing: for an allreduce whose data moves elsewhere (a compressed
+  // allreduce's own collectives on another group). The work fails with the
+  // mismatch's ValueError, or a missing peer's error, on every rank.
+  c10::intrusive_ptr<c10d::Work> agreeOnAllreduce(const std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts);
   void abort() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -166,6 +173,7 @@ class CheckedCpuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> inner_;
   c10::intrusive_ptr<c10d::Backend> checks_;
   const int64_t carryBytes_;
+  const std::string memberName_;
   std::atomic<int64_t> timeoutMs_;
   std::atomic<uint64_t> seq_{0};  // ops called, point-to-point included
   std::atomic<uint64_t> carriedOps_{0};

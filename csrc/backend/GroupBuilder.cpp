@@ -156,6 +156,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   if (plan.usesShm()) {
     config = shmConfig(shmStore, rank);
     config.leaderCompression = plan.leaderCompression;
+    config.leaderCarryBytes = plan.leaderCarryBytes();
   }
   XcommBackend::InnerBackends inner;
   BackendPtr gloo = make("xcomm/gloo");
@@ -180,8 +181,8 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     } else {
       shm = ShmCpuBackend::tryCreateHierarchical(
           prefixed("shm/host" + std::to_string(plan.host), groupStore), plan.localRank,
-          plan.localSize, rank, size, plan.hosts, timeout, gloo, make("xcomm/leaders"), config,
-          &whyNot);
+          plan.localSize, rank, size, plan.hosts, timeout, gloo, make("xcomm/leaders"),
+          make("xcomm/leaders-check"), config, &whyNot);
       // Every host must take the same path, or allreduce would deadlock.
       if (!allSucceeded(shmStore, rank, size, static_cast<bool>(shm))) shm.reset();
     }

@@ -138,6 +138,12 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
     groups.push_back({"xcomm/leaders", "the hierarchical allreduce's step between hosts",
                       localRank == 0, localRank == 0 ? host : -1, hosts});
   }
+  if (checksLeaders()) {
+    groups.push_back({"xcomm/leaders-check",
+                      "checks that every host's leader calls the same allreduce before the step "
+                      "between hosts (each host's ranks agree over shared memory)",
+                      localRank == 0, localRank == 0 ? host : -1, hosts});
+  }
   if (backendMethod() == Compression::kInt8 || backendMethod() == Compression::kAuto) {
     groups.push_back({"xcomm/gloo-int8",
                       "int8/auto allreduce: its collectives (and auto's link probes) run on a "
@@ -155,6 +161,10 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
 
 int64_t GroupPlan::carryBytes() const {
   return checksCollectives() && carrySmallOps ? carryCapacityBytes(size) : 0;
+}
+
+int64_t GroupPlan::leaderCarryBytes() const {
+  return checksLeaders() && carrySmallOps ? carryCapacityBytes(hosts) : 0;
 }
 
 std::string GroupPlan::describe() const {
@@ -190,6 +200,13 @@ std::string GroupPlan::describe() const {
               ? "over shared memory"
               : (size < 2 ? "off (one rank)" : "off (Options(check_collectives=False))"))
       << "\n";
+  if (checksLeaders()) {
+    out << "leaders' checks: on (before each step between hosts"
+        << (leaderCarryBytes() > 0
+                ? "; sums of up to " + std::to_string(leaderCarryBytes()) + " bytes carried by it)"
+                : std::string(")"))
+        << "\n";
+  }
   for (const auto& g : auxGroups()) {
     out << "group " << g.name << (g.member ? "" : " (not a member)") << ": " << g.why << "\n";
   }

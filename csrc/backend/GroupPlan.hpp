@@ -88,6 +88,11 @@ struct GroupPlan {
   }
   // Bytes per rank an op may carry in the check's exchange (0: none).
   int64_t carryBytes() const;
+  // Whether a hierarchical group's leaders check each other's allreduce
+  // (over xcomm/leaders-check) before the step between hosts.
+  bool checksLeaders() const { return checkCollectives && shape == GroupShape::kHierarchical; }
+  // Bytes per leader a step between hosts may carry in that check.
+  int64_t leaderCarryBytes() const;
   bool isLeader() const { return shape == GroupShape::kHierarchical && localRank == 0; }
   // Every auxiliary group this plan needs, members or not.
   std::vector<AuxGroup> auxGroups() const;

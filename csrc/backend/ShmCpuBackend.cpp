@@ -1,5 +1,7 @@
 #include "backend/ShmCpuBackend.hpp"
 
+#include <optional>
+
 #include <c10/util/Exception.h>
 
 #include "backend/TensorLists.hpp"
@@ -97,28 +99,31 @@ c10::intrusive_ptr<ShmCpuBackend> ShmCpuBackend::tryCreateHierarchical(
     const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
     int size, int hosts, std::chrono::milliseconds timeout,
     c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> leaders,
-    Config config, std::string* whyNot) {
+    c10::intrusive_ptr<c10d::Backend> leaderChecks, Config config, std::string* whyNot) {
   TORCH_CHECK(fallback, "xcomm shm: a fallback backend is required");
   TORCH_CHECK((localRank == 0) == static_cast<bool>(leaders),
               "xcomm shm: the leaders' backend is needed on local rank 0 and only there");
   TORCH_CHECK(hosts >= 1 && (!leaders || leaders->getSize() == hosts),
               "xcomm shm: the leaders' backend must span one rank per host (", hosts, " hosts)");
+  TORCH_CHECK(!leaderChecks || leaders, "xcomm shm: leader checks need the leaders' backend");
   config.leaderCompression.validate();
   auto transport = ShmTransport::create(localStore, localRank, localSize, config.transport, whyNot);
   if (!transport) return {};
   return c10::make_intrusive<ShmCpuBackend>(std::move(transport), rank, size, hosts,
-                                            std::move(fallback), std::move(leaders), timeout,
-                                            config);
+                                            std::move(fallback), std::move(leaders),
+                                            std::move(leaderChecks), timeout, config);
 }
 
 ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport,
                              c10::intrusive_ptr<c10d::Backend> fallback,
                              std::chrono::milliseconds timeout, Config config)
-    : ShmCpuBackend(std::move(transport), -1, -1, 1, std::move(fallback), {}, timeout, config) {}
+    : ShmCpuBackend(std::move(transport), -1, -1, 1, std::move(fallback), {}, {}, timeout, config) {
+}
 
 ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size, int hosts,
                              c10::intrusive_ptr<c10d::Backend> fallback,
                              c10::intrusive_ptr<c10d::Backend> leaders,
+                             c10::intrusive_ptr<c10d::Backend> leaderChecks,
                              std::chrono::milliseconds timeout, Config config)
     : Backend(rank < 0 ? transport->rank() : rank, size < 0 ? transport->size() : size),
       transport_(std::move(transport)),
@@ -131,6 +136,10 @@ ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, 
               "xcomm shm: the fallback backend's rank/size differ from the group's");
   if (hierarchical_ && config_.leaderCompression.method != Compression::kNone) {
     leaderCompression_ = std::make_unique<CompressedAllreduce>(config_.leaderCompression, hosts);
+  }
+  if (leaders_ && leaderChecks) {
+    checkedLeaders_ = c10::make_intrusive<CheckedCpuBackend>(
+        leaders_, std::move(leaderChecks), timeout, config_.leaderCarryBytes, "host");
   }
 }
 
@@ -146,23 +155,51 @@ void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point
   // The same decision on every rank: it depends on the tensor's dtype, size and op only.
   const bool compress = leaderCompression_ && leaderCompression_->applies({tensor}, leaderOpts);
   shm::allreduce(*transport_, tensor, partial, deadline, config_.smallAllreduceBytes);
+  std::optional<shm::RootError> failed;
   if (leaders_) {
-    leaderOpts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::max(deadline - Clock::now(), Clock::duration(std::chrono::milliseconds(1))));
-    if (!compress) {
-      std::vector<at::Tensor> one{tensor};
-      leaders_->allreduce(one, leaderOpts)->wait();
-    } else {
-      // Divide before compressing: the low-precision sum then cannot overflow
-      // where the mean does not.
-      if (op == RedOp::AVG) tensor.div_(size_);
-      // On the leaders' Gloo, which only this backend's (ordered) ops use:
-      // int8's two collectives and auto's link probes included.
-      leaderCompression_->run(*leaders_, tensor, leaderOpts);
+    try {
+      leaderStep(tensor, op, compress, leaderOpts, deadline);
+    } catch (const c10::ValueError& e) {
+      failed = shm::RootError{leaderError(e), true};
+    } catch (const std::exception& e) {
+      failed = shm::RootError{leaderError(e), false};
     }
   }
-  shm::broadcast(*transport_, tensor, /*root=*/0, deadline);
+  // A failed step's error goes to the host's ranks in place of the sum.
+  shm::broadcast(*transport_, tensor, /*root=*/0, deadline, failed ? &*failed : nullptr);
   if (op == RedOp::AVG && !compress) tensor.div_(size_);
+}
+
+std::string ShmCpuBackend::leaderError(const std::exception& e) const {
+  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
+  return c10::str("xcomm: all_reduce's step between hosts failed on this host's leader (rank ",
+                  rank_, "): ", c10Error ? c10Error->what_without_backtrace() : e.what());
+}
+
+void ShmCpuBackend::leaderStep(at::Tensor& tensor, RedOp op, bool compress,
+                               c10d::AllreduceOptions leaderOpts, Clock::time_point deadline) {
+  // A tenth of what is left (at most 2 s) stays for handing an error to the
+  // host: the other ranks wait for it in the broadcast until the deadline.
+  const auto left = deadline - Clock::now();
+  const auto reserve = std::min<Clock::duration>(left / 10, std::chrono::seconds(2));
+  leaderOpts.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::max(left - reserve, Clock::duration(std::chrono::milliseconds(1))));
+  std::vector<at::Tensor> one{tensor};
+  if (!compress) {
+    // Checked (and carried, when small) where the leaders check each other.
+    c10d::Backend& ops =
+        checkedLeaders_ ? static_cast<c10d::Backend&>(*checkedLeaders_) : *leaders_;
+    ops.allreduce(one, leaderOpts)->wait();
+    return;
+  }
+  // The compressed step's own collectives run unchecked on the leaders'
+  // Gloo, which only this backend's (ordered) ops use: int8's two and
+  // auto's link probes. The call they make up is agreed on first.
+  if (checkedLeaders_) checkedLeaders_->agreeOnAllreduce(one, leaderOpts)->wait();
+  // Divide before compressing: the low-precision sum then cannot overflow
+  // where the mean does not.
+  if (op == RedOp::AVG) tensor.div_(size_);
+  leaderCompression_->run(*leaders_, tensor, leaderOpts);
 }
 
 ShmCpuBackend::~ShmCpuBackend() {
@@ -173,11 +210,13 @@ void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_ = timeout.count();
   fallback_->setTimeout(timeout);
   if (leaders_) leaders_->setTimeout(timeout);
+  if (checkedLeaders_) checkedLeaders_->setTimeout(timeout);
 }
 
 void ShmCpuBackend::shutdown() {
   queue_.shutdown();
   fallback_->shutdown();
+  if (checkedLeaders_) checkedLeaders_->shutdown();  // and leaders_
   if (leaders_) leaders_->shutdown();
 }
 
@@ -185,6 +224,7 @@ void ShmCpuBackend::abort() {
   transport_->requestAbort();  // a wait in progress fails within one sleep slice
   queue_.shutdown();
   fallback_->abort();
+  if (checkedLeaders_) checkedLeaders_->abort();  // and leaders_
   if (leaders_) leaders_->abort();
 }
 
@@ -446,6 +486,23 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::barrier(const c10d::BarrierOptions
   if (!flat()) return fallback_->barrier(opts);
   return submit(c10d::OpType::BARRIER, "shm:barrier", {}, opts.asyncOp, opts.timeout,
                 [this](Clock::time_point deadline) { shm::barrier(*transport_, deadline); });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmCpuBackend::agreeOnAllreduce(
+    const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(flat(), "xcomm shm: agreeOnAllreduce needs a single-host group");
+  // As a fallback op that runs nothing: an allreduce over shared memory has
+  // another descriptor, so it and this one disagree.
+  const ShmTransport::Descriptor call{
+      shm::detail::describe(shm::detail::OpCode::kFallback, dtypeOf(tensors),
+                            redOpOf(opts.reduceOp), 0, static_cast<int>(c10d::OpType::ALLREDUCE)),
+      denseBytes(tensors)};
+  return submit(
+      c10d::OpType::ALLREDUCE, "shm:agree:all_reduce", tensors, /*asyncOp=*/true, opts.timeout,
+      [this, call](Clock::time_point deadline) {
+        shm::agree(*transport_, call, deadline, "all_reduce");
+      },
+      /*withFuture=*/true, /*countAsShm=*/false);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_coalesced(

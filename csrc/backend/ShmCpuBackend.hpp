@@ -14,6 +14,11 @@
 // host (local rank 0) through the `leaders` backend (Gloo), and a
 // shared-memory broadcast from the leader. Only the leaders' traffic crosses
 // hosts: N bytes per host instead of a flat ring's 2(p-1)/p N per rank.
+// Each host's ranks agree over shared memory; the leaders agree with each
+// other through a CheckedCpuBackend over `leaderChecks` (small sums ride in
+// that check), and a leader whose step failed (hosts that disagree, a host
+// that never came) hands its error to its host's ranks in the broadcast, so
+// every rank raises it and the host stays in step.
 // With `leaderCompression` the leaders' step alone is compressed (fp16/bf16
 // cast or int8, collectives/CompressedAllreduce): the bytes that cross hosts
 // shrink 2-4x more while the sums inside a host stay exact.
@@ -25,6 +30,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "backend/CheckedCpuBackend.hpp"
 #include "collectives/CompressedAllreduce.hpp"
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
@@ -39,6 +45,9 @@ class ShmCpuBackend : public c10d::Backend {
     size_t smallAllreduceBytes = 256 << 10;
     // Hierarchical mode: how the leaders' allreduce is compressed.
     CompressionConfig leaderCompression;
+    // Hierarchical mode with leader checks: bytes per leader a sum may carry
+    // in the check (CheckedCpuBackend's carryBytes).
+    int64_t leaderCarryBytes = 0;
   };
 
   // Collective over `store`: null on every rank when the segment cannot be
@@ -51,19 +60,21 @@ class ShmCpuBackend : public c10d::Backend {
 
   // Hierarchical: `transport` spans this host's ranks, `rank`/`size` are the
   // group's; `leaders` (an allreduce among local rank 0 of every host) is set
-  // on local rank 0 only; `hosts` is the number of hosts (leaders). Collective
-  // over this host's ranks.
+  // on local rank 0 only, and `leaderChecks` (a group of the same ranks,
+  // null: the leaders do not check each other) with it; `hosts` is the
+  // number of hosts (leaders). Collective over this host's ranks.
   static c10::intrusive_ptr<ShmCpuBackend> tryCreateHierarchical(
       const c10::intrusive_ptr<c10d::Store>& localStore, int localRank, int localSize, int rank,
       int size, int hosts, std::chrono::milliseconds timeout,
       c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> leaders,
-      Config config, std::string* whyNot = nullptr);
+      c10::intrusive_ptr<c10d::Backend> leaderChecks, Config config, std::string* whyNot = nullptr);
 
   ShmCpuBackend(std::unique_ptr<ShmTransport> transport, c10::intrusive_ptr<c10d::Backend> fallback,
                 std::chrono::milliseconds timeout, Config config);
   ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, int size, int hosts,
                 c10::intrusive_ptr<c10d::Backend> fallback,
-                c10::intrusive_ptr<c10d::Backend> leaders, std::chrono::milliseconds timeout,
+                c10::intrusive_ptr<c10d::Backend> leaders,
+                c10::intrusive_ptr<c10d::Backend> leaderChecks, std::chrono::milliseconds timeout,
                 Config config);
   ~ShmCpuBackend() override;
 
@@ -103,6 +114,11 @@ class ShmCpuBackend : public c10d::Backend {
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Checks, in this group's order, that every rank calls this allreduce, and
+  // runs nothing: for an allreduce whose data moves elsewhere (the backend's
+  // compressed allreduce). Flat groups only.
+  c10::intrusive_ptr<c10d::Work> agreeOnAllreduce(const std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts);
 
   // Delegated to the fallback backend (after the agreement barrier).
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -124,6 +140,10 @@ class ShmCpuBackend : public c10d::Backend {
 
   // How many ops ran over shared memory (for tests and stats).
   uint64_t shmOps() const { return shmOps_.load(); }
+  // Leaders' steps carried by their check (a checked leader); -1 elsewhere.
+  int64_t leaderCarriedOps() const {
+    return checkedLeaders_ ? static_cast<int64_t>(checkedLeaders_->carriedOps()) : -1;
+  }
   // True when the group spans hosts (see above).
   bool hierarchical() const { return hierarchical_; }
   // What the group was built with (segment sizes, spin time).
@@ -154,10 +174,20 @@ class ShmCpuBackend : public c10d::Backend {
   bool flat() const { return !hierarchical_; }
   void allreduceOne(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
                     std::chrono::steady_clock::time_point deadline);
+  // A leader's allreduce with the other hosts' leaders (checked where they
+  // check each other), leaving part of the time to `deadline` for handing
+  // an error to the host.
+  void leaderStep(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, bool compress,
+                  c10d::AllreduceOptions leaderOpts,
+                  std::chrono::steady_clock::time_point deadline);
+  // What the host's ranks raise when this leader's step failed with `e`.
+  std::string leaderError(const std::exception& e) const;
 
   std::unique_ptr<ShmTransport> transport_;
   c10::intrusive_ptr<c10d::Backend> fallback_;
   c10::intrusive_ptr<c10d::Backend> leaders_;  // hierarchical, local rank 0 only
+  // leaders_ behind the leaders' rank-agreement check (null: unchecked).
+  c10::intrusive_ptr<CheckedCpuBackend> checkedLeaders_;
   bool hierarchical_ = false;
   std::unique_ptr<CompressedAllreduce> leaderCompression_;  // over the hosts
   std::atomic<int64_t> timeoutMs_;

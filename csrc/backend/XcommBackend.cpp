@@ -258,14 +258,24 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
                                       tensorListType(), std::vector<at::Tensor>{tensor});
   auto* algorithm = compressed_.get();
   auto compressedBackend = inner_.cpuCompressed;
+  // Its collectives run on a group of their own: first every rank agrees,
+  // in the group's order, that this is the call (else an allreduce here
+  // against another op there would wait for each other until the timeout).
+  c10::intrusive_ptr<c10d::Work> agreed;
+  if (inner_.checked) {
+    agreed = inner_.checked->agreeOnAllreduce({tensor}, opts);
+  } else if (inner_.shm && !inner_.shm->hierarchical()) {
+    agreed = inner_.shm->agreeOnAllreduce({tensor}, opts);
+  }
   auto* completions = compressCompletions_.get();
   // auto's ops are counted once it chose: ALLREDUCE_AUTO_NONE/_BF16/_INT8.
   const bool chooses = algorithm->autoCompression() != nullptr;
   compressQueue_->push([work, algorithm, compressedBackend, tensor, opts, completions, chooses,
-                        statsName, bytesIn, startUs] {
+                        statsName, bytesIn, startUs, agreed] {
     std::exception_ptr error;
     Compression ran = Compression::kAuto;
     try {
+      if (agreed) agreed->wait();
       ran = algorithm->run(*compressedBackend, tensor, opts);
     } catch (...) {
       error = std::current_exception();

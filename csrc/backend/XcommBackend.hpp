@@ -69,6 +69,9 @@ class XcommBackend : public c10d::Backend {
   int64_t carriedOps() const {
     return inner_.checked ? static_cast<int64_t>(inner_.checked->carriedOps()) : -1;
   }
+  // Steps between hosts carried by the leaders' check (a hierarchical
+  // group's leader); -1 elsewhere.
+  int64_t leaderCarriedOps() const { return inner_.shm ? inner_.shm->leaderCarriedOps() : -1; }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
   // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. A

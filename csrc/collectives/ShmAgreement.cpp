@@ -11,6 +11,7 @@
 
 #include "collectives/ReduceKernels.hpp"
 #include "collectives/ShmCollectives.hpp"
+#include "common/OpNames.hpp"
 
 namespace xcomm::shm {
 namespace detail {
@@ -41,9 +42,10 @@ std::string render(ShmTransport::Descriptor d) {
       return "barrier()";
     case OpCode::kAlltoall:  // sizes differ per rank; they are checked pair by pair
       return "all_to_all(" + std::string(c10::toString(dtype)) + ")";
+    case OpCode::kRootError:
+      return "broadcast(root=" + std::to_string(root) + ", failed at its root)";
     case OpCode::kFallback:
-      out << c10d::opTypeToString(static_cast<c10d::OpType>(fallbackOp)) << "(root=" << root
-          << ", ";
+      out << opName(static_cast<c10d::OpType>(fallbackOp), -1) << "(root=" << root << ", ";
       break;
     default:
       return "an unknown op";

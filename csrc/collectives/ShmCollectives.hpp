@@ -7,6 +7,7 @@
 // ranks' contributions in rank order, each element on one rank or on all
 // ranks with the same code.
 #include <chrono>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -31,6 +32,18 @@ bool supports(at::ScalarType dtype, RedOp op);
 void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline deadline,
                size_t smallBytes = kDefaultSmallAllreduceBytes);
 void broadcast(ShmTransport& transport, at::Tensor& tensor, int root, Deadline deadline);
+// What a broadcast's root hands its readers instead of the data when it
+// could not produce it (a hierarchical allreduce's leader whose step between
+// hosts failed): every rank, the root too, then raises this error (a
+// ValueError when `invalidInput`, else a DistBackendError) at the
+// broadcast's first barrier, so the ranks stay in step.
+struct RootError {
+  std::string message;
+  bool invalidInput = false;
+};
+// `rootError` (root only; null: the root has the data) as above.
+void broadcast(ShmTransport& transport, at::Tensor& tensor, int root, Deadline deadline,
+               const RootError* rootError);
 // outputs[r] receives rank r's input; every output has the input's numel.
 void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at::Tensor>& outputs,
                Deadline deadline);
@@ -64,6 +77,7 @@ enum class OpCode : uint64_t {
   kBarrier,
   kFallback,  // run by the fallback backend; `fallbackOp` says which
   kAlltoall,
+  kRootError,  // a broadcast's root failed: its slot holds the message
 };
 
 // What every rank must agree on, packed for ShmTransport::publishDescriptor:

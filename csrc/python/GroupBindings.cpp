@@ -102,6 +102,8 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
   d["fusion_cycle_ms"] = plan.fusionCycle.count() / 1000.0;
   d["checks_collectives"] = plan.checksCollectives();
   d["carry_bytes"] = plan.carryBytes();
+  d["checks_leaders"] = plan.checksLeaders();
+  d["leader_carry_bytes"] = plan.leaderCarryBytes();
   py::list groups;
   for (const auto& g : plan.auxGroups()) {
     py::dict entry;

@@ -72,13 +72,30 @@ TEST_CASE("hosts with several ranks: hierarchical, only the leaders' step compre
     CHECK(plan.leaderCompression.method == Compression::kInt8);
     // int8 runs on the leaders' group, not on a group of its own.
     // Its Gloo ops span hosts: checked over a group of their own.
-    CHECK(auxNames(plan) ==
-          std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check", "xcomm/leaders"});
-    const auto& leaders = aux(plan, "xcomm/leaders");
-    CHECK(leaders.member == (expectLocal[rank] == 0));
-    CHECK(leaders.size == 3);
-    CHECK(leaders.rank == (leaders.member ? expectHost[rank] : -1));
+    // The leaders check each other over a group of their own.
+    CHECK(auxNames(plan) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check",
+                                                     "xcomm/leaders", "xcomm/leaders-check"});
+    for (const char* name : {"xcomm/leaders", "xcomm/leaders-check"}) {
+      const auto& leaders = aux(plan, name);
+      CHECK(leaders.member == (expectLocal[rank] == 0));
+      CHECK(leaders.size == 3);
+      CHECK(leaders.rank == (leaders.member ? expectHost[rank] : -1));
+    }
+    CHECK(plan.checksLeaders());
+    CHECK(plan.leaderCarryBytes() == carryCapacityBytes(3));
+    CHECK_THAT(plan.describe(), Contains("leaders' checks: on"));
   }
+  // Off with the other checks; nothing carried without carry_small_ops.
+  XcommOptions unchecked = options;
+  unchecked.checkCollectives = false;
+  auto off = GroupPlan::decide(0, 5, ids, unchecked, ShmSwitches{});
+  CHECK_FALSE(off.checksLeaders());
+  CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo", "xcomm/leaders"});
+  XcommOptions uncarried = options;
+  uncarried.carrySmallOps = false;
+  auto checkedOnly = GroupPlan::decide(0, 5, ids, uncarried, ShmSwitches{});
+  CHECK(checkedOnly.checksLeaders());
+  CHECK(checkedOnly.leaderCarryBytes() == 0);
 }
 
 TEST_CASE("a shared-memory failure falls back to plain and moves compression to the backend",

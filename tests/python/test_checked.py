@@ -487,3 +487,144 @@ def test_a_carried_barrier_waits_for_the_ops_before_it() -> None:
     res = run_ranks(_rank_barrier_waits, 2)
     for r in res:
         assert all(r["done"]), r["done"]
+
+
+def _hierarchical(ctx: RankContext, **options: Any) -> dist.ProcessGroup:
+    """Logical hosts {0, 1} and {2, 3}: shared memory inside, leaders between."""
+    import xcomm
+
+    os.environ["XCOMM_SHM_HOST_TAG"] = f"host{ctx.rank // 2}"
+    return dist.new_group(backend="xcomm", pg_options=xcomm.Options(**options))
+
+
+def _rank_hosts_disagree(ctx: RankContext, compression: str | None) -> dict[str, Any]:
+    """Host 1's ranks call another all_reduce than host 0's. Inside each host
+    the ranks agree, so only the leaders' step can see it: before stop 40 the
+    leaders' Gloo aborted the process on sizes and dtypes (``gloo::EnforceNotMet``)
+    and summed SUM against MAX into a wrong result."""
+    import xcomm
+
+    group = _hierarchical(ctx, compression=compression, compression_min_bytes=64)
+    backend = group._get_backend(torch.device("cpu"))
+    other = ctx.rank // 2  # 1 on host 1
+    n = 1000  # 4000 bytes: compressed when asked, else carried by the leaders' check
+    cases: dict[str, Callable[[], object]] = {
+        "sizes": lambda: dist.all_reduce(torch.ones(n + 8 * other), group=group),
+        "reduce_op": lambda: dist.all_reduce(
+            torch.ones(n), op=dist.ReduceOp.MAX if other else dist.ReduceOp.SUM, group=group
+        ),
+        "dtype": lambda: dist.all_reduce(
+            torch.ones(n, dtype=torch.float64 if other else torch.float32), group=group
+        ),
+    }
+    out: dict[str, Any] = {"errors": {}, "seconds": {}, "plan": xcomm.group_plan(group)}
+    for name, call in cases.items():
+        start = time.monotonic()
+        out["errors"][name] = error_of(call)
+        out["seconds"][name] = time.monotonic() - start
+        # Still in step: a sum the leaders carry, and one they send over Gloo.
+        small, large = torch.ones(5), torch.ones(100_000)
+        dist.all_reduce(small, group=group)
+        dist.all_reduce(large, group=group, op=dist.ReduceOp.MAX)
+        assert small.tolist() == [4.0] * 5 and bool((large == 1).all()), (name, small)
+    before = backend.leader_carried_ops
+    x = torch.arange(6, dtype=torch.float32) * (ctx.rank + 1)
+    ref = x.clone()
+    dist.all_reduce(x, group=group)
+    dist.all_reduce(ref, group=ctx.ref)
+    out["same_as_gloo"] = torch.equal(x, ref)
+    out["carried"] = (before, backend.leader_carried_ops)
+    return out
+
+
+@pytest.mark.parametrize("compression", [None, "int8"], ids=["uncompressed", "int8"])
+def test_hosts_that_disagree_raise_on_every_rank_and_group_recovers(
+    compression: str | None,
+) -> None:
+    res = run_ranks(_rank_hosts_disagree, 4, compression, timeout=180)
+    for rank, r in enumerate(res):
+        plan = r["plan"]
+        assert plan["shape"] == "hierarchical" and plan["checks_leaders"], plan
+        groups = {g["name"]: g for g in plan["groups"]}
+        assert groups["xcomm/leaders-check"]["member"] == (rank % 2 == 0), groups
+        assert plan["leader_carry_bytes"] == 131072, plan
+        for name, error in r["errors"].items():
+            assert error and error.startswith("ValueError"), (rank, name, error)
+            assert "step between hosts failed on this host's leader" in error, error
+            assert r["seconds"][name] < 10, (name, r["seconds"])  # not the 40 s timeout
+        assert r["same_as_gloo"]
+        before, after = r["carried"]
+        # The leaders carry a 24-byte sum in their check; other ranks have none.
+        assert (after - before == 1) if rank % 2 == 0 else (before, after) == (-1, -1), r
+    # Every rank of a host gives its leader's account; both hosts name both calls.
+    for name in res[0]["errors"]:
+        tails = [r["errors"][name].split("): ", 1)[-1] for r in res]
+        assert all(t == tails[0] for t in tails), (name, tails)
+    errors = res[0]["errors"]
+    assert (
+        "host 0: all_reduce(SUM, Float, 4000 bytes); host 1: all_reduce(SUM, Float, 4032"
+        in (errors["sizes"])
+    )
+    assert (
+        "host 0: all_reduce(SUM, Float, 4000 bytes); host 1: all_reduce(MAX, Float"
+        in (errors["reduce_op"])
+    )
+    assert "host 1: all_reduce(SUM, Double, 8000 bytes)" in errors["dtype"]
+
+
+def _rank_missing_host(ctx: RankContext) -> dict[str, Any]:
+    """Host 1 skips an all_reduce: both ranks of host 0 fail within the timeout."""
+    import datetime
+
+    group = _hierarchical(ctx, timeout=datetime.timedelta(seconds=3))
+    out: dict[str, Any] = {}
+    if ctx.rank < 2:
+        start = time.monotonic()
+        out["error"] = error_of(lambda: dist.all_reduce(torch.ones(4), group=group))
+        out["seconds"] = time.monotonic() - start
+    dist.barrier(group=ctx.ref)  # host 1 waits here until host 0 has given up
+    return out
+
+
+def test_a_host_that_skips_an_all_reduce_is_an_error_on_the_other_hosts_ranks() -> None:
+    res = run_ranks(_rank_missing_host, 4, destroy=False)
+    for r in res[:2]:
+        error, seconds = r["error"], r["seconds"]
+        assert error and error.startswith("DistBackendError"), error
+        assert "xcomm.all_reduce: host 1 did not take part within" in error, error
+        assert 2.5 < seconds < 10, seconds
+
+
+def _rank_compressed_vs_other(ctx: RankContext, shm: bool) -> dict[str, Any]:
+    """Rank 0's all_reduce is compressed by the backend (its collectives run
+    on a group of their own); rank 1 calls a broadcast. Before stop 40 both
+    waited for the timeout."""
+    import xcomm
+
+    group = dist.new_group(
+        backend="xcomm",
+        pg_options=xcomm.Options(compression="int8", compression_min_bytes=64, shm=shm),
+    )
+    x = torch.ones(1000)
+    start = time.monotonic()
+    error = error_of(
+        lambda: (
+            dist.all_reduce(x, group=group)
+            if ctx.rank == 0
+            else dist.broadcast(x, src=0, group=group)
+        )
+    )
+    seconds = time.monotonic() - start
+    y = torch.ones(1000)
+    dist.all_reduce(y, group=group)  # both compressed: the group is still in step
+    return {"error": error, "seconds": seconds, "sum": y.tolist()}
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["plain", "single-host-shm"])
+def test_a_compressed_all_reduce_against_another_op_is_an_error_at_once(shm: bool) -> None:
+    res = run_ranks(_rank_compressed_vs_other, 2, shm, timeout=120)
+    for r in res:
+        assert r["error"] and r["error"].startswith("ValueError"), r["error"]
+        assert "all_reduce" in r["error"] and "broadcast" in r["error"], r["error"]
+        assert r["seconds"] < 10, r["seconds"]
+        assert max(abs(v - 2.0) for v in r["sum"]) < 0.05, r["sum"][:4]  # int8's rounding

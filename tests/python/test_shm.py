@@ -358,7 +358,7 @@ def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers() -> None:
         assert tail == res[1]["errors"][name].split("called different collectives")[1]
     assert "broadcast(root=0" in res[0]["errors"]["broadcast_root"]
     assert "broadcast(root=1" in res[0]["errors"]["broadcast_root"]
-    assert "REDUCE(root=0" in res[0]["errors"]["shm_vs_fallback"]
+    assert "reduce(root=0" in res[0]["errors"]["shm_vs_fallback"]
     assert "all_to_all(Float)" in res[0]["errors"]["all_to_all_vs_all_reduce"]
 
 
