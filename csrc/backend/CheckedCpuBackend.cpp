@@ -56,7 +56,10 @@ std::string render(const int64_t* r) {
   if (r[3] >= 0) out << "root=" << r[3] << ", ";
   if (dtype != at::ScalarType::Undefined) out << c10::toString(dtype) << ", ";
   if (r[5] > 1) out << r[5] << " tensors, ";
-  out << r[4] << " bytes)";
+  out << r[4] << " bytes";
+  // CheckedCpuBackend::alltoallForReduceScatter's route.
+  if (type == c10d::OpType::_REDUCE_SCATTER_BASE && r[5] == 0) out << ", as an all_to_all";
+  out << ")";
   return out.str();
 }
 
@@ -507,11 +510,33 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall_base(at::Tensor& outp
   Call call;
   call.type = c10d::OpType::ALLTOALL_BASE;
   call.dtype = input.scalar_type();
+  return alltoallBase("all_to_all_single", call, output, input, outputSplits, inputSplits, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoallForReduceScatter(
+    at::Tensor& output, at::Tensor& input, int64_t redOp, const c10d::AllToAllOptions& opts) {
+  // Every rank's output has the same size; tensors = 0 tells this route from
+  // Gloo's reduce-scatter (callOf: 1), which a rank could take for the same call.
+  Call call;
+  call.type = c10d::OpType::_REDUCE_SCATTER_BASE;
+  call.dtype = input.scalar_type();
+  call.redOp = redOp;
+  call.bytes = static_cast<int64_t>(output.numel() / size_ * output.element_size());
+  std::vector<int64_t> even;
+  return alltoallBase("reduce_scatter_tensor", call, output, input, even, even, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoallBase(const char* title, Call call,
+                                                               at::Tensor& output,
+                                                               at::Tensor& input,
+                                                               std::vector<int64_t>& outputSplits,
+                                                               std::vector<int64_t>& inputSplits,
+                                                               const c10d::AllToAllOptions& opts) {
   auto pairs = pieceBytes(input, inputSplits, size_);
   const auto in = pieceBytes(output, outputSplits, size_);
   pairs.insert(pairs.end(), in.begin(), in.end());
   return submit(
-      "all_to_all_single", call, std::move(pairs), {output}, opts.timeout, true,
+      title, call, std::move(pairs), {output}, opts.timeout, true,
       [this, output, input, outputSplits, inputSplits, opts]() mutable {
         return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
       },

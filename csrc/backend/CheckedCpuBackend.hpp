@@ -119,6 +119,12 @@ class CheckedCpuBackend : public c10d::Backend {
                                                std::vector<int64_t>& outputSplits,
                                                std::vector<int64_t>& inputSplits,
                                                const c10d::AllToAllOptions& opts) override;
+  // An all_to_all_single with even splits that is how a reduce_scatter_tensor
+  // (`redOp`) runs here (collectives/AlltoallReduceScatter): checked as that
+  // op, so it and a real all_to_all_single disagree instead of trading rows.
+  c10::intrusive_ptr<c10d::Work> alltoallForReduceScatter(at::Tensor& output, at::Tensor& input,
+                                                          int64_t redOp,
+                                                          const c10d::AllToAllOptions& opts);
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
                                           std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
@@ -166,6 +172,10 @@ class CheckedCpuBackend : public c10d::Backend {
   // peer missing at `timeout` is a DistBackendError naming it and `title`.
   std::vector<at::Tensor> exchange(const char* title, const std::vector<at::Tensor>& outgoing,
                                    int64_t capacity, int tag, std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> alltoallBase(const char* title, Call call, at::Tensor& output,
+                                              at::Tensor& input, std::vector<int64_t>& outputSplits,
+                                              std::vector<int64_t>& inputSplits,
+                                              const c10d::AllToAllOptions& opts);
   // Waits for the inner ops issued so far (a barrier's "earlier ops first").
   void drain(std::chrono::milliseconds timeout);
   std::chrono::milliseconds limit(std::chrono::milliseconds timeout) const;

@@ -529,7 +529,16 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
     const uint64_t bytes = payloadBytes(result);
     const int64_t issuedUs = Timeline::nowUs();
     std::function<void()> finalize;
-    auto transfer = alltoallReduceScatter_->start(inner, output, input, opts, finalize);
+    AlltoallReduceScatter::Issue checkedAsReduceScatter;
+    if (inner_.checked) {  // the checks see a reduce_scatter_tensor, not an all_to_all_single
+      checkedAsReduceScatter = [checked = inner_.checked, redOp = opts.reduceOp.op_](
+                                   at::Tensor& received, at::Tensor& rows,
+                                   const c10d::AllToAllOptions& a2a) {
+        return checked->alltoallForReduceScatter(received, rows, redOp, a2a);
+      };
+    }
+    auto transfer =
+        alltoallReduceScatter_->start(inner, output, input, opts, finalize, checkedAsReduceScatter);
     auto work = wrap(std::move(transfer), c10d::OpType::_REDUCE_SCATTER_BASE, std::move(finalize),
                      std::move(result), issuedUs, bytes, op, {input});
     if (work) work->hideFuture();  // as Gloo's reduce-scatter: no future

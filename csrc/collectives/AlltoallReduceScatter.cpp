@@ -28,14 +28,16 @@ c10::intrusive_ptr<c10d::Work> AlltoallReduceScatter::start(c10d::Backend& trans
                                                             const at::Tensor& output,
                                                             const at::Tensor& input,
                                                             const c10d::ReduceScatterOptions& opts,
-                                                            std::function<void()>& finalize) const {
+                                                            std::function<void()>& finalize,
+                                                            const Issue& issue) const {
   const int64_t rowElems = input.numel() / size_;
   at::Tensor rows = input.view({size_, rowElems});
   at::Tensor received = at::empty_like(rows);
   std::vector<int64_t> even;  // equal splits along dim 0: row j to rank j
   c10d::AllToAllOptions a2a;
   a2a.timeout = opts.timeout;
-  auto work = transport.alltoall_base(received, rows, even, even, a2a);
+  auto work =
+      issue ? issue(received, rows, a2a) : transport.alltoall_base(received, rows, even, even, a2a);
   const auto op = opts.reduceOp.op_;
   finalize = [output = at::Tensor(output), received, rows, rowElems, op, size = size_]() mutable {
     std::vector<const void*> srcs;

@@ -64,6 +64,12 @@ def _rank_mismatch(ctx: RankContext, hosts: int) -> dict[str, Any]:
         "barrier_vs_broadcast": lambda: (
             dist.barrier(group=group) if odd else dist.broadcast(x, src=0, group=group)
         ),
+        # Rows of the same sizes either way: it ran as an all_to_all before stop 40.
+        "reduce_scatter_vs_all_to_all": lambda: (
+            dist.all_to_all_single(torch.zeros(4 * ws), torch.ones(4 * ws), group=group)
+            if odd
+            else dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4 * ws), group=group)
+        ),
         "gather_root": lambda: dist.gather(
             x, [torch.zeros(6) for _ in range(ws)] if rank == odd else None, dst=odd, group=group
         ),
@@ -131,6 +137,10 @@ def test_ranks_that_disagree_raise_on_every_rank_and_group_recovers(
         in (errors["barrier_vs_broadcast"])
     )
     assert "gather(root=0" in errors["gather_root"] and "gather(root=1" in errors["gather_root"]
+    assert (
+        "rank 0: reduce_scatter_tensor(SUM, Float, 16 bytes, as an all_to_all); "
+        "rank 1: all_to_all_single(Float)" in errors["reduce_scatter_vs_all_to_all"]
+    ), errors["reduce_scatter_vs_all_to_all"]
     assert (
         "rank 0 sends 12 bytes to rank 1, but rank 1 expects 8 bytes from rank 0"
         in errors["all_to_all_splits"]
