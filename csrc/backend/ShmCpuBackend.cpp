@@ -209,23 +209,32 @@ ShmCpuBackend::~ShmCpuBackend() {
 void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_ = timeout.count();
   fallback_->setTimeout(timeout);
-  if (leaders_) leaders_->setTimeout(timeout);
-  if (checkedLeaders_) checkedLeaders_->setTimeout(timeout);
+  if (checkedLeaders_) {
+    checkedLeaders_->setTimeout(timeout);  // leaders_ too
+  } else if (leaders_) {
+    leaders_->setTimeout(timeout);
+  }
 }
 
 void ShmCpuBackend::shutdown() {
   queue_.shutdown();
   fallback_->shutdown();
-  if (checkedLeaders_) checkedLeaders_->shutdown();  // and leaders_
-  if (leaders_) leaders_->shutdown();
+  if (checkedLeaders_) {
+    checkedLeaders_->shutdown();  // leaders_ too
+  } else if (leaders_) {
+    leaders_->shutdown();
+  }
 }
 
 void ShmCpuBackend::abort() {
   transport_->requestAbort();  // a wait in progress fails within one sleep slice
   queue_.shutdown();
   fallback_->abort();
-  if (checkedLeaders_) checkedLeaders_->abort();  // and leaders_
-  if (leaders_) leaders_->abort();
+  if (checkedLeaders_) {
+    checkedLeaders_->abort();  // leaders_ too
+  } else if (leaders_) {
+    leaders_->abort();
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const char* title,
