@@ -44,9 +44,15 @@ std::string render(ShmTransport::Descriptor d) {
       return "all_to_all(" + std::string(c10::toString(dtype)) + ")";
     case OpCode::kRootError:
       return "broadcast(root=" + std::to_string(root) + ", failed at its root)";
-    case OpCode::kFallback:
-      out << opName(static_cast<c10d::OpType>(fallbackOp), -1) << "(root=" << root << ", ";
+    case OpCode::kFallback: {
+      const auto type = static_cast<c10d::OpType>(fallbackOp);
+      out << opName(type, -1) << "(";
+      // Only the rooted ops' root means anything (the others publish 0).
+      const bool rooted = type == c10d::OpType::BROADCAST || type == c10d::OpType::REDUCE ||
+                          type == c10d::OpType::GATHER || type == c10d::OpType::SCATTER;
+      if (rooted) out << "root=" << root << ", ";
       break;
+    }
     default:
       return "an unknown op";
   }
