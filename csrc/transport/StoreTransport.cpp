@@ -1,5 +1,6 @@
 #include "transport/StoreTransport.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -32,37 +33,43 @@ void StoreTransport::take(const std::string& k, int src, void* data, size_t nbyt
   }
 }
 
+int StoreTransport::firstPosted(const std::vector<std::string>& keys,
+                                std::chrono::milliseconds timeout) const {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  // Short pauses first: on one host a message is usually a few microseconds
+  // away; long waits back off to a millisecond between checks.
+  auto pause = std::chrono::microseconds(10);
+  while (true) {
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (store_->check({keys[i]})) return static_cast<int>(i);
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return -1;
+    std::this_thread::sleep_for(
+        std::min<std::chrono::steady_clock::duration>(pause, deadline - now));
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
 void StoreTransport::recv(int src, const std::string& channel, void* data, size_t nbytes,
                           std::chrono::milliseconds timeout) {
   const std::string k = key(src, rank_, channel);
-  try {
-    store_->wait({k}, timeout);
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "xcomm: timed out after ", timeout.count(), " ms waiting for rank ", src,
-                " (", channel, "); the peer is dead, stuck, or called a different collective. ",
-                "Store said: ", e.what_without_backtrace());
-  }
+  TORCH_CHECK(firstPosted({k}, timeout) == 0, "xcomm: timed out after ", timeout.count(),
+              " ms waiting for rank ", src, " (", channel,
+              "); the peer is dead, stuck, or called a different collective");
   take(k, src, data, nbytes);
 }
 
 int StoreTransport::recvAny(const std::vector<int>& sources,
                             const std::function<std::string(int)>& channelFor, void* data,
                             size_t nbytes, std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto pause = std::chrono::microseconds(50);
-  while (true) {
-    for (int src : sources) {
-      const std::string k = key(src, rank_, channelFor(src));
-      if (store_->check({k})) {
-        take(k, src, data, nbytes);
-        return src;
-      }
-    }
-    TORCH_CHECK(std::chrono::steady_clock::now() < deadline, "xcomm: timed out after ",
-                timeout.count(), " ms in recv from any source; no peer sent a message");
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(20000));
-  }
+  std::vector<std::string> keys;
+  for (int src : sources) keys.push_back(key(src, rank_, channelFor(src)));
+  const int i = firstPosted(keys, timeout);
+  TORCH_CHECK(i >= 0, "xcomm: timed out after ", timeout.count(),
+              " ms in recv from any source; no peer sent a message");
+  take(keys[i], sources[i], data, nbytes);
+  return sources[i];
 }
 
 }  // namespace xcomm

@@ -5,6 +5,12 @@
 // reader, so nothing accumulates in the store. It needs nothing but a Store,
 // which makes it the transport of xcomm's C++-only path (LibTorch programs,
 // the C++ tests); it is correct and simple, not fast: Python users get Gloo.
+//
+// A receive polls with check() rather than blocking in Store::wait: a
+// TCPStore client holds its one connection for the whole of a wait, so a
+// receive waiting on one thread would hold up a send on another, and two
+// ranks that each wait before they send would wait for each other until the
+// timeout.
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -37,6 +43,9 @@ class StoreTransport {
 
  private:
   std::string key(int src, int dst, const std::string& channel) const;
+  // The index in `keys` of one that is posted, polling until `timeout`
+  // passes; -1 if none is by then.
+  int firstPosted(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) const;
   void take(const std::string& key, int src, void* data, size_t nbytes);
 
   c10::intrusive_ptr<c10d::Store> store_;

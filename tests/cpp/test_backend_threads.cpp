@@ -6,6 +6,7 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "RankThreads.hpp"
 #include "backend/GroupBuilder.hpp"
@@ -233,6 +234,47 @@ TEST_CASE("send/recv in a ring, recv from any source, and the future's value", "
     RANK_CHECK(at::equal(value[0], at::full({2}, double(size))));
     b.barrier()->wait();
   });
+}
+
+TEST_CASE("over a TCPStore, a receive waiting on one thread does not hold up a send on another",
+          "[backend]") {
+  // Each rank has its own TCPStore client, as separate processes would. Both
+  // post a receive, let it start waiting, then send: a receive that blocked
+  // in the client's wait would hold its connection, and both would time out.
+  c10d::TCPStoreOptions serverOpts;
+  serverOpts.port = 0;
+  serverOpts.isServer = true;
+  serverOpts.numWorkers = std::nullopt;
+  auto server = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", serverOpts);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::exception_ptr> errors(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        c10d::TCPStoreOptions opts;
+        opts.port = server->getPort();
+        opts.isServer = false;
+        auto client = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
+        xcomm::StoreCpuBackend b(client, rank, 2, std::chrono::seconds(5));
+        std::vector<at::Tensor> in{at::zeros({4})};
+        auto recvWork = b.recv(in, 1 - rank, 0);
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::vector<at::Tensor> out{at::full({4}, double(rank + 1))};
+        b.send(out, 1 - rank, 0)->wait();
+        recvWork->wait();
+        RANK_CHECK(at::equal(in[0], at::full({4}, double(2 - rank))));
+        b.shutdown();
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(3));
 }
 
 TEST_CASE("a missing peer is an error within the timeout, not a hang", "[backend]") {
