@@ -9,6 +9,7 @@
 
 #include "backend/TensorLists.hpp"
 #include "collectives/ReduceKernels.hpp"
+#include "common/ErrorText.hpp"
 #include "common/OpNames.hpp"
 
 namespace xcomm {
@@ -18,6 +19,8 @@ using Clock = std::chrono::steady_clock;
 // Point-to-point tags of the checks group: one per kind of row.
 constexpr int kDescriptorTag = 1;
 constexpr int kPairsTag = 2;
+// ...and of the data of ops sent as messages (DirectExchange).
+constexpr int kTransferTag = 3;
 // Up to this many ranks, descriptor rows also carry an all-to-all's per-pair
 // sizes (2 x ranks int64s): one exchange instead of two.
 constexpr int kInlinePairsMaxRanks = 16;
@@ -75,6 +78,20 @@ CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>&
   return c;
 }
 
+// Past any op's size: asks the carried-op builders whether Gloo would take
+// an op's tensors at all, whatever their size. An op that moves as
+// DirectExchange messages must be one Gloo takes, so that one it refuses
+// still gets Gloo's error.
+constexpr int64_t kAnyBytes = int64_t{1} << 50;
+
+// Whether an op's tensors can move as DirectExchange messages: dense,
+// contiguous CPU tensors (what XcommBackend's staging hands over).
+bool direct(const std::vector<at::Tensor>& ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) {
+    return t.defined() && t.layout() == at::kStrided && t.device().is_cpu() && t.is_contiguous();
+  });
+}
+
 // Bytes of each of `size` pieces of `t` along dim 0 (`splits` empty: even).
 std::vector<int64_t> pieceBytes(const at::Tensor& t, const std::vector<int64_t>& splits, int size) {
   const int64_t rowBytes = t.dim() == 0 || t.size(0) == 0
@@ -86,14 +103,6 @@ std::vector<int64_t> pieceBytes(const at::Tensor& t, const std::vector<int64_t>&
                               : splits[r] * rowBytes;
   }
   return bytes;
-}
-
-// An error's message, without the C++ stack c10 appends to what().
-std::string messageOf(const std::exception& e) {
-  if (const auto* c10Error = dynamic_cast<const c10::Error*>(&e)) {
-    return c10Error->what_without_backtrace();
-  }
-  return e.what();
 }
 
 // Twice the op's timeout and a second: past the inner backend's own limit.
@@ -112,6 +121,7 @@ CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
       checks_(std::move(checks)),
       carryBytes_(carryBytes / 8 * 8),
       memberName_(std::move(memberName)),
+      direct_(checks_, kTransferTag, rank_, size_),
       timeoutMs_(timeout.count()) {
   TORCH_CHECK(inner_ && checks_,
               "xcomm: the checked CPU backend needs an inner and a checks backend");
@@ -192,6 +202,30 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
     }
   }
   return rows;
+}
+
+c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::issueDirect(
+    const char* title, c10d::OpType type, std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds timeout, const std::function<DirectExchange::Posted()>& post) {
+  const auto limit = this->limit(timeout);
+  const auto deadline = Clock::now() + limit;
+  auto posted = std::make_shared<DirectExchange::Posted>(post());
+  directOps_++;
+  auto work = c10::make_intrusive<FutureWork>(rank_, type, nullptr, c10::IValue(std::move(outputs)),
+                                              tensorListType());
+  // A pool thread waits for the messages: the worker goes on to the next
+  // op's check meanwhile. The task holds no pointer to this backend, which
+  // may be gone before the messages are.
+  completions_.run(
+      [posted, work, title = std::string(title), member = memberName_, deadline, limit] {
+        try {
+          DirectExchange::waitAll(*posted, title, member, deadline, limit);
+          work->markSucceeded();
+        } catch (...) {
+          work->markFailed(std::current_exception());
+        }
+      });
+  return work;
 }
 
 void CheckedCpuBackend::drain(std::chrono::milliseconds timeout) {
@@ -414,16 +448,31 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather(
   const auto call = callOf(c10d::OpType::ALLGATHER, inputs);
   return submit(
       "all_gather", call, {}, flatten(outputs), opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->allgather(outputs, inputs, opts); },
+      [this, outputs, inputs, opts]() mutable {
+        if (carriedAllgather(outputs, inputs, size_, kAnyBytes).capable && direct(inputs) &&
+            direct(outputs[0])) {
+          return issueDirect("all_gather", c10d::OpType::ALLGATHER, outputs[0], opts.timeout,
+                             [&] { return direct_.postAllgather(outputs[0], inputs[0]); });
+        }
+        return inner_->allgather(outputs, inputs, opts);
+      },
       carriedAllgather(outputs, inputs, size_, carryBytes_));
 }
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_allgather_base(
     at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   const auto call = callOf(c10d::OpType::_ALLGATHER_BASE, {input});
+  // The future holds each rank's piece, as Gloo's does.
+  auto value = concatOf(output, input, size_) ? piecesPerRank(output, input, size_)
+                                              : std::vector<at::Tensor>{output};
   return submit(
-      "all_gather_into_tensor", call, {}, {output}, opts.timeout, true,
+      "all_gather_into_tensor", call, {}, std::move(value), opts.timeout, true,
       [this, output, input, opts]() mutable {
+        if (carriedAllgatherBase(output, input, size_, kAnyBytes).capable &&
+            direct({output, input})) {
+          return issueDirect("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output},
+                             opts.timeout, [&] { return direct_.postAllgather(output, input); });
+        }
         return inner_->_allgather_base(output, input, opts);
       },
       carriedAllgatherBase(output, input, size_, carryBytes_));
@@ -533,11 +582,20 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoallBase(const char* title
                                                                std::vector<int64_t>& inputSplits,
                                                                const c10d::AllToAllOptions& opts) {
   auto pairs = pieceBytes(input, inputSplits, size_);
-  const auto in = pieceBytes(output, outputSplits, size_);
-  pairs.insert(pairs.end(), in.begin(), in.end());
+  const auto sendBytes = pairs;
+  const auto recvBytes = pieceBytes(output, outputSplits, size_);
+  pairs.insert(pairs.end(), recvBytes.begin(), recvBytes.end());
   return submit(
       title, call, std::move(pairs), {output}, opts.timeout, true,
-      [this, output, input, outputSplits, inputSplits, opts]() mutable {
+      [this, title, type = call.type, output, input, outputSplits, inputSplits, sendBytes,
+       recvBytes, opts]() mutable {
+        if (carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, kAnyBytes)
+                .capable &&
+            direct({output, input})) {
+          return issueDirect(title, type, {output}, opts.timeout, [&] {
+            return direct_.postAlltoall(output, input, sendBytes, recvBytes);
+          });
+        }
         return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
       },
       carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, carryBytes_));
@@ -558,7 +616,14 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tenso
   }
   return submit(
       "all_to_all", call, std::move(pairs), outputs, opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->alltoall(outputs, inputs, opts); },
+      [this, outputs, inputs, opts]() mutable {
+        if (carriedAlltoall(outputs, inputs, size_, kAnyBytes).capable && direct(inputs) &&
+            direct(outputs)) {
+          return issueDirect("all_to_all", c10d::OpType::ALLTOALL, outputs, opts.timeout,
+                             [&] { return direct_.postAlltoall(outputs, inputs); });
+        }
+        return inner_->alltoall(outputs, inputs, opts);
+      },
       carriedAlltoall(outputs, inputs, size_, carryBytes_));
 }
 

@@ -21,6 +21,10 @@
 // another are at most `carryBytes`, and barrier, completes with the
 // exchange and never reaches Gloo.
 //
+// Once agreed on, an all-to-all or all-gather of dense tensors moves as
+// point-to-point messages on the checks group (collectives/DirectExchange.hpp),
+// not as Gloo's collective, which fills a rate-limited link only about half.
+//
 // One worker thread issues the checks and then the ops in the caller's
 // order; it does not wait for an op to finish before checking the next, so
 // consecutive async ops still overlap (their transfers share the link
@@ -37,6 +41,7 @@
 
 #include "backend/XcommWork.hpp"
 #include "collectives/CarriedCollectives.hpp"
+#include "collectives/DirectExchange.hpp"
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
 
@@ -72,6 +77,8 @@ class CheckedCpuBackend : public c10d::Backend {
   int64_t carryBytes() const { return carryBytes_; }
   // Ops completed by the check's exchange alone (never issued on Gloo).
   uint64_t carriedOps() const { return carriedOps_.load(); }
+  // Ops sent as point-to-point messages (DirectExchange), not Gloo's collectives.
+  uint64_t directOps() const { return directOps_.load(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
   void shutdown() override;
   // Checks, in this group's order, that every rank calls this allreduce, and
@@ -176,6 +183,13 @@ class CheckedCpuBackend : public c10d::Backend {
                                               at::Tensor& input, std::vector<int64_t>& outputSplits,
                                               std::vector<int64_t>& inputSplits,
                                               const c10d::AllToAllOptions& opts);
+  // Posts an op's messages with `post` (on the worker, in the op's turn) and
+  // returns a work that completes once all of them did, or fails at the
+  // op's time limit naming the peer.
+  c10::intrusive_ptr<c10d::Work> issueDirect(const char* title, c10d::OpType type,
+                                             std::vector<at::Tensor> outputs,
+                                             std::chrono::milliseconds timeout,
+                                             const std::function<DirectExchange::Posted()>& post);
   // Waits for the inner ops issued so far (a barrier's "earlier ops first").
   void drain(std::chrono::milliseconds timeout);
   std::chrono::milliseconds limit(std::chrono::milliseconds timeout) const;
@@ -184,9 +198,11 @@ class CheckedCpuBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> checks_;
   const int64_t carryBytes_;
   const std::string memberName_;
+  DirectExchange direct_;
   std::atomic<int64_t> timeoutMs_;
   std::atomic<uint64_t> seq_{0};  // ops called, point-to-point included
   std::atomic<uint64_t> carriedOps_{0};
+  std::atomic<uint64_t> directOps_{0};
   std::mutex submitMutex_;  // sequence numbers counted in queue order
   std::mutex inflightMutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;  // issued inner ops, maybe not done

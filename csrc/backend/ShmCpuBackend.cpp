@@ -7,29 +7,13 @@
 #include "backend/TensorLists.hpp"
 #include "backend/XcommWork.hpp"
 #include "collectives/ShmCollectives.hpp"
+#include "common/ErrorText.hpp"
 
 namespace xcomm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using RedOp = c10d::ReduceOp::RedOpType;
-
-// The pieces of `whole` along dim 0, one per rank, shaped like `piece` (what
-// Gloo's future holds for the flat allgather). concatOf(whole, piece) holds.
-std::vector<at::Tensor> piecesPerRank(const at::Tensor& whole, const at::Tensor& piece, int size) {
-  const int64_t rows = piece.size(0);
-  std::vector<at::Tensor> pieces;
-  for (int r = 0; r < size; ++r) pieces.push_back(whole.narrow(0, r * rows, rows));
-  return pieces;
-}
-
-// Whether `whole` is `size` pieces shaped like `piece`, concatenated along
-// dim 0: the only layout Gloo accepts for the flat allgather/reduce_scatter.
-// Anything else goes to Gloo, which raises its own error.
-bool concatOf(const at::Tensor& whole, const at::Tensor& piece, int size) {
-  if (whole.dim() == 0 || piece.dim() == 0 || whole.size(0) != piece.size(0) * size) return false;
-  return whole.sizes().slice(1) == piece.sizes().slice(1);
-}
 
 bool plainCpu(const std::vector<at::Tensor>& ts) {
   for (const auto& t : ts) {
@@ -171,9 +155,8 @@ void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point
 }
 
 std::string ShmCpuBackend::leaderError(const std::exception& e) const {
-  const auto* c10Error = dynamic_cast<const c10::Error*>(&e);
   return c10::str("xcomm: all_reduce's step between hosts failed on this host's leader (rank ",
-                  rank_, "): ", c10Error ? c10Error->what_without_backtrace() : e.what());
+                  rank_, "): ", messageOf(e));
 }
 
 void ShmCpuBackend::leaderStep(at::Tensor& tensor, RedOp op, bool compress,

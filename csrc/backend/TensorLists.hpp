@@ -31,4 +31,22 @@ inline uint64_t denseBytes(const std::vector<at::Tensor>& ts) {
   return bytes;
 }
 
+// The pieces of `whole` along dim 0, one per rank, shaped like `piece` (what
+// Gloo's future holds for the flat allgather). concatOf(whole, piece) holds.
+inline std::vector<at::Tensor> piecesPerRank(const at::Tensor& whole, const at::Tensor& piece,
+                                             int size) {
+  const int64_t rows = piece.size(0);
+  std::vector<at::Tensor> pieces;
+  for (int r = 0; r < size; ++r) pieces.push_back(whole.narrow(0, r * rows, rows));
+  return pieces;
+}
+
+// Whether `whole` is `size` pieces shaped like `piece`, concatenated along
+// dim 0: the only layout Gloo accepts for the flat allgather/reduce_scatter.
+// Anything else goes to Gloo, which raises its own error.
+inline bool concatOf(const at::Tensor& whole, const at::Tensor& piece, int size) {
+  if (whole.dim() == 0 || piece.dim() == 0 || whole.size(0) != piece.size(0) * size) return false;
+  return whole.sizes().slice(1) == piece.sizes().slice(1);
+}
+
 }  // namespace xcomm

@@ -69,6 +69,11 @@ class XcommBackend : public c10d::Backend {
   int64_t carriedOps() const {
     return inner_.checked ? static_cast<int64_t>(inner_.checked->carriedOps()) : -1;
   }
+  // Ops sent as point-to-point messages instead of Gloo's collectives; -1
+  // when Gloo is not checked.
+  int64_t directOps() const {
+    return inner_.checked ? static_cast<int64_t>(inner_.checked->directOps()) : -1;
+  }
   // Steps between hosts carried by the leaders' check (a hierarchical
   // group's leader); -1 elsewhere.
   int64_t leaderCarriedOps() const { return inner_.shm ? inner_.shm->leaderCarriedOps() : -1; }

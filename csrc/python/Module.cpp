@@ -91,6 +91,10 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("carried_ops", &xcomm::XcommBackend::carriedOps,
                              "Collectives completed by the rank-agreement check's own exchange "
                              "(never issued on Gloo); -1 when the group's Gloo is not checked.")
+      .def_property_readonly("direct_ops", &xcomm::XcommBackend::directOps,
+                             "All-to-alls and all-gathers sent as point-to-point messages "
+                             "(every piece straight to its rank) instead of Gloo's collectives; "
+                             "-1 when the group's Gloo is not checked.")
       .def_property_readonly("leader_carried_ops", &xcomm::XcommBackend::leaderCarriedOps,
                              "A hierarchical group's allreduce steps between hosts completed by "
                              "the leaders' check; -1 except on a leader whose check is on.")
