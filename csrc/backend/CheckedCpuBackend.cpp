@@ -1,6 +1,7 @@
 #include "backend/CheckedCpuBackend.hpp"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -28,7 +29,7 @@ constexpr int kInlinePairsMaxRanks = 16;
 // whether this rank can carry the op, the bytes it carries; then the pair
 // sizes when inline, then the carried bytes, padded to whole int64s.
 constexpr int64_t kFields = 6;
-constexpr int64_t kCarryFlag = 6;
+constexpr int64_t kCarryFlag = 6;  // bit 0: can carry the op; bit 1: takes DirectExchange
 constexpr int64_t kCarriedBytes = 7;
 constexpr int64_t kHeaderWords = 8;
 
@@ -84,6 +85,16 @@ CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>&
 // still gets Gloo's error.
 constexpr int64_t kAnyBytes = int64_t{1} << 50;
 
+// XCOMM_DIRECT_EXCHANGE=0 keeps this rank's all-to-alls and all-gathers on
+// Gloo's collectives (to compare the two); an op goes direct only where
+// every rank's row says it may.
+bool directExchangeEnabled() {
+  const char* value = std::getenv("XCOMM_DIRECT_EXCHANGE");
+  if (!value) return true;
+  const std::string v(value);
+  return !(v == "0" || v == "false" || v == "off" || v == "no");
+}
+
 // Whether an op's tensors can move as DirectExchange messages: dense,
 // contiguous CPU tensors (what XcommBackend's staging hands over).
 bool direct(const std::vector<at::Tensor>& ts) {
@@ -122,6 +133,7 @@ CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
       carryBytes_(carryBytes / 8 * 8),
       memberName_(std::move(memberName)),
       direct_(checks_, kTransferTag, rank_, size_),
+      directEnabled_(directExchangeEnabled()),
       timeoutMs_(timeout.count()) {
   TORCH_CHECK(inner_ && checks_,
               "xcomm: the checked CPU backend needs an inner and a checks backend");
@@ -269,7 +281,7 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
       at::Tensor mine = at::zeros({payloadAt + wordsFor(payloadBytes)}, at::kLong);
       auto* row = mine.data_ptr<int64_t>();
       putCall(row, call);
-      row[kCarryFlag] = carry.capable ? 1 : 0;
+      row[kCarryFlag] = (carry.capable ? 1 : 0) | (directEnabled_ ? 2 : 0);
       row[kCarriedBytes] = payloadBytes;
       if (inlinePairs) std::copy(pairs.begin(), pairs.end(), row + kHeaderWords);
       if (payloadBytes > 0) {
@@ -280,6 +292,7 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
     const auto rows = exchange(title, outgoing, payloadAt + carryBytes_ / 8, kDescriptorTag, wait);
     const int64_t* first = rows[0].data_ptr<int64_t>();
     bool carried = true;
+    bool direct = true;
     for (int r = 0; r < size_; ++r) {
       const int64_t* other = rows[r].data_ptr<int64_t>();
       TORCH_CHECK_VALUE(std::equal(first, first + kFields, other), "xcomm.", title,
@@ -287,7 +300,8 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
                         " 0: ", render(first), "; ", memberName_, " ", r, ": ", render(other),
                         "); every rank must issue the same collectives, with the same root, "
                         "sizes, dtype and reduce op, in the same order");
-      carried = carried && other[kCarryFlag] == 1;
+      carried = carried && (other[kCarryFlag] & 1) != 0;
+      direct = direct && (other[kCarryFlag] & 2) != 0;
     }
     if (!pairs.empty()) {
       std::vector<const int64_t*> sizes;
@@ -324,6 +338,7 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
       carriedOps_++;
       return Outcome::complete();
     }
+    directAgreed_ = direct;  // read by issue(), on this thread
     auto inner = issue();
     if (!inner) return Outcome::complete();  // a synchronous op that already ran
     c10::intrusive_ptr<c10::ivalue::Future> done;
@@ -449,8 +464,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather(
   return submit(
       "all_gather", call, {}, flatten(outputs), opts.timeout, true,
       [this, outputs, inputs, opts]() mutable {
-        if (carriedAllgather(outputs, inputs, size_, kAnyBytes).capable && direct(inputs) &&
-            direct(outputs[0])) {
+        if (directAgreed_ && carriedAllgather(outputs, inputs, size_, kAnyBytes).capable &&
+            direct(inputs) && direct(outputs[0])) {
           return issueDirect("all_gather", c10d::OpType::ALLGATHER, outputs[0], opts.timeout,
                              [&] { return direct_.postAllgather(outputs[0], inputs[0]); });
         }
@@ -468,7 +483,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_allgather_base(
   return submit(
       "all_gather_into_tensor", call, {}, std::move(value), opts.timeout, true,
       [this, output, input, opts]() mutable {
-        if (carriedAllgatherBase(output, input, size_, kAnyBytes).capable &&
+        if (directAgreed_ && carriedAllgatherBase(output, input, size_, kAnyBytes).capable &&
             direct({output, input})) {
           return issueDirect("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output},
                              opts.timeout, [&] { return direct_.postAllgather(output, input); });
@@ -589,7 +604,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoallBase(const char* title
       title, call, std::move(pairs), {output}, opts.timeout, true,
       [this, title, type = call.type, output, input, outputSplits, inputSplits, sendBytes,
        recvBytes, opts]() mutable {
-        if (carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, kAnyBytes)
+        if (directAgreed_ &&
+            carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, kAnyBytes)
                 .capable &&
             direct({output, input})) {
           return issueDirect(title, type, {output}, opts.timeout, [&] {
@@ -617,8 +633,8 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tenso
   return submit(
       "all_to_all", call, std::move(pairs), outputs, opts.timeout, true,
       [this, outputs, inputs, opts]() mutable {
-        if (carriedAlltoall(outputs, inputs, size_, kAnyBytes).capable && direct(inputs) &&
-            direct(outputs)) {
+        if (directAgreed_ && carriedAlltoall(outputs, inputs, size_, kAnyBytes).capable &&
+            direct(inputs) && direct(outputs)) {
           return issueDirect("all_to_all", c10d::OpType::ALLTOALL, outputs, opts.timeout,
                              [&] { return direct_.postAlltoall(outputs, inputs); });
         }

@@ -199,6 +199,8 @@ class CheckedCpuBackend : public c10d::Backend {
   const int64_t carryBytes_;
   const std::string memberName_;
   DirectExchange direct_;
+  const bool directEnabled_;   // this rank may take DirectExchange (XCOMM_DIRECT_EXCHANGE)
+  bool directAgreed_ = false;  // every rank may, for the op being issued (worker only)
   std::atomic<int64_t> timeoutMs_;
   std::atomic<uint64_t> seq_{0};  // ops called, point-to-point included
   std::atomic<uint64_t> carriedOps_{0};

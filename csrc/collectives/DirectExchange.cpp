@@ -35,7 +35,6 @@ DirectExchange::Posted DirectExchange::post(const std::vector<at::Tensor>& toPee
   TORCH_CHECK(
       static_cast<int>(toPeer.size()) == size_ && static_cast<int>(fromPeer.size()) == size_,
       "DirectExchange: one piece per rank");
-  if (toPeer[rank_].numel() > 0) fromPeer[rank_].copy_(toPeer[rank_]);
   Posted posted;
   // Receives first, so each peer's message finds its buffer waiting. Peers
   // in ring order from this rank: everyone starts on a different peer.
@@ -53,6 +52,8 @@ DirectExchange::Posted DirectExchange::post(const std::vector<at::Tensor>& toPee
     posted.works.push_back(p2p_->send(out, r, tag_));
     posted.peers.push_back(r);
   }
+  // This rank's own piece while the messages travel.
+  if (toPeer[rank_].numel() > 0) fromPeer[rank_].copy_(toPeer[rank_]);
   return posted;
 }
 
