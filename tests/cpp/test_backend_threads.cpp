@@ -21,36 +21,10 @@
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
 
+#include "RankChecks.hpp"
+
 using Catch::Contains;
 using xcomm::XcommBackend;
-
-// Catch2 v2 is not thread-safe: assertions made on rank threads take a lock.
-std::mutex& catchMutex() {
-  static std::mutex m;
-  return m;
-}
-#define RANK_CHECK(...)                                  \
-  do {                                                   \
-    std::lock_guard<std::mutex> catchLock(catchMutex()); \
-    CHECK(__VA_ARGS__);                                  \
-  } while (0)
-#define RANK_REQUIRE(...)                                \
-  do {                                                   \
-    std::lock_guard<std::mutex> catchLock(catchMutex()); \
-    REQUIRE(__VA_ARGS__);                                \
-  } while (0)
-// Only for expressions that throw without blocking (they run under the lock).
-#define RANK_CHECK_THROWS_WITH(expr, matcher)            \
-  do {                                                   \
-    std::lock_guard<std::mutex> catchLock(catchMutex()); \
-    CHECK_THROWS_WITH(expr, matcher);                    \
-  } while (0)
-#define RANK_INFO_CHECK(message, ...)                    \
-  do {                                                   \
-    std::lock_guard<std::mutex> catchLock(catchMutex()); \
-    INFO(message);                                       \
-    CHECK(__VA_ARGS__);                                  \
-  } while (0)
 
 namespace {
 

@@ -1,7 +1,6 @@
 // DirectExchange: all-to-all and all-gather as point-to-point messages, on
 // rank threads over the store transport; results checked against arithmetic.
 #include <chrono>
-#include <mutex>
 #include <vector>
 
 #include "RankThreads.hpp"
@@ -11,20 +10,12 @@
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
 
+#include "RankChecks.hpp"
+
 using Catch::Contains;
 using xcomm::DirectExchange;
 
 namespace {
-
-std::mutex& catchMutex() {
-  static std::mutex m;
-  return m;
-}
-#define RANK_CHECK(...)                                  \
-  do {                                                   \
-    std::lock_guard<std::mutex> catchLock(catchMutex()); \
-    CHECK(__VA_ARGS__);                                  \
-  } while (0)
 
 // What rank `src` sends rank `dst` in the uneven all-to-all: some pieces empty.
 int64_t piece(int src, int dst) {
