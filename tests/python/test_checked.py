@@ -753,3 +753,27 @@ def test_large_all_to_alls_and_all_gathers_go_as_messages_and_equal_gloo(world_s
         wrong = {k: v for k, v in r["direct"].items() if v != 1}
         assert not wrong, " ".join(f"{k}={v}" for k, v in sorted(wrong.items()))
         assert r["after"] == [total] * 5
+
+
+def _rank_direct_switch(ctx: RankContext) -> dict[str, Any]:
+    # Rank 0 turns the direct route off, rank 1 leaves it on: the check rows
+    # must make both take Gloo's collective, not one each (which would hang).
+    if ctx.rank == 0:
+        os.environ["XCOMM_DIRECT_EXCHANGE"] = "0"
+    group = _group(ctx, 1)
+    backend = group._get_backend(torch.device("cpu"))
+    m = 140_001
+    x = torch.arange(2 * m, dtype=torch.float32) + 1000 * ctx.rank
+    out, ref = torch.empty_like(x), torch.empty_like(x)
+    t0 = time.monotonic()
+    dist.all_to_all_single(out, x, group=group)
+    elapsed = time.monotonic() - t0
+    dist.all_to_all_single(ref, x, group=ctx.ref)
+    return {"direct": backend.direct_ops, "same": torch.equal(out, ref), "elapsed": elapsed}
+
+
+def test_ranks_that_differ_on_the_direct_route_all_take_gloos_collective() -> None:
+    for r in run_ranks(_rank_direct_switch, 2):
+        assert r["same"]
+        assert r["direct"] == 0, r
+        assert r["elapsed"] < 10, r
