@@ -1,5 +1,7 @@
 #include "collectives/CompressedAllreduce.hpp"
 
+#include "collectives/DirectExchange.hpp"
+
 #include <cctype>
 
 #include <c10/util/Exception.h>
@@ -206,11 +208,55 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& tra
   return work;
 }
 
+namespace {
+
+// The limit of an op on `transport`: the op's own, else the backend's.
+std::chrono::milliseconds limitOf(c10d::Backend& transport, std::chrono::milliseconds requested) {
+  if (requested != c10d::kUnsetTimeout) return requested;
+  try {
+    if (auto options = transport.getBackendOptions()) return options->timeout;
+  } catch (const c10::Error&) {
+    // a backend without options: c10d's default below
+  }
+  return std::chrono::minutes(30);
+}
+
+}  // namespace
+
 void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,
                                   const c10d::AllreduceOptions& opts) {
-  std::function<void()> finalize;
-  startInt8(transport, tensor, opts, finalize)->wait();
-  finalize();
+  // On the CPU the all-to-all and all-gather go as point-to-point messages
+  // on the transport (a group of this algorithm's own, so its tags are
+  // free): Gloo's own collectives fill a rate-limited link only about half
+  // (collectives/DirectExchange.hpp).
+  if (!tensor.device().is_cpu()) {
+    std::function<void()> finalize;
+    startInt8(transport, tensor, opts, finalize)->wait();
+    finalize();
+    return;
+  }
+  const int rank = transport.getRank();
+  DirectExchange direct(
+      c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&transport),
+      /*tag=*/3, rank, size_);
+  const auto limit = limitOf(transport, opts.timeout);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  const int64_t shard = int8_.shardElems(flat.numel(), size_);
+  at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
+  at::Tensor received = at::empty_like(packed);
+  const std::vector<int64_t> rowBytes(size_, packed.size(1));
+  DirectExchange::waitAll(direct.postAlltoall(received, packed, rowBytes, rowBytes),
+                          "all_reduce (int8, all-to-all)", "rank", deadline, limit);
+  at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
+  at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
+  DirectExchange::waitAll(direct.postAllgather(gathered, mine), "all_reduce (int8, all-gather)",
+                          "rank", deadline, limit);
+  counters_->calls++;
+  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_->linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
+  int8_.unpackAll(gathered, shard, flat);
+  if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 
 }  // namespace xcomm
