@@ -12,6 +12,8 @@ References:
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any
 
 import pytest
@@ -213,6 +215,39 @@ def test_a_callback_may_wait_for_the_next_int8_allreduce() -> None:
     for (value,) in results:
         # 1 + 2 summed, then 2 + 2 summed; int8 is exact on constant tensors.
         assert value == pytest.approx(3.0 + 4.0, rel=0.01), results
+
+
+def _rank_int8_peer_absent(ctx: RankContext) -> dict[str, Any]:
+    """Rank 1 joins the first int8 allreduce and not the second; rank 0's
+    second one may end only by the group's 2 s timeout."""
+    opts = xcomm.Options(compression="int8", compression_min_bytes=1024, int8_chunk_elems=CHUNK)
+    group = dist.new_group(backend="xcomm", pg_options=opts, timeout=datetime.timedelta(seconds=2))
+    first = torch.full((8192,), float(ctx.rank + 1))
+    dist.all_reduce(first, group=group)
+    out: dict[str, Any] = {"first": float(first[0])}
+    if ctx.rank == 0:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(8192), group=group)
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001
+            out["error"] = f"{type(e).__name__}: {e}"
+        out["seconds"] = time.monotonic() - start
+    else:
+        time.sleep(6)  # alive but absent
+    return out
+
+
+def test_an_int8_allreduce_with_an_absent_peer_fails_within_the_groups_timeout() -> None:
+    """An absent peer ends rank 0's wait at the group's 2 s timeout, with an
+    error naming the op and the peer: the ranks agree on each compressed call
+    first (tests/cpp/test_compressed_allreduce.cpp covers a peer that agreed
+    and then never sent its shards)."""
+    res = run_ranks(_rank_int8_peer_absent, 2, timeout=60)
+    assert res[0]["first"] == pytest.approx(3.0, rel=0.01), res
+    error = res[0]["error"]
+    assert error and "all_reduce" in error and "rank 1" in error, res[0]
+    assert 1.5 < res[0]["seconds"] < 5.5, res[0]
 
 
 @pytest.mark.parametrize(
