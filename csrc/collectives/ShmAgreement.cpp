@@ -48,9 +48,7 @@ std::string render(ShmTransport::Descriptor d) {
       const auto type = static_cast<c10d::OpType>(fallbackOp);
       out << opName(type, -1) << "(";
       // Only the rooted ops' root means anything (the others publish 0).
-      const bool rooted = type == c10d::OpType::BROADCAST || type == c10d::OpType::REDUCE ||
-                          type == c10d::OpType::GATHER || type == c10d::OpType::SCATTER;
-      if (rooted) out << "root=" << root << ", ";
+      if (isRooted(type)) out << "root=" << root << ", ";
       break;
     }
     default:

@@ -46,4 +46,10 @@ inline const char* opName(c10d::OpType type, int64_t redOp) {
   }
 }
 
+// The ops whose root rank is part of what every rank must agree on.
+inline bool isRooted(c10d::OpType type) {
+  return type == c10d::OpType::BROADCAST || type == c10d::OpType::REDUCE ||
+         type == c10d::OpType::GATHER || type == c10d::OpType::SCATTER;
+}
+
 }  // namespace xcomm
