@@ -187,8 +187,8 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& tra
   std::vector<int64_t> even;  // equal splits
   c10d::AllToAllOptions a2a;
   a2a.timeout = opts.timeout;
-  // On the CPU this blocks until the shards arrived; for CUDA tensors it
-  // makes the current stream wait for NCCL's, and returns at once.
+  // For CUDA tensors this makes the current stream wait for NCCL's, and
+  // returns at once (CPU tensors take runInt8's messages instead).
   transport.alltoall_base(received, packed, even, even, a2a)->wait();
 
   // float32 sum in rank order, the mean's division, quantization: one pass.

@@ -121,11 +121,15 @@ class CompressedAllreduce {
   c10::intrusive_ptr<c10d::Work> startCast(c10d::Backend& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize, Compression method);
-  // int8 as start() describes it; on the CPU the all-to-all's wait blocks.
+  // int8 as start() describes it, on the transport's own all-to-all and
+  // all-gather: the route of CUDA tensors (NCCL).
   c10::intrusive_ptr<c10d::Work> startInt8(c10d::Backend& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize);
-  // startInt8, waited for on the calling thread: the CPU route.
+  // int8 waited for on the calling thread. CPU tensors: the all-to-all and
+  // all-gather as DirectExchange messages on `transport` (tag 3, which
+  // nothing else on that group uses), until the op's timeout, else the
+  // transport's; other devices: startInt8.
   void runInt8(c10d::Backend& transport, const at::Tensor& tensor,
                const c10d::AllreduceOptions& opts);
 
