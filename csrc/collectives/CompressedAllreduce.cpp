@@ -122,6 +122,12 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(c10d::Backend& transpo
   return startCast(transport, tensor, opts, finalize, config_.method);
 }
 
+void CompressedAllreduce::count(const at::Tensor& tensor, int64_t sentBytes) {
+  counters_->calls++;
+  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_->linkBytesSent += sentBytes;
+}
+
 c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
                                                               const at::Tensor& tensor,
                                                               const c10d::AllreduceOptions& opts,
@@ -133,9 +139,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   c10d::AllreduceOptions sumOpts = opts;
   sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto work = transport.allreduce(wire, sumOpts);
-  counters_->calls++;
-  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_->linkBytesSent += ringBytes(wire[0].numel() * wire[0].element_size(), size_);
+  count(tensor, ringBytes(wire[0].numel() * wire[0].element_size(), size_));
   finalize = [tensor, low = wire[0]]() mutable {
     tensor.copy_(low);
     usedOnCurrentStream({low});
@@ -167,10 +171,7 @@ Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor&
       transport.allreduce(one, sum)->wait();
       if (isMean(opts)) flat.div_(size_);
       if (!tensor.is_contiguous()) tensor.copy_(flat);
-      const int64_t bytes = ringBytes(tensor.numel() * tensor.element_size(), size_);
-      counters_->calls++;
-      counters_->linkBytesBefore += bytes;
-      counters_->linkBytesSent += bytes;
+      count(tensor, ringBytes(tensor.numel() * tensor.element_size(), size_));
     }
   }
   return method;
@@ -197,9 +198,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& tra
   c10d::AllgatherOptions ag;
   ag.timeout = opts.timeout;
   auto work = transport._allgather_base(gathered, mine, ag);
-  counters_->calls++;
-  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_->linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
+  count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
   finalize = [codec = int8_, gathered, mine, shard, flat, tensor]() mutable {
     codec.unpackAll(gathered, shard, flat);
     if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
@@ -252,9 +251,7 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
   at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
   DirectExchange::waitAll(direct.postAllgather(gathered, mine), "all_reduce (int8, all-gather)",
                           "rank", deadline, limit);
-  counters_->calls++;
-  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
-  counters_->linkBytesSent += (size_ - 1) * (packed.size(1) + mine.numel());
+  count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
   int8_.unpackAll(gathered, shard, flat);
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }

@@ -118,6 +118,9 @@ class CompressedAllreduce {
   const AutoCompression* autoCompression() const { return auto_.get(); }
 
  private:
+  // One call counted: `tensor` is what a ring allreduce would have sent,
+  // `sentBytes` what this rank's link carried instead.
+  void count(const at::Tensor& tensor, int64_t sentBytes);
   c10::intrusive_ptr<c10d::Work> startCast(c10d::Backend& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize, Compression method);
