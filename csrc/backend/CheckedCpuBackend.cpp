@@ -1,7 +1,6 @@
 #include "backend/CheckedCpuBackend.hpp"
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -85,16 +84,6 @@ CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>&
 // still gets Gloo's error.
 constexpr int64_t kAnyBytes = int64_t{1} << 50;
 
-// XCOMM_DIRECT_EXCHANGE=0 keeps this rank's all-to-alls and all-gathers on
-// Gloo's collectives (to compare the two); an op goes direct only where
-// every rank's row says it may.
-bool directExchangeEnabled() {
-  const char* value = std::getenv("XCOMM_DIRECT_EXCHANGE");
-  if (!value) return true;
-  const std::string v(value);
-  return !(v == "0" || v == "false" || v == "off" || v == "no");
-}
-
 // Whether an op's tensors can move as DirectExchange messages: dense,
 // contiguous CPU tensors (what XcommBackend's staging hands over).
 bool direct(const std::vector<at::Tensor>& ts) {
@@ -126,14 +115,14 @@ std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
 CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
                                      c10::intrusive_ptr<c10d::Backend> checks,
                                      std::chrono::milliseconds timeout, int64_t carryBytes,
-                                     std::string memberName)
+                                     std::string memberName, bool directExchange)
     : Backend(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
       inner_(std::move(inner)),
       checks_(std::move(checks)),
       carryBytes_(carryBytes / 8 * 8),
       memberName_(std::move(memberName)),
       direct_(checks_, kTransferTag, rank_, size_),
-      directEnabled_(directExchangeEnabled()),
+      directEnabled_(directExchange),
       timeoutMs_(timeout.count()) {
   TORCH_CHECK(inner_ && checks_,
               "xcomm: the checked CPU backend needs an inner and a checks backend");

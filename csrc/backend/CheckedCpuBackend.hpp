@@ -65,10 +65,13 @@ class CheckedCpuBackend : public c10d::Backend {
   // (0: none). Every rank must pass the same `carryBytes`, and a nonzero one
   // needs a `checks` whose receives accept shorter messages than their
   // buffer (Gloo's do). Errors call a member `memberName` and its number
-  // ("rank 1"; a hierarchical group's leaders are "host 1").
+  // ("rank 1"; a hierarchical group's leaders are "host 1"). `directExchange`
+  // (XCOMM_DIRECT_EXCHANGE, agreed by the group's ranks): large all-to-alls
+  // and all-gathers go as messages; false keeps them on Gloo's collectives.
   CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
                     c10::intrusive_ptr<c10d::Backend> checks, std::chrono::milliseconds timeout,
-                    int64_t carryBytes = 0, std::string memberName = "rank");
+                    int64_t carryBytes = 0, std::string memberName = "rank",
+                    bool directExchange = true);
   ~CheckedCpuBackend() override;
 
   // The inner backend's name ("gloo"): that is what moves the data.

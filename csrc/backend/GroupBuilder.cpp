@@ -11,8 +11,8 @@
 
 #include "backend/CheckedCpuBackend.hpp"
 #include "backend/GroupPlan.hpp"
+#include "backend/GroupSettings.hpp"
 #include "backend/ShmCpuBackend.hpp"
-#include "transport/HostIdentity.hpp"
 
 namespace xcomm {
 namespace {
@@ -33,7 +33,7 @@ void setString(const StorePtr& store, const std::string& key, const std::string&
   store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
 }
 
-// An environment variable as a non-negative integer; ValueError naming it otherwise.
+// An environment variable as an integer; ValueError naming it otherwise.
 int64_t envInt(const char* name, int64_t fallback) {
   const char* value = std::getenv(name);
   if (!value || !*value) return fallback;
@@ -43,36 +43,12 @@ int64_t envInt(const char* name, int64_t fallback) {
   return parsed;
 }
 
-std::vector<std::string> exchangeHostIdentities(const StorePtr& shmStore, int rank, int size) {
-  setString(shmStore, "host/" + std::to_string(rank), hostIdentity());
-  std::vector<std::string> ids;
-  for (int r = 0; r < size; ++r) ids.push_back(getString(shmStore, "host/" + std::to_string(r)));
-  return ids;
-}
-
-// Slot and small-allreduce sizes, chosen by rank 0 so that every rank takes
-// the same algorithm for the same message; the spin time is per rank.
-ShmCpuBackend::Config shmConfig(const StorePtr& shmStore, int rank) {
+// The segment's sizes, as every rank agreed on them; the spin time is per
+// rank (it changes when a rank sleeps, not what it sends).
+ShmCpuBackend::Config shmConfig(const GroupSettings& settings) {
   ShmCpuBackend::Config config;
-  if (rank == 0) {
-    std::string shared;
-    try {
-      const int64_t slot = envInt("XCOMM_SHM_SLOT_BYTES", config.transport.slotBytes);
-      const int64_t small = envInt("XCOMM_SHM_SMALL_BYTES", config.smallAllreduceBytes);
-      TORCH_CHECK_VALUE(slot > 0 && small >= 0,
-                        "xcomm: XCOMM_SHM_SLOT_BYTES must be > 0 and XCOMM_SHM_SMALL_BYTES >= 0");
-      shared = std::to_string(slot) + "," + std::to_string(small);
-    } catch (const c10::Error& e) {
-      // Every rank waits for rank 0's choice: it gets the error instead of a hang.
-      shared = "error:" + e.msg();
-    }
-    setString(shmStore, "config", shared);
-  }
-  const std::string shared = getString(shmStore, "config");
-  TORCH_CHECK_VALUE(shared.rfind("error:", 0) != 0, shared.substr(6), " (on rank 0)");
-  const auto comma = shared.find(',');
-  config.transport.slotBytes = std::stoull(shared.substr(0, comma));
-  config.smallAllreduceBytes = std::stoull(shared.substr(comma + 1));
+  if (settings.shmSlotBytes >= 0) config.transport.slotBytes = settings.shmSlotBytes;
+  if (settings.shmSmallBytes >= 0) config.smallAllreduceBytes = settings.shmSmallBytes;
   config.transport.spinMicros = static_cast<int>(envInt("XCOMM_SHM_SPIN_US", -1));
   return config;
 }
@@ -129,18 +105,16 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
   options->validate();
   const auto timeout = options->timeout;
-  const auto switches = ShmSwitches::fromEnvironment();
   const StorePtr groupStore = prefixed("xcomm/" + agreeGroupToken(store, rank, size), store);
   const StorePtr shmStore = prefixed("shm", groupStore);
 
-  GroupPlan plan = GroupPlan::plain(rank, size, *options, "shared memory not used");
-  if (allowShm) {
-    std::vector<std::string> ids;
-    if (size >= 2 && options->shm && switches.enabled) {
-      ids = exchangeHostIdentities(shmStore, rank, size);
-    }
-    plan = GroupPlan::decide(rank, size, ids, *options, switches);
-  }
+  // Before any transport: a setting the ranks disagree on (or cannot read)
+  // fails every rank here, at once, not one rank in the middle of a Gloo
+  // mesh its peers are still connecting ("closed by peer").
+  const AgreedSettings agreed = agreeGroupSettings(groupStore, rank, size, *options, allowShm);
+  GroupPlan plan =
+      allowShm ? GroupPlan::decide(rank, size, agreed.hostIds, *options, agreed.settings)
+               : GroupPlan::plain(rank, size, *options, "shared memory not used", agreed.settings);
   if (!factory.receivesShorter) plan.carrySmallOps = false;
   auto make = [&](const std::string& name) -> BackendPtr {
     const auto groups = plan.auxGroups();
@@ -149,14 +123,12 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     return factory.cpu(prefixed(name, groupStore), g->rank, g->size, timeout);
   };
 
-  // Rank 0's shared-memory sizes are agreed before any Gloo connection: a bad
-  // value then fails every rank here, rather than rank 0 tearing down its
-  // half of a Gloo mesh its peers are still connecting ("closed by peer").
   ShmCpuBackend::Config config;
   if (plan.usesShm()) {
-    config = shmConfig(shmStore, rank);
+    config = shmConfig(plan.settings);
     config.leaderCompression = plan.leaderCompression;
     config.leaderCarryBytes = plan.leaderCarryBytes();
+    config.leaderDirectExchange = plan.settings.directExchange;
   }
   XcommBackend::InnerBackends inner;
   BackendPtr gloo = make("xcomm/gloo");
@@ -165,8 +137,8 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   // leaves a plain group, which needs it): every rank builds it at the same point.
   auto checked = [&] {
     if (auto checks = make("xcomm/gloo-check")) {
-      inner.checked =
-          c10::make_intrusive<CheckedCpuBackend>(gloo, checks, timeout, plan.carryBytes());
+      inner.checked = c10::make_intrusive<CheckedCpuBackend>(
+          gloo, checks, timeout, plan.carryBytes(), "rank", plan.settings.directExchange);
       gloo = inner.checked;
     }
   };

@@ -1,8 +1,6 @@
 #include "backend/GroupPlan.hpp"
 
 #include <algorithm>
-#include <cctype>
-#include <cstdlib>
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -10,20 +8,6 @@
 #include "collectives/CarriedCollectives.hpp"
 
 namespace xcomm {
-namespace {
-
-bool envSwitch(const char* name) {
-  const char* value = std::getenv(name);
-  if (!value) return true;
-  std::string v(value);
-  v.erase(0, v.find_first_not_of(" \t"));
-  v.erase(v.find_last_not_of(" \t") + 1);
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
-  return !(v == "0" || v == "false" || v == "off" || v == "no");
-}
-
-}  // namespace
-
 const char* groupShapeName(GroupShape shape) {
   switch (shape) {
     case GroupShape::kPlain:
@@ -36,14 +20,8 @@ const char* groupShapeName(GroupShape shape) {
   return "?";
 }
 
-ShmSwitches ShmSwitches::fromEnvironment() {
-  ShmSwitches s;
-  s.enabled = envSwitch("XCOMM_SHM");
-  s.hierarchical = envSwitch("XCOMM_SHM_HIERARCHICAL");
-  return s;
-}
-
-GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std::string why) {
+GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std::string why,
+                           const GroupSettings& settings) {
   TORCH_CHECK_VALUE(size > 0 && rank >= 0 && rank < size, "xcomm: rank ", rank,
                     " is out of range for a group of size ", size);
   GroupPlan plan;
@@ -55,7 +33,11 @@ GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std:
   plan.host = 0;
   plan.localRank = rank;
   plan.localSize = size;
+  plan.settings = settings;
   plan.backendCompression = options.compression;
+  plan.backendCompression.autoMethods = settings.autoMethods;
+  plan.backendCompression.autoLinkLatency = settings.autoLinkLatency;
+  plan.backendCompression.autoLinkBytesPerSecond = settings.autoLinkBytesPerSecond;
   plan.checkCollectives = options.checkCollectives;
   plan.carrySmallOps = options.carrySmallOps;
   plan.fusionThresholdBytes = options.fusionThresholdBytes;
@@ -65,10 +47,13 @@ GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std:
 }
 
 GroupPlan GroupPlan::decide(int rank, int size, const std::vector<std::string>& hostIds,
-                            const XcommOptions& options, const ShmSwitches& shm) {
-  if (size < 2) return plain(rank, size, options, "one rank: nothing to share");
-  if (!options.shm) return plain(rank, size, options, "shared memory off (Options(shm=False))");
-  if (!shm.enabled) return plain(rank, size, options, "shared memory off (XCOMM_SHM)");
+                            const XcommOptions& options, const GroupSettings& settings) {
+  auto plainBecause = [&](std::string why) {
+    return plain(rank, size, options, std::move(why), settings);
+  };
+  if (size < 2) return plainBecause("one rank: nothing to share");
+  if (!options.shm) return plainBecause("shared memory off (Options(shm=False))");
+  if (!settings.shm) return plainBecause("shared memory off (XCOMM_SHM)");
   TORCH_CHECK(static_cast<int>(hostIds.size()) == size, "xcomm: expected ", size,
               " host identities, got ", hostIds.size());
 
@@ -78,18 +63,17 @@ GroupPlan GroupPlan::decide(int rank, int size, const std::vector<std::string>& 
     if (std::find(hosts.begin(), hosts.end(), id) == hosts.end()) hosts.push_back(id);
   }
   if (hosts.size() == 1) {
-    GroupPlan plan = plain(rank, size, options, "every rank on one host");
+    GroupPlan plan = plainBecause("every rank on one host");
     plan.shape = GroupShape::kSingleHostShm;
     return plan;
   }
   if (static_cast<int>(hosts.size()) == size) {
-    return plain(rank, size, options, "one rank per host: nothing to share within a host");
+    return plainBecause("one rank per host: nothing to share within a host");
   }
-  if (!shm.hierarchical) {
-    return plain(rank, size, options,
-                 "ranks span hosts; hierarchical off (XCOMM_SHM_HIERARCHICAL)");
+  if (!settings.shmHierarchical) {
+    return plainBecause("ranks span hosts; hierarchical off (XCOMM_SHM_HIERARCHICAL)");
   }
-  GroupPlan plan = plain(rank, size, options, "ranks span hosts, some host has several");
+  GroupPlan plan = plainBecause("ranks span hosts, some host has several");
   plan.shape = GroupShape::kHierarchical;
   plan.hosts = static_cast<int>(hosts.size());
   plan.host =
@@ -102,7 +86,7 @@ GroupPlan GroupPlan::decide(int rank, int size, const std::vector<std::string>& 
     ++plan.localSize;
   }
   // Only the step between hosts is compressed: sums inside a host stay exact.
-  plan.leaderCompression = options.compression;
+  plan.leaderCompression = plan.backendCompression;
   plan.backendCompression = CompressionConfig{};
   plan.backendCompression.method = Compression::kNone;
   return plan;
@@ -207,6 +191,7 @@ std::string GroupPlan::describe() const {
                 : std::string(")"))
         << "\n";
   }
+  out << settings.describe();
   for (const auto& g : auxGroups()) {
     out << "group " << g.name << (g.member ? "" : " (not a member)") << ": " << g.why << "\n";
   }

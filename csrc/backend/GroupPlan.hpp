@@ -1,8 +1,9 @@
 #pragma once
 // GroupPlan: what one xcomm process group is, decided once, in one place.
 //
-// From every member's host identity (transport/HostIdentity) and the group's
-// options, it fixes:
+// From every member's host identity (transport/HostIdentity), the group's
+// options and the environment's settings every rank agreed on
+// (GroupSettings), it fixes:
 // - the shape: plain (Gloo alone), single-host shared memory (every member on
 //   one host), or hierarchical (several hosts, some with several ranks:
 //   shared memory inside a host, Gloo among one leader per host);
@@ -17,20 +18,13 @@
 #include <string>
 #include <vector>
 
+#include "backend/GroupSettings.hpp"
 #include "backend/XcommOptions.hpp"
 
 namespace xcomm {
 
 enum class GroupShape { kPlain, kSingleHostShm, kHierarchical };
 const char* groupShapeName(GroupShape shape);
-
-// The environment's switches for shared memory (read once per group).
-struct ShmSwitches {
-  bool enabled = true;       // XCOMM_SHM: 0/false/off/no turn shared memory off
-  bool hierarchical = true;  // XCOMM_SHM_HIERARCHICAL: 0 keeps multi-host groups plain
-
-  static ShmSwitches fromEnvironment();
-};
 
 // One group of ranks besides the group itself, with its own transport.
 struct AuxGroup {
@@ -62,13 +56,16 @@ struct GroupPlan {
   bool carrySmallOps = true;
   int64_t fusionThresholdBytes = 0;
   std::chrono::microseconds fusionCycle{0};
+  // What the environment says, agreed by every rank (backend/GroupSettings).
+  GroupSettings settings;
 
   // `hostIds[r]` is rank r's host identity (empty: shared memory is off and
   // identities were not exchanged).
   static GroupPlan decide(int rank, int size, const std::vector<std::string>& hostIds,
-                          const XcommOptions& options, const ShmSwitches& shm);
+                          const XcommOptions& options, const GroupSettings& settings);
   // A plan with no host information: Gloo alone (the C++-only path, tests).
-  static GroupPlan plain(int rank, int size, const XcommOptions& options, std::string why);
+  static GroupPlan plain(int rank, int size, const XcommOptions& options, std::string why,
+                         const GroupSettings& settings = {});
   // The plain plan a shared-memory setup failure leads to: compression moves
   // from the leaders' step to the backend.
   GroupPlan fallbackToPlain(const std::string& reason) const;

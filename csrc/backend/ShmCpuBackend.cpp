@@ -122,8 +122,9 @@ ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, 
     leaderCompression_ = std::make_unique<CompressedAllreduce>(config_.leaderCompression, hosts);
   }
   if (leaders_ && leaderChecks) {
-    checkedLeaders_ = c10::make_intrusive<CheckedCpuBackend>(
-        leaders_, std::move(leaderChecks), timeout, config_.leaderCarryBytes, "host");
+    checkedLeaders_ = c10::make_intrusive<CheckedCpuBackend>(leaders_, std::move(leaderChecks),
+                                                             timeout, config_.leaderCarryBytes,
+                                                             "host", config_.leaderDirectExchange);
   }
 }
 

@@ -48,6 +48,9 @@ class ShmCpuBackend : public c10d::Backend {
     // Hierarchical mode with leader checks: bytes per leader a sum may carry
     // in the check (CheckedCpuBackend's carryBytes).
     int64_t leaderCarryBytes = 0;
+    // Whether the leaders' checked backend may send large all-to-alls and
+    // all-gathers as messages (GroupSettings::directExchange).
+    bool leaderDirectExchange = true;
   };
 
   // Collective over `store`: null on every rank when the segment cannot be

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <vector>
@@ -47,39 +46,18 @@ size_t index(Compression m) {
 
 }  // namespace
 
-AutoCompression::AutoCompression(int size, int64_t int8ChunkElems, int64_t interval)
-    : size_(size), chunkElems_(int8ChunkElems), interval_(interval) {
+AutoCompression::AutoCompression(int size, const CompressionConfig& config, int64_t interval)
+    : size_(size), chunkElems_(config.int8ChunkElems), interval_(interval) {
   TORCH_CHECK_VALUE(interval_ > 0, "xcomm: auto compression's interval must be > 0");
-  const char* methods = std::getenv("XCOMM_AUTO_METHODS");
-  if (methods == nullptr || *methods == '\0') {
-    allowed_.assign(kMethods.begin(), kMethods.end());
-  } else {
-    std::stringstream list(methods);
-    std::string name;
-    while (std::getline(list, name, ',')) {
-      const auto it = std::find_if(kMethods.begin(), kMethods.end(),
-                                   [&](Compression m) { return name == compressionName(m); });
-      TORCH_CHECK_VALUE(it != kMethods.end(), "xcomm: XCOMM_AUTO_METHODS names '", name,
-                        "'; auto chooses among none, bf16 and int8 (comma-separated)");
-      if (std::find(allowed_.begin(), allowed_.end(), *it) == allowed_.end()) {
-        allowed_.push_back(*it);
-      }
-    }
-    TORCH_CHECK_VALUE(!allowed_.empty(), "xcomm: XCOMM_AUTO_METHODS names no method");
-    std::sort(allowed_.begin(), allowed_.end(), [](Compression a, Compression b) {
-      return index(a) < index(b);  // cheapest codec first: ties go to it
-    });
+  for (Compression m : kMethods) {
+    const bool listed = std::find(config.autoMethods.begin(), config.autoMethods.end(), m) !=
+                        config.autoMethods.end();
+    if (config.autoMethods.empty() || listed) allowed_.push_back(m);  // cheapest codec first
   }
-  if (const char* link = std::getenv("XCOMM_AUTO_LINK"); link != nullptr && *link != '\0') {
-    char* end = nullptr;
-    fixedLatency_ = std::strtod(link, &end);
-    const bool comma = end != nullptr && *end == ',';
-    if (comma) fixedBandwidth_ = std::strtod(end + 1, &end);
-    TORCH_CHECK_VALUE(
-        comma && end != nullptr && *end == '\0' && fixedLatency_ >= 0 && fixedBandwidth_ > 0,
-        "xcomm: XCOMM_AUTO_LINK must be '<latency seconds>,<bytes per second>' "
-        "with latency >= 0 and bandwidth > 0, got '",
-        link, "'");
+  TORCH_CHECK_VALUE(!allowed_.empty(), "xcomm: auto has no method to choose from");
+  if (config.autoLinkBytesPerSecond > 0) {
+    fixedLatency_ = config.autoLinkLatency;
+    fixedBandwidth_ = config.autoLinkBytesPerSecond;
   }
 }
 

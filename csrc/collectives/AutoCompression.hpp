@@ -13,7 +13,8 @@
 // choices, and every input agreed by an allreduce MAX, so every rank computes
 // the same choice from the same numbers and their collectives match.
 //
-// Two environment variables bound it (read when the group is made):
+// Two environment variables bound it (read and agreed by every rank when the
+// group is made, backend/GroupSettings, and passed in the config):
 // XCOMM_AUTO_METHODS="none,bf16" limits the choice; XCOMM_AUTO_LINK=
 // "<latency s>,<bytes/s>" fixes the link instead of probing it (a known
 // network; tests). Codec costs are still measured and agreed.
@@ -59,9 +60,10 @@ class AutoCompression {
   static constexpr std::array<Compression, 3> kMethods{Compression::kNone, Compression::kBf16,
                                                        Compression::kInt8};
 
-  AutoCompression(int size, int64_t int8ChunkElems, int64_t interval = 64);
+  // `config`: the int8 chunk and auto's bounds (autoMethods, autoLink*).
+  AutoCompression(int size, const CompressionConfig& config, int64_t interval = 64);
 
-  // The methods it may choose (XCOMM_AUTO_METHODS, default all of kMethods).
+  // The methods it may choose (config.autoMethods, default all of kMethods).
   const std::vector<Compression>& allowed() const { return allowed_; }
 
   // Predicted seconds of `method` for `numel` elements of `elementSize` bytes.
@@ -84,7 +86,7 @@ class AutoCompression {
   int64_t chunkElems_;
   int64_t interval_;
   std::vector<Compression> allowed_;
-  double fixedLatency_ = -1, fixedBandwidth_ = -1;  // XCOMM_AUTO_LINK; -1: probe
+  double fixedLatency_ = -1, fixedBandwidth_ = -1;  // config.autoLink*; -1: probe
   int64_t calls_ = 0;
   int64_t probeBytes_ = 1 << 20;
   bool calibrated_ = false;

@@ -64,7 +64,7 @@ CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
     statsName_ += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
   }
   if (config_.method == Compression::kAuto) {
-    auto_ = std::make_unique<AutoCompression>(size, config_.int8ChunkElems);
+    auto_ = std::make_unique<AutoCompression>(size, config_);
   }
 }
 

@@ -104,6 +104,24 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
   d["carry_bytes"] = plan.carryBytes();
   d["checks_leaders"] = plan.checksLeaders();
   d["leader_carry_bytes"] = plan.leaderCarryBytes();
+  // The environment's settings, as every rank agreed on them.
+  py::dict settings;
+  const auto& env = plan.settings;
+  settings["shm"] = env.shm;
+  settings["shm_hierarchical"] = env.shmHierarchical;
+  settings["shm_slot_bytes"] =
+      env.shmSlotBytes >= 0 ? py::object(py::int_(env.shmSlotBytes)) : py::object(py::none());
+  settings["shm_small_bytes"] =
+      env.shmSmallBytes >= 0 ? py::object(py::int_(env.shmSmallBytes)) : py::object(py::none());
+  settings["direct_exchange"] = env.directExchange;
+  py::list methods;
+  for (auto m : env.autoMethods) methods.append(xcomm::compressionName(m));
+  settings["auto_methods"] = methods;
+  settings["auto_link"] =
+      env.autoLinkBytesPerSecond > 0
+          ? py::object(py::make_tuple(env.autoLinkLatency, env.autoLinkBytesPerSecond))
+          : py::object(py::none());
+  d["settings"] = settings;
   py::list groups;
   for (const auto& g : plan.auxGroups()) {
     py::dict entry;

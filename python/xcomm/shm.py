@@ -24,7 +24,8 @@ step is compressed: the sums inside a host stay exact, the bytes between
 hosts shrink 2x (16-bit) or ~4x (int8) more.
 
 Switches: ``xcomm.Options(shm=False)`` or the environment variable
-``XCOMM_SHM=0`` turn it off. Tuning (read on rank 0, shared with the group):
+``XCOMM_SHM=0`` turn it off. Tuning (agreed by every rank when the group is
+made: a rank whose value differs gets a ``ValueError`` naming it):
 ``XCOMM_SHM_SLOT_BYTES`` (bytes per rank per buffer, default 1 MiB) and
 ``XCOMM_SHM_SMALL_BYTES`` (largest allreduce taking the one-barrier path,
 default 256 KiB); ``XCOMM_SHM_SPIN_US`` (per rank) sets how long a waiting

@@ -11,8 +11,8 @@ using xcomm::AuxGroup;
 using xcomm::carryCapacityBytes;
 using xcomm::Compression;
 using xcomm::GroupPlan;
+using xcomm::GroupSettings;
 using xcomm::GroupShape;
-using xcomm::ShmSwitches;
 using xcomm::XcommOptions;
 
 namespace {
@@ -44,7 +44,7 @@ XcommOptions withCompression(Compression method) {
 TEST_CASE("every rank on one host: single-host shared memory, the backend compresses", "[plan]") {
   const auto options = withCompression(Compression::kFp16);
   for (int rank = 0; rank < 3; ++rank) {
-    auto plan = GroupPlan::decide(rank, 3, {"a", "a", "a"}, options, ShmSwitches{});
+    auto plan = GroupPlan::decide(rank, 3, {"a", "a", "a"}, options, GroupSettings{});
     CHECK(plan.shape == GroupShape::kSingleHostShm);
     CHECK(plan.usesShm());
     CHECK(plan.backendCompression.method == Compression::kFp16);
@@ -61,7 +61,7 @@ TEST_CASE("hosts with several ranks: hierarchical, only the leaders' step compre
   const int expectLocal[] = {0, 0, 1, 1, 0};
   const int expectLocalSize[] = {2, 2, 2, 2, 1};
   for (int rank = 0; rank < 5; ++rank) {
-    auto plan = GroupPlan::decide(rank, 5, ids, options, ShmSwitches{});
+    auto plan = GroupPlan::decide(rank, 5, ids, options, GroupSettings{});
     INFO("rank " << rank);
     CHECK(plan.shape == GroupShape::kHierarchical);
     CHECK(plan.hosts == 3);
@@ -88,12 +88,12 @@ TEST_CASE("hosts with several ranks: hierarchical, only the leaders' step compre
   // Off with the other checks; nothing carried without carry_small_ops.
   XcommOptions unchecked = options;
   unchecked.checkCollectives = false;
-  auto off = GroupPlan::decide(0, 5, ids, unchecked, ShmSwitches{});
+  auto off = GroupPlan::decide(0, 5, ids, unchecked, GroupSettings{});
   CHECK_FALSE(off.checksLeaders());
   CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo", "xcomm/leaders"});
   XcommOptions uncarried = options;
   uncarried.carrySmallOps = false;
-  auto checkedOnly = GroupPlan::decide(0, 5, ids, uncarried, ShmSwitches{});
+  auto checkedOnly = GroupPlan::decide(0, 5, ids, uncarried, GroupSettings{});
   CHECK(checkedOnly.checksLeaders());
   CHECK(checkedOnly.leaderCarryBytes() == 0);
 }
@@ -101,7 +101,7 @@ TEST_CASE("hosts with several ranks: hierarchical, only the leaders' step compre
 TEST_CASE("a shared-memory failure falls back to plain and moves compression to the backend",
           "[plan]") {
   const auto options = withCompression(Compression::kInt8);
-  auto plan = GroupPlan::decide(3, 4, {"x", "x", "y", "y"}, options, ShmSwitches{});
+  auto plan = GroupPlan::decide(3, 4, {"x", "x", "y", "y"}, options, GroupSettings{});
   REQUIRE(plan.shape == GroupShape::kHierarchical);
   auto fallback = plan.fallbackToPlain("no /dev/shm");
   CHECK(fallback.shape == GroupShape::kPlain);
@@ -115,18 +115,18 @@ TEST_CASE("a shared-memory failure falls back to plain and moves compression to 
 
 TEST_CASE("plain groups: one rank per host, shm off by option or environment, one rank", "[plan]") {
   XcommOptions options;
-  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{}).shape == GroupShape::kPlain);
-  CHECK(GroupPlan::decide(0, 1, {}, options, ShmSwitches{}).shape == GroupShape::kPlain);
-  ShmSwitches off;
-  off.enabled = false;
+  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, GroupSettings{}).shape == GroupShape::kPlain);
+  CHECK(GroupPlan::decide(0, 1, {}, options, GroupSettings{}).shape == GroupShape::kPlain);
+  GroupSettings off;
+  off.shm = false;
   auto byEnv = GroupPlan::decide(0, 2, {}, options, off);
   CHECK(byEnv.shape == GroupShape::kPlain);
   CHECK_THAT(byEnv.why, Contains("XCOMM_SHM"));
-  ShmSwitches flat;
-  flat.hierarchical = false;
+  GroupSettings flat;
+  flat.shmHierarchical = false;
   CHECK(GroupPlan::decide(0, 4, {"x", "x", "y", "y"}, options, flat).shape == GroupShape::kPlain);
   options.shm = false;
-  auto byOption = GroupPlan::decide(0, 2, {}, options, ShmSwitches{});
+  auto byOption = GroupPlan::decide(0, 2, {}, options, GroupSettings{});
   CHECK(byOption.shape == GroupShape::kPlain);
   CHECK_THAT(byOption.why, Contains("shm=False"));
 }
@@ -134,14 +134,14 @@ TEST_CASE("plain groups: one rank per host, shm off by option or environment, on
 TEST_CASE("collectives Gloo runs are checked unless one host's shared memory checks them",
           "[plan]") {
   XcommOptions options;
-  auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
+  auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, GroupSettings{});
   CHECK(twoHosts.checksCollectives());
   CHECK(auxNames(twoHosts) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check"});
   CHECK_THAT(twoHosts.describe(), Contains("collective checks: on"));
-  CHECK_FALSE(GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{}).checksCollectives());
-  CHECK_FALSE(GroupPlan::decide(0, 1, {}, options, ShmSwitches{}).checksCollectives());
+  CHECK_FALSE(GroupPlan::decide(0, 2, {"a", "a"}, options, GroupSettings{}).checksCollectives());
+  CHECK_FALSE(GroupPlan::decide(0, 1, {}, options, GroupSettings{}).checksCollectives());
   options.checkCollectives = false;
-  auto off = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
+  auto off = GroupPlan::decide(0, 2, {"x", "y"}, options, GroupSettings{});
   CHECK_FALSE(off.checksCollectives());
   CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo"});
   CHECK_THAT(off.describe(), Contains("check_collectives=False"));
@@ -157,30 +157,30 @@ TEST_CASE("small ops ride in the check: 128 KiB per pair, spread thinner past 3 
   CHECK(carryCapacityBytes(64) * 63 <= 256 * 1024);
   CHECK(carryCapacityBytes(64) % 8 == 0);
   XcommOptions options;
-  auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{});
+  auto twoHosts = GroupPlan::decide(0, 2, {"x", "y"}, options, GroupSettings{});
   CHECK(twoHosts.carryBytes() == 128 * 1024);
   CHECK_THAT(twoHosts.describe(), Contains("ops of up to 131072 bytes per rank"));
   // Nothing to carry without the check, or on one host (shared memory's own route).
-  CHECK(GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{}).carryBytes() == 0);
+  CHECK(GroupPlan::decide(0, 2, {"a", "a"}, options, GroupSettings{}).carryBytes() == 0);
   options.carrySmallOps = false;
-  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{}).carryBytes() == 0);
+  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, GroupSettings{}).carryBytes() == 0);
   options.carrySmallOps = true;
   options.checkCollectives = false;
-  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, ShmSwitches{}).carryBytes() == 0);
+  CHECK(GroupPlan::decide(0, 2, {"x", "y"}, options, GroupSettings{}).carryBytes() == 0);
 }
 
 TEST_CASE("fusion gets its own control group, on demand or with a cycle", "[plan]") {
   XcommOptions options;
-  auto off = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
+  auto off = GroupPlan::decide(0, 2, {"a", "a"}, options, GroupSettings{});
   CHECK(auxNames(off) == std::vector<std::string>{"xcomm/gloo"});
   options.fusionThresholdBytes = 1 << 20;
   // On demand agrees too: what travels together must not depend on when each
   // rank waits.
-  auto onDemand = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
+  auto onDemand = GroupPlan::decide(0, 2, {"a", "a"}, options, GroupSettings{});
   CHECK(onDemand.fusionCycle.count() == 0);
   CHECK(auxNames(onDemand) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-fusion"});
   options.fusionCycleMs = 0.0005;  // below 1 us: still a cycle
-  auto cycle = GroupPlan::decide(0, 2, {"a", "a"}, options, ShmSwitches{});
+  auto cycle = GroupPlan::decide(0, 2, {"a", "a"}, options, GroupSettings{});
   CHECK(cycle.fusionCycle.count() == 1);
   CHECK(auxNames(cycle) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-fusion"});
   CHECK_THAT(cycle.describe(), Contains("1 us cycle") && Contains("xcomm/gloo-fusion"));
@@ -199,6 +199,6 @@ TEST_CASE("options are validated once, naming the option", "[plan][options]") {
 }
 
 TEST_CASE("host identities must cover the group", "[plan]") {
-  CHECK_THROWS_WITH(GroupPlan::decide(0, 3, {"a", "a"}, XcommOptions{}, ShmSwitches{}),
+  CHECK_THROWS_WITH(GroupPlan::decide(0, 3, {"a", "a"}, XcommOptions{}, GroupSettings{}),
                     Contains("expected 3 host identities"));
 }

@@ -756,24 +756,35 @@ def test_large_all_to_alls_and_all_gathers_go_as_messages_and_equal_gloo(world_s
 
 
 def _rank_direct_switch(ctx: RankContext) -> dict[str, Any]:
-    # Rank 0 turns the direct route off, rank 1 leaves it on: the check rows
-    # must make both take Gloo's collective, not one each (which would hang).
+    # Rank 0 turns the direct route off, rank 1 leaves it on: the group's
+    # settings agreement refuses the group on both (before, each op's check
+    # rows made both take Gloo's collective; the setting is now one the
+    # group agrees on once, like every XCOMM_* variable that changes its ops).
     if ctx.rank == 0:
         os.environ["XCOMM_DIRECT_EXCHANGE"] = "0"
+    t0 = time.monotonic()
+    error = error_of(lambda: _group(ctx, 1))
+    elapsed = time.monotonic() - t0
+    os.environ["XCOMM_DIRECT_EXCHANGE"] = "0"  # now alike on every rank
     group = _group(ctx, 1)
     backend = group._get_backend(torch.device("cpu"))
     m = 140_001
     x = torch.arange(2 * m, dtype=torch.float32) + 1000 * ctx.rank
     out, ref = torch.empty_like(x), torch.empty_like(x)
-    t0 = time.monotonic()
     dist.all_to_all_single(out, x, group=group)
-    elapsed = time.monotonic() - t0
     dist.all_to_all_single(ref, x, group=ctx.ref)
-    return {"direct": backend.direct_ops, "same": torch.equal(out, ref), "elapsed": elapsed}
+    return {
+        "error": error,
+        "elapsed": elapsed,
+        "direct": backend.direct_ops,
+        "same": torch.equal(out, ref),
+    }
 
 
-def test_ranks_that_differ_on_the_direct_route_all_take_gloos_collective() -> None:
+def test_ranks_that_differ_on_the_direct_route_are_refused_then_agree() -> None:
     for r in run_ranks(_rank_direct_switch, 2):
-        assert r["same"]
-        assert r["direct"] == 0, r
+        assert r["error"] is not None and "ValueError" in r["error"], r
+        assert "XCOMM_DIRECT_EXCHANGE (rank 0 'off'; rank 1 'on')" in r["error"], r
         assert r["elapsed"] < 10, r
+        # Off on every rank: Gloo's collective, gloo's result.
+        assert r["same"] and r["direct"] == 0, r

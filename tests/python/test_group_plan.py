@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import xcomm
-from dist_harness import RankContext, run_ranks
+from dist_harness import RankContext, error_of, run_ranks
 
 
 def _rank_plans(ctx: RankContext, tag_of_rank: list[str]) -> dict[str, Any]:
@@ -157,3 +158,173 @@ def test_a_bad_shm_size_on_rank_0_is_an_error_on_every_rank() -> None:
     for msg, gloo_groups in results:
         assert "XCOMM_SHM_SLOT_BYTES must be an integer, got 'lots'" in msg, msg
         assert gloo_groups == 0
+
+
+# -- settings every rank must share (csrc/backend/GroupSettings) ----------------------
+
+
+def _rank_settings(
+    ctx: RankContext, env_of_rank: list[dict[str, str]], options_of_rank: list[dict[str, Any]]
+) -> dict[str, Any]:
+    import xcomm.backend
+
+    mine = env_of_rank[ctx.rank]
+    os.environ.update(mine)
+    made = []
+    real_gloo = xcomm.backend._gloo
+
+    def counting_gloo(*args: object) -> object:
+        made.append(args)
+        return real_gloo(*args)
+
+    xcomm.backend._gloo = counting_gloo
+    t0 = time.monotonic()
+    try:
+        options = xcomm.Options(**options_of_rank[ctx.rank])
+        error = error_of(lambda: dist.new_group(backend="xcomm", pg_options=options))
+    finally:
+        xcomm.backend._gloo = real_gloo
+    elapsed = time.monotonic() - t0
+    # The job goes on: with the setting alike on every rank, a group forms.
+    for name in mine:
+        del os.environ[name]
+    group = dist.new_group(backend="xcomm", pg_options=xcomm.Options(shm=False))
+    x = torch.arange(4, dtype=torch.float32) + ctx.rank
+    dist.all_reduce(x, group=group)
+    return {"error": error, "elapsed": elapsed, "gloo_groups": len(made), "after": x.tolist()}
+
+
+_LINK = "1e-4,1.25e8"
+
+
+@pytest.mark.parametrize(
+    "env_of_rank, options_of_rank, expected",
+    [
+        (
+            [{}, {"XCOMM_AUTO_LINK": _LINK}],
+            [{"compression": "auto", "shm": False}] * 2,
+            "XCOMM_AUTO_LINK (rank 0 unset; rank 1 '0.0001,125000000')",
+        ),
+        (
+            [{"XCOMM_AUTO_METHODS": "bf16,none"}, {}],
+            [{"compression": "auto", "shm": False}] * 2,
+            "XCOMM_AUTO_METHODS (rank 0 'none,bf16'; rank 1 unset)",
+        ),
+        ([{}, {"XCOMM_SHM": "off"}], [{}] * 2, "XCOMM_SHM (rank 0 'on'; rank 1 'off')"),
+        (
+            [{}, {}],
+            [{"compression": "int8", "shm": False}, {"shm": False}],
+            "Options.compression (rank 0 'int8'; rank 1 'none')",
+        ),
+        (
+            [{}, {}, {"XCOMM_SHM_SLOT_BYTES": "4096"}],
+            [{}] * 3,
+            "XCOMM_SHM_SLOT_BYTES (ranks 0, 1 unset; rank 2 '4096')",
+        ),
+    ],
+    ids=["auto-link", "auto-methods", "shm-env", "compression-option", "slot-bytes-3-ranks"],
+)
+def test_ranks_that_differ_on_a_group_setting_all_raise_it_at_once(
+    env_of_rank: list[dict[str, str]], options_of_rank: list[dict[str, Any]], expected: str
+) -> None:
+    """A setting that changes which collectives a rank issues, set on some
+    ranks only, is the same ValueError on every rank, naming the setting and
+    every rank's value, before any Gloo group is made; without the agreement
+    a rank with XCOMM_AUTO_LINK skipped the link probes its peers ran and
+    the group hung until the timeout."""
+    world = len(env_of_rank)
+    results = run_ranks(_rank_settings, world, env_of_rank, options_of_rank, timeout=90)
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1, errors  # the same words on every rank
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("ValueError"), r
+        assert expected in r["error"], r["error"]
+        assert r["elapsed"] < 5, r
+        assert r["gloo_groups"] == 0, r
+        total = sum(range(world))
+        assert r["after"] == [float(total + world * i) for i in range(4)], r
+
+
+def _rank_agreed_settings(ctx: RankContext) -> dict[str, Any]:
+    os.environ["XCOMM_AUTO_LINK"] = _LINK
+    os.environ["XCOMM_AUTO_METHODS"] = "int8,none"
+    os.environ["XCOMM_SHM_SLOT_BYTES"] = "65536"
+    group = dist.new_group(backend="xcomm", pg_options=xcomm.Options(compression="auto"))
+    plain = dist.new_group(backend="xcomm", pg_options=xcomm.Options(compression="auto", shm=False))
+    x = torch.randn(1 << 18, generator=ctx.generator())
+    dist.all_reduce(x, group=plain)
+    stats = plain._get_backend(torch.device("cpu")).compression_stats["auto"]
+    return {"shm": xcomm.group_plan(group), "plain": xcomm.group_plan(plain), "auto": stats}
+
+
+def test_settings_alike_on_every_rank_are_in_the_plan_and_used() -> None:
+    for r in run_ranks(_rank_agreed_settings, 2):
+        settings = r["plain"]["settings"]
+        assert settings["auto_link"] == (1e-4, 1.25e8), settings
+        assert settings["auto_methods"] == ["none", "int8"], settings
+        assert "XCOMM_AUTO_LINK: 0.0001 s latency" in r["plain"]["description"]
+        assert r["shm"]["settings"]["shm_slot_bytes"] == 65536, r["shm"]
+        # auto read the pinned link (not a probe) and chose only among its methods.
+        assert r["auto"]["inputs"]["bandwidth_bytes_per_s"] == pytest.approx(1.25e8), r["auto"]
+        assert r["auto"]["inputs"]["latency_s"] == pytest.approx(1e-4), r["auto"]
+        assert r["auto"]["chosen"]["bf16"] == 0, r["auto"]
+
+
+class _CorruptingStore(dist.Store):
+    """A store in which another process overwrote rank 0's set-up record
+    just before this rank read it (the TCPStore takes writes from anyone)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        return b"not xcomm's" if key.endswith("/settings/0") else value
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    # c10d's trampoline calls the C++ name.
+    def deleteKey(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+
+def _rank_corrupted_record(ctx: RankContext) -> dict[str, Any]:
+    import xcomm.backend
+
+    base = dist.FileStore(os.path.join(ctx.tmpdir, "corrupt-store"), ctx.world_size)
+    store = _CorruptingStore(base) if ctx.rank == 1 else base
+    options = xcomm.Options(timeout=datetime.timedelta(seconds=30)).to_cpp()
+    t0 = time.monotonic()
+    error = error_of(
+        lambda: xcomm._C.build_group(store, ctx.rank, ctx.world_size, options, xcomm.backend._gloo)
+    )
+    return {"error": error, "elapsed": time.monotonic() - t0}
+
+
+def test_a_set_up_record_corrupted_in_the_store_fails_every_rank_at_once() -> None:
+    """Rank 1 reads garbage where rank 0's record was: every rank raises the
+    same clear error within a second (before: the rank that read garbage
+    raised a bare 'stoull' while its peer waited the whole timeout)."""
+    results = run_ranks(_rank_corrupted_record, 2, timeout=90)
+    assert len({r["error"] for r in results}) == 1, results
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith("ValueError"), r
+        assert "rank 0's set-up record" in r["error"] and "not one this xcomm wrote" in r["error"]
+        assert r["elapsed"] < 1.0, r
