@@ -43,6 +43,16 @@ codec, per element ``i``, over the ``g`` ranks of the group with inputs
   measured (probes on the group's own transport between the program's ops),
   so what it picks is whatever this machine's loopback favours.
 
+About one batch in twenty starts with an op Gloo refuses (an int16
+``all_reduce``, waited for before the next is issued), then a ``barrier``
+and a random op: the ops after a refused one must succeed and equal gloo's
+(an error belongs to the op that caused it; that an async op's error does
+not reach a barrier issued while it is in flight is tested on the checked
+route in tests/python/test_checked.py, since plain gloo's own barrier
+raises it). xcomm's single-host shared-memory route reduces int16, which Gloo
+refuses (documented); there the refused op must instead be the exact sum
+(``rejected_ran``), elsewhere it must raise as gloo's (``rejected_raised``).
+
 Every lossy op whose result is not bitwise the reference is counted
 (``lossy_inexact``), so a run also shows that compression really happened.
 
@@ -176,6 +186,31 @@ def make_program(seed: int, ops: int, world: int) -> list[list[dict[str, Any]]]:
         batch = []
         group = 0 if len(groups) == 1 or rng.random() < 0.6 else rng.randrange(1, len(groups))
         size = len(groups[group])
+        if rng.random() < 0.05:
+            # An op Gloo refuses (int16 all_reduce), then ops that must not
+            # inherit its error: an error belongs to the op that caused it.
+            batch.append(
+                {
+                    "op": "all_reduce",
+                    "dtype": "int16",
+                    "red": "SUM",
+                    "n": _numel(rng),
+                    "root": 0,
+                    "group": group,
+                    "rejected": True,
+                }
+            )
+            for op in ("barrier", rng.choice(OPS)):
+                n = _numel(rng)
+                if op in ("reduce_scatter_tensor", "all_to_all_single"):
+                    n -= n % size
+                dtype = rng.choice(DTYPES)
+                batch.append(
+                    {"op": op, "dtype": dtype, "red": "SUM", "n": n, "root": 0, "group": group}
+                )
+            batches.append(batch)
+            count += len(batch)
+            continue
         if rng.random() < 0.2:
             # A burst of small allreduces of one kind: what fusion holds.
             dtype = rng.choice(DTYPES)
@@ -380,6 +415,7 @@ def _worker(args: argparse.Namespace) -> None:
     mismatches: list[str] = []
     ops = skipped = lossy_ops = lossy_inexact = 0
     both_raised = 0  # ops gloo refuses too (e.g. a dtype it lacks): agreement, not a pass
+    rejected_raised = rejected_ran = 0  # int16 all_reduces: raised as gloo's / reduced by shm
     inject = args.inject_mismatch
     index = 0
     for batch in make_program(args.seed, args.ops, world):
@@ -389,25 +425,37 @@ def _worker(args: argparse.Namespace) -> None:
             index += len(batch)
             continue
         issued = []
+        errors = {}  # index in `issued` -> what waiting for its work raised
         for spec in batch:
             try:
                 work, outs = _issue(dist, torch, spec, index, rank, members, group, True)
                 issued.append((spec, index, work, outs, None))
-                # Sometimes wait for an earlier op before issuing the next, at
-                # points that differ between ranks (legal; fusion must not care).
-                if len(issued) > 1 and wait_rng.random() < 0.3:
-                    earlier = issued[wait_rng.randrange(len(issued) - 1)][2]
-                    if earlier is not None:
-                        earlier.wait()
             except Exception as e:  # noqa: BLE001 - compared with gloo's outcome
                 issued.append((spec, index, None, [], f"{type(e).__name__}: {e}"))
+            if spec.get("rejected") and issued[-1][2] is not None:
+                # Done before the next op is issued: on a group whose ops go
+                # straight to Gloo (one rank), Gloo's barrier raises the error
+                # of an op still in flight, as plain gloo's does.
+                try:
+                    issued[-1][2].wait()
+                except Exception as e:  # noqa: BLE001
+                    errors[len(issued) - 1] = f"{type(e).__name__}: {e}"
+            # Sometimes wait for an earlier op before issuing the next, at
+            # points that differ between ranks (legal; fusion must not care).
+            # What that wait raises is the earlier op's outcome.
+            elif len(issued) > 1 and wait_rng.random() < 0.3:
+                j = wait_rng.randrange(len(issued) - 1)
+                if issued[j][2] is not None:
+                    try:
+                        issued[j][2].wait()
+                    except Exception as e:  # noqa: BLE001
+                        errors[j] = f"{type(e).__name__}: {e}"
             index += 1
         order = list(range(len(issued)))
         wait_rng.shuffle(order)
-        errors = {}
         for i in order:
             spec, idx, work, outs, err = issued[i]
-            if work is not None:
+            if work is not None and i not in errors:
                 try:
                     work.wait()
                 except Exception as e:  # noqa: BLE001
@@ -426,6 +474,18 @@ def _worker(args: argparse.Namespace) -> None:
                 ref_outs, ref_err = [], f"{type(e).__name__}: {e}"
             ops += 1
             where = f"op {idx} {spec}"
+            if spec.get("rejected") and err is None and ref_err is not None:
+                # Gloo refuses int16; xcomm's shared-memory route reduces it
+                # (documented). Then it must be the exact sum.
+                rejected_ran += 1
+                want = _input(torch, spec, idx, members[0], spec["n"])
+                for m in members[1:]:
+                    want = want + _input(torch, spec, idx, m, spec["n"])
+                problem = _close(torch, outs[0], want) if config.shm else "ran off shared memory"
+                if problem:
+                    mismatches.append(f"{where}: gloo refuses it; xcomm's result: {problem}")
+                continue
+            rejected_raised += bool(spec.get("rejected")) and err is not None
             if (err is None) != (ref_err is None):
                 mismatches.append(f"{where}: xcomm {err or 'ok'} / gloo {ref_err or 'ok'}")
                 if err is not None:
@@ -456,6 +516,8 @@ def _worker(args: argparse.Namespace) -> None:
                 "ops": ops,
                 "skipped": skipped,
                 "both_raised": both_raised,
+                "rejected_raised": rejected_raised,
+                "rejected_ran": rejected_ran,
                 "lossy_ops": lossy_ops,
                 "lossy_inexact": lossy_inexact,
                 "mismatches": mismatches,
@@ -542,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ops": ops,
                 "ops_run_per_rank": [r["ops"] if r else None for r in ranks],
                 "both_raised": both_raised,
+                "rejected_raised": max((r["rejected_raised"] for r in ranks if r), default=0),
+                "rejected_ran": max((r["rejected_ran"] for r in ranks if r), default=0),
                 "lossy_ops": max((r["lossy_ops"] for r in ranks if r), default=0),
                 "lossy_inexact": max((r["lossy_inexact"] for r in ranks if r), default=0),
                 "mismatches": bad[:50],

@@ -70,6 +70,11 @@ def test_every_configuration_at_two_ranks(tmp_path: Path) -> None:
     for kind in ("fp16", "bf16", "int8"):
         runs = [r for n, r in summary["runs"].items() if n.endswith("-" + kind)]
         assert sum(r["lossy_inexact"] for r in runs) > 0, kind
+    # The op-after-a-refused-op pattern ran: refused as gloo's where Gloo runs
+    # it, reduced exactly on shared memory, and the ops after it clean.
+    runs = summary["runs"].items()
+    assert sum(r["rejected_raised"] for n, r in runs if n.startswith("noshm")) > 0
+    assert sum(r["rejected_ran"] for n, r in runs if n.startswith("shm")) > 0
     for name, run in summary["runs"].items():
         if name.endswith("-none"):
             assert run["lossy_ops"] == 0, name
