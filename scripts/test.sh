@@ -41,12 +41,13 @@ for v in "${versions[@]}"; do
   select=()
   if [ "$v" = "2.13.0" ]; then
     py=${PYTHON:-python3}
-    setup_env=(PYTHON="$py")
+    # The C++ tests are built here only: `pip install .` builds the library alone.
+    setup_env=(PYTHON="$py" XCOMM_BUILD_TESTS=ON)
   else
     venv=build/venv-torch$v
     [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
     py=$venv/bin/python
-    setup_env=(PYTHON="$py" XCOMM_TORCH_VERSION="$v" XCOMM_INSTALL=wheel)
+    setup_env=(PYTHON="$py" XCOMM_TORCH_VERSION="$v" XCOMM_INSTALL=wheel XCOMM_BUILD_TESTS=ON)
     if [[ " ${versions[*]} " == *" 2.13.0 "* ]]; then
       for f in "${ONCE_ONLY[@]}"; do select+=("--ignore=$f"); done
       echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]})"
