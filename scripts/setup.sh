@@ -11,6 +11,11 @@
 #                              source tree) or a regular install into PYTHON's
 #                              site-packages (two torch versions side by side
 #                              cannot share the in-tree module)
+#   XCOMM_SETUP=all|main       all (default): what every test needs
+#                              (requirements-dev.txt, clang-format, catch2,
+#                              iproute2); main: only what the main job needs
+#                              (requirements-main.txt, the build tools), which
+#                              scripts/main.sh asks for
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,14 +23,22 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${XCOMM_TORCH_VERSION:-2.13.0}
 EXACT_TORCH=${XCOMM_TORCH_VERSION:+1}
 INSTALL=${XCOMM_INSTALL:-editable}
+SETUP=${XCOMM_SETUP:-all}
+case "$SETUP" in
+  all) requirements=requirements-dev.txt ;;
+  main) requirements=requirements-main.txt ;;
+  *) echo "XCOMM_SETUP must be all or main, not '$SETUP'" >&2; exit 2 ;;
+esac
 
 need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v ccache >/dev/null || need_apt+=(ccache)
-command -v ip >/dev/null || need_apt+=(iproute2)
-command -v clang-format >/dev/null || need_apt+=(clang-format)
-[ -f /usr/lib/cmake/Catch2/Catch2Config.cmake ] || need_apt+=(catch2)
+if [ "$SETUP" = all ]; then
+  command -v ip >/dev/null || need_apt+=(iproute2)
+  command -v clang-format >/dev/null || need_apt+=(clang-format)
+  [ -f /usr/lib/cmake/Catch2/Catch2Config.cmake ] || need_apt+=(catch2)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "== apt: ${need_apt[*]}"
   SUDO=""
@@ -55,8 +68,8 @@ trap 'rm -f "$constraints"' EXIT
 # (No local label: pip finds no candidate for "==2.14.1+cu130" in the index.)
 "$PYTHON" -c 'import torch; print("torch==" + torch.__version__.split("+")[0])' >"$constraints"
 
-echo "== pip: Python dependencies"
-"$PYTHON" -m pip install -q -r requirements-dev.txt -c "$constraints"
+echo "== pip: Python dependencies ($requirements)"
+"$PYTHON" -m pip install -q -r "$requirements" -c "$constraints"
 
 echo "== build: xcomm (CMake, incremental in build/, $INSTALL install)"
 case "$INSTALL" in
