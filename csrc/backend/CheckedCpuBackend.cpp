@@ -187,19 +187,22 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
   }
   // Gloo's point-to-point waits take their limit from wait(): together
   // they end at `timeout`.
-  const auto deadline = Clock::now() + timeout;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
   for (size_t i = 0; i < works.size(); ++i) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     try {
       works[i]->wait(std::max(left, std::chrono::milliseconds(1)));
     } catch (const std::exception& e) {
-      C10_THROW_ERROR(DistBackendError,
-                      c10::str("xcomm.", title, ": ", memberName_, " ", peers[i],
-                               " did not take part within ", timeout.count(),
-                               " ms in checking that every rank called the same collective (it "
-                               "died, hangs, or skipped this collective): ",
-                               messageOf(e)));
+      const auto elapsed =
+          std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+      C10_THROW_ERROR(
+          DistBackendError,
+          c10::str("xcomm.", title, ": ", peerFailure(memberName_, peers[i], elapsed, timeout),
+                   " in checking that every rank called the same collective (it "
+                   "died, left, hangs, or skipped this collective): ",
+                   messageOf(e)));
     }
   }
   return rows;

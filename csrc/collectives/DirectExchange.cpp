@@ -102,6 +102,15 @@ void DirectExchange::waitAll(const Posted& posted, const std::string& title,
     } catch (const std::exception& e) {
       if (first) continue;
       try {
+        // Time since the op's limit began, which is when its messages were posted.
+        const auto elapsed = limit - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                         deadline - std::chrono::steady_clock::now());
+        if (elapsed.count() * 10 < limit.count() * 9) {
+          C10_THROW_ERROR(DistBackendError,
+                          c10::str("xcomm.", title, ": ",
+                                   peerFailure(memberName, posted.peers[i], elapsed, limit),
+                                   " during the transfer (the peer died or left): ", messageOf(e)));
+        }
         C10_THROW_ERROR(DistBackendError,
                         c10::str("xcomm.", title, ": the transfer with ", memberName, " ",
                                  posted.peers[i], " did not complete within ", limit.count(),

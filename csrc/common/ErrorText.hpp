@@ -1,5 +1,6 @@
 #pragma once
 // The text of an error as a user should read it.
+#include <chrono>
 #include <exception>
 #include <string>
 
@@ -13,6 +14,21 @@ inline std::string messageOf(const std::exception& e) {
     return c10Error->what_without_backtrace();
   }
   return e.what();
+}
+
+// What happened to a peer whose message did not arrive within `limit`, in
+// words: a wait that failed well before the limit ended with the connection
+// (the peer died or left, and the transport said so), one that lasted the
+// limit with silence. "rank 1 did not take part within 3000 ms" / "the
+// connection to rank 1 was lost after 23 ms (of a 3000 ms limit)".
+inline std::string peerFailure(const std::string& memberName, int peer,
+                               std::chrono::milliseconds elapsed, std::chrono::milliseconds limit) {
+  const std::string who = memberName + " " + std::to_string(peer);
+  if (elapsed.count() * 10 < limit.count() * 9) {
+    return "the connection to " + who + " was lost after " + std::to_string(elapsed.count()) +
+           " ms (of a " + std::to_string(limit.count()) + " ms limit)";
+  }
+  return who + " did not take part within " + std::to_string(limit.count()) + " ms";
 }
 
 }  // namespace xcomm

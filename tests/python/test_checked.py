@@ -829,3 +829,26 @@ def test_an_error_belongs_to_its_op_not_the_next(world_size: int, async_op: bool
         assert r["next"] is None and r["same"], r
         # The barrier and the small all_reduce ran on the checked route.
         assert r["carried"] == 2, r
+
+
+def _rank_peer_leaves(ctx: RankContext) -> dict[str, Any] | None:
+    group = _group(ctx, 1)
+    dist.all_reduce(torch.ones(4), group=group)  # the group works first
+    if ctx.rank == 1:
+        time.sleep(0.5)  # rank 0 waits in the check's exchange by now
+        os._exit(17)
+    t0 = time.monotonic()
+    error = error_of(lambda: dist.all_reduce(torch.ones(4), group=group))
+    return {"error": error, "elapsed": time.monotonic() - t0}
+
+
+def test_a_peer_that_dies_is_named_as_a_lost_connection_at_once() -> None:
+    """A peer whose process ended closes its connections: the survivor's
+    error comes well before the timeout and says the connection was lost,
+    and after how long, instead of "did not take part within <timeout>"."""
+    results = run_ranks(_rank_peer_leaves, 2, launcher="subprocess", may_die=[1], timeout=90)
+    r = results[0]
+    assert r is not None and r["error"] is not None, r
+    assert "xcomm.all_reduce: the connection to rank 1 was lost after" in r["error"], r
+    assert "did not take part" not in r["error"], r
+    assert r["elapsed"] < 5, r
