@@ -47,26 +47,15 @@ int64_t envInt(const char* name, int64_t fallback) {
   return parsed;
 }
 
-std::vector<Compression> autoMethodsFromEnvironment() {
-  std::vector<Compression> allowed;
+// XCOMM_AUTO_METHODS ("none,bf16"), else the option's list.
+std::vector<Compression> autoMethodsOf(const XcommOptions& options) {
   const char* methods = env("XCOMM_AUTO_METHODS");
-  if (!methods) return allowed;
+  if (!methods) return options.compression.autoMethods;
+  std::vector<std::string> names;
   std::stringstream list(methods);
   std::string name;
-  const auto& known = AutoCompression::kMethods;
-  while (std::getline(list, name, ',')) {
-    const auto it = std::find_if(known.begin(), known.end(),
-                                 [&](Compression m) { return name == compressionName(m); });
-    TORCH_CHECK_VALUE(it != known.end(), "xcomm: XCOMM_AUTO_METHODS names '", name,
-                      "'; auto chooses among none, bf16 and int8 (comma-separated)");
-    if (std::find(allowed.begin(), allowed.end(), *it) == allowed.end()) allowed.push_back(*it);
-  }
-  TORCH_CHECK_VALUE(!allowed.empty(), "xcomm: XCOMM_AUTO_METHODS names no method");
-  // In auto's own order (cheapest codec first): ties go to the earlier.
-  std::sort(allowed.begin(), allowed.end(), [&](Compression a, Compression b) {
-    return std::find(known.begin(), known.end(), a) < std::find(known.begin(), known.end(), b);
-  });
-  return allowed;
+  while (std::getline(list, name, ',')) names.push_back(name);
+  return AutoCompression::methodsNamed(names, "XCOMM_AUTO_METHODS (comma-separated)");
 }
 
 std::string number(double value) {
@@ -206,7 +195,10 @@ GroupSettings GroupSettings::fromEnvironment(const XcommOptions& options, int si
   }
   if (options.checkCollectives && size > 1) s.directExchange = envSwitch("XCOMM_DIRECT_EXCHANGE");
   if (options.compression.method == Compression::kAuto) {
-    s.autoMethods = autoMethodsFromEnvironment();
+    // The variables override the options' auto_methods / auto_link.
+    s.autoMethods = autoMethodsOf(options);
+    s.autoLinkLatency = options.compression.autoLinkLatency;
+    s.autoLinkBytesPerSecond = options.compression.autoLinkBytesPerSecond;
     if (const char* link = env("XCOMM_AUTO_LINK")) {
       char* end = nullptr;
       s.autoLinkLatency = std::strtod(link, &end);

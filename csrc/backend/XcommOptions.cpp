@@ -15,6 +15,17 @@ void XcommOptions::validate() const {
   TORCH_CHECK_VALUE(compression.int8ChunkElems > 0,
                     "xcomm.Options: int8_chunk_elems must be > 0, got ",
                     compression.int8ChunkElems);
+  const bool isAuto = compression.method == Compression::kAuto;
+  TORCH_CHECK_VALUE(compression.autoMethods.empty() || isAuto,
+                    "xcomm.Options: auto_methods needs compression='auto'");
+  const double latency = compression.autoLinkLatency;
+  const double bandwidth = compression.autoLinkBytesPerSecond;
+  TORCH_CHECK_VALUE(bandwidth == 0 || isAuto, "xcomm.Options: auto_link needs compression='auto'");
+  TORCH_CHECK_VALUE(bandwidth == 0 || (std::isfinite(latency) && latency >= 0 &&
+                                       std::isfinite(bandwidth) && bandwidth > 0),
+                    "xcomm.Options: auto_link must be (latency seconds >= 0, bytes per second > "
+                    "0), got (",
+                    latency, ", ", bandwidth, ")");
   TORCH_CHECK_VALUE(fusionThresholdBytes >= 0,
                     "xcomm.Options: fusion_threshold_bytes must be >= 0, got ",
                     fusionThresholdBytes);

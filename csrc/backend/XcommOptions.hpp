@@ -16,7 +16,9 @@ struct XcommOptions : c10d::Backend::Options {
       : Options("xcomm", timeout) {}
 
   // Backend-level allreduce compression (xcomm.Options(compression=...)):
-  // method, smallest tensor compressed, elements per int8 scale.
+  // method, smallest tensor compressed, elements per int8 scale, and auto's
+  // bounds (auto_methods, auto_link; XCOMM_AUTO_METHODS / XCOMM_AUTO_LINK
+  // override them, backend/GroupSettings).
   CompressionConfig compression;
   // CPU collectives over shared memory where the group's shape allows it
   // (GroupPlan); the environment's XCOMM_SHM=0 also turns it off.

@@ -61,6 +61,22 @@ AutoCompression::AutoCompression(int size, const CompressionConfig& config, int6
   }
 }
 
+std::vector<Compression> AutoCompression::methodsNamed(const std::vector<std::string>& names,
+                                                       const std::string& source) {
+  std::vector<Compression> methods;
+  for (const auto& name : names) {
+    const auto it = std::find_if(kMethods.begin(), kMethods.end(),
+                                 [&](Compression m) { return name == compressionName(m); });
+    TORCH_CHECK_VALUE(it != kMethods.end(), "xcomm: ", source, " names '", name,
+                      "'; auto chooses among none, bf16 and int8");
+    if (std::find(methods.begin(), methods.end(), *it) == methods.end()) methods.push_back(*it);
+  }
+  TORCH_CHECK_VALUE(!methods.empty(), "xcomm: ", source, " names no method");
+  std::sort(methods.begin(), methods.end(),
+            [](Compression a, Compression b) { return index(a) < index(b); });
+  return methods;
+}
+
 double AutoCompression::predict(Compression method, int64_t numel, int64_t elementSize, int size,
                                 int64_t int8ChunkElems, const AutoInputs& in) {
   const double ring = size > 1 ? 2.0 * (size - 1) / size : 0.0;

@@ -60,6 +60,12 @@ class AutoCompression {
   static constexpr std::array<Compression, 3> kMethods{Compression::kNone, Compression::kBf16,
                                                        Compression::kInt8};
 
+  // The methods `names` name ("none", "bf16", "int8"), deduplicated, in
+  // kMethods' order; ValueError naming `source` (the variable or option that
+  // gave them) for an unknown name or an empty list.
+  static std::vector<Compression> methodsNamed(const std::vector<std::string>& names,
+                                               const std::string& source);
+
   // `config`: the int8 chunk and auto's bounds (autoMethods, autoLink*).
   AutoCompression(int size, const CompressionConfig& config, int64_t interval = 64);
 

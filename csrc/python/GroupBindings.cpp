@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "backend/GroupBuilder.hpp"
+#include "collectives/AutoCompression.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
 #include "transport/HostIdentity.hpp"
@@ -38,8 +39,8 @@ double numberField(const py::handle& value, const char* name) {
 c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
     const py::object& timeout, const py::object& compression, const py::object& minBytes,
     const py::object& chunkElems, const py::object& shm, const py::object& fusionBytes,
-    const py::object& cycleMs, const py::object& checkCollectives,
-    const py::object& carrySmallOps) {
+    const py::object& cycleMs, const py::object& checkCollectives, const py::object& carrySmallOps,
+    const py::object& autoMethods, const py::object& autoLink) {
   auto options = xcomm::XcommOptions::create();
   if (!timeout.is_none()) {
     auto timedelta = py::module_::import("datetime").attr("timedelta");
@@ -82,6 +83,37 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
   options->carrySmallOps = carrySmallOps.cast<bool>();
   options->fusionThresholdBytes = intField(fusionBytes, "fusion_threshold_bytes");
   options->fusionCycleMs = numberField(cycleMs, "fusion_cycle_ms");
+  if (!autoMethods.is_none()) {
+    if (py::isinstance<py::str>(autoMethods) || !py::isinstance<py::sequence>(autoMethods)) {
+      throw py::type_error("xcomm.Options: auto_methods must be a sequence of str or None, got " +
+                           typeName(autoMethods));
+    }
+    std::vector<std::string> names;
+    for (const auto& item : autoMethods) {
+      if (!py::isinstance<py::str>(item)) {
+        throw py::type_error("xcomm.Options: auto_methods must hold str, got " + typeName(item));
+      }
+      names.push_back(item.cast<std::string>());
+    }
+    options->compression.autoMethods =
+        xcomm::AutoCompression::methodsNamed(names, "xcomm.Options: auto_methods");
+  }
+  if (!autoLink.is_none()) {
+    const bool pair = py::isinstance<py::sequence>(autoLink) &&
+                      !py::isinstance<py::str>(autoLink) && py::len(autoLink) == 2;
+    if (!pair) {
+      throw py::type_error(
+          "xcomm.Options: auto_link must be (latency seconds, bytes per second) or None, got " +
+          typeName(autoLink));
+    }
+    const auto link = autoLink.cast<py::sequence>();
+    options->compression.autoLinkLatency = numberField(link[0], "auto_link[0] (latency seconds)");
+    options->compression.autoLinkBytesPerSecond =
+        numberField(link[1], "auto_link[1] (bytes per second)");
+    TORCH_CHECK_VALUE(options->compression.autoLinkBytesPerSecond > 0,
+                      "xcomm.Options: auto_link's bandwidth must be > 0 bytes per second, got ",
+                      options->compression.autoLinkBytesPerSecond);
+  }
   options->validate();
   return options;
 }
@@ -152,6 +184,7 @@ void bindGroup(py::module_& m) {
            py::arg("fusion_cycle_ms") = defaults.fusionCycleMs,
            py::arg("check_collectives") = defaults.checkCollectives,
            py::arg("carry_small_ops") = defaults.carrySmallOps,
+           py::arg("auto_methods") = py::none(), py::arg("auto_link") = py::none(),
            "The C++ options of a group, checked (TypeError/ValueError naming the option). "
            "Users pass xcomm.Options, which converts to this.")
       .def_property_readonly("timeout", [](const xcomm::XcommOptions& o) { return o.timeout; })
@@ -168,7 +201,20 @@ void bindGroup(py::module_& m) {
       .def_readonly("fusion_threshold_bytes", &xcomm::XcommOptions::fusionThresholdBytes)
       .def_readonly("fusion_cycle_ms", &xcomm::XcommOptions::fusionCycleMs)
       .def_readonly("check_collectives", &xcomm::XcommOptions::checkCollectives)
-      .def_readonly("carry_small_ops", &xcomm::XcommOptions::carrySmallOps);
+      .def_readonly("carry_small_ops", &xcomm::XcommOptions::carrySmallOps)
+      .def_property_readonly("auto_methods",
+                             [](const xcomm::XcommOptions& o) -> py::object {
+                               if (o.compression.autoMethods.empty()) return py::none();
+                               py::list names;
+                               for (auto m : o.compression.autoMethods) {
+                                 names.append(xcomm::compressionName(m));
+                               }
+                               return py::tuple(names);
+                             })
+      .def_property_readonly("auto_link", [](const xcomm::XcommOptions& o) -> py::object {
+        if (o.compression.autoLinkBytesPerSecond <= 0) return py::none();
+        return py::make_tuple(o.compression.autoLinkLatency, o.compression.autoLinkBytesPerSecond);
+      });
 
   m.def(
       "build_group",

@@ -54,6 +54,16 @@ class Options:
             (FSDP2's gradient reduce-scatter) on a group that is not
             hierarchical is compressed too: rows cast or quantized, one
             all-to-all, an exact sum of the decoded rows on each shard's owner.
+        auto_methods: With ``compression="auto"``, the methods it may
+            choose, e.g. ``("none", "bf16")`` (default: none, bf16 and
+            int8). The environment variable ``XCOMM_AUTO_METHODS=none,bf16``
+            overrides it.
+        auto_link: With ``compression="auto"``, the link as ``(latency
+            seconds, bytes per second)`` instead of probing it (a known
+            network); the codecs are still timed. ``XCOMM_AUTO_LINK=
+            <latency>,<bytes/s>`` overrides it. Like every setting that
+            changes a group's collectives, both are agreed by the group's
+            ranks when it is made: ranks that differ get a ``ValueError``.
         compression_min_bytes: Smaller tensors are reduced uncompressed
             (latency, not bandwidth, bounds them).
         int8_chunk_elems: Elements per int8 scale; smaller is more precise
@@ -118,6 +128,7 @@ class Options:
         >>> dist.init_process_group(  # doctest: +SKIP
         ...     "xcomm", pg_options=xcomm.Options(compression="int8"))
         >>> fused = xcomm.Options(fusion_threshold_bytes=1 << 20, fusion_cycle_ms=2.0)
+        >>> bounded = xcomm.Options(compression="auto", auto_methods=("none", "bf16"))
     """
 
     timeout: datetime.timedelta | None = None
@@ -129,6 +140,8 @@ class Options:
     fusion_cycle_ms: float = _DEFAULTS.fusion_cycle_ms
     check_collectives: bool = _DEFAULTS.check_collectives
     carry_small_ops: bool = _DEFAULTS.carry_small_ops
+    auto_methods: tuple[str, ...] | None = None
+    auto_link: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         self.to_cpp()  # checks every field (TypeError/ValueError naming it)
@@ -151,4 +164,6 @@ class Options:
             fusion_cycle_ms=self.fusion_cycle_ms,
             check_collectives=self.check_collectives,
             carry_small_ops=self.carry_small_ops,
+            auto_methods=self.auto_methods,
+            auto_link=self.auto_link,
         )

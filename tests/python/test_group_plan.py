@@ -4,9 +4,11 @@ the group then does (shared memory, leaders, compression site) follows it."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -114,6 +116,31 @@ def test_options_defaults_and_checks_come_from_cpp() -> None:
         xcomm.Options(timeout=datetime.timedelta(0))
 
 
+def test_auto_bounds_as_options_are_checked_naming_the_option() -> None:
+    cpp = xcomm.Options(
+        compression="auto", auto_methods=("int8", "none", "int8"), auto_link=(1e-4, 1.25e8)
+    ).to_cpp()
+    assert cpp.auto_methods == ("none", "int8")  # deduplicated, in auto's order
+    assert cpp.auto_link == (1e-4, 1.25e8)
+    assert xcomm.Options().to_cpp().auto_methods is None
+    with pytest.raises(ValueError, match="auto_methods names 'zstd'"):
+        xcomm.Options(compression="auto", auto_methods=("none", "zstd"))
+    with pytest.raises(ValueError, match="auto_methods names no method"):
+        xcomm.Options(compression="auto", auto_methods=())
+    with pytest.raises(TypeError, match="auto_methods must be a sequence of str"):
+        xcomm.Options(compression="auto", auto_methods="bf16")
+    with pytest.raises(ValueError, match="auto_methods needs compression='auto'"):
+        xcomm.Options(compression="int8", auto_methods=("none",))
+    with pytest.raises(ValueError, match="auto_link needs compression='auto'"):
+        xcomm.Options(auto_link=(0.0, 1e9))
+    with pytest.raises(ValueError, match="auto_link's bandwidth must be > 0"):
+        xcomm.Options(compression="auto", auto_link=(1e-4, 0))
+    with pytest.raises(ValueError, match="auto_link must be"):
+        xcomm.Options(compression="auto", auto_link=(-1.0, 1e9))
+    with pytest.raises(TypeError, match="auto_link must be"):
+        xcomm.Options(compression="auto", auto_link=1e9)
+
+
 def _rank_gloo_plan(ctx: RankContext) -> str:
     g = dist.new_group(backend="gloo")
     try:
@@ -128,11 +155,12 @@ def test_group_plan_of_a_gloo_group_is_an_error() -> None:
         assert "not xcomm" in msg, msg
 
 
-def _rank_bad_slot_env(ctx: RankContext) -> tuple[str, int]:
+@contextlib.contextmanager
+def _counting_gloo() -> Iterator[list[object]]:
+    """Counts the Gloo groups xcomm's builder makes inside the block."""
     import xcomm.backend
 
-    os.environ["XCOMM_SHM_SLOT_BYTES"] = "lots"
-    made = []
+    made: list[object] = []
     real_gloo = xcomm.backend._gloo
 
     def counting_gloo(*args: object) -> object:
@@ -141,19 +169,27 @@ def _rank_bad_slot_env(ctx: RankContext) -> tuple[str, int]:
 
     xcomm.backend._gloo = counting_gloo
     try:
-        dist.new_group(backend="xcomm")
-    except ValueError as e:
-        return str(e), len(made)
+        yield made
     finally:
         xcomm.backend._gloo = real_gloo
+
+
+def _rank_bad_slot_env(ctx: RankContext) -> tuple[str, int]:
+    os.environ["XCOMM_SHM_SLOT_BYTES"] = "lots"
+    with _counting_gloo() as made:
+        try:
+            dist.new_group(backend="xcomm")
+        except ValueError as e:
+            return str(e), len(made)
     return "no error", len(made)
 
 
-def test_a_bad_shm_size_on_rank_0_is_an_error_on_every_rank() -> None:
-    """Rank 0 chooses the segment sizes; a bad value must fail every rank at
-    once (the others used to wait for rank 0's choice until the timeout), and
-    before any Gloo group is connected: rank 0 leaving a Gloo mesh its peer
-    was still joining failed the peer with "Connection closed by peer"."""
+def test_a_bad_shm_size_is_an_error_on_every_rank_before_any_gloo_group() -> None:
+    """The segment sizes are agreed with the group's other settings; a value
+    a rank cannot read must fail every rank at once (when rank 0 chose them,
+    the others waited for its choice until the timeout), and before any Gloo
+    group is connected: rank 0 leaving a Gloo mesh its peer was still joining
+    failed the peer with "Connection closed by peer"."""
     results = run_ranks(_rank_bad_slot_env, 2, timeout=60)
     for msg, gloo_groups in results:
         assert "XCOMM_SHM_SLOT_BYTES must be an integer, got 'lots'" in msg, msg
@@ -166,24 +202,12 @@ def test_a_bad_shm_size_on_rank_0_is_an_error_on_every_rank() -> None:
 def _rank_settings(
     ctx: RankContext, env_of_rank: list[dict[str, str]], options_of_rank: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    import xcomm.backend
-
     mine = env_of_rank[ctx.rank]
     os.environ.update(mine)
-    made = []
-    real_gloo = xcomm.backend._gloo
-
-    def counting_gloo(*args: object) -> object:
-        made.append(args)
-        return real_gloo(*args)
-
-    xcomm.backend._gloo = counting_gloo
+    options = xcomm.Options(**options_of_rank[ctx.rank])
     t0 = time.monotonic()
-    try:
-        options = xcomm.Options(**options_of_rank[ctx.rank])
+    with _counting_gloo() as made:
         error = error_of(lambda: dist.new_group(backend="xcomm", pg_options=options))
-    finally:
-        xcomm.backend._gloo = real_gloo
     elapsed = time.monotonic() - t0
     # The job goes on: with the setting alike on every rank, a group forms.
     for name in mine:
@@ -245,20 +269,30 @@ def test_ranks_that_differ_on_a_group_setting_all_raise_it_at_once(
         assert r["after"] == [float(total + world * i) for i in range(4)], r
 
 
-def _rank_agreed_settings(ctx: RankContext) -> dict[str, Any]:
-    os.environ["XCOMM_AUTO_LINK"] = _LINK
-    os.environ["XCOMM_AUTO_METHODS"] = "int8,none"
+def _rank_agreed_settings(ctx: RankContext, by: str) -> dict[str, Any]:
     os.environ["XCOMM_SHM_SLOT_BYTES"] = "65536"
+    bounds: dict[str, Any] = {}
+    if by == "environment":
+        os.environ["XCOMM_AUTO_LINK"] = _LINK
+        os.environ["XCOMM_AUTO_METHODS"] = "int8,none"
+    elif by == "options":
+        bounds = {"auto_link": (1e-4, 1.25e8), "auto_methods": ("int8", "none")}
+    else:  # the variables override the options
+        os.environ["XCOMM_AUTO_LINK"] = _LINK
+        os.environ["XCOMM_AUTO_METHODS"] = "int8,none"
+        bounds = {"auto_link": (1.0, 1e3), "auto_methods": ("bf16",)}
     group = dist.new_group(backend="xcomm", pg_options=xcomm.Options(compression="auto"))
-    plain = dist.new_group(backend="xcomm", pg_options=xcomm.Options(compression="auto", shm=False))
+    options = xcomm.Options(compression="auto", shm=False, **bounds)
+    plain = dist.new_group(backend="xcomm", pg_options=options)
     x = torch.randn(1 << 18, generator=ctx.generator())
     dist.all_reduce(x, group=plain)
     stats = plain._get_backend(torch.device("cpu")).compression_stats["auto"]
     return {"shm": xcomm.group_plan(group), "plain": xcomm.group_plan(plain), "auto": stats}
 
 
-def test_settings_alike_on_every_rank_are_in_the_plan_and_used() -> None:
-    for r in run_ranks(_rank_agreed_settings, 2):
+@pytest.mark.parametrize("by", ["environment", "options", "environment-over-options"])
+def test_settings_alike_on_every_rank_are_in_the_plan_and_used(by: str) -> None:
+    for r in run_ranks(_rank_agreed_settings, 2, by):
         settings = r["plain"]["settings"]
         assert settings["auto_link"] == (1e-4, 1.25e8), settings
         assert settings["auto_methods"] == ["none", "int8"], settings
