@@ -12,7 +12,7 @@ namespace {
 using RedOp = c10d::ReduceOp::RedOpType;
 
 // 128 KiB: a carried op beat checking and then running Gloo at every size
-// measured, 64 and 128 KiB included (docs/benchmarks.md, stop 39).
+// measured, 64 and 128 KiB included (docs/benchmarks.md, carried ops).
 constexpr int64_t kMaxCarryBytes = 128 * 1024;
 constexpr int64_t kCarryBudgetBytes = 256 * 1024;  // sent by one rank per op, all peers together
 
