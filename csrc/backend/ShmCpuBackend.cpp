@@ -202,6 +202,7 @@ void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
 
 void ShmCpuBackend::shutdown() {
   queue_.shutdown();
+  transport_->depart();  // after this rank's own ops: peers waiting for more fail at once
   fallback_->shutdown();
   if (checkedLeaders_) {
     checkedLeaders_->shutdown();  // leaders_ too
@@ -212,6 +213,7 @@ void ShmCpuBackend::shutdown() {
 
 void ShmCpuBackend::abort() {
   transport_->requestAbort();  // a wait in progress fails within one sleep slice
+  transport_->depart();        // and the peers' waits for this rank at once
   queue_.shutdown();
   fallback_->abort();
   if (checkedLeaders_) {

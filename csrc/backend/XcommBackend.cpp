@@ -96,6 +96,7 @@ void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cy
   TORCH_CHECK_VALUE(bytes == 0 || control,
                     "xcomm: tensor fusion needs a control backend (its agreement rounds)");
   if (fusion_) fusion_->stop();
+  fusionControl_ = control;
   fusion_ = makeFusionBuffer(bytes, cycle, std::move(control), options_->timeout);
 }
 
@@ -105,6 +106,7 @@ void XcommBackend::flushFused() {
 
 void XcommBackend::shutdown() {
   if (fusion_) fusion_->stop();
+  if (fusionControl_) fusionControl_->shutdown();
   if (compressQueue_) {
     compressQueue_->shutdown();
   }

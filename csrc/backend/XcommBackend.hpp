@@ -205,6 +205,9 @@ class XcommBackend : public c10d::Backend {
   GroupPlan plan_;
   InnerBackends inner_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
+  // The fusion rounds' own transport: shut down with the group, so that
+  // peers in a round fail at once (shared memory marks this rank departed).
+  c10::intrusive_ptr<c10d::Backend> fusionControl_;
   std::unique_ptr<CompressedAllreduce> compressed_;
   std::unique_ptr<CompressedReduceScatter> compressedReduceScatter_;
   // Uncompressed reduce-scatter on a CPU group whose data does not move over

@@ -24,6 +24,7 @@ namespace xcomm {
 struct alignas(64) ShmTransport::RankControl {
   std::atomic<uint32_t> arrived;   // barriers passed by this rank: the futex word
   std::atomic<uint32_t> sleepers;  // peers asleep on `arrived`: wake only if any
+  std::atomic<uint32_t> departed;  // 1 once the rank left the group (ShmTransport::depart)
   int32_t pid;
   uint64_t startTime;  // with pid: tells a reused pid from the original process
   // Descriptor of the op, by the parity of the barrier that checks it: a
@@ -237,7 +238,13 @@ ShmTransport::ShmTransport(int rank, int size, size_t slotBytes, int spinMicros,
       mapBytes_(mapBytes) {}
 
 ShmTransport::~ShmTransport() {
+  depart();
   ::munmap(base_, mapBytes_);
+}
+
+void ShmTransport::depart() {
+  auto& me = control(rank_);
+  if (me.departed.exchange(1, std::memory_order_seq_cst) == 0) futexWakeAll(&me.arrived);
 }
 
 ShmTransport::RankControl& ShmTransport::control(int rank) const {
@@ -336,11 +343,19 @@ void ShmTransport::waitFor(int peer, uint32_t target,
   while (true) {
     ctl.sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t seen = ctl.arrived.load(std::memory_order_seq_cst);
-    if (!reached(seen, target)) {
+    if (!reached(seen, target) && ctl.departed.load(std::memory_order_seq_cst) == 0) {
       futexWait(&ctl.arrived, seen, kSleepSlice);
     }
     ctl.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (reached(ctl.arrived.load(std::memory_order_acquire), target)) return;
+    // A peer that made its arrival and then left is no failure: its arrival
+    // was written before its mark, so the check above saw it.
+    if (ctl.departed.load(std::memory_order_acquire) != 0) {
+      fail(std::string("xcomm shm: ") + op + " failed: rank " + std::to_string(peer) + " (pid " +
+           std::to_string(ctl.pid) +
+           ") left the group (it shut down, aborted or destroyed its process group) before "
+           "reaching this collective");
+    }
     if (aborted_.load()) {
       fail(std::string("xcomm shm: ") + op + " was aborted (the process group was aborted)");
     }

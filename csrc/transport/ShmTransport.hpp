@@ -11,7 +11,8 @@
 // that only the group's store knows, and unlinked as soon as every rank has
 // mapped it, so nothing is left in /dev/shm even if a rank is SIGKILLed.
 // Waiting spins briefly, then sleeps on a futex; it fails at the op's
-// deadline, or as soon as a peer process is found dead.
+// deadline, as soon as a peer process is found dead, or as soon as a peer
+// marks itself departed (it shut down or destroyed its group).
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -81,6 +82,12 @@ class ShmTransport {
   // Makes waits in progress (on any thread) and later ones fail at once
   // (Backend::abort); the ranks are out of step afterwards.
   void requestAbort() { aborted_.store(true); }
+
+  // Marks this rank as gone from the group (shutdown, abort, or the
+  // transport's end) and wakes the peers waiting for it: a peer that waits
+  // for an arrival this rank never made fails at once, naming it, instead of
+  // at its timeout. Arrivals made before still count.
+  void depart();
 
   // The error that broke this transport, or empty. Once a wait failed the
   // ranks are out of step, so every later op raises this at once.

@@ -545,3 +545,45 @@ def test_falls_back_to_gloo_when_the_segment_cannot_be_made() -> None:
     for r in res:
         assert not r["active"] and r["sum"] == expected and r["files"] == [], res
     assert not _shm_files()
+
+
+def _rank_departs(ctx: RankContext, leaver: int, fusion: bool) -> dict[str, Any] | None:
+    import xcomm
+
+    options = xcomm.Options(fusion_threshold_bytes=1 << 16 if fusion else 0)
+    group = dist.new_group(backend="xcomm", pg_options=options)
+    assert xcomm.shm.is_active(group)
+    dist.all_reduce(torch.ones(8), group=group)  # the group works first
+    if ctx.rank == leaver:
+        time.sleep(0.5)  # the others wait in the all_reduce below by now
+        left_at = time.time()
+        dist.destroy_process_group(group)
+        time.sleep(5)  # alive, elsewhere: its pid tells the others nothing
+        return {"left_at": left_at}
+    t = torch.ones(1000)
+    t0 = time.monotonic()
+    error = error_of(lambda: dist.all_reduce(t, group=group, async_op=fusion).wait())
+    return {"error": error, "elapsed": time.monotonic() - t0, "failed_at": time.time()}
+
+
+@pytest.mark.parametrize(
+    ("world_size", "leaver", "fusion"),
+    [(2, 1, False), (3, 0, False), (2, 1, True)],
+    ids=["ws2", "ws3-rank0-leaves", "ws2-fusion"],
+)
+def test_a_peer_that_destroys_its_group_fails_the_others_at_once(
+    world_size: int, leaver: int, fusion: bool
+) -> None:
+    """A rank that calls destroy_process_group() while its peers wait in a
+    collective marks itself departed in the segment: they fail within a
+    fraction of a second, naming it, instead of at the group's timeout (40 s
+    here); they used to wait the whole timeout."""
+    res = run_ranks(_rank_departs, world_size, leaver, fusion, timeout=90)
+    left_at = res[leaver]["left_at"]
+    for rank, r in enumerate(res):
+        if rank == leaver:
+            continue
+        assert r["error"] is not None, r
+        assert f"rank {leaver} (pid" in r["error"] and "left the group" in r["error"], r
+        assert r["elapsed"] < 5, r
+        assert r["failed_at"] - left_at < 1.0, r
