@@ -3,6 +3,8 @@
 // between processes).
 #include <dirent.h>
 
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <string>
 #include <thread>
@@ -239,8 +241,17 @@ TEST_CASE("shm all_to_all against another collective raises on both ranks", "[sh
 }
 
 TEST_CASE("a missing peer times out at the deadline, then the transport stays broken", "[shm]") {
-  onRanks(2, 4096, [](int rank, xcomm::ShmTransport& t) {
-    if (rank == 1) return;  // never arrives
+  std::atomic<bool> done{false};
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    if (rank == 1) {
+      // Never arrives, and keeps its transport (ending it would mark it departed).
+      while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    struct Done {
+      std::atomic<bool>& flag;
+      ~Done() { flag.store(true); }
+    } releaseRank1{done};
     const auto start = std::chrono::steady_clock::now();
     CHECK_THROWS_WITH(xcomm::shm::barrier(t, in(std::chrono::milliseconds(200))),
                       Catch::Contains("timed out waiting for rank 1"));
@@ -251,6 +262,51 @@ TEST_CASE("a missing peer times out at the deadline, then the transport stays br
     CHECK_THROWS_WITH(xcomm::shm::barrier(t, in(std::chrono::seconds(10))),
                       Catch::Contains("broken by an earlier failure"));
   });
+}
+
+TEST_CASE("a peer that departs fails the others' wait for it at once, naming it", "[shm]") {
+  std::atomic<bool> done{false};
+  std::vector<std::string> errors(2);
+  std::chrono::steady_clock::duration waited{};
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    xcomm::shm::barrier(t, in(std::chrono::seconds(10)));  // both arrive once
+    if (rank == 1) {
+      // Leaves the group (as shutdown does) but lives on: its pid says nothing.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      t.depart();
+      while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      xcomm::shm::barrier(t, in(std::chrono::seconds(20)));
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+    waited = std::chrono::steady_clock::now() - start;
+    done.store(true);
+  });
+  CHECK_THAT(errors[0], Catch::Contains("rank 1 (pid") && Catch::Contains("left the group"));
+  CHECK(waited < std::chrono::seconds(2));  // not the 20 s deadline
+}
+
+TEST_CASE("a peer that arrived and then departed is no failure", "[shm]") {
+  std::vector<std::string> errors(2);
+  onRanks(2, 4096, [&](int rank, xcomm::ShmTransport& t) {
+    try {
+      if (rank == 1) {
+        xcomm::shm::barrier(t, in(std::chrono::seconds(10)));
+        t.depart();  // its arrival was made: rank 0's wait for it succeeds
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      xcomm::shm::barrier(t, in(std::chrono::seconds(10)));
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  });
+  CHECK(errors[0].empty());
+  CHECK(errors[1].empty());
 }
 
 TEST_CASE("ranks that disagree on the op raise on every rank and stay in step", "[shm]") {
