@@ -1,18 +1,27 @@
 """A PyTorch Lightning training script, run as a real program by
-test_client_lightning.py: ``python lightning_client.py BACKEND STRATEGY HOOK OUT``.
+test_client_lightning.py: ``python lightning_client.py BACKEND LAUNCH HOOK OUT``.
 
-Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(
-process_group_backend=BACKEND, ...)) fits a tiny regression model for two
-epochs with a fixed seed; STRATEGY is ``ddp`` (Lightning re-launches this
-script for rank 1) or ``ddp_spawn`` (it spawns both ranks); HOOK is ``none``
+``Trainer(accelerator="cpu", devices=2, strategy=DDPStrategy(
+process_group_backend=BACKEND, ...))`` fits a tiny regression model for two
+epochs with a fixed seed. LAUNCH is ``ddp`` (Lightning re-launches this
+script for rank 1) or ``ddp_spawn`` (it spawns both ranks). HOOK is ``none``
 or an xcomm comm hook (``fp16``: fp16_cast_hook, ``int8``:
-int8_compress_hook). Each rank writes OUT.rank<R>.pt: its final parameters,
-the metrics logged with ``sync_dist=True``, and the backend of the group.
+int8_compress_hook, ``powersgd``: powersgd_hook).
+
+Lightning's ``DDPStrategy(ddp_comm_hook=...)`` registers a hook only on CUDA,
+so on the CPU this script registers it the public way every backend accepts:
+a callback calls ``register_comm_hook`` on the DDP model at ``on_fit_start``
+(after Lightning wrapped the model, before the first backward).
+
+Each rank writes OUT.rank<R>.pt: its final parameters, the metrics logged
+with ``sync_dist=True``, the backend of the group and how many times the
+hook ran on that rank (``hook_calls``; 0 without a hook).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -22,7 +31,41 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import xcomm  # noqa: F401 - registers the "xcomm" backend (also in ranks Lightning spawns)
-from xcomm.hooks import CastState, Int8State, fp16_cast_hook, int8_compress_hook
+from xcomm import hooks
+
+
+def make_hook(name: str) -> tuple[Any, Any] | None:
+    """``(state, hook)`` for a HOOK argument, or None for ``none``."""
+    if name == "none":
+        return None
+    if name == "fp16":
+        return hooks.CastState(), hooks.fp16_cast_hook
+    if name == "int8":
+        return hooks.Int8State(chunk_elems=32, start_iter=2), hooks.int8_compress_hook
+    if name == "powersgd":
+        state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return state, hooks.powersgd_hook
+    raise ValueError(f"unknown hook {name!r}")
+
+
+class RegisterCommHook(pl.Callback):
+    """Registers ``hook`` on Lightning's DDP model before the first backward."""
+
+    def __init__(self, state: Any, hook: Any) -> None:
+        self.state, self.hook = state, hook
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = trainer.strategy.model
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel), type(ddp)
+        ddp.register_comm_hook(self.state, self.hook)
+
+
+def hook_calls(trainer: pl.Trainer) -> int:
+    """How many buckets the registered hook reduced on this rank."""
+    for cb in trainer.callbacks:
+        if isinstance(cb, RegisterCommHook):
+            return int(cb.state.stats.calls)
+    return 0
 
 
 class TinyRegressor(pl.LightningModule):
@@ -57,6 +100,7 @@ class TinyRegressor(pl.LightningModule):
                 },
                 "backend": dist.get_backend(),
                 "world_size": dist.get_world_size(),
+                "hook_calls": hook_calls(self.trainer),
             },
             f"{self.out}.rank{self.global_rank}.pt",
         )
@@ -69,24 +113,17 @@ def _data(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def main(backend: str, strategy: str, hook: str, out: str) -> None:
+def main(backend: str, launch: str, hook: str, out: str) -> None:
     pl.seed_everything(7, workers=True)
-    hooks = {
-        "none": {},
-        "fp16": {"ddp_comm_hook": fp16_cast_hook, "ddp_comm_state": CastState()},
-        "int8": {
-            "ddp_comm_hook": int8_compress_hook,
-            "ddp_comm_state": Int8State(chunk_elems=32, start_iter=2),
-        },
-    }[hook]
+    made = make_hook(hook)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=DDPStrategy(
             process_group_backend=backend,
-            start_method="spawn" if strategy == "ddp_spawn" else "popen",
-            **hooks,
+            start_method="spawn" if launch == "ddp_spawn" else "popen",
         ),
+        callbacks=[] if made is None else [RegisterCommHook(*made)],
         max_epochs=2,
         logger=False,
         enable_checkpointing=False,
