@@ -5,9 +5,13 @@ Importing xcomm registers the backend::
     import xcomm
     import torch.distributed as dist
     dist.init_process_group("xcomm")
+
+Every public module is reachable from the package, as the README writes it
+(``xcomm.hooks.PowerSGDState``, ``xcomm.diloco.DiLoCo``), except those that
+need an optional framework (``xcomm.lightning``), which are imported by name.
 """
 
-from . import compat, shm
+from . import compat, diloco, hooks, shm
 from ._registration import register
 from .backend import group_plan
 from .bucketer import GradientBucketer
@@ -20,9 +24,11 @@ __all__ = [
     "Options",
     "__version__",
     "compat",
+    "diloco",
     "disable_timeline",
     "enable_timeline",
     "group_plan",
+    "hooks",
     "register",
     "reset_stats",
     "save_timeline",
