@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ._pickling import pack_state, pickled_state
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allreduce_bytes
 
@@ -212,8 +213,10 @@ def start_in_shared_turn(
 class PicklableState:
     """Pickling for the dataclass hook states, so Lightning's ``ddp_spawn``,
     ``mp.spawn(args=(state,))``, ``copy.deepcopy`` and ``torch.save(state)``
-    work: the configuration and :meth:`state_dict` travel; the process group
-    and the model do not (as torch's ``PowerSGDState`` drops its group). A
+    work: the configuration and :meth:`state_dict` travel (the state dict as
+    ``torch.save`` bytes, so no tensor goes through ``torch.multiprocessing``'s
+    shared memory); the process group and the model do not (as torch's
+    ``PowerSGDState`` drops its group). A
     state made with ``model=`` gets it back with ``bind_model(model)``; until
     then a hook refuses to run on residuals saved by parameter.
 
@@ -233,11 +236,11 @@ class PicklableState:
             for f in dataclasses.fields(self)  # type: ignore[arg-type]
             if f.init and f.name not in self._NOT_PICKLED
         }
-        return {"config": config, "state": self.state_dict()}  # type: ignore[attr-defined]
+        return {"config": config, "state_bytes": pack_state(self.state_dict())}  # type: ignore[attr-defined]
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self.__init__(**pickled["config"])  # type: ignore[misc]
-        self.load_state_dict(pickled["state"])  # type: ignore[attr-defined]
+        self.load_state_dict(pickled_state(pickled))  # type: ignore[attr-defined]
 
     def bind_model(self, model: torch.nn.Module) -> None:
         """Gives the state its DDP model after unpickling or loading, so

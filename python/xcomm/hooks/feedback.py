@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from ._pickling import pack_state, pickled_state
 from ._streams import used_on_this_stream
 
 logger = logging.getLogger(__name__)
@@ -280,6 +281,15 @@ class FeedbackStore:
             "residuals": per_param,
             "layouts": layouts,
         }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """:meth:`state_dict` as bytes, without the model (``bind(model)``
+        after unpickling gives it back)."""
+        return {"state_bytes": pack_state(self.state_dict())}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+        self.load_state_dict(pickled_state(pickled))
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output, or the unversioned format of

@@ -83,6 +83,7 @@ from .. import _C
 from ..opstats import record_op
 from ..trace import add_span, now_us, timeline_enabled
 from ._measure import LinkModel, MeasuredLink, MethodChoices, best_seconds
+from ._pickling import pack_state, pickled_state
 from .stats import CompressionStats, alltoall_bytes
 
 __all__ = [
@@ -255,6 +256,7 @@ class FsdpCompressionState:
             )
         # The casts carry feedback only when asked to; int8 (alone or under
         # auto) unless told not to.
+        self._error_feedback_arg = self.error_feedback  # as given, for pickling
         self._cast_feedback = bool(self.error_feedback)
         if self.error_feedback is None:
             self.error_feedback = self.method in ("int8", "auto")
@@ -402,6 +404,17 @@ class FsdpCompressionState:
                 ),
             },
         }
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The configuration as constructed and :meth:`state_dict` as bytes,
+        so the state pickles (``mp.spawn``, ``copy.deepcopy``, ``torch.save``)."""
+        config = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "stats"}
+        config["error_feedback"] = self._error_feedback_arg
+        return {"config": config, "state_bytes": pack_state(self.state_dict())}
+
+    def __setstate__(self, pickled: dict[str, Any]) -> None:
+        self.__init__(**pickled["config"])  # type: ignore[misc]
+        self.load_state_dict(pickled_state(pickled))
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         version = d.get("version")

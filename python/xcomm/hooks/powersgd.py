@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from .. import _C
 from ._common import IssueOrder, start_in_shared_turn
+from ._pickling import pack_state, pickled_state
 from .stats import CompressionStats, allreduce_bytes
 
 __all__ = ["PowerSGDState", "powersgd_hook"]
@@ -370,12 +371,13 @@ class PowerSGDState:
             self._check_restored_shape(key, shape)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Like torch's state, pickles without the process group.
-        return {"config": self.config(), "state": self.state_dict()}
+        # Like torch's state, pickles without the process group; the state
+        # dict as bytes, so it passes through mp.spawn (see _pickling.py).
+        return {"config": self.config(), "state_bytes": pack_state(self.state_dict())}
 
     def __setstate__(self, pickled: dict[str, Any]) -> None:
         self.__init__(None, **pickled["config"])
-        self.load_state_dict(pickled["state"])
+        self.load_state_dict(pickled_state(pickled))
 
     def release_error(self, bucket: dist.GradBucket) -> None:
         """Adds the error feedback of ``bucket``'s parameters into their
