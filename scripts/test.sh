@@ -35,6 +35,11 @@ ONCE_ONLY=(
   xcomm_bench/tests/test_launch.py
 )
 
+# Each phase is logged with the time since the start, so a slow CI run shows
+# where its minutes went.
+started=$SECONDS
+phase() { printf '== [%d:%02d] %s\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
+
 failed=()
 for v in "${versions[@]}"; do
   echo "=================== torch $v"
@@ -53,6 +58,7 @@ for v in "${versions[@]}"; do
       echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]})"
     fi
   fi
+  phase "set up and build, torch $v"
   if ! env "${setup_env[@]}" bash scripts/setup.sh; then
     failed+=("torch $v: setup"); continue
   fi
@@ -61,7 +67,7 @@ for v in "${versions[@]}"; do
   if [ "$v" != "2.13.0" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     # With a CUDA toolkit, the build above compiled the codecs' CUDA kernels
     # (csrc/compress/cuda): they cannot run here, but they must compile.
-    echo "== the build against torch $v has its CUDA codec kernels"
+    phase "the build against torch $v has its CUDA codec kernels"
     "$py" scripts/smoke.py --expect-cuda-path --expect-cuda-codecs ||
       failed+=("torch $v: CUDA codec kernels not built")
   fi
@@ -69,7 +75,7 @@ for v in "${versions[@]}"; do
   if [ "$v" != "2.13.0" ]; then
     # A pip-installed CUDA torch usually comes without a CUDA toolkit: xcomm
     # must build against it all the same (setup.py skips torch's CMake package).
-    echo "== build against torch $v with no CUDA toolkit, then use it"
+    phase "build against torch $v with no CUDA toolkit, then use it"
     direct=$(mktemp -d)
     if env -u CUDA_HOME -u CUDA_PATH XCOMM_NO_CUDA_TOOLKIT=1 "$py" -m pip install -q \
       --no-build-isolation --no-deps --target "$direct" . &&
@@ -81,17 +87,19 @@ for v in "${versions[@]}"; do
     rm -rf "$direct"
   fi
 
-  echo "== C++ tests (ctest), torch $v"
+  phase "C++ tests (ctest), torch $v"
   ctest --test-dir "$build_dir" --output-on-failure --timeout 300 || failed+=("torch $v: ctest")
 
-  echo "== Python tests (pytest), torch $v"
+  phase "Python tests (pytest), torch $v"
   # tests/gpu: on CPU tensors against gloo where no GPU is visible (scripts/gpu_check.sh
   # runs them on a GPU against NCCL).
   XCOMM_GPU_TESTS_ON_CPU=1 "$py" -m pytest tests/python xcomm_bench/tests tests/clients tests/gpu \
-    --timeout=900 -q --durations=25 \
+    --timeout=900 -q --durations=25 --junit-xml="build/pytest-torch$v.xml" \
     "${select[@]}" "$@" || failed+=("torch $v: pytest")
+  [ -f "build/pytest-torch$v.xml" ] && "$py" scripts/test_times.py "build/pytest-torch$v.xml"
 done
 
+phase "done"
 if [ ${#failed[@]} -gt 0 ]; then
   printf 'FAILED: %s\n' "${failed[@]}"
   exit 1
