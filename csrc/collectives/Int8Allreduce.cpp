@@ -8,6 +8,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include "common/CurrentStream.hpp"
+#include "common/TorchCompat.hpp"
 
 namespace xcomm {
 namespace {
@@ -33,7 +34,7 @@ class Int8Step : public BucketStep {
   void issueFirst() override {
     c10::OptionalStreamGuard guard(issueStream());  // maybe another thread than the encode's
     std::vector<int64_t> even;
-    auto done = group().alltoall_base(received_, packed_, even, even)->getFuture();
+    auto done = compat::allToAllSingle(group(), received_, packed_, even, even)->getFuture();
     then<Int8Step>(done, [](Int8Step& s) { s.onReceived(); });
   }
 
@@ -42,7 +43,7 @@ class Int8Step : public BucketStep {
     at::Tensor mean =
         codec_->reduceAndPack(received_, shardElems_, static_cast<double>(worldSize()));
     usedOnCurrentStream({received_});
-    auto done = group()._allgather_base(gathered_, mean)->getFuture();
+    auto done = compat::allGatherSingle(group(), gathered_, mean)->getFuture();
     markIssued();
     then<Int8Step>(done, [](Int8Step& s) { s.onGathered(); });
   }

@@ -7,6 +7,7 @@
 #include <c10/core/StreamGuard.h>
 
 #include "common/CurrentStream.hpp"
+#include "common/TorchCompat.hpp"
 
 namespace xcomm {
 namespace {
@@ -27,7 +28,7 @@ class TopKStep : public BucketStep {
 
   void issueFirst() override {
     c10::OptionalStreamGuard guard(issueStream());  // maybe another thread than the encode's
-    auto done = group()._allgather_base(gathered_, packed_)->getFuture();
+    auto done = compat::allGatherSingle(group(), gathered_, packed_)->getFuture();
     markIssued();
     then<TopKStep>(done, [](TopKStep& s) { s.onGathered(); });
   }

@@ -1,6 +1,9 @@
 #pragma once
 // What differs between the torch versions xcomm builds against (2.11 to 2.14),
 // in one place. Everything else uses names common to all of them.
+#include <cstdint>
+#include <vector>
+
 #include <torch/headeronly/version.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -29,6 +32,35 @@ c10d::ReduceOp makePreMulSum(const T& factor) {
   op.op_ = c10d::ReduceOp::PREMUL_SUM;
   op.supplement_ = c10::make_intrusive<PreMulSumSupplement>(factor);
   return op;
+}
+
+// torch 2.13 named ProcessGroup's one-tensor collectives all_gather_single and
+// all_to_all_single, deprecating _allgather_base and alltoall_base (later
+// torch removes them); torch 2.11 and 2.12 have only the old names. Templates,
+// so that this header need not include ProcessGroup.hpp.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define XCOMM_HAS_PG_SINGLE 1
+#else
+#define XCOMM_HAS_PG_SINGLE 0
+#endif
+
+template <typename Group>
+auto allGatherSingle(Group& group, at::Tensor& output, at::Tensor& input) {
+#if XCOMM_HAS_PG_SINGLE
+  return group.all_gather_single(output, input);
+#else
+  return group._allgather_base(output, input);
+#endif
+}
+
+template <typename Group>
+auto allToAllSingle(Group& group, at::Tensor& output, at::Tensor& input,
+                    std::vector<int64_t>& outputSplits, std::vector<int64_t>& inputSplits) {
+#if XCOMM_HAS_PG_SINGLE
+  return group.all_to_all_single(output, input, outputSplits, inputSplits);
+#else
+  return group.alltoall_base(output, input, outputSplits, inputSplits);
+#endif
 }
 
 }  // namespace xcomm::compat
