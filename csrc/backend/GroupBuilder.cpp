@@ -13,6 +13,7 @@
 #include "backend/GroupPlan.hpp"
 #include "backend/GroupSettings.hpp"
 #include "backend/ShmCpuBackend.hpp"
+#include "backend/StoreText.hpp"
 
 namespace xcomm {
 namespace {
@@ -24,40 +25,22 @@ StorePtr prefixed(const std::string& prefix, const StorePtr& store) {
   return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
 }
 
-std::string getString(const StorePtr& store, const std::string& key) {
-  const auto bytes = store->get(key);
-  return std::string(bytes.begin(), bytes.end());
-}
-
-void setString(const StorePtr& store, const std::string& key, const std::string& value) {
-  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-}
-
-// An environment variable as an integer; ValueError naming it otherwise.
-int64_t envInt(const char* name, int64_t fallback) {
-  const char* value = std::getenv(name);
-  if (!value || !*value) return fallback;
-  char* end = nullptr;
-  const long long parsed = std::strtoll(value, &end, 10);
-  TORCH_CHECK_VALUE(end && *end == '\0', "xcomm: ", name, " must be an integer, got '", value, "'");
-  return parsed;
-}
-
 // The segment's sizes, as every rank agreed on them; the spin time is per
 // rank (it changes when a rank sleeps, not what it sends).
 ShmCpuBackend::Config shmConfig(const GroupSettings& settings) {
   ShmCpuBackend::Config config;
   if (settings.shmSlotBytes >= 0) config.transport.slotBytes = settings.shmSlotBytes;
   if (settings.shmSmallBytes >= 0) config.smallAllreduceBytes = settings.shmSmallBytes;
-  config.transport.spinMicros = static_cast<int>(envInt("XCOMM_SHM_SPIN_US", -1));
+  config.transport.spinMicros = static_cast<int>(settings.shmSpinMicros);
   return config;
 }
 
 // Every rank's verdict on its own setup; true when all succeeded.
 bool allSucceeded(const StorePtr& shmStore, int rank, int size, bool mine) {
-  setString(shmStore, "ok/" + std::to_string(rank), mine ? "1" : "0");
+  setStoreText(shmStore, "ok/" + std::to_string(rank), mine ? "1" : "0");
   bool all = true;
-  for (int r = 0; r < size; ++r) all = getString(shmStore, "ok/" + std::to_string(r)) == "1" && all;
+  for (int r = 0; r < size; ++r)
+    all = getStoreText(shmStore, "ok/" + std::to_string(r)) == "1" && all;
   return all;
 }
 
@@ -76,11 +59,11 @@ std::string agreeGroupToken(const StorePtr& store, int rank, int size) {
     std::random_device rd;
     std::ostringstream token;
     token << std::hex << rd() << rd() << rd() << rd();  // 128 bits
-    for (int r = 1; r < size; ++r) setString(store, prefix + std::to_string(r), token.str());
+    for (int r = 1; r < size; ++r) setStoreText(store, prefix + std::to_string(r), token.str());
     return token.str();
   }
   const std::string key = prefix + std::to_string(rank);
-  std::string token = getString(store, key);
+  std::string token = getStoreText(store, key);
   try {
     store->deleteKey(key);
   } catch (const c10::Error&) {

@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "backend/StoreText.hpp"
 #include "collectives/AutoCompression.hpp"
 #include "transport/HostIdentity.hpp"
 
@@ -138,15 +139,6 @@ Record parse(const std::string& raw, int rank, const std::string& key) {
   return record;
 }
 
-void setString(const StorePtr& store, const std::string& key, const std::string& value) {
-  store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-}
-
-std::string getString(const StorePtr& store, const std::string& key) {
-  const auto bytes = store->get(key);
-  return std::string(bytes.begin(), bytes.end());
-}
-
 // Every rank's value of one setting, for an error: "rank 0 'int8', rank 1
 // 'none'" (ranks with the same value grouped).
 std::string everyRanksValue(const std::vector<Record>& records, size_t index) {
@@ -188,6 +180,9 @@ GroupSettings GroupSettings::fromEnvironment(const XcommOptions& options, int si
     s.shmHierarchical = envSwitch("XCOMM_SHM_HIERARCHICAL");
     s.shmSlotBytes = envInt("XCOMM_SHM_SLOT_BYTES", -1);
     s.shmSmallBytes = envInt("XCOMM_SHM_SMALL_BYTES", -1);
+    s.shmSpinMicros = envInt("XCOMM_SHM_SPIN_US", -1);
+    TORCH_CHECK_VALUE(s.shmSpinMicros >= -1, "xcomm: XCOMM_SHM_SPIN_US must be >= 0, got ",
+                      s.shmSpinMicros);
     TORCH_CHECK_VALUE(s.shmSlotBytes == -1 || s.shmSlotBytes > 0,
                       "xcomm: XCOMM_SHM_SLOT_BYTES must be > 0, got ", s.shmSlotBytes);
     TORCH_CHECK_VALUE(s.shmSmallBytes >= -1, "xcomm: XCOMM_SHM_SMALL_BYTES must be >= 0, got ",
@@ -259,6 +254,7 @@ std::string GroupSettings::describe() const {
   if (!shmHierarchical) out << "XCOMM_SHM_HIERARCHICAL: off\n";
   if (shmSlotBytes >= 0) out << "XCOMM_SHM_SLOT_BYTES: " << shmSlotBytes << "\n";
   if (shmSmallBytes >= 0) out << "XCOMM_SHM_SMALL_BYTES: " << shmSmallBytes << "\n";
+  if (shmSpinMicros >= 0) out << "XCOMM_SHM_SPIN_US: " << shmSpinMicros << " (this rank's)\n";
   if (!directExchange) out << "XCOMM_DIRECT_EXCHANGE: off\n";
   if (!autoMethods.empty()) {
     out << "XCOMM_AUTO_METHODS:";
@@ -295,9 +291,9 @@ AgreedSettings agreeGroupSettings(const StorePtr& store, int rank, int size,
     mine = std::string(kMagic) + kSeparator + "error" + kSeparator + myError;
   }
   const auto key = [](const char* what, int r) { return std::string(what) + std::to_string(r); };
-  setString(store, key("settings/", rank), mine);
+  setStoreText(store, key("settings/", rank), mine);
   std::vector<std::string> raw(size);
-  for (int r = 0; r < size; ++r) raw[r] = getString(store, key("settings/", r));
+  for (int r = 0; r < size; ++r) raw[r] = getStoreText(store, key("settings/", r));
 
   // From here on every step is a function of `raw` alone: ranks that read the
   // same records reach the same verdict.
@@ -337,9 +333,9 @@ AgreedSettings agreeGroupSettings(const StorePtr& store, int rank, int size,
   // Second round: the ranks compare what they read. Equal digests mean equal
   // inputs, so equal plans; anything else fails every rank with the first
   // rank's error (or says that the records changed while being read).
-  setString(store, key("verdict/", rank), verdict);
+  setStoreText(store, key("verdict/", rank), verdict);
   std::vector<std::string> verdicts(size);
-  for (int r = 0; r < size; ++r) verdicts[r] = getString(store, key("verdict/", r));
+  for (int r = 0; r < size; ++r) verdicts[r] = getStoreText(store, key("verdict/", r));
   for (int r = 0; r < size; ++r) {
     if (verdicts[r].rfind("error:", 0) == 0) {
       TORCH_CHECK_VALUE(false, verdicts[r].substr(6));

@@ -48,6 +48,9 @@ struct GroupSettings {
   // XCOMM_SHM_SLOT_BYTES / XCOMM_SHM_SMALL_BYTES; -1: the transport's default.
   int64_t shmSlotBytes = -1;
   int64_t shmSmallBytes = -1;
+  // XCOMM_SHM_SPIN_US, this rank's own (not compared: how long a waiting
+  // rank spins before it sleeps changes no bits); -1: the transport's default.
+  int64_t shmSpinMicros = -1;
   // XCOMM_DIRECT_EXCHANGE=0 keeps large all-to-alls and all-gathers on Gloo's
   // collectives instead of point-to-point messages.
   bool directExchange = true;

@@ -44,7 +44,7 @@ inline bool isCast(Compression c) {
 struct CompressionConfig {
   Compression method = Compression::kNone;
   int64_t minBytes = 64 * 1024;
-  int64_t int8ChunkElems = 1024;
+  int64_t int8ChunkElems = Int8Codec::kDefaultChunkElems;
   // auto's bounds, from XCOMM_AUTO_METHODS / XCOMM_AUTO_LINK as every rank
   // agreed them (backend/GroupSettings): the methods it may choose (empty:
   // all it knows), and a link fixed instead of probed (0 bytes/s: probe).

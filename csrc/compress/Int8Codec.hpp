@@ -23,7 +23,11 @@ namespace xcomm {
 
 class Int8Codec {
  public:
-  explicit Int8Codec(int64_t chunkElems = 1024);
+  // Elements per float32 scale unless a caller says otherwise: the one
+  // default of every int8 path (Options, hooks, FSDP2, DiLoCo read it).
+  static constexpr int64_t kDefaultChunkElems = 1024;
+
+  explicit Int8Codec(int64_t chunkElems = kDefaultChunkElems);
 
   int64_t chunkElems() const { return chunkElems_; }
   // Elements per shard: numel split over `world`, rounded up to whole chunks.

@@ -145,6 +145,9 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
       env.shmSlotBytes >= 0 ? py::object(py::int_(env.shmSlotBytes)) : py::object(py::none());
   settings["shm_small_bytes"] =
       env.shmSmallBytes >= 0 ? py::object(py::int_(env.shmSmallBytes)) : py::object(py::none());
+  // This rank's own: the one setting the ranks need not share.
+  settings["shm_spin_us"] =
+      env.shmSpinMicros >= 0 ? py::object(py::int_(env.shmSpinMicros)) : py::object(py::none());
   settings["direct_exchange"] = env.directExchange;
   py::list methods;
   for (auto m : env.autoMethods) methods.append(xcomm::compressionName(m));

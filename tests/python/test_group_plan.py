@@ -245,8 +245,20 @@ _LINK = "1e-4,1.25e8"
             [{}] * 3,
             "XCOMM_SHM_SLOT_BYTES (ranks 0, 1 unset; rank 2 '4096')",
         ),
+        (
+            [{}, {"XCOMM_SHM_SPIN_US": "-5"}],
+            [{}] * 2,
+            "XCOMM_SHM_SPIN_US must be >= 0, got -5 (on rank 1)",
+        ),
     ],
-    ids=["auto-link", "auto-methods", "shm-env", "compression-option", "slot-bytes-3-ranks"],
+    ids=[
+        "auto-link",
+        "auto-methods",
+        "shm-env",
+        "compression-option",
+        "slot-bytes-3-ranks",
+        "bad-spin-one-rank",
+    ],
 )
 def test_ranks_that_differ_on_a_group_setting_all_raise_it_at_once(
     env_of_rank: list[dict[str, str]], options_of_rank: list[dict[str, Any]], expected: str
@@ -302,6 +314,33 @@ def test_settings_alike_on_every_rank_are_in_the_plan_and_used(by: str) -> None:
         assert r["auto"]["inputs"]["bandwidth_bytes_per_s"] == pytest.approx(1.25e8), r["auto"]
         assert r["auto"]["inputs"]["latency_s"] == pytest.approx(1e-4), r["auto"]
         assert r["auto"]["chosen"]["bf16"] == 0, r["auto"]
+
+
+def _rank_own_spin(ctx: RankContext) -> dict[str, Any]:
+    if ctx.rank == 0:
+        os.environ["XCOMM_SHM_SPIN_US"] = "0"
+    group = dist.new_group(backend="xcomm")
+    x = torch.arange(1 << 16, dtype=torch.float32) * (ctx.rank + 1)
+    dist.all_reduce(x, group=group)
+    ref = torch.arange(1 << 16, dtype=torch.float32) * (ctx.rank + 1)
+    dist.all_reduce(ref, group=ctx.ref)
+    plan = xcomm.group_plan(group)
+    return {"equal": torch.equal(x, ref), "plan": plan, "shm_ops": xcomm.shm.ops_run(group)}
+
+
+def test_the_spin_time_is_each_ranks_own_and_read_with_the_settings() -> None:
+    """XCOMM_SHM_SPIN_US changes how long a waiting rank spins before it
+    sleeps, not what it sends: ranks may differ on it (rank 0 never spins
+    here), the group forms and reduces as gloo does, and each rank's plan
+    shows its own value."""
+    results = run_ranks(_rank_own_spin, 2)
+    for rank, r in enumerate(results):
+        assert r["equal"], r
+        assert r["plan"]["shape"] == "single-host shared memory", r["plan"]
+        assert r["shm_ops"] >= 1, r
+        assert r["plan"]["settings"]["shm_spin_us"] == (0 if rank == 0 else None), r["plan"]
+    assert "XCOMM_SHM_SPIN_US: 0 (this rank's)" in results[0]["plan"]["description"]
+    assert "XCOMM_SHM_SPIN_US" not in results[1]["plan"]["description"]
 
 
 class _CorruptingStore(dist.Store):
