@@ -18,14 +18,11 @@ no-hook run a hooked case compares with runs once.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
-from client_common import BACKENDS, assert_same
+from client_common import BACKENDS, assert_same, run_program
 
 pytest.importorskip("pytorch_lightning")
 
@@ -47,29 +44,12 @@ def lightning_run(backend: str, strategy: str, hook: str, tmp: str) -> list[dict
 
 def run_lightning(backend: str, strategy: str, hook: str, tmp: str) -> list[dict[str, Any]]:
     out = os.path.join(tmp, f"{backend}_{strategy}_{hook}")
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
-        env.pop(k, None)
-    proc = subprocess.Popen(
-        [sys.executable, SCRIPT, backend, strategy, hook, out],
-        cwd=tmp,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # the ranks Lightning starts share our process group id
+    text = run_program(
+        [SCRIPT, backend, strategy, hook, out],
+        tmp,
+        RUN_TIMEOUT,
+        f"lightning {backend} {strategy} {hook}",
     )
-    try:
-        log, _ = proc.communicate(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"lightning {backend} {strategy} {hook} hung:\n{log.decode()[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.decode(errors="replace")
-    assert proc.returncode == 0, f"lightning {backend} {strategy} {hook} failed:\n{text[-6000:]}"
     results = [torch.load(f"{out}.rank{r}.pt") for r in range(2)]
     for r in results:
         assert r["backend"] == backend and r["world_size"] == 2, (r["backend"], text[-2000:])
