@@ -10,8 +10,12 @@ backend" for any group whose backend is not named ``"gloo"``, before the call
 reaches the group, although the group's own ``monitored_barrier`` is what it
 then calls. xcomm runs Gloo's monitored barrier on each group's Gloo backend,
 so :func:`monitored_barrier` does exactly what torch's function does after its
-name check, and :func:`install` points ``dist.monitored_barrier`` at it for
-xcomm groups (every other group still goes to torch's function unchanged).
+name check, and :func:`install` routes torch's function to it for xcomm groups
+(every other group still runs torch's code unchanged). It reroutes torch's
+function object itself (its code, not the module attribute), so a reference
+taken before ``import xcomm`` (``from torch.distributed import
+monitored_barrier``) routes too: the behaviour does not depend on the order
+of imports.
 
 Example::
 
@@ -25,8 +29,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import functools
+import inspect
 import time
+import types
 from typing import Any
 
 import torch.distributed as dist
@@ -98,21 +103,75 @@ def release_before_exit() -> None:
         time.sleep(EXIT_GRACE_S)
 
 
+#: torch's own ``monitored_barrier`` (a copy of its code), for groups that
+#: are not xcomm's; set by :func:`install`.
+_torch_monitored_barrier: Any = None
+
+
+def _dispatch(group: Any, timeout: Any, wait_all_ranks: bool) -> None:
+    """What torch's ``monitored_barrier`` runs once :func:`install` rerouted it."""
+    if _is_xcomm(group):
+        return monitored_barrier(group, timeout, wait_all_ranks)
+    return _torch_monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+def _routed_code(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+    # Only its code is used: it becomes torch's function's code and runs with
+    # torch's module globals, so it reaches xcomm through sys.modules alone.
+    import sys
+
+    return sys.modules["xcomm.compat"]._dispatch(group, timeout, wait_all_ranks)
+
+
+def _reroute_torch_function() -> bool:
+    """Gives torch's ``monitored_barrier`` function object the code of
+    :func:`_routed_code`, keeping a copy of its own code for other groups.
+    False (nothing changed) where torch's function is not a plain function
+    with the expected parameters."""
+    global _torch_monitored_barrier
+    target = inspect.unwrap(c10d.monitored_barrier)
+    if getattr(target, "_xcomm_routed", False):
+        return True
+    code = getattr(target, "__code__", None)
+    routed = _routed_code.__code__
+    if (
+        not isinstance(target, types.FunctionType)
+        or code is None
+        or code.co_freevars
+        or code.co_varnames[: code.co_argcount] != routed.co_varnames[: routed.co_argcount]
+    ):
+        return False
+    original = types.FunctionType(
+        code, target.__globals__, target.__name__, target.__defaults__, target.__closure__
+    )
+    original.__kwdefaults__ = target.__kwdefaults__
+    original.__doc__ = target.__doc__
+    _torch_monitored_barrier = original
+    target.__code__ = routed
+    target._xcomm_routed = True  # type: ignore[attr-defined]
+    return True
+
+
 def install() -> None:
     """Routes ``dist.monitored_barrier`` on xcomm groups to :func:`monitored_barrier`
-    (other groups keep torch's function) and registers
-    :func:`release_before_exit` (idempotent)."""
-    original = dist.monitored_barrier
-    if getattr(original, "_xcomm_wrapped", False):
+    (other groups keep torch's code), for every reference to torch's function,
+    however early it was taken, and registers :func:`release_before_exit`
+    (idempotent)."""
+    global _torch_monitored_barrier
+    if getattr(inspect.unwrap(c10d.monitored_barrier), "_xcomm_routed", False):
         return
+    if getattr(dist.monitored_barrier, "_xcomm_wrapped", False):
+        return
+    if not _reroute_torch_function():
+        # Fallback for a torch whose function cannot be rerouted: replace the
+        # module attribute (references taken before import xcomm keep torch's).
+        _torch_monitored_barrier = original = dist.monitored_barrier
 
-    @functools.wraps(original)
-    def routed(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
-        if _is_xcomm(group):
-            return monitored_barrier(group, timeout, wait_all_ranks)
-        return original(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+        def routed(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
+            return _dispatch(group, timeout, wait_all_ranks)
 
-    routed._xcomm_wrapped = True  # type: ignore[attr-defined]
-    dist.monitored_barrier = routed
-    c10d.monitored_barrier = routed
+        routed._xcomm_wrapped = True  # type: ignore[attr-defined]
+        routed.__doc__ = original.__doc__
+        dist.monitored_barrier = routed
+        c10d.monitored_barrier = routed
     atexit.register(release_before_exit)
