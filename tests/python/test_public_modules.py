@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import xcomm
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +64,16 @@ def test_dotted_names_in_readme_resolve_after_import_xcomm() -> None:
     # `xcomm.name.` or `xcomm.name(`: a module or function used as written
     names = sorted(set(re.findall(r"\bxcomm\.([a-z][a-z0-9_]*)(?=[.(])", readme)))
     assert "diloco" in names, names
+    plain = [n for n in names if n not in OPTIONAL]
     got = _fresh(
-        f"import json, xcomm\nprint(json.dumps([n for n in {names!r} if not hasattr(xcomm, n)]))"
+        f"import json, xcomm\nprint(json.dumps([n for n in {plain!r} if not hasattr(xcomm, n)]))"
     )
     assert got == [], f"README names xcomm.{got} but import xcomm does not provide them"
+
+
+def test_optional_modules_import_by_name() -> None:
+    """``from xcomm.lightning import XcommStrategy``, as the README writes it."""
+    for module, framework in OPTIONAL.items():
+        pytest.importorskip(framework)
+        got = _fresh(f"import json, xcomm.{module} as m\nprint(json.dumps(sorted(m.__all__)))")
+        assert got, module
