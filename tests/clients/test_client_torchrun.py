@@ -99,7 +99,7 @@ def run_torchrun(backend: str, outdir: str) -> tuple[list[dict[str, Any]], list[
     # The reference only: plain torch + Gloo (xcomm not loaded) sometimes
     # aborts in the restarted attempt ("terminate called without an active
     # exception"): once on torch 2.14.1, and twice in a row on torch 2.13.0 in
-    # one CI run (stop 42). It gets up to three launches; xcomm's own run gets
+    # one CI run. It gets up to three launches; xcomm's own run gets
     # no second chance.
     for _ in range(2):
         if backend != "gloo" or code in (None, 0):

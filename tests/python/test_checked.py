@@ -64,7 +64,7 @@ def _rank_mismatch(ctx: RankContext, hosts: int) -> dict[str, Any]:
         "barrier_vs_broadcast": lambda: (
             dist.barrier(group=group) if odd else dist.broadcast(x, src=0, group=group)
         ),
-        # Rows of the same sizes either way: it ran as an all_to_all before stop 40.
+        # Rows of the same sizes either way: it ran as an all_to_all before the leaders were checked.
         "reduce_scatter_vs_all_to_all": lambda: (
             dist.all_to_all_single(torch.zeros(4 * ws), torch.ones(4 * ws), group=group)
             if odd
@@ -509,7 +509,7 @@ def _hierarchical(ctx: RankContext, **options: Any) -> dist.ProcessGroup:
 
 def _rank_hosts_disagree(ctx: RankContext, compression: str | None) -> dict[str, Any]:
     """Host 1's ranks call another all_reduce than host 0's. Inside each host
-    the ranks agree, so only the leaders' step can see it: before stop 40 the
+    the ranks agree, so only the leaders' step can see it: unchecked, the
     leaders' Gloo aborted the process on sizes and dtypes (``gloo::EnforceNotMet``)
     and summed SUM against MAX into a wrong result."""
     import xcomm
@@ -607,7 +607,7 @@ def test_a_host_that_skips_an_all_reduce_is_an_error_on_the_other_hosts_ranks() 
 
 def _rank_compressed_vs_other(ctx: RankContext, shm: bool) -> dict[str, Any]:
     """Rank 0's all_reduce is compressed by the backend (its collectives run
-    on a group of their own); rank 1 calls a broadcast. Before stop 40 both
+    on a group of their own); rank 1 calls a broadcast. Unchecked, both
     waited for the timeout."""
     import xcomm
 

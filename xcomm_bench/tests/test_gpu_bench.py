@@ -57,7 +57,7 @@ def test_the_profile_runs_on_the_cpu_and_profiles_every_hook(tmp_path: Path) -> 
 def test_the_profile_counts_each_kernel_once() -> None:
     """On a GPU, an op's self device time repeats the time of the kernels it
     launched, and a scope (``AccumulateGrad``) is billed for kernels launched
-    outside any op: only the device's own rows may be summed (stop 31's
+    outside any op: only the device's own rows may be summed (an earlier
     profile summed both, so its PowerSGD ratio counted some kernels twice)."""
     from types import SimpleNamespace
 
