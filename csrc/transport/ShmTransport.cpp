@@ -1,5 +1,6 @@
 #include "transport/ShmTransport.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sched.h>
@@ -12,6 +13,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iomanip>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -50,14 +53,6 @@ std::string errnoText(int err) {
   return std::string(std::strerror(err));
 }
 
-std::string randomName() {
-  std::random_device rd;
-  std::ostringstream name;
-  name << "/xcomm-shm-" << std::hex;
-  for (int i = 0; i < 4; ++i) name << rd();  // 128 bits from the OS entropy source
-  return name.str();
-}
-
 // Field 22 of /proc/<pid>/stat (start time in clock ticks), and the state
 // letter; 0 / '?' when the process does not exist.
 std::pair<uint64_t, char> processStat(int pid) {
@@ -82,6 +77,78 @@ bool processAlive(int pid, uint64_t startTime) {
   // A zombie, or a new process that reuses the pid, is not the peer.
   return state != '?' && state != 'Z' && state != 'X' && start == startTime;
 }
+
+// A segment's name says who created it: "/xcomm-shm-<pid namespace>-<pid>-
+// <start time>-<128 random bits>". The random part keeps the name unguessable;
+// the rest lets a later rank on the host recognise a segment whose creator
+// died before unlinking it (killed while its peers were still mapping it).
+constexpr const char* kNamePrefix = "xcomm-shm-";
+
+struct SegmentCreator {
+  uint64_t pidNamespace = 0;
+  int pid = 0;
+  uint64_t startTime = 0;
+};
+
+// The inode of this process's pid namespace: pids mean something only within it.
+uint64_t pidNamespace() {
+  char link[64] = {};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", link, sizeof(link) - 1);  // "pid:[4026531836]"
+  if (n <= 0) return 0;
+  const char* open = std::strchr(link, '[');
+  return open ? std::strtoull(open + 1, nullptr, 10) : 0;
+}
+
+std::string newSegmentName() {
+  std::random_device rd;
+  std::ostringstream name;
+  name << "/" << kNamePrefix << pidNamespace() << "-" << ::getpid() << "-"
+       << processStat(::getpid()).first << "-" << std::hex;
+  for (int i = 0; i < 4; ++i) {
+    name << std::setw(8) << std::setfill('0') << rd();  // 128 bits from the OS entropy source
+  }
+  return name.str();
+}
+
+// The creator named in a segment name (with or without the leading '/'), or
+// nothing when the name is not one newSegmentName makes.
+std::optional<SegmentCreator> creatorOf(std::string name) {
+  if (!name.empty() && name[0] == '/') name.erase(0, 1);
+  if (name.rfind(kNamePrefix, 0) != 0) return std::nullopt;
+  std::istringstream fields(name.substr(std::strlen(kNamePrefix)));
+  SegmentCreator c;
+  char dash1 = 0, dash2 = 0, dash3 = 0;
+  std::string random;
+  if (!(fields >> c.pidNamespace >> dash1 >> c.pid >> dash2 >> c.startTime >> dash3 >> random) ||
+      dash1 != '-' || dash2 != '-' || dash3 != '-' || c.pid <= 0 || random.size() != 32 ||
+      random.find_first_not_of("0123456789abcdef") != std::string::npos) {
+    return std::nullopt;
+  }
+  return c;
+}
+
+}  // namespace
+
+int ShmTransport::removeOrphanedSegments() {
+  const uint64_t myNamespace = pidNamespace();
+  if (myNamespace == 0) return 0;  // cannot tell whose pids the names hold
+  std::unique_ptr<DIR, int (*)(DIR*)> dir(::opendir("/dev/shm"), ::closedir);
+  if (!dir) return 0;
+  int removed = 0;
+  while (const dirent* entry = ::readdir(dir.get())) {
+    const std::string name = entry->d_name;
+    const auto creator = creatorOf(name);
+    // Another pid namespace's pids cannot be checked from here: left alone.
+    if (!creator || creator->pidNamespace != myNamespace) continue;
+    if (processAlive(creator->pid, creator->startTime)) continue;
+    struct stat st;
+    if (::stat(("/dev/shm/" + name).c_str(), &st) != 0 || st.st_uid != ::geteuid()) continue;
+    if (::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  return removed;
+}
+
+namespace {
 
 long futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
   struct timespec ts;
@@ -149,11 +216,23 @@ std::string mapSegment(const std::string& name, bool create, size_t bytes, Mappi
     if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
       return "posix_fallocate of " + std::to_string(bytes) + " bytes failed: " + errnoText(err);
     }
+    // Exactly 0600 whatever the umask: peers refuse anything else.
+    if (::fchmod(fd, 0600) != 0) return "fchmod failed: " + errnoText(errno);
   } else {
     struct stat st;
-    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
-      return "the segment has an unexpected size";
+    if (::fstat(fd, &st) != 0) return "fstat(" + name + ") failed: " + errnoText(errno);
+    // The store is unauthenticated: another local user can write the name.
+    // Only a segment this user alone can read is rank 0's (the same user
+    // could read this process's memory anyway).
+    if (st.st_uid != ::geteuid() || (st.st_mode & 07777) != 0600) {
+      std::ostringstream why;
+      why << "refusing segment " << name << ": it belongs to uid " << st.st_uid << " with mode 0"
+          << std::oct << (st.st_mode & 07777) << std::dec << ", where rank 0's belongs to uid "
+          << ::geteuid() << " with mode 0600 (another local user may have written this group's "
+          << "key in the store)";
+      return why.str();
     }
+    if (static_cast<size_t>(st.st_size) != bytes) return "the segment has an unexpected size";
   }
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) return "mmap failed: " + errnoText(errno);
@@ -177,8 +256,9 @@ std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
   std::string error;
   std::string name;
   Mapping mapping;
-  // Rank 0 removes the name once every rank reported, or when anything here
-  // throws (a peer that never shows up makes the store time out).
+  // The name is removed once every rank reported (by each rank that mapped
+  // the segment: whichever survives), or when anything here throws (a peer
+  // that never shows up makes the store time out).
   struct UnlinkOnExit {
     std::string name;
     void now() {
@@ -187,34 +267,54 @@ std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
     }
     ~UnlinkOnExit() { now(); }
   } unlinker;
-  if (rank == 0) {
-    name = randomName();
-    unlinker.name = name;
-    error = mapSegment(name, /*create=*/true, mapBytes, mapping);
-    store->set("name", bytesOf(error.empty() ? name : std::string()));
-  } else {
-    name = stringOf(store->get("name"));
-    error = name.empty() ? "rank 0 could not create the segment"
-                         : mapSegment(name, /*create=*/false, mapBytes, mapping);
-  }
-  if (error.empty()) {
-    auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(mapping.base) +
-                                               sizeof(RankControl) * rank);
-    ctl->pid = static_cast<int32_t>(::getpid());
-    ctl->startTime = processStat(::getpid()).first;
-  }
-  // Every rank reports; all agree on the outcome, so no rank is left alone on
-  // a path the others do not take.
-  store->set("status/" + std::to_string(rank), bytesOf(error.empty() ? "ok" : error));
   std::string firstError;
-  for (int r = 0; r < size; ++r) {
-    const auto status = stringOf(store->get("status/" + std::to_string(r)));
-    if (status != "ok" && firstError.empty())
-      firstError = "rank " + std::to_string(r) + ": " + status;
+  try {
+    if (rank == 0) {
+      removeOrphanedSegments();  // earlier groups' creators killed mid-set-up
+      name = newSegmentName();
+      unlinker.name = name;
+      error = mapSegment(name, /*create=*/true, mapBytes, mapping);
+      store->set("name", bytesOf(error.empty() ? name : std::string()));
+    } else {
+      name = stringOf(store->get("name"));
+      if (name.empty()) {
+        error = "rank 0 could not create the segment";
+      } else if (!creatorOf(name) || name[0] != '/') {
+        error = "refusing segment name '" + name.substr(0, 120) +
+                "' from the store: not one xcomm makes (another process may have written this "
+                "group's key in the store)";
+      } else {
+        error = mapSegment(name, /*create=*/false, mapBytes, mapping);
+        // Every rank that mapped the segment unlinks the name once all have:
+        // rank 0 may be killed before it does.
+        if (error.empty()) unlinker.name = name;
+      }
+    }
+    if (error.empty()) {
+      auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(mapping.base) +
+                                                 sizeof(RankControl) * rank);
+      ctl->pid = static_cast<int32_t>(::getpid());
+      ctl->startTime = processStat(::getpid()).first;
+    }
+    // Every rank reports; all agree on the outcome, so no rank is left alone on
+    // a path the others do not take.
+    store->set("status/" + std::to_string(rank), bytesOf(error.empty() ? "ok" : error));
+    for (int r = 0; r < size; ++r) {
+      const auto status = stringOf(store->get("status/" + std::to_string(r)));
+      if (status != "ok" && firstError.empty())
+        firstError = "rank " + std::to_string(r) + ": " + status;
+    }
+  } catch (...) {
+    // A peer that never reported may be rank 0, killed before it unlinked
+    // the segment: remove what a dead creator left, then fail.
+    unlinker.now();
+    removeOrphanedSegments();
+    throw;
   }
   // Every rank has mapped it (or given up): the name is no longer needed.
   unlinker.now();
   if (!firstError.empty()) {
+    removeOrphanedSegments();
     if (whyNot) *whyNot = firstError;
     return nullptr;
   }

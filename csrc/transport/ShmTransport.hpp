@@ -9,7 +9,11 @@
 //
 // Safety: the segment is created O_EXCL with mode 0600 under a random name
 // that only the group's store knows, and unlinked as soon as every rank has
-// mapped it, so nothing is left in /dev/shm even if a rank is SIGKILLed.
+// mapped it. Peers map only a segment of their own uid with mode 0600 (the
+// store is unauthenticated: another local user could plant a name). The
+// name holds its creator's pid, so a segment whose creator was SIGKILLed
+// before unlinking it is removed by the next set-up on the host, or by the
+// creator's peers as their set-up fails: nothing stays in /dev/shm.
 // Waiting spins briefly, then sleeps on a futex; it fails at the op's
 // deadline, as soon as a peer process is found dead, or as soon as a peer
 // marks itself departed (it shut down or destroyed its group).
@@ -29,6 +33,12 @@ class ShmTransport {
     size_t slotBytes = 1 << 20;  // bytes per rank per buffer
     int spinMicros = -1;         // spin before sleeping; -1: pick from the core count
   };
+
+  // Removes this user's segments in /dev/shm whose creator, in this pid
+  // namespace, is gone (killed between creating a segment and unlinking it
+  // once every peer mapped it). Every set-up runs it: rank 0 before it
+  // creates one, every rank when set-up fails. Returns how many it removed.
+  static int removeOrphanedSegments();
 
   // Collective over `store` (every rank calls it). Returns null on every
   // rank when any rank could not create or map the segment; `whyNot` then

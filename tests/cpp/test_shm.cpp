@@ -2,10 +2,18 @@
 // process over one HashStore (the segment and futex protocol are the same as
 // between processes).
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -397,4 +405,82 @@ TEST_CASE("requestAbort makes a wait in progress fail at once", "[shm]") {
   });
   CHECK_THAT(error, Catch::Contains("aborted"));
   CHECK(waited < std::chrono::seconds(5));
+}
+
+namespace {
+
+// This process's pid namespace inode and start time, as ShmTransport reads them.
+uint64_t myPidNamespace() {
+  char link[64] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", link, sizeof(link) - 1);
+  const char* open = n > 0 ? std::strchr(link, '[') : nullptr;
+  return open ? std::strtoull(open + 1, nullptr, 10) : 0;
+}
+
+uint64_t myStartTime() {
+  std::ifstream in("/proc/self/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::istringstream fields(text.substr(text.rfind(')') + 2));
+  std::string field;
+  for (int i = 3; i <= 21; ++i) fields >> field;
+  uint64_t start = 0;
+  fields >> start;
+  return start;
+}
+
+// Creates a segment named as ShmTransport names them, for the creator given.
+std::string plantSegment(uint64_t pidNamespace, int pid, uint64_t startTime, const char* random) {
+  const std::string name = "xcomm-shm-" + std::to_string(pidNamespace) + "-" + std::to_string(pid) +
+                           "-" + std::to_string(startTime) + "-" + random;
+  const int fd = shm_open(("/" + name).c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  REQUIRE(fd >= 0);
+  close(fd);
+  return name;
+}
+
+bool shmFileExists(const std::string& name) {
+  const auto files = shmFiles();
+  return std::find(files.begin(), files.end(), name) != files.end();
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a segment whose creator is gone is removed; a live creator's, or another namespace's, "
+    "is kept",
+    "[shm][setup]") {
+  const uint64_t ns = myPidNamespace();
+  if (ns == 0) {
+    WARN("no /proc/self/ns/pid: segments' creators cannot be told apart here");
+    return;
+  }
+  const int pid = getpid();
+  const uint64_t start = myStartTime();
+  // The same pid with another start time: the pid reused after its creator died.
+  const auto orphan = plantSegment(ns, pid, start + 1, "0123456789abcdef0123456789abcde0");
+  const auto live = plantSegment(ns, pid, start, "0123456789abcdef0123456789abcde1");
+  const auto foreign = plantSegment(ns + 1, pid, start + 1, "0123456789abcdef0123456789abcde2");
+  const int removed = xcomm::ShmTransport::removeOrphanedSegments();
+  const bool orphanLeft = shmFileExists(orphan);
+  const bool liveLeft = shmFileExists(live);
+  const bool foreignLeft = shmFileExists(foreign);
+  for (const auto& name : {orphan, live, foreign}) shm_unlink(("/" + name).c_str());
+  CHECK(removed >= 1);
+  CHECK_FALSE(orphanLeft);
+  CHECK(liveLeft);
+  CHECK(foreignLeft);
+}
+
+TEST_CASE("a new group's set-up removes a segment its dead creator left behind", "[shm][setup]") {
+  const uint64_t ns = myPidNamespace();
+  if (ns == 0) {
+    WARN("no /proc/self/ns/pid: segments' creators cannot be told apart here");
+    return;
+  }
+  const auto orphan =
+      plantSegment(ns, getpid(), myStartTime() + 1, "fedcba9876543210fedcba9876543210");
+  onRanks(2, 4096, [](int, xcomm::ShmTransport&) {});
+  const bool orphanLeft = shmFileExists(orphan);
+  shm_unlink(("/" + orphan).c_str());
+  CHECK_FALSE(orphanLeft);
 }
