@@ -23,6 +23,10 @@ read -r -a versions <<<"${XCOMM_TEST_TORCH:-2.13.0 2.14.1}"
 # parts that are not. Keep this list short: each entry is a reason to look.
 ONCE_ONLY=(
   tests/python/test_style.py
+  tests/python/test_harness.py       # the harness itself, on gloo
+  tests/python/test_codec_kernels.py # xcomm's kernels against plain arithmetic
+  tests/python/test_shm_setup.py     # the segment's set-up: files and pids, no c10d
+  tests/python/test_main_job.py      # the main job's environment is torch 2.13; test_ddp runs on both
   xcomm_bench/tests/test_autoswitch.py
   xcomm_bench/tests/test_bench.py
   xcomm_bench/tests/test_cluster.py
