@@ -220,7 +220,7 @@ class DiLoCo:
         overlap_steps: int = 0,
         mix: float | None = None,
         error_feedback: bool = True,
-        chunk_elems: int = 1024,
+        chunk_elems: int = _C.Int8Codec.DEFAULT_CHUNK_ELEMS,
         group: dist.ProcessGroup | None = None,
         timeout: datetime.timedelta | None = None,
         sync_initial: bool = True,

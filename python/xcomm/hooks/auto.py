@@ -94,7 +94,7 @@ _LOSSLESS = ("none",)
 #: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
 #: kernels (its int8 and top-k codecs would run on the host).
 _ON_DEVICE = ("none", "bf16", "fp16")
-_INT8_CHUNK = 1024
+_INT8_CHUNK = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
 

@@ -215,7 +215,7 @@ class FsdpCompressionState:
     """
 
     method: str = "int8"
-    chunk_elems: int = 1024
+    chunk_elems: int = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
     error_feedback: bool | None = None
     min_bytes: int = 64 * 1024
     methods: tuple[str, ...] = ("none", "bf16", "int8")

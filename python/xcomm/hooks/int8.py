@@ -64,7 +64,7 @@ class Int8State(PicklableState):
     """
 
     process_group: dist.ProcessGroup | None = None
-    chunk_elems: int = 1024
+    chunk_elems: int = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
     error_feedback: bool = True
     start_iter: int = 2
     model: torch.nn.Module | None = field(default=None, repr=False)
