@@ -9,6 +9,11 @@
 #     xcomm installed into it as a regular package; the whole suite except the
 #     parts listed in ONCE_ONLY below, which run on 2.13 only.
 #
+# The machine has two cores, and compiling is what they would wait on: while
+# one torch's tests run, the next torch is set up and built at the lowest CPU
+# priority (nice 19), so it takes only the time the tests leave idle and the
+# tests keep their timing. Its log is printed when its tests begin.
+#
 # XCOMM_TEST_TORCH="2.13.0" (or "2.14.1") runs one version only. Both versions
 # run even when the first fails; the exit status is non-zero if either did.
 set -uo pipefail
@@ -37,6 +42,7 @@ ONCE_ONLY=(
   xcomm_bench/tests/test_fsdp_bench.py
   xcomm_bench/tests/test_fuzz.py
   xcomm_bench/tests/test_gpu_bench.py
+  xcomm_bench/tests/test_hook_bench.py
   xcomm_bench/tests/test_launch.py
 )
 
@@ -45,68 +51,112 @@ ONCE_ONLY=(
 started=$SECONDS
 phase() { printf '== [%d:%02d] %s\n' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)) "$*"; }
 
-failed=()
-for v in "${versions[@]}"; do
-  echo "=================== torch $v"
-  select=()
+interpreter() { # the Python that runs torch $1's tests
+  if [ "$1" = "2.13.0" ]; then echo "${PYTHON:-python3}"; else echo "build/venv-torch$1/bin/python"; fi
+}
+
+# Sets up torch $1 and builds xcomm against it; prints what failed, if anything,
+# as lines "torch $1: <what>" on fd 3.
+prepare() {
+  local v=$1 py setup_env
+  py=$(interpreter "$v")
   if [ "$v" = "2.13.0" ]; then
-    py=${PYTHON:-python3}
     # The C++ tests are built here only: `pip install .` builds the library alone.
     setup_env=(PYTHON="$py" XCOMM_BUILD_TESTS=ON)
   else
-    venv=build/venv-torch$v
-    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-    py=$venv/bin/python
+    [ -x "$py" ] || python3 -m venv "build/venv-torch$v"
     setup_env=(PYTHON="$py" XCOMM_TORCH_VERSION="$v" XCOMM_INSTALL=wheel XCOMM_BUILD_TESTS=ON)
-    if [[ " ${versions[*]} " == *" 2.13.0 "* ]]; then
-      for f in "${ONCE_ONLY[@]}"; do select+=("--ignore=$f"); done
-      echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]})"
-    fi
   fi
   phase "set up and build, torch $v"
   if ! env "${setup_env[@]}" bash scripts/setup.sh; then
-    failed+=("torch $v: setup"); continue
+    echo "torch $v: setup" >&3
+    return
   fi
-  build_dir=$("$py" scripts/build_dir.py)
 
   if [ "$v" != "2.13.0" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     # With a CUDA toolkit, the build above compiled the codecs' CUDA kernels
     # (csrc/compress/cuda): they cannot run here, but they must compile.
     phase "the build against torch $v has its CUDA codec kernels"
     "$py" scripts/smoke.py --expect-cuda-path --expect-cuda-codecs ||
-      failed+=("torch $v: CUDA codec kernels not built")
+      echo "torch $v: CUDA codec kernels not built" >&3
   fi
 
   if [ "$v" != "2.13.0" ]; then
     # A pip-installed CUDA torch usually comes without a CUDA toolkit: xcomm
     # must build against it all the same (setup.py skips torch's CMake package).
     phase "build against torch $v with no CUDA toolkit, then use it"
+    local direct
     direct=$(mktemp -d)
     if env -u CUDA_HOME -u CUDA_PATH XCOMM_NO_CUDA_TOOLKIT=1 "$py" -m pip install -q \
       --no-build-isolation --no-deps --target "$direct" . &&
       PYTHONPATH="$direct" "$py" scripts/smoke.py --expect-cuda-path --expect-no-cuda-codecs; then
       echo "built and ran without a CUDA toolkit"
     else
-      failed+=("torch $v: build without a CUDA toolkit")
+      echo "torch $v: build without a CUDA toolkit" >&3
     fi
     rm -rf "$direct"
   fi
+  phase "torch $v set up and built"
+}
+
+# Runs torch $1's C++ and Python tests; the same failure lines on fd 3.
+run_tests() {
+  local v=$1 py build_dir select=()
+  py=$(interpreter "$v")
+  if [ "$v" != "2.13.0" ] && [[ " ${versions[*]} " == *" 2.13.0 "* ]]; then
+    for f in "${ONCE_ONLY[@]}"; do select+=("--ignore=$f"); done
+    echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]})"
+  fi
+  build_dir=$("$py" scripts/build_dir.py)
 
   phase "C++ tests (ctest), torch $v"
-  ctest --test-dir "$build_dir" --output-on-failure --timeout 300 || failed+=("torch $v: ctest")
+  ctest --test-dir "$build_dir" --output-on-failure --timeout 300 || echo "torch $v: ctest" >&3
 
   phase "Python tests (pytest), torch $v"
   # tests/gpu: on CPU tensors against gloo where no GPU is visible (scripts/gpu_check.sh
   # runs them on a GPU against NCCL).
   XCOMM_GPU_TESTS_ON_CPU=1 "$py" -m pytest tests/python xcomm_bench/tests tests/clients tests/gpu \
     --timeout=900 -q --durations=25 --junit-xml="build/pytest-torch$v.xml" \
-    "${select[@]}" "$@" || failed+=("torch $v: pytest")
+    "${select[@]}" "${pytest_args[@]}" || echo "torch $v: pytest" >&3
   [ -f "build/pytest-torch$v.xml" ] && "$py" scripts/test_times.py "build/pytest-torch$v.xml"
+}
+
+pytest_args=("$@")
+mkdir -p build
+failures=$(mktemp)
+trap 'rm -f "$failures" "$failures".*' EXIT
+
+prepare "${versions[0]}" 3>>"$failures"
+for i in "${!versions[@]}"; do
+  v=${versions[$i]}
+  next=${versions[$((i + 1))]:-}
+  if [ -n "$next" ]; then
+    # The next torch, built while this one's tests run (see the top).
+    # (SECONDS=...: its phases count from this script's start, as ours do.)
+    nice -n 19 bash -c "$(declare -f phase interpreter prepare); SECONDS=$SECONDS; started=$started; prepare $next" \
+      >"$failures.log" 2>&1 3>>"$failures.next" &
+    preparing=$!
+  fi
+  echo "=================== torch $v"
+  if grep -q "^torch $v: setup" "$failures"; then
+    echo "torch $v: not set up, its tests skipped"
+  else
+    run_tests "$v" 3>>"$failures"
+  fi
+  if [ -n "$next" ]; then
+    phase "waiting for torch $next's set-up and build (started in the background)"
+    wait "$preparing"
+    echo "----- torch $next's set-up and build, as logged in the background"
+    grep -v "^WARNING: Location 'file:" "$failures.log"
+    echo "-----"
+    cat "$failures.next" >>"$failures" 2>/dev/null
+    rm -f "$failures.next" "$failures.log"
+  fi
 done
 
 phase "done"
-if [ ${#failed[@]} -gt 0 ]; then
-  printf 'FAILED: %s\n' "${failed[@]}"
+if [ -s "$failures" ]; then
+  sed 's/^/FAILED: /' "$failures"
   exit 1
 fi
 echo "all tests passed on torch ${versions[*]}"
