@@ -40,6 +40,7 @@ ONCE_ONLY=(
   xcomm_bench/tests/test_diloco_bench.py
   xcomm_bench/tests/test_engine_bench.py
   xcomm_bench/tests/test_fsdp_bench.py
+  xcomm_bench/tests/test_faults.py
   xcomm_bench/tests/test_fuzz.py
   xcomm_bench/tests/test_gpu_bench.py
   xcomm_bench/tests/test_hook_bench.py

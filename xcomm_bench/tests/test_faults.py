@@ -1,0 +1,98 @@
+"""The fault-injection tool (``python -m xcomm_bench.faults``) reports what happened.
+
+Two 2-rank trials through the command line, as a user runs it: a SIGKILLed
+peer and a peer that calls ``destroy_process_group`` mid-collective, both on
+shared memory. What the tool reports is checked against what the ranks
+really did: the survivor's own error text names the failure, its latency is
+non-negative and below the group timeout, the trial ended well inside its
+deadline, and /dev/shm holds no segment afterwards (looked at here, not only
+read from the report). A trial whose fault is never injected must be
+reported as a failure, so the tool cannot pass by doing nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from xcomm_bench.faults import Trial, run_trial, summarize
+from xcomm_bench.launch import python_env
+
+TIMEOUT_S = 3.0
+
+
+def _segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("xcomm-")}
+
+
+def _faults(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
+    out = tmp_path / "faults.json"
+    cmd = [sys.executable, "-m", "xcomm_bench.faults", "--no-progress", "--out", str(out), *args]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, check=False, env=python_env()
+    )
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.returncode, json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_and_a_departed_peer_are_reported_as_they_happened(tmp_path: Path) -> None:
+    before = _segments()
+    started = time.monotonic()
+    code, report, stdout = _faults(
+        tmp_path,
+        "--faults",
+        "sigkill,destroy",
+        "--world-sizes",
+        "2",
+        "--routes",
+        "shm",
+        "--setup-trials",
+        "0",
+        "--timeout",
+        str(TIMEOUT_S),
+    )
+    wall = time.monotonic() - started
+    trials = {t["fault"]: t for t in report["trials"]}
+    assert sorted(trials) == ["destroy", "sigkill"]
+    for fault, t in trials.items():
+        assert t["world_size"] == 2 and t["injected"], t
+        assert not t["hang"] and t["segments_left"] == [], t
+        (survivor,) = t["survivors"]
+        assert survivor["rank"] == 1 - t["victim"]
+        # The route really was shared memory, and the survivor really raised.
+        assert survivor["shape"] == "single-host shared memory", survivor
+        assert survivor["raised"] and survivor["error"], survivor
+        assert 0 <= survivor["latency_s"] < TIMEOUT_S, (fault, survivor)
+        assert survivor["exited"] and survivor["teardown_s"] is not None, survivor
+    # Both trials together, start-up included, took far less than a hang would.
+    assert wall < 120
+    assert _segments() <= before
+    rows = {r["fault"]: r for r in report["rows"]}
+    assert rows["sigkill"]["trials"] == rows["destroy"]["trials"] == 1
+    assert rows["sigkill"]["hangs"] == rows["sigkill"]["segments_left"] == 0
+    assert "| sigkill | 1 | 0 | 0 |" in stdout
+    # The bound is the tool's verdict; a survivor over it is a reported failure.
+    assert (code == 0) == (report["failed"] == []), report["failed"]
+
+
+@pytest.mark.slow
+def test_a_trial_whose_fault_never_happens_is_a_failure() -> None:
+    """Ranks that are not ready by the trial's deadline (0.5 s: an interpreter
+    alone takes longer to import torch) get no fault, and the trial is a
+    failure, not a pass with nothing to report."""
+    before = _segments()
+    record = run_trial(Trial("sigkill", 2, "shm", 1), timeout_s=TIMEOUT_S, deadline_s=0.5)
+    assert not record["injected"] and not record["ok"], record
+    assert record["note"] == "ranks not ready by the deadline", record
+    assert not any(s["raised"] for s in record["survivors"]), record
+    (row,) = summarize([record])
+    assert row["not_injected"] == 1 and row["max_latency_ms"] is None
+    assert _segments() <= before
