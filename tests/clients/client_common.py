@@ -12,16 +12,11 @@ a tolerance where the client's summation order may legitimately differ).
 from __future__ import annotations
 
 import datetime
-import os
-import signal
-import subprocess
-import sys
 from typing import Any
 
-import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import run_program, run_ranks  # noqa: F401 - run_program for the client tests
 
 BACKENDS = ("xcomm", "gloo")
 PG_TIMEOUT = datetime.timedelta(seconds=30)
@@ -85,33 +80,3 @@ def assert_same(results: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
     """xcomm's per-rank results equal gloo's (bitwise unless a tolerance is given)."""
     problems = diff(results["xcomm"], results["gloo"], "rank", rtol, atol)
     assert not problems, "xcomm differs from gloo:\n" + "\n".join(problems[:40])
-
-
-def run_program(args: list[str], cwd: str, timeout: float, label: str) -> str:
-    """Runs ``python ARGS`` as a program that launches its own ranks (in a
-    session of its own, killed whole if it hangs), without the launcher
-    variables of this process; fails the test unless it exits 0. Its log."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
-        env.pop(k, None)
-    proc = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # the ranks it starts share our process group id
-    )
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{label} hung:\n{log.decode()[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.decode(errors="replace")
-    assert proc.returncode == 0, f"{label} failed:\n{text[-6000:]}"
-    return text

@@ -586,6 +586,38 @@ def _supervise(
     return [results[r]["value"] if r in results else None for r in range(n)]
 
 
+def run_program(args: list[str], cwd: str, timeout: float, label: str) -> str:
+    """Runs ``python ARGS`` as a program that launches its own ranks (in a
+    session of its own, killed whole if it hangs), without the launcher
+    variables of this process; fails the test unless it exits 0. Its log."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
+        env.pop(k, None)
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # the ranks it starts share our process group id
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        import pytest
+
+        pytest.fail(f"{label} hung:\n{log.decode()[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.decode(errors="replace")
+    assert proc.returncode == 0, f"{label} failed:\n{text[-6000:]}"
+    return text
+
+
 # --------------------------------------------------------------------------- #
 # Shared helpers for the tests (used inside ranks)
 # --------------------------------------------------------------------------- #
