@@ -107,7 +107,9 @@ def _run(
     Returns the parameters, the methods per bucket after each step, the
     explanation and the residual/PowerSGD state at the end."""
     model = DDP(make_model(), bucket_cap_mb=cap_mb)
-    state = hooks.AutoState(link=links.get(0), codec_costs=COSTS, model=model, **state_kwargs)
+    state = hooks.AutoState(
+        link=links.get(0), codec_costs=COSTS, observe=False, model=model, **state_kwargs
+    )
     model.register_comm_hook(state, hooks.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     history = []
@@ -182,7 +184,7 @@ def test_a_link_that_changes_mid_run_switches_within_an_interval_and_back() -> N
 
 def _switching(ctx: RankContext) -> list[float]:
     model = DDP(make_model())
-    state = hooks.AutoState(link=SLOW, codec_costs=COSTS, model=model, interval=1)
+    state = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=False, model=model, interval=1)
     model.register_comm_hook(state, hooks.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     norms = []
@@ -210,7 +212,7 @@ def _resume(ctx: RankContext, methods: tuple[str, ...]) -> tuple[torch.Tensor, t
     def fresh() -> tuple[DDP, torch.optim.Optimizer, Any]:
         model = DDP(make_model())
         state = hooks.AutoState(
-            link=MIXED, codec_costs=COSTS, model=model, interval=2, methods=methods
+            link=MIXED, codec_costs=COSTS, observe=False, model=model, interval=2, methods=methods
         )
         model.register_comm_hook(state, hooks.auto_hook)
         return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), state
@@ -552,3 +554,106 @@ def test_a_method_that_fails_to_issue_raises_and_fails_the_next_turn() -> None:
     with pytest.raises(RuntimeError, match="allgather refused: peer gone"):
         fut.wait()
     assert not issued
+
+
+def test_observed_costs_correct_the_model_and_are_bounded() -> None:
+    """The closed loop's arithmetic: an uncompressed reduction corrects the
+    link every method's wire time uses; a compressed one corrects its method;
+    a factor stays within [FLOOR, CEILING] and keeps its value while unseen."""
+    from xcomm.hooks._measure import ObservedCosts
+
+    o = ObservedCosts(("none", "int8", "topk"))
+    assert o.local() == [0.0, 0.0, 0.0]  # nothing seen
+    o.record("link", observed_s=0.002, predicted_s=0.008)  # the link is 4x faster
+    o.record("topk", observed_s=0.030, predicted_s=0.003)  # top-k 10x slower
+    o.update(o.local())
+    assert o.factors == {"link": 0.25, "int8": 1.0, "topk": pytest.approx(10.0)}
+    assert o.predict("none", codec_s=0.0, wire_s=0.008) == pytest.approx(0.002)
+    # A method: its factor times (codec + the corrected link).
+    assert o.predict("int8", codec_s=0.001, wire_s=0.004) == pytest.approx(0.002)
+    assert o.predict("topk", codec_s=0.001, wire_s=0.004) == pytest.approx(0.02)
+    assert o.base("topk", codec_s=0.001, wire_s=0.004) == pytest.approx(0.002)
+    o.update([0.0, 0.0, 1e6])  # unseen keep their factor; readings are bounded
+    assert o.factors["link"] == 0.25 and o.factors["topk"] == o.CEILING
+    o.record("int8", 1e-9, 1.0)
+    o.update(o.local())
+    assert o.factors["int8"] == o.FLOOR
+
+
+def test_a_method_predicted_slower_than_none_is_never_kept() -> None:
+    """Hysteresis keeps a method against a slightly faster rival, but not
+    against sending the bucket uncompressed."""
+    from xcomm.hooks._measure import MethodChoices
+
+    c = MethodChoices(switch_margin=0.1)
+    assert c.choose(0, 100, 0, {"none": 1.0, "int8": 0.5}) == "int8"
+    assert c.choose(0, 100, 1, {"none": 1.0, "int8": 0.95, "bf16": 0.9}) == "int8"  # margin
+    assert c.choose(0, 100, 2, {"none": 1.0, "int8": 1.05, "bf16": 2.0}) == "none"
+    assert c.switches == 1
+
+
+def _misjudged(ctx: RankContext, observe: bool) -> tuple[list[tuple[str, int]], str]:
+    """One 16 MiB bucket; top-k's codec cost given as a tenth of what it
+    takes on this machine (as a calibration on other data would), and each
+    top-k reduction made 30 ms slower still (on zero-heavy gradients it was
+    seen at several times its randn cost), so it is certainly slower than
+    sending uncompressed; the link is measured. Returns each step's (method,
+    step of the next round) and the explanation."""
+    import time as _time
+
+    from xcomm.hooks import auto
+    from xcomm.hooks.auto import calibrate_codecs
+
+    plain_topk = auto.topk_hook
+
+    def slow_topk(state: Any, bucket: Any) -> Any:
+        _time.sleep(0.03)
+        return plain_topk(state, bucket)
+
+    auto.topk_hook = slow_topk
+    torch.manual_seed(0)
+    n = 2048
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, 8)))
+    costs = calibrate_codecs(numel=n * n)
+    costs["topk"] /= 10  # real cost = 10x the calibrated one
+    state = hooks.AutoState(
+        methods=("none", "topk"),
+        codec_costs=costs,
+        model=model,
+        interval=2,
+        probe_fraction=0.05,  # rounds every few steps, not spaced out by their cost
+        observe=observe,
+    )
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    history = []
+    for step in range(30):
+        g = torch.Generator().manual_seed(step * 10 + ctx.rank)
+        x, y = torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        history.append((state.decisions.get(0, {}).get("method", "-"), state.next_round))
+    return history, state.explain()
+
+
+def test_a_codec_ten_times_slower_than_calibrated_is_left_within_two_rounds() -> None:
+    """auto picks top-k from its calibrated cost, sees it take over 10x that
+    (and more than sending uncompressed), and moves the bucket to ``none``
+    at one of the next two rounds, the same step on every rank. Without the
+    closed loop (``observe=False``) it keeps top-k: the test's premise holds."""
+    results = run_ranks(_misjudged, 2, True)
+    history, explain = results[0]
+    assert results[1][0] == history  # the same choices at the same steps
+    methods = [m for m, _ in history]
+    first = methods.index("topk")  # chosen from the calibrated cost
+    rounds = sorted({r for _, r in history[first:]})  # the rounds due after it
+    left = next(s for s in range(first, len(methods)) if methods[s] == "none")
+    assert left <= rounds[min(1, len(rounds) - 1)], history
+    assert all(m == "none" for m in methods[left:]), history  # and does not return
+    assert "topk x" in explain, explain
+    topk_factor = float(explain.split("topk x")[1].split()[0].rstrip(","))
+    assert topk_factor > 5, explain
+
+    kept, _ = run_ranks(_misjudged, 2, False)[0]
+    assert [m for m, _ in kept][-1] == "topk", kept

@@ -56,6 +56,7 @@ def _ddp_states() -> dict[str, tuple[Any, Any]]:
                 link=hooks.LinkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e6),
                 codec_costs=COSTS,
                 interval=2,
+                observe=False,  # no timing decides: the child continues bit for bit
             ),
             hooks.auto_hook,
         ),

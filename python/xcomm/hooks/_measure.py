@@ -14,8 +14,9 @@ collectives match. :class:`MeasuredLink` does that part;
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,8 @@ class MeasuredLink:
         self.agreed: tuple[dict[str, LinkModel], dict[str, float]] | None = None
         #: The step at which the next round is due.
         self.next_round = 0
+        #: The ``extra`` values every rank agreed on last.
+        self.agreed_extra: list[float] = []
         self._readings: list[list[float]] = []  # agreed seconds/byte per kind, last 3 rounds
         #: What the last rounds took beyond what their bytes and latency
         #: explain (agreed: the slowest rank's), seconds; the newest last.
@@ -182,12 +185,15 @@ class MeasuredLink:
         fixed: Mapping[str, LinkModel] | None = None,
         matters: Callable[[dict[str, LinkModel], dict[str, float]], bool] | None = None,
         device: torch.device | None = None,
+        extra: Sequence[float] = (),
     ) -> tuple[dict[str, LinkModel], dict[str, float]]:
         """One round at ``step``: probe (unless ``fixed`` links are given),
         agree, schedule the next round; returns the agreed links by kind and
         codec costs. ``matters(links, costs)`` says whether the newest
         reading, were it the link, would change a choice: only then is a
-        reading far off the median confirmed at the next step."""
+        reading far off the median confirmed at the next step. ``extra``
+        values (:class:`ObservedCosts`' ratios) are agreed in the same
+        allreduce, as the MAX over ranks, into :attr:`agreed_extra`."""
         if self.local_costs is None:
             self.local_costs = dict(calibrate())
         self._round_in_step = True
@@ -217,6 +223,7 @@ class MeasuredLink:
         local = [-min(self.latencies, default=0.0), step_seconds, spent]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
+        local += list(extra)
         # On the buckets' device: a NCCL group has no CPU collectives.
         agreed = torch.tensor(local, dtype=torch.float64, device=device)
         t0 = time.perf_counter()
@@ -224,7 +231,9 @@ class MeasuredLink:
         self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
         values = agreed.tolist()
         latency, step_seconds, n = -values[0], values[1], len(self.kinds)
-        costs = dict(zip(self.codec_keys, values[3 + n :]))
+        ncodecs = len(self.codec_keys)
+        costs = dict(zip(self.codec_keys, values[3 + n : 3 + n + ncodecs]))
+        self.agreed_extra = values[3 + n + ncodecs :]
         stride = self.interval
         if fixed is not None:
             links = dict(fixed)
@@ -342,7 +351,13 @@ class MethodChoices:
         method, since = best, step
         if current is not None and current["numel"] == numel and current["method"] in predicted:
             keep = current["method"]
-            if predicted[best] >= (1.0 - self.switch_margin) * predicted[keep]:
+            # Hysteresis, except that a method predicted slower than sending
+            # the bucket uncompressed is never kept (with observed costs,
+            # "predicted" is what it was seen to take).
+            slower_than_none = predicted[keep] > predicted.get("none", math.inf)
+            if predicted[best] >= (1.0 - self.switch_margin) * predicted[keep] and not (
+                slower_than_none
+            ):
                 method, since = keep, current["since"]
         if current is not None and method != current["method"]:
             self.switches += 1
@@ -367,3 +382,123 @@ class MethodChoices:
                 f"{d['since']}; predicted ms: {times}"
             )
         return "\n".join(lines)
+
+
+class ObservedCosts:
+    """What each method is seen to take, against what the model predicted:
+    the closed loop that corrects a mispredicted method within a round.
+
+    The model's inputs are measured, but on other data than the buckets (the
+    codecs on ``randn``, the link by a probe): a zero-heavy gradient can make
+    a codec several times slower than calibrated, and a probe can read a
+    fast link at a fraction of its rate. So every reduction is timed, from
+    when the hook was called (or the previous reduction finished, if later:
+    reductions share the link one after the other) until its future
+    completes, and compared with its prediction. Uncompressed reductions
+    correct the link (key ``"link"``: their prediction is the link's time
+    alone, and every method's wire time uses the corrected link); a
+    compressed one corrects its method (its prediction already uses the
+    corrected link, so the ratio holds what the model lacks: the codec's real
+    cost on these buckets, its extra collectives' waits).
+
+    At each round :meth:`local` gives this rank's ratios since the last one
+    (observed seconds over predicted seconds, summed; 0 where nothing was
+    seen), the round agrees them as the MAX over ranks (the slowest rank's
+    view, the same on every rank) and :meth:`update` makes them the factors:
+    a method's prediction becomes ``factor * (codec + link factor * wire)``,
+    so a method seen to take 10x its prediction is predicted at what it
+    took, and one seen slower than uncompressed loses to it at the next
+    round. A factor not seen again keeps its last value.
+
+    Example::
+
+        >>> o = ObservedCosts(("none", "topk"))
+        >>> o.record("topk", observed_s=0.010, predicted_s=0.001)
+        >>> o.update(o.local())  # one rank: its own ratios are the agreed ones
+        >>> round(o.predict("topk", codec_s=0.0005, wire_s=0.0005), 6)
+        0.01
+    """
+
+    #: Factors are kept within [FLOOR, CEILING]: one odd reading (a paused
+    #: process) cannot make a method look free or unusable for good.
+    FLOOR, CEILING = 0.05, 100.0
+
+    def __init__(self, methods: Sequence[str]) -> None:
+        self.keys = ("link", *[m for m in methods if m != "none"])
+        self.factors = dict.fromkeys(self.keys, 1.0)
+        self._sums = {k: [0.0, 0.0] for k in self.keys}  # observed, predicted
+        self._lock = threading.Lock()
+        self._last_done = 0.0
+
+    @staticmethod
+    def key(method: str) -> str:
+        return "link" if method == "none" else method
+
+    def predict(self, method: str, codec_s: float, wire_s: float) -> float:
+        """The corrected prediction of ``method``, from the model's parts."""
+        link = self.factors["link"] * wire_s
+        if method == "none":
+            return link
+        return self.factors.get(method, 1.0) * (codec_s + link)
+
+    def base(self, method: str, codec_s: float, wire_s: float) -> float:
+        """What an observation of ``method`` is compared with: its
+        prediction without its own factor."""
+        if method == "none":
+            return wire_s
+        return codec_s + self.factors["link"] * wire_s
+
+    def record(self, key: str, observed_s: float, predicted_s: float) -> None:
+        if predicted_s > 0 and observed_s > 0:
+            with self._lock:
+                sums = self._sums[key]
+                sums[0] += observed_s
+                sums[1] += predicted_s
+
+    def watch(
+        self, fut: torch.futures.Future, method: str, predicted_s: float, issued_at: float
+    ) -> None:
+        """Times ``fut``, issued at ``issued_at`` (``time.perf_counter()``),
+        and records it under ``method``'s key."""
+        key = self.key(method)
+
+        def done(f: torch.futures.Future) -> None:
+            finished = time.perf_counter()
+            with self._lock:
+                start, self._last_done = max(issued_at, self._last_done), finished
+            if not f.done() or _failed(f):
+                return
+            self.record(key, finished - start, predicted_s)
+
+        fut.add_done_callback(done)
+
+    def local(self) -> list[float]:
+        """This rank's ratios since the last :meth:`update` (0: not seen)."""
+        with self._lock:
+            return [o / p if p > 0 else 0.0 for o, p in (self._sums[k] for k in self.keys)]
+
+    def update(self, agreed: Sequence[float]) -> None:
+        """Takes the agreed ratios as the factors and starts a new period."""
+        with self._lock:
+            for k, ratio in zip(self.keys, agreed):
+                if ratio > 0:
+                    self.factors[k] = min(max(ratio, self.FLOOR), self.CEILING)
+                self._sums[k] = [0.0, 0.0]
+
+    def explain(self) -> str:
+        seen = ", ".join(f"{k} x{f:.2f}" for k, f in self.factors.items())
+        return f"observed/predicted (applied to the model): {seen}"
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.factors)
+
+    def load_state_dict(self, factors: Mapping[str, float]) -> None:
+        self.factors.update({k: float(v) for k, v in factors.items() if k in self.factors})
+
+
+def _failed(fut: torch.futures.Future) -> bool:
+    try:
+        fut.value()
+    except Exception:  # noqa: BLE001 - the caller's wait raises it
+        return True
+    return False

@@ -15,7 +15,20 @@ products, from the bucket's parameter shapes), ``C_m`` its number of
 collectives and ``B_m(n)`` the bytes its collectives put on one rank's link
 (``2 (w-1)/w * bytes`` for an allreduce, ``(w-1) * bytes`` for an allgather).
 The bucket takes ``argmin T``; it keeps its method unless another is
-``switch_margin`` faster, so noise does not flip it.
+``switch_margin`` faster, so noise does not flip it, and never keeps one
+predicted slower than ``none``.
+
+The loop is closed (``observe=True``, the default): every reduction is timed
+and compared with its prediction (:class:`~xcomm.hooks._measure.ObservedCosts`).
+Uncompressed ones (the first ``start_iter`` steps, and buckets on ``none``)
+correct the link, so a probe that read a fast link slow is overruled by what
+the gradients' own allreduces take; compressed ones correct their method,
+so a codec several times slower on these gradients than on the calibration
+data (a zero-heavy bucket for top-k) is predicted at what it took. The
+corrections are agreed at each round like every other input, so
+``T(m) = f_m (c_m n + C_m latency) + f_m f_link B_m(n) / bandwidth`` is the
+same on every rank; a method seen slower than uncompressed loses to
+``none`` at the next round.
 
 Inputs, measured, never guessed:
 
@@ -60,6 +73,7 @@ Example::
 # No `from __future__ import annotations`: DDP checks the hook's annotations at run time.
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +92,7 @@ from ._common import (
     mark_issued,
     then_collective,
 )
-from ._measure import LinkModel, MeasuredLink, MethodChoices, best_seconds
+from ._measure import LinkModel, MeasuredLink, MethodChoices, ObservedCosts, best_seconds
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .feedback import FeedbackStore
 from .int8 import Int8State, int8_compress_hook
@@ -86,17 +100,28 @@ from .powersgd import PowerSGDState, powersgd_hook
 from .sparse import TopKState, topk_hook
 from .stats import CompressionStats
 
-__all__ = ["METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
+__all__ = ["DEFAULT_METHODS", "METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
 
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
 _LOSSLESS = ("none",)
+#: What ``auto`` chooses from unless told otherwise: the methods whose error
+#: per step is small (a cast; int8 with a scale per chunk and error
+#: feedback). Top-k and PowerSGD send far fewer bytes but hold back most of
+#: each step's gradient in the residual, so they need more steps to reach a
+#: loss: docs/quickstart.md's run reached loss 0.90 after 30 steps on top-k
+#: against 0.26 on int8. ``auto`` optimises time per step, so it would pick
+#: them whenever their steps are cheaper; name them in ``methods`` after
+#: checking time to your target loss on your model.
+DEFAULT_METHODS = ("none", "bf16", "int8")
 #: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
 #: kernels (its int8 and top-k codecs would run on the host).
 _ON_DEVICE = ("none", "bf16", "fp16")
 _INT8_CHUNK = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
+# Codecs that cost nothing: the model's prediction of the wire alone.
+_FREE_CODECS = dict.fromkeys(_CODEC_KEYS, 0.0)
 
 
 def _allreduce_wire(nbytes: float, world: int) -> float:
@@ -234,7 +259,9 @@ class AutoState(PicklableState):
 
     Args:
         process_group: the group to reduce over (default: the default group).
-        methods: the methods it may choose from (a subset of :data:`METHODS`).
+        methods: the methods it may choose from (a subset of :data:`METHODS`;
+            default :data:`DEFAULT_METHODS`, which leaves out top-k and
+            PowerSGD: see there).
         lossless_only: choose only methods that lose nothing (``none``).
         min_density: the density top-k sends (its accuracy bound).
         powersgd_rank: PowerSGD's rank (its accuracy bound).
@@ -249,6 +276,10 @@ class AutoState(PicklableState):
             network; tests).
         codec_costs: fixed codec costs (seconds per element, keys as
             :func:`calibrate_codecs` returns) instead of measuring.
+        observe: correct the model by what each method is seen to take
+            (see the module docstring); ``False`` trusts the model alone
+            (with a fixed ``link`` and ``codec_costs``: a hypothetical
+            machine, as tests use).
         model: the DDP model, so residuals are checkpointed by parameter.
 
     Example::
@@ -258,7 +289,7 @@ class AutoState(PicklableState):
     """
 
     process_group: dist.ProcessGroup | None = None
-    methods: tuple[str, ...] = ("none", "bf16", "int8", "topk", "powersgd")
+    methods: tuple[str, ...] = DEFAULT_METHODS
     lossless_only: bool = False
     min_density: float = 0.01
     powersgd_rank: int = 4
@@ -268,6 +299,7 @@ class AutoState(PicklableState):
     probe_fraction: float = 0.01
     link: LinkModel | None = None
     codec_costs: dict[str, float] | None = None
+    observe: bool = True
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
 
@@ -320,6 +352,7 @@ class AutoState(PicklableState):
             ("allreduce",), _CODEC_KEYS, self.probe_fraction, self.interval
         )
         self._agreed: tuple[LinkModel, dict[str, float]] | None = None
+        self._observed = ObservedCosts(self.allowed)
         self._fresh_round = False
         self._in_step = False
         # Each bucket's (numel, parameter shapes, itemsize, device type), to ask
@@ -340,8 +373,10 @@ class AutoState(PicklableState):
     # -- checkpointing --
 
     def state_dict(self) -> dict:
-        """Counters, decisions, agreed inputs and every method's state; with a
-        fixed ``link`` and ``codec_costs`` a resumed run continues bit for bit."""
+        """Counters, decisions, agreed inputs, the observed corrections and
+        every method's state; with a fixed ``link`` and ``codec_costs`` and
+        ``observe=False`` (no timing decides anything) a resumed run
+        continues bit for bit."""
         link, costs = self._agreed if self._agreed else (None, None)
         return {
             "version": 1,
@@ -353,6 +388,7 @@ class AutoState(PicklableState):
             "topk_rng": self._topk.codec.get_rng_state(),
             "powersgd": self._powersgd.state_dict(),
             "stats": self.stats.as_dict(),
+            "observed": self._observed.state_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -372,6 +408,7 @@ class AutoState(PicklableState):
         self._topk.codec.set_rng_state(d["topk_rng"])
         self._powersgd.load_state_dict(d["powersgd"])
         self.stats.load_dict(d["stats"])
+        self._observed.load_state_dict(d.get("observed", {}))  # none before the closed loop
 
     # -- explanation --
 
@@ -399,6 +436,8 @@ class AutoState(PicklableState):
                 f"link: latency {link.latency_s * 1e3:.3f} ms, "
                 f"bandwidth {link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s (agreed by all ranks)"
             )
+            if self.observe:
+                link_line += "\n" + self._observed.explain()
         return self._choices.explain("bucket", link_line)
 
     # -- measurement and agreement --
@@ -412,7 +451,7 @@ class AutoState(PicklableState):
         Example::
 
             >>> AutoState().candidates("cpu")
-            ('none', 'bf16', 'int8', 'topk', 'powersgd')
+            ('none', 'bf16', 'int8')
         """
         if device_type == "cpu" or _C.cuda_codecs:
             return self.allowed
@@ -455,7 +494,10 @@ class AutoState(PicklableState):
                 )
                 for index, inputs in self._bucket_inputs.items()
             ),
+            extra=self._observed.local() if self.observe else (),
         )
+        if self.observe:
+            self._observed.update(self._measure.agreed_extra)
         if self.iter < self.start_iter:  # one round to start with, the next at start_iter
             self._measure.next_round = self.start_iter
         self._agreed = (links["allreduce"], costs)
@@ -485,21 +527,54 @@ class AutoState(PicklableState):
         link: LinkModel,
         costs: dict[str, float],
     ) -> dict[str, float]:
-        """Every candidate method's predicted seconds for one bucket."""
+        """Every candidate method's predicted seconds for one bucket
+        (corrected by what the methods were seen to take)."""
         return {
-            m: predict_seconds(
-                m,
-                numel,
-                shapes,
-                world,
-                link,
-                costs,
-                density=self.min_density,
-                rank=self.powersgd_rank,
-                itemsize=itemsize,
+            m: self._observed.predict(
+                m, *self._parts(m, numel, shapes, itemsize, world, link, costs)
             )
             for m in self.candidates(device_type)
         }
+
+    def _parts(
+        self,
+        method: str,
+        numel: int,
+        shapes: list[tuple[int, ...]],
+        itemsize: int,
+        world: int,
+        link: LinkModel,
+        costs: dict[str, float],
+    ) -> tuple[float, float]:
+        """The model's (codec seconds, link seconds) for one bucket."""
+        kw: dict[str, Any] = {"density": self.min_density, "rank": self.powersgd_rank}
+        total = predict_seconds(method, numel, shapes, world, link, costs, itemsize=itemsize, **kw)
+        wire = predict_seconds(
+            method, numel, shapes, world, link, _FREE_CODECS, itemsize=itemsize, **kw
+        )
+        return total - wire, wire
+
+    def _watch(
+        self,
+        fut: torch.futures.Future,
+        bucket: dist.GradBucket,
+        method: str,
+        step: int,
+        issued_at: float,
+    ) -> None:
+        """Times this bucket's reduction, issued at ``issued_at``
+        (``time.perf_counter()``), for the closed loop; from step 1 (step 0
+        runs DDP's first buckets and pays first-touch costs)."""
+        if not self.observe or self._agreed is None or step < 1:
+            return
+        buffer = bucket.buffer()
+        link, costs = self._agreed
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        world = group_size(self.process_group)
+        parts = self._parts(
+            method, buffer.numel(), shapes, buffer.element_size(), world, link, costs
+        )
+        self._observed.watch(fut, method, self._observed.base(method, *parts), issued_at)
 
 
 def _ordered(
@@ -554,7 +629,10 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state.iter += 1
         state._in_step = False
     if step < state.start_iter:
-        return allreduce_mean(state, bucket, state.stats)
+        issued_at = time.perf_counter()
+        fut = allreduce_mean(state, bucket, state.stats)
+        state._watch(fut, bucket, "none", step, issued_at)
+        return fut
 
     t0 = now_us() if timeline_enabled() else 0
     previous = state.decisions.get(bucket.index(), {}).get("method")
@@ -569,6 +647,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         view.write_back()
     state._int8.steps.iter = state._topk.steps.iter = step
     state._powersgd.iter = step
+    issued_at = time.perf_counter()  # the codec's work on this thread counts too
     if method == "none":
         fut = _ordered(state, bucket, lambda: allreduce_mean(state, bucket, state.stats))
     elif method in ("bf16", "fp16"):
@@ -580,6 +659,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         fut = int8_compress_hook(state._int8, bucket)
     else:
         fut = powersgd_hook(state._powersgd, bucket)
+    state._watch(fut, bucket, method, step, issued_at)
     record_op(f"AUTO:{method}", buffer.nbytes, 0)
     if t0:
         d = state.decisions[bucket.index()]
