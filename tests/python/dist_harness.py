@@ -622,6 +622,50 @@ def run_program(args: list[str], cwd: str, timeout: float, label: str) -> str:
 # Shared helpers for the tests (used inside ranks)
 # --------------------------------------------------------------------------- #
 
+
+class DelegatingStore(dist.Store):
+    """A store that passes every call to ``inner``: a test's store that
+    changes one thing (a value read back, a delay) subclasses it and
+    overrides only that.
+
+    Example::
+
+        class Slow(DelegatingStore):
+            def get(self, key: str) -> bytes:
+                time.sleep(1.0)
+                return super().get(key)
+    """
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
+
+    # c10d's trampoline calls the C++ name (a ``delete_key`` here would never run).
+    def deleteKey(self, key: str) -> bool:
+        return self.inner.delete_key(key)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self.inner.compare_set(key, expected, desired)
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+
 WORLD_SIZES: tuple[int, ...] = (1, 2, 3, 4)
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import xcomm
-from dist_harness import RankContext, error_of, run_ranks
+from dist_harness import DelegatingStore, RankContext, error_of, run_ranks
 
 
 def _rank_plans(ctx: RankContext, tag_of_rank: list[str]) -> dict[str, Any]:
@@ -343,39 +343,13 @@ def test_the_spin_time_is_each_ranks_own_and_read_with_the_settings() -> None:
     assert "XCOMM_SHM_SPIN_US" not in results[1]["plan"]["description"]
 
 
-class _CorruptingStore(dist.Store):
+class _CorruptingStore(DelegatingStore):
     """A store in which another process overwrote rank 0's set-up record
     just before this rank read it (the TCPStore takes writes from anyone)."""
-
-    def __init__(self, inner: dist.Store) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
         value = self.inner.get(key)
         return b"not xcomm's" if key.endswith("/settings/0") else value
-
-    def add(self, key: str, value: int) -> int:
-        return self.inner.add(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-    # c10d's trampoline calls the C++ name.
-    def deleteKey(self, key: str) -> bool:
-        return self.inner.delete_key(key)
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return self.inner.compare_set(key, expected, desired)
-
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
 
 
 def _rank_corrupted_record(ctx: RankContext) -> dict[str, Any]:

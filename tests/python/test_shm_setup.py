@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import xcomm
 import xcomm.backend
-from dist_harness import RankContext, run_ranks
+from dist_harness import DelegatingStore, RankContext, run_ranks
 
 SHM_DIR = "/dev/shm"
 PLANTED_BYTES = 1 << 22
@@ -60,41 +60,18 @@ def _plant(how: str) -> str:
     return "/" + name
 
 
-class _PlantingStore(dist.Store):
+class _PlantingStore(DelegatingStore):
     """This rank's view of a store in which another local user overwrote the
     key under which rank 0 publishes its segment's name (a TCPStore takes
     writes from any local process)."""
 
     def __init__(self, inner: dist.Store, planted: str) -> None:
-        super().__init__()
-        self.inner = inner
+        super().__init__(inner)
         self.planted = planted
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self.inner.set(key, value)
 
     def get(self, key: str) -> bytes:
         value = self.inner.get(key)
         return self.planted.encode() if key.endswith("/shm/name") else value
-
-    def add(self, key: str, value: int) -> int:
-        return self.inner.add(key, value)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.inner.check(keys)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-
-    # c10d's trampoline calls the C++ name.
-    def deleteKey(self, key: str) -> bool:
-        return self.inner.delete_key(key)
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        return self.inner.compare_set(key, expected, desired)
-
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
 
 
 def _rank_with_planted_name(ctx: RankContext, how: str) -> dict[str, Any]:
@@ -155,33 +132,19 @@ _RANK_SCRIPT = textwrap.dedent(
     import datetime, sys, time
     import torch.distributed as dist
     import xcomm, xcomm.backend
+    from dist_harness import DelegatingStore  # tests/python is on PYTHONPATH
 
     path, rank, delay = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     base = dist.FileStore(path, 2)
     base.set_timeout(datetime.timedelta(seconds=4))
 
-    class LateStore(dist.Store):
+    class LateStore(DelegatingStore):
         # A peer that is slow to map the segment: rank 0 waits for it with
         # the segment created and not yet unlinked.
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-        def set(self, key, value):
-            self.inner.set(key, value)
         def get(self, key):
             if key.endswith("/shm/name"):
                 time.sleep(delay)
             return self.inner.get(key)
-        def add(self, key, value):
-            return self.inner.add(key, value)
-        def check(self, keys):
-            return self.inner.check(keys)
-        def wait(self, keys, timeout=None):
-            self.inner.wait(keys) if timeout is None else self.inner.wait(keys, timeout)
-        def deleteKey(self, key):
-            return self.inner.delete_key(key)
-        def num_keys(self):
-            return self.inner.num_keys()
 
     store = LateStore(base) if rank == 1 else base
     options = xcomm.Options(timeout=datetime.timedelta(seconds=4)).to_cpp()
