@@ -19,39 +19,17 @@ many times the hook ran on that rank.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from client_common import make_hook, regression_data, save_rank_result, tiny_net
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 STEPS_PER_EPOCH = 4
 EPOCHS = 2
-
-
-def make_hook(name: str) -> tuple[Any, Any] | None:
-    from xcomm import hooks
-
-    if name == "none":
-        return None
-    if name == "fp16":
-        return hooks.CastState(), hooks.fp16_cast_hook
-    if name == "int8":
-        return hooks.Int8State(chunk_elems=32, start_iter=2), hooks.int8_compress_hook
-    if name == "powersgd":
-        state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return state, hooks.powersgd_hook
-    raise ValueError(f"unknown hook {name!r}")
-
-
-def _data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    y = torch.stack([x[:, :3].sum(1), x[:, 3:].prod(1)], 1) + 0.1 * torch.randn(n, 2, generator=g)
-    return TensorDataset(x, y)
 
 
 def main(backend: str, hook: str, out: str) -> None:
@@ -61,9 +39,9 @@ def main(backend: str, hook: str, out: str) -> None:
         dist.init_process_group("xcomm")  # before Accelerator: it keeps this group
     accelerator = Accelerator(cpu=True)
     set_seed(7)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = tiny_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    loader = DataLoader(_data(16 * STEPS_PER_EPOCH, 1), batch_size=8, shuffle=False)
+    loader = DataLoader(regression_data(16 * STEPS_PER_EPOCH, 1), batch_size=8, shuffle=False)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     made = make_hook(hook)
     if made is not None:
@@ -77,21 +55,15 @@ def main(backend: str, hook: str, out: str) -> None:
             opt.step()
             losses.append(loss.detach())
     mean_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean")
-    torch.save(
-        {
-            "params": {
-                k: v.detach().clone()
-                for k, v in accelerator.unwrap_model(model).state_dict().items()
-            },
-            "loss": mean_loss.detach().clone(),
-            "backend": dist.get_backend(),
-            "accelerate_backend": accelerator.state.backend,
-            "distributed_type": str(accelerator.distributed_type),
-            "is_ddp": isinstance(model, nn.parallel.DistributedDataParallel),
-            "world_size": dist.get_world_size(),
-            "hook_calls": 0 if made is None else int(made[0].stats.calls),
-        },
-        f"{out}.rank{accelerator.process_index}.pt",
+    save_rank_result(
+        out,
+        accelerator.process_index,
+        accelerator.unwrap_model(model).state_dict(),
+        loss=mean_loss.detach().clone(),
+        accelerate_backend=accelerator.state.backend,
+        distributed_type=str(accelerator.distributed_type),
+        is_ddp=isinstance(model, nn.parallel.DistributedDataParallel),
+        hook_calls=0 if made is None else int(made[0].stats.calls),
     )
     accelerator.end_training()  # destroys the process group
 

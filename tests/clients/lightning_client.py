@@ -25,27 +25,12 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
+from client_common import make_hook, regression_data, save_rank_result, tiny_net
 from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import xcomm  # noqa: F401 - registers the "xcomm" backend (also in ranks Lightning spawns)
-from xcomm import hooks
-
-
-def make_hook(name: str) -> tuple[Any, Any] | None:
-    """``(state, hook)`` for a HOOK argument, or None for ``none``."""
-    if name == "none":
-        return None
-    if name == "fp16":
-        return hooks.CastState(), hooks.fp16_cast_hook
-    if name == "int8":
-        return hooks.Int8State(chunk_elems=32, start_iter=2), hooks.int8_compress_hook
-    if name == "powersgd":
-        state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return state, hooks.powersgd_hook
-    raise ValueError(f"unknown hook {name!r}")
 
 
 class RegisterCommHook(pl.Callback):
@@ -72,7 +57,7 @@ class TinyRegressor(pl.LightningModule):
     def __init__(self, out: str) -> None:
         super().__init__()
         self.out = out
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.net = tiny_net()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -92,25 +77,14 @@ class TinyRegressor(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def on_fit_end(self) -> None:
-        torch.save(
-            {
-                "params": {k: v.detach().clone() for k, v in self.state_dict().items()},
-                "metrics": {
-                    k: v.detach().clone() for k, v in self.trainer.callback_metrics.items()
-                },
-                "backend": dist.get_backend(),
-                "world_size": dist.get_world_size(),
-                "hook_calls": hook_calls(self.trainer),
-            },
-            f"{self.out}.rank{self.global_rank}.pt",
+        metrics = {k: v.detach().clone() for k, v in self.trainer.callback_metrics.items()}
+        save_rank_result(
+            self.out,
+            self.global_rank,
+            self.state_dict(),
+            metrics=metrics,
+            hook_calls=hook_calls(self.trainer),
         )
-
-
-def _data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    y = torch.stack([x[:, :3].sum(1), x[:, 3:].prod(1)], 1) + 0.1 * torch.randn(n, 2, generator=g)
-    return TensorDataset(x, y)
 
 
 def main(backend: str, launch: str, hook: str, out: str) -> None:
@@ -135,8 +109,8 @@ def main(backend: str, launch: str, hook: str, out: str) -> None:
     model = TinyRegressor(out)
     trainer.fit(
         model,
-        DataLoader(_data(64, 1), batch_size=8),
-        DataLoader(_data(32, 2), batch_size=8),
+        DataLoader(regression_data(64, 1), batch_size=8),
+        DataLoader(regression_data(32, 2), batch_size=8),
     )
 
 

@@ -28,36 +28,20 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from client_common import make_hook, regression_data, save_rank_result, tiny_net
 from lightning_fabric import Fabric
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 FUSION_BYTES = 65536
 EPOCHS = 2
 
 
-def make_hook(name: str) -> tuple[Any, Any]:
-    from xcomm import hooks
-
-    if name == "fp16":
-        return hooks.CastState(), hooks.fp16_cast_hook
-    if name == "int8":
-        return hooks.Int8State(chunk_elems=32, start_iter=2), hooks.int8_compress_hook
-    if name == "powersgd":
-        state = hooks.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return state, hooks.powersgd_hook
-    raise ValueError(f"unknown hook {name!r}")
-
-
-def _net() -> nn.Module:
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
-
-
-def _data(n: int, seed: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 6, generator=g)
-    y = torch.stack([x[:, :3].sum(1), x[:, 3:].prod(1)], 1) + 0.1 * torch.randn(n, 2, generator=g)
-    return TensorDataset(x, y)
+def hook_of(name: str) -> tuple[Any, Any]:
+    """``make_hook(name)``, which must name a hook (this client always runs one)."""
+    made = make_hook(name)
+    assert made is not None, "this client runs with a hook"
+    return made
 
 
 def _group_fusion() -> int | None:
@@ -69,16 +53,13 @@ def _group_fusion() -> int | None:
 
 
 def _save(out: str, rank: int, params: dict, loss: torch.Tensor, calls: int) -> None:
-    torch.save(
-        {
-            "params": {k: v.detach().clone() for k, v in params.items()},
-            "loss": loss.detach().clone(),
-            "backend": dist.get_backend(),
-            "world_size": dist.get_world_size(),
-            "hook_calls": calls,
-            "fusion_threshold_bytes": _group_fusion(),
-        },
-        f"{out}.rank{rank}.pt",
+    save_rank_result(
+        out,
+        rank,
+        params,
+        loss=loss.detach().clone(),
+        hook_calls=calls,
+        fusion_threshold_bytes=_group_fusion(),
     )
 
 
@@ -96,7 +77,7 @@ class TinyRegressor(pl.LightningModule):
     def __init__(self, out: str) -> None:
         super().__init__()
         self.out = out
-        self.net = _net()
+        self.net = tiny_net()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -125,7 +106,7 @@ def run_trainer(backend: str, launch: str, hook: str, out: str) -> None:
     from pytorch_lightning.strategies import DDPStrategy
 
     pl.seed_everything(7, workers=True)
-    state, fn = make_hook(hook)
+    state, fn = hook_of(hook)
     start_method = "spawn" if launch == "ddp_spawn" else "popen"
     callbacks: list[pl.Callback] = []
     if backend == "xcomm":
@@ -154,14 +135,14 @@ def run_trainer(backend: str, launch: str, hook: str, out: str) -> None:
         deterministic=True,
         num_sanity_val_steps=0,
     )
-    trainer.fit(TinyRegressor(out), DataLoader(_data(64, 1), batch_size=8))
+    trainer.fit(TinyRegressor(out), DataLoader(regression_data(64, 1), batch_size=8))
 
 
 def run_fabric(backend: str, launch: str, hook: str, out: str) -> None:
     from lightning_fabric.strategies import DDPStrategy
 
     assert launch == "ddp", "this client launches Fabric with its subprocess launcher"
-    state, fn = make_hook(hook)
+    state, fn = hook_of(hook)
     if backend == "xcomm":
         import xcomm
         from xcomm.lightning import XcommFabricStrategy
@@ -176,13 +157,15 @@ def run_fabric(backend: str, launch: str, hook: str, out: str) -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(7)
-    model = _net()
+    model = tiny_net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = fabric.setup(model, opt)
     if backend != "xcomm":
         # Fabric's DDPStrategy takes no hook: the private path users had before
         model._forward_module.register_comm_hook(state, fn)
-    loader = fabric.setup_dataloaders(DataLoader(_data(64, 1), batch_size=8, shuffle=False))
+    loader = fabric.setup_dataloaders(
+        DataLoader(regression_data(64, 1), batch_size=8, shuffle=False)
+    )
     losses = []
     for _ in range(EPOCHS):
         for x, y in loader:

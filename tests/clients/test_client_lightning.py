@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from client_common import BACKENDS, assert_same, run_program
+from client_common import BACKENDS, assert_same, run_client_program
 
 pytest.importorskip("pytorch_lightning")
 
@@ -44,16 +44,10 @@ def lightning_run(backend: str, strategy: str, hook: str, tmp: str) -> list[dict
 
 def run_lightning(backend: str, strategy: str, hook: str, tmp: str) -> list[dict[str, Any]]:
     out = os.path.join(tmp, f"{backend}_{strategy}_{hook}")
-    text = run_program(
-        [SCRIPT, backend, strategy, hook, out],
-        tmp,
-        RUN_TIMEOUT,
-        f"lightning {backend} {strategy} {hook}",
+    label = f"lightning {backend} {strategy} {hook}"
+    return run_client_program(
+        [SCRIPT, backend, strategy, hook, out], out, backend, tmp, RUN_TIMEOUT, label
     )
-    results = [torch.load(f"{out}.rank{r}.pt") for r in range(2)]
-    for r in results:
-        assert r["backend"] == backend and r["world_size"] == 2, (r["backend"], text[-2000:])
-    return results
 
 
 @pytest.fixture(scope="module")
