@@ -118,7 +118,53 @@ def _register_hook(
     model.register_comm_hook(state, hook)
 
 
-class XcommStrategy(_TrainerDDPStrategy):
+class _XcommDDPMixin:
+    """What both strategies add to Lightning's DDP: the xcomm group's options
+    and timeout, and a hook registered on every device."""
+
+    _xcomm_options: Options | None
+    _xcomm_timeout: timedelta | None
+    _xcomm_hook: tuple[CommHook | None, Any, Callable[[CommHook], CommHook] | None]
+
+    @classmethod
+    def _refuse_backend(cls, kwargs: dict[str, Any]) -> None:
+        if "process_group_backend" in kwargs:
+            raise TypeError(
+                f"{cls.__name__} runs on the xcomm backend: drop process_group_backend "
+                "(use Lightning's DDPStrategy for another backend)"
+            )
+
+    def _keep(
+        self,
+        options: Options | None,
+        timeout: timedelta | None,
+        hook: CommHook | None,
+        state: Any,
+        wrapper: Callable[[CommHook], CommHook] | None,
+    ) -> None:
+        self._xcomm_options = options
+        self._xcomm_timeout = timeout
+        self._xcomm_hook = (hook, state, wrapper)
+
+    @property
+    def options(self) -> Options | None:
+        """The group's options, as given."""
+        return self._xcomm_options
+
+    @property
+    def ddp_comm_hook(self) -> CommHook | None:
+        return self._xcomm_hook[0]
+
+    @property
+    def ddp_comm_state(self) -> Any:
+        """The hook's state (in a spawned rank: that rank's copy)."""
+        return self._xcomm_hook[1]
+
+    def _init_xcomm_group(self) -> None:
+        _init_group(self, self._xcomm_timeout, self._xcomm_options)
+
+
+class XcommStrategy(_XcommDDPMixin, _TrainerDDPStrategy):
     """Lightning ``Trainer`` DDP on an xcomm group, with any DDP comm hook.
 
     Args:
@@ -156,11 +202,7 @@ class XcommStrategy(_TrainerDDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        if "process_group_backend" in kwargs:
-            raise TypeError(
-                "XcommStrategy runs on the xcomm backend: drop process_group_backend "
-                "(use Lightning's DDPStrategy for another backend)"
-            )
+        self._refuse_backend(kwargs)
         super().__init__(
             ddp_comm_hook=ddp_comm_hook,
             ddp_comm_state=ddp_comm_state,
@@ -170,29 +212,13 @@ class XcommStrategy(_TrainerDDPStrategy):
             timeout=timeout,
             **kwargs,
         )
-        self._xcomm_options = options
-        self._xcomm_timeout = timeout
-        self._xcomm_hook = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-
-    @property
-    def options(self) -> Options | None:
-        """The group's options, as given."""
-        return self._xcomm_options
-
-    @property
-    def ddp_comm_hook(self) -> CommHook | None:
-        return self._xcomm_hook[0]
-
-    @property
-    def ddp_comm_state(self) -> Any:
-        """The hook's state (in a spawned rank: that rank's copy)."""
-        return self._xcomm_hook[1]
+        self._keep(options, timeout, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
 
     def setup_distributed(self) -> None:
         """Lightning's ``DDPStrategy.setup_distributed`` with the group's options."""
         reset_seed()
         self.set_world_ranks()
-        _init_group(self, self._xcomm_timeout, self._xcomm_options)
+        self._init_xcomm_group()
 
     def configure_ddp(self) -> None:
         """Wraps the model in DDP and registers the hook on any device."""
@@ -202,7 +228,7 @@ class XcommStrategy(_TrainerDDPStrategy):
             _register_hook(self.model, *self._xcomm_hook)
 
 
-class XcommFabricStrategy(_FabricDDPStrategy):
+class XcommFabricStrategy(_XcommDDPMixin, _FabricDDPStrategy):
     """Lightning ``Fabric`` DDP on an xcomm group, with any DDP comm hook.
 
     ``fabric.setup(model, optimizer)`` wraps the model in DDP on the xcomm
@@ -240,38 +266,19 @@ class XcommFabricStrategy(_FabricDDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
     ) -> None:
-        if "process_group_backend" in kwargs:
-            raise TypeError(
-                "XcommFabricStrategy runs on the xcomm backend: drop process_group_backend"
-            )
+        self._refuse_backend(kwargs)
         super().__init__(
             process_group_backend=BACKEND_NAME,
             start_method=start_method,  # type: ignore[arg-type]
             timeout=timeout,
             **kwargs,
         )
-        self._xcomm_options = options
-        self._xcomm_timeout = timeout
-        self._xcomm_hook = (ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
-
-    @property
-    def options(self) -> Options | None:
-        """The group's options, as given."""
-        return self._xcomm_options
-
-    @property
-    def ddp_comm_hook(self) -> CommHook | None:
-        return self._xcomm_hook[0]
-
-    @property
-    def ddp_comm_state(self) -> Any:
-        """The hook's state (in a spawned rank: that rank's copy)."""
-        return self._xcomm_hook[1]
+        self._keep(options, timeout, ddp_comm_hook, ddp_comm_state, ddp_comm_wrapper)
 
     def _setup_distributed(self) -> None:
         # Fabric's DDPStrategy._setup_distributed, with the group's options.
         self._set_world_ranks()
-        _init_group(self, self._xcomm_timeout, self._xcomm_options)
+        self._init_xcomm_group()
 
     def setup_module(self, module: torch.nn.Module) -> DistributedDataParallel:
         """Wraps ``module`` in DDP on the xcomm group and registers the hook."""
