@@ -31,6 +31,8 @@ constexpr int64_t kFields = 6;
 constexpr int64_t kCarryFlag = 6;  // bit 0: can carry the op; bit 1: takes DirectExchange
 constexpr int64_t kCarriedBytes = 7;
 constexpr int64_t kHeaderWords = 8;
+// A descriptor row whose op field is this: its rank left the group (shutdown).
+constexpr int64_t kDepartedOp = -1;
 
 int64_t wordsFor(int64_t bytes) {
   return (bytes + 7) / 8;
@@ -141,8 +143,30 @@ void CheckedCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
 
 void CheckedCpuBackend::shutdown() {
   queue_.shutdown();
+  announceDeparture();
   inner_->shutdown();
   checks_->shutdown();
+}
+
+void CheckedCpuBackend::announceDeparture() {
+  // A peer waiting in a check for this rank's row gets this one instead and
+  // raises at once, naming this rank; without it, it learns only when this
+  // process's connections close, late in its teardown (120-190 ms on a busy
+  // host), or at its timeout. A peer that gets here too never receives it:
+  // the send stays pending and ends with the group. Fire and forget: the
+  // worker is stopped, so no other thread is using the checks group.
+  if (size_ < 2) return;
+  try {
+    at::Tensor row = at::zeros({kHeaderWords}, at::kLong);
+    row.data_ptr<int64_t>()[0] = kDepartedOp;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      std::vector<at::Tensor> out{row};
+      departureSends_.push_back(checks_->send(out, r, kDescriptorTag));
+    }
+  } catch (const std::exception&) {
+    // A peer already gone: nothing to tell it.
+  }
 }
 
 void CheckedCpuBackend::abort() {
@@ -189,6 +213,7 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
   // they end at `timeout`.
   const auto start = Clock::now();
   const auto deadline = start + timeout;
+  const size_t receives = works.size() / 2;  // posted first
   for (size_t i = 0; i < works.size(); ++i) {
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -203,6 +228,20 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
                    " in checking that every rank called the same collective (it "
                    "died, left, hangs, or skipped this collective): ",
                    messageOf(e)));
+    }
+    // A peer that left sent its departure instead of its row (announceDeparture):
+    // raise now, not when its connection closes and our send to it fails.
+    if (i < receives && tag == kDescriptorTag &&
+        rows[peers[i]].data_ptr<int64_t>()[0] == kDepartedOp) {
+      C10_THROW_ERROR(
+          DistBackendError,
+          c10::str(
+              "xcomm.", title, ": ", memberName_, " ", peers[i],
+              " left the group (it shut down or destroyed its process group) "
+              "before this collective, after ",
+              std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start).count(),
+              " ms; every rank must issue the same collectives before "
+              "destroying the group"));
     }
   }
   return rows;

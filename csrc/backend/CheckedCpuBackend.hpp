@@ -195,6 +195,8 @@ class CheckedCpuBackend : public c10d::Backend {
                                              const std::function<DirectExchange::Posted()>& post);
   // Waits for the inner ops issued so far (a barrier's "earlier ops first").
   void drain(std::chrono::milliseconds timeout);
+  // Sends every peer a descriptor row saying this rank left (shutdown).
+  void announceDeparture();
   std::chrono::milliseconds limit(std::chrono::milliseconds timeout) const;
 
   c10::intrusive_ptr<c10d::Backend> inner_;
@@ -211,6 +213,8 @@ class CheckedCpuBackend : public c10d::Backend {
   std::mutex submitMutex_;  // sequence numbers counted in queue order
   std::mutex inflightMutex_;
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;  // issued inner ops, maybe not done
+  // The departure rows' sends (announceDeparture), kept until the group ends.
+  std::vector<c10::intrusive_ptr<c10d::Work>> departureSends_;
   // Completes carried and failed ops that ran on the worker: future
   // callbacks may wait for another op of this group, which needs the worker.
   // Before queue_: it outlives the worker that feeds it.

@@ -852,3 +852,40 @@ def test_a_peer_that_dies_is_named_as_a_lost_connection_at_once() -> None:
     assert "xcomm.all_reduce: the connection to rank 1 was lost after" in r["error"], r
     assert "did not take part" not in r["error"], r
     assert r["elapsed"] < 5, r
+
+
+def _rank_departs(ctx: RankContext, leaver: int, compression: str | None) -> dict[str, Any]:
+    import xcomm
+
+    options = xcomm.Options(shm=False, compression=compression, compression_min_bytes=0)
+    group = dist.new_group(backend="xcomm", pg_options=options)
+    dist.all_reduce(torch.ones(1 << 16), group=group)  # the group works first
+    if ctx.rank == leaver:
+        time.sleep(0.5)  # the others wait in the all_reduce below by now
+        left_at = time.time()
+        dist.destroy_process_group(group)
+        time.sleep(3)  # alive: its connections stay open, so only its word tells them
+        return {"left_at": left_at}
+    error = error_of(lambda: dist.all_reduce(torch.ones(1 << 16), group=group))
+    return {"error": error, "failed_at": time.time()}
+
+
+@pytest.mark.parametrize(
+    ("world_size", "leaver", "compression"),
+    [(2, 1, None), (3, 0, None), (4, 2, "int8")],
+    ids=["ws2-plain", "ws3-rank0-leaves", "ws4-int8"],
+)
+def test_a_peer_that_destroys_its_group_is_named_within_100_ms(
+    world_size: int, leaver: int, compression: str | None
+) -> None:
+    """On the Gloo routes a rank that destroys its group sends every peer its
+    departure as its next descriptor row: a peer waiting in a check raises at
+    once, naming it. It used to learn only when the leaver's connections
+    closed, late in its teardown (60-120 ms; on a busy host more)."""
+    res = run_ranks(_rank_departs, world_size, leaver, compression, timeout=60)
+    left_at = res[leaver]["left_at"]
+    for rank, r in enumerate(res):
+        if rank == leaver:
+            continue
+        assert r["error"] is not None and f"rank {leaver} left the group" in r["error"], r
+        assert r["failed_at"] - left_at < 0.1, (rank, r["failed_at"] - left_at, r["error"])
