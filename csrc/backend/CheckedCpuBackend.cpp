@@ -69,14 +69,24 @@ std::string render(const int64_t* r) {
 }
 
 CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
-                               int64_t redOp = -1, int64_t root = -1) {
+                               int64_t root = -1) {
   CheckedCpuBackend::Call c;
   c.type = type;
   c.dtype = dtypeOf(ts);
-  c.redOp = redOp;
   c.root = root;
   c.bytes = static_cast<int64_t>(denseBytes(ts));
   c.tensors = static_cast<int64_t>(ts.size());
+  return c;
+}
+
+// A reduction as its caller made it: the caller's dtype and bytes, also
+// where the tensors travel as MinMaxLowering's keys.
+CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
+                               const c10d::ReduceOp& op, int64_t root = -1) {
+  auto c = callOf(type, ts, root);
+  c.dtype = dtypeOf(ts, op);
+  c.redOp = op.op_;
+  c.bytes = static_cast<int64_t>(denseBytes(ts, op));
   return c;
 }
 
@@ -453,7 +463,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                             const c10d::BroadcastOptions& opts) {
-  const auto call = callOf(c10d::OpType::BROADCAST, tensors, -1,
+  const auto call = callOf(c10d::OpType::BROADCAST, tensors,
                            opts.rootRank * static_cast<int64_t>(tensors.size()) + opts.rootTensor);
   return submit(
       "broadcast", call, {}, tensors, opts.timeout, true,
@@ -465,7 +475,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::broadcast(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp.op_);
+  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp);
   return submit(
       "all_reduce", call, {}, tensors, opts.timeout, true,
       [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); },
@@ -474,7 +484,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tens
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::agreeOnAllreduce(
     const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp.op_);
+  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp);
   // Never carried (no CarriedOp): the rows hold the call alone, and issue()
   // has nothing to run.
   return submit("all_reduce", call, {}, tensors, opts.timeout, true,
@@ -483,7 +493,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::agreeOnAllreduce(
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp.op_);
+  const auto call = callOf(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp);
   return submit(
       "all_reduce_coalesced", call, {}, tensors, opts.timeout, true,
       [this, tensors, opts]() mutable { return inner_->allreduce_coalesced(tensors, opts); });
@@ -491,7 +501,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                          const c10d::ReduceOptions& opts) {
-  const auto call = callOf(c10d::OpType::REDUCE, tensors, opts.reduceOp.op_, opts.rootRank);
+  const auto call = callOf(c10d::OpType::REDUCE, tensors, opts.reduceOp, opts.rootRank);
   return submit("reduce", call, {}, tensors, opts.timeout, true,
                 [this, tensors, opts]() mutable { return inner_->reduce(tensors, opts); });
 }
@@ -555,7 +565,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::GatherOptions& opts) {
-  const auto call = callOf(c10d::OpType::GATHER, inputs, -1, opts.rootRank);
+  const auto call = callOf(c10d::OpType::GATHER, inputs, opts.rootRank);
   return submit(
       "gather", call, {}, flatten(outputs), opts.timeout, true,
       [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); },
@@ -565,7 +575,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::SCATTER, outputs, -1, opts.rootRank);
+  const auto call = callOf(c10d::OpType::SCATTER, outputs, opts.rootRank);
   return submit(
       "scatter", call, {}, outputs, opts.timeout, true,
       [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); },
@@ -575,7 +585,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp.op_);
+  const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp);
   return submit(
       "reduce_scatter", call, {}, outputs, opts.timeout, false,
       [this, outputs, inputs, opts]() mutable {
@@ -586,7 +596,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.reduceOp.op_);
+  const auto call = callOf(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.reduceOp);
   return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, false,
                 [this, output, input, opts]() mutable {
                   return inner_->_reduce_scatter_base(output, input, opts);
@@ -596,7 +606,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
 c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::COALESCED, outputs, opts.reduceOp.op_);
+  const auto call = callOf(c10d::OpType::COALESCED, outputs, opts.reduceOp);
   return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, false,
                 [this, outputs, inputs, opts]() mutable {
                   return inner_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);

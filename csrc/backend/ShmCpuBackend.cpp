@@ -128,18 +128,21 @@ ShmCpuBackend::ShmCpuBackend(std::unique_ptr<ShmTransport> transport, int rank, 
   }
 }
 
-void ShmCpuBackend::allreduceOne(at::Tensor& tensor, RedOp op, Clock::time_point deadline) {
+void ShmCpuBackend::allreduceOne(at::Tensor& tensor, const c10d::ReduceOp& reduceOp,
+                                 Clock::time_point deadline) {
   if (!hierarchical_) {
-    shm::allreduce(*transport_, tensor, op, deadline, config_.smallAllreduceBytes);
+    shm::allreduce(*transport_, tensor, reduceOp, deadline, config_.smallAllreduceBytes);
     return;
   }
-  // AVG: sum everywhere, divide once by the group size.
-  const RedOp partial = op == RedOp::AVG ? RedOp::SUM : op;
+  const RedOp op = reduceOp.op_;
+  // AVG: sum everywhere, divide once by the group size. The op keeps what it
+  // records (the caller's dtype, which the leaders agree on).
   c10d::AllreduceOptions leaderOpts;
-  leaderOpts.reduceOp = c10d::ReduceOp(partial);
+  leaderOpts.reduceOp = reduceOp;
+  if (op == RedOp::AVG) leaderOpts.reduceOp.op_ = RedOp::SUM;
   // The same decision on every rank: it depends on the tensor's dtype, size and op only.
   const bool compress = leaderCompression_ && leaderCompression_->applies({tensor}, leaderOpts);
-  shm::allreduce(*transport_, tensor, partial, deadline, config_.smallAllreduceBytes);
+  shm::allreduce(*transport_, tensor, leaderOpts.reduceOp, deadline, config_.smallAllreduceBytes);
   std::optional<shm::RootError> failed;
   if (leaders_) {
     try {
@@ -327,14 +330,15 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce(std::vector<at::Tensor>&
                                                         const c10d::AllreduceOptions& opts) {
   const auto op = opts.reduceOp.op_;
   if (!reducible(tensors, op)) {
-    return viaFallback(
-        c10d::OpType::ALLREDUCE, "shm:gloo:all_reduce", tensors, opts.asyncOp, opts.timeout,
-        dtypeOf(tensors), redOpOf(opts.reduceOp), 0, denseBytes(tensors),
-        [this, tensors, opts]() mutable { return fallback_->allreduce(tensors, opts); });
+    return viaFallback(c10d::OpType::ALLREDUCE, "shm:gloo:all_reduce", tensors, opts.asyncOp,
+                       opts.timeout, dtypeOf(tensors, opts.reduceOp), redOpOf(opts.reduceOp), 0,
+                       denseBytes(tensors, opts.reduceOp), [this, tensors, opts]() mutable {
+                         return fallback_->allreduce(tensors, opts);
+                       });
   }
   return submit(c10d::OpType::ALLREDUCE, "shm:all_reduce", tensors, opts.asyncOp, opts.timeout,
-                [this, tensors, op](Clock::time_point deadline) mutable {
-                  for (auto& t : tensors) allreduceOne(t, op, deadline);
+                [this, tensors, reduceOp = opts.reduceOp](Clock::time_point deadline) mutable {
+                  for (auto& t : tensors) allreduceOne(t, reduceOp, deadline);
                 });
 }
 
@@ -344,13 +348,14 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allreduce_coalesced(
   if (!reducible(tensors, op)) {
     return viaFallback(
         c10d::OpType::ALLREDUCE_COALESCED, "shm:gloo:all_reduce_coalesced", tensors, opts.asyncOp,
-        opts.timeout, dtypeOf(tensors), redOpOf(opts.reduceOp), 0, denseBytes(tensors),
+        opts.timeout, dtypeOf(tensors, opts.reduceOp), redOpOf(opts.reduceOp), 0,
+        denseBytes(tensors, opts.reduceOp),
         [this, tensors, opts]() mutable { return fallback_->allreduce_coalesced(tensors, opts); });
   }
   return submit(c10d::OpType::ALLREDUCE_COALESCED, "shm:all_reduce_coalesced", tensors,
                 opts.asyncOp, opts.timeout,
-                [this, tensors, op](Clock::time_point deadline) mutable {
-                  for (auto& t : tensors) allreduceOne(t, op, deadline);
+                [this, tensors, reduceOp = opts.reduceOp](Clock::time_point deadline) mutable {
+                  for (auto& t : tensors) allreduceOne(t, reduceOp, deadline);
                 });
 }
 
@@ -418,16 +423,17 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter(
   const auto op = opts.reduceOp.op_;
   if (!flat() || !reducible(outputs, op) || !plainCpu(flatten(inputs))) {
     return viaFallback(c10d::OpType::REDUCE_SCATTER, "shm:gloo:reduce_scatter", outputs,
-                       opts.asyncOp, opts.timeout, dtypeOf(outputs), redOpOf(opts.reduceOp), 0,
-                       denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
+                       opts.asyncOp, opts.timeout, dtypeOf(outputs, opts.reduceOp),
+                       redOpOf(opts.reduceOp), 0, denseBytes(outputs, opts.reduceOp),
+                       [this, outputs, inputs, opts]() mutable {
                          return fallback_->reduce_scatter(outputs, inputs, opts);
                        });
   }
   return submit(
       c10d::OpType::REDUCE_SCATTER, "shm:reduce_scatter", outputs, opts.asyncOp, opts.timeout,
-      [this, outputs, inputs, op](Clock::time_point deadline) mutable {
+      [this, outputs, inputs, reduceOp = opts.reduceOp](Clock::time_point deadline) mutable {
         for (size_t i = 0; i < outputs.size(); ++i)
-          shm::reduceScatter(*transport_, outputs[i], inputs[i], op, deadline);
+          shm::reduceScatter(*transport_, outputs[i], inputs[i], reduceOp, deadline);
       },
       /*withFuture=*/false);
 }
@@ -437,8 +443,8 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::_reduce_scatter_base(
   if (!flat() || !reducible({output, input}, opts.reduceOp.op_) ||
       !concatOf(input, output, size_)) {
     return viaFallback(c10d::OpType::_REDUCE_SCATTER_BASE, "shm:gloo:_reduce_scatter_base",
-                       {output}, opts.asyncOp, opts.timeout, output.scalar_type(),
-                       redOpOf(opts.reduceOp), 0, denseBytes({output}),
+                       {output}, opts.asyncOp, opts.timeout, dtypeOf({output}, opts.reduceOp),
+                       redOpOf(opts.reduceOp), 0, denseBytes({output}, opts.reduceOp),
                        [this, output, input, opts]() mutable {
                          return fallback_->_reduce_scatter_base(output, input, opts);
                        });
@@ -458,8 +464,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
   }
   if (!flat() || !concat || !reducible(outputs, op) || !plainCpu(inputs)) {
     return viaFallback(c10d::OpType::COALESCED, "shm:gloo:reduce_scatter_tensor_coalesced", outputs,
-                       opts.asyncOp, opts.timeout, dtypeOf(outputs), redOpOf(opts.reduceOp), 0,
-                       denseBytes(outputs), [this, outputs, inputs, opts]() mutable {
+                       opts.asyncOp, opts.timeout, dtypeOf(outputs, opts.reduceOp),
+                       redOpOf(opts.reduceOp), 0, denseBytes(outputs, opts.reduceOp),
+                       [this, outputs, inputs, opts]() mutable {
                          return fallback_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
                        });
   }
@@ -470,9 +477,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce_scatter_tensor_coalesced(
   return submit(
       c10d::OpType::COALESCED, "shm:reduce_scatter_tensor_coalesced", outputs, opts.asyncOp,
       opts.timeout,
-      [this, outputs, lists, op](Clock::time_point deadline) mutable {
+      [this, outputs, lists, reduceOp = opts.reduceOp](Clock::time_point deadline) mutable {
         for (size_t i = 0; i < outputs.size(); ++i)
-          shm::reduceScatter(*transport_, outputs[i], lists[i], op, deadline);
+          shm::reduceScatter(*transport_, outputs[i], lists[i], reduceOp, deadline);
       },
       /*withFuture=*/false);
 }
@@ -489,9 +496,9 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::agreeOnAllreduce(
   // As a fallback op that runs nothing: an allreduce over shared memory has
   // another descriptor, so it and this one disagree.
   const ShmTransport::Descriptor call{
-      shm::detail::describe(shm::detail::OpCode::kFallback, dtypeOf(tensors),
+      shm::detail::describe(shm::detail::OpCode::kFallback, dtypeOf(tensors, opts.reduceOp),
                             redOpOf(opts.reduceOp), 0, static_cast<int>(c10d::OpType::ALLREDUCE)),
-      denseBytes(tensors)};
+      denseBytes(tensors, opts.reduceOp)};
   return submit(
       c10d::OpType::ALLREDUCE, "shm:agree:all_reduce", tensors, /*asyncOp=*/true, opts.timeout,
       [this, call](Clock::time_point deadline) {
@@ -513,8 +520,8 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::allgather_coalesced(
 c10::intrusive_ptr<c10d::Work> ShmCpuBackend::reduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::ReduceOptions& opts) {
   return viaFallback(c10d::OpType::REDUCE, "shm:gloo:reduce", tensors, opts.asyncOp, opts.timeout,
-                     dtypeOf(tensors), redOpOf(opts.reduceOp), static_cast<int>(opts.rootRank),
-                     denseBytes(tensors),
+                     dtypeOf(tensors, opts.reduceOp), redOpOf(opts.reduceOp),
+                     static_cast<int>(opts.rootRank), denseBytes(tensors, opts.reduceOp),
                      [this, tensors, opts]() mutable { return fallback_->reduce(tensors, opts); });
 }
 

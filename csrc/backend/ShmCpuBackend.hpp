@@ -175,7 +175,7 @@ class ShmCpuBackend : public c10d::Backend {
   bool reducible(const std::vector<at::Tensor>& tensors, c10d::ReduceOp::RedOpType op) const;
   // Whether the data-movement ops (all but allreduce) run over shared memory.
   bool flat() const { return !hierarchical_; }
-  void allreduceOne(at::Tensor& tensor, c10d::ReduceOp::RedOpType op,
+  void allreduceOne(at::Tensor& tensor, const c10d::ReduceOp& op,
                     std::chrono::steady_clock::time_point deadline);
   // A leader's allreduce with the other hosts' leaders (checked where they
   // check each other), leaving part of the time to `deadline` for handing

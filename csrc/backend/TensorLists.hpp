@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "common/AgreedCall.hpp"
+
 namespace xcomm {
 
 // The lists' tensors, in order, as one list.
@@ -15,19 +17,20 @@ inline std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>
   return flat;
 }
 
-// The first tensor's dtype (Undefined for an empty list). With denseBytes,
-// what every rank must agree on for an op.
-inline at::ScalarType dtypeOf(const std::vector<at::Tensor>& ts) {
-  return ts.empty() ? at::ScalarType::Undefined : ts[0].scalar_type();
+// What every rank must agree on for an op's tensors: the first tensor's
+// dtype (Undefined for an empty list) and the bytes of the dense ones (a
+// sparse tensor's size legitimately differs between ranks, so it counts as
+// 0). With a reduce op, the caller's, where it was lowered to other tensors
+// (common/AgreedCall.hpp); every descriptor of a call reads them here.
+inline at::ScalarType dtypeOf(const std::vector<at::Tensor>& ts,
+                              const c10d::ReduceOp& op = c10d::ReduceOp()) {
+  return ts.empty() ? at::ScalarType::Undefined : agreedDtype(ts[0].scalar_type(), op);
 }
 
-// Bytes of the dense tensors; a sparse tensor's size legitimately differs
-// between ranks, so it counts as 0 where ranks compare sizes.
-inline uint64_t denseBytes(const std::vector<at::Tensor>& ts) {
+inline uint64_t denseBytes(const std::vector<at::Tensor>& ts,
+                           const c10d::ReduceOp& op = c10d::ReduceOp()) {
   uint64_t bytes = 0;
-  for (const auto& t : ts) {
-    if (t.layout() == at::kStrided) bytes += t.numel() * t.element_size();
-  }
+  for (const auto& t : ts) bytes += agreedBytes(t, op);
   return bytes;
 }
 

@@ -60,14 +60,15 @@ std::vector<std::vector<at::Tensor>> TensorStaging::out(
 }
 
 std::function<void()> TensorStaging::copyBack() const {
-  if (copies_.empty()) {
+  if (empty()) {
     return {};
   }
-  return [copies = copies_] {
+  return [copies = copies_, steps = steps_] {
     for (const auto& [callers, staged] : copies) {
       callers.copy_(staged);
       usedOnCurrentStream({staged});
     }
+    for (const auto& step : steps) step();
   };
 }
 

@@ -5,6 +5,7 @@
 // Gloo silently reduces the wrong elements. Staging gives them contiguous
 // buffers and remembers which results must be copied back afterwards.
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -25,15 +26,20 @@ class TensorStaging {
   std::vector<at::Tensor> out(const std::vector<at::Tensor>& ts);
   std::vector<std::vector<at::Tensor>> out(const std::vector<std::vector<at::Tensor>>& ts);
 
-  bool empty() const { return copies_.empty(); }
+  // A step that writes a result back some other way (MinMaxLowering's
+  // decoding), run by copyBack() after the copies.
+  void afterwards(std::function<void()> step) { steps_.push_back(std::move(step)); }
 
-  // Copies every staged result into the caller's tensor; empty when nothing
-  // was staged.
+  bool empty() const { return copies_.empty() && steps_.empty(); }
+
+  // Copies every staged result into the caller's tensor, then runs the
+  // steps; empty when there is nothing to do.
   std::function<void()> copyBack() const;
 
  private:
   static bool needsStaging(const at::Tensor& t);
   std::vector<std::pair<at::Tensor, at::Tensor>> copies_;  // (caller's, staged)
+  std::vector<std::function<void()>> steps_;
 };
 
 }  // namespace xcomm

@@ -7,6 +7,7 @@
 
 #include "backend/GroupBuilder.hpp"
 #include "backend/InputChecks.hpp"
+#include "backend/MinMaxLowering.hpp"
 #include "backend/PremulLowering.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
@@ -218,8 +219,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   }
   TensorStaging staging;
   const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
-  auto staged = premul.inOut(staging, tensors);
-  auto innerOpts = premul.options(opts);
+  const MinMaxLowering minmax(opts.reduceOp, tensors[0]);
+  auto staged = minmax.lowers() ? minmax.inOut(staging, tensors) : premul.inOut(staging, tensors);
+  auto innerOpts = minmax.options(premul.options(opts));
   std::function<void()> finalize = staging.copyBack();
   if (integerAvg && !tensors[0].device().is_cuda()) {  // NCCL averages integers itself
     innerOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
@@ -315,8 +317,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
   return delegate(op, tensors[0], c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
-                    auto staged = premul.inOut(staging, tensors);
-                    return inner.allreduce_coalesced(staged, premul.options(opts));
+                    const MinMaxLowering minmax(opts.reduceOp, tensors[0]);
+                    auto staged = minmax.lowers() ? minmax.inOut(staging, tensors)
+                                                  : premul.inOut(staging, tensors);
+                    return inner.allreduce_coalesced(staged, minmax.options(premul.options(opts)));
                   });
 }
 
@@ -329,12 +333,17 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
   return delegate(op, tensors[0], c10d::OpType::REDUCE, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
-                    // Lowered, a non-root rank sends a scaled copy, so its tensor
-                    // keeps its values; the root's tensor receives the result.
-                    auto staged = premul.lowers() && rank_ != opts.rootRank
+                    const MinMaxLowering minmax(opts.reduceOp, tensors[0]);
+                    // Lowered to a scaled SUM, a non-root rank sends a scaled copy,
+                    // so its tensor keeps its values; the root's tensor receives the
+                    // result. On keys, every rank's tensor gets what Gloo leaves in
+                    // its keys, decoded: the root the result, the others what Gloo's
+                    // algorithm leaves there, as for any other dtype.
+                    auto staged = minmax.lowers() ? minmax.inOut(staging, tensors)
+                                  : premul.lowers() && rank_ != opts.rootRank
                                       ? premul.in(staging, tensors)
                                       : premul.inOut(staging, tensors);
-                    return inner.reduce(staged, premul.options(opts));
+                    return inner.reduce(staged, minmax.options(premul.options(opts)));
                   });
 }
 
@@ -495,14 +504,18 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
   }
   std::vector<at::Tensor> flatInputs;
   for (const auto& list : inputs) flatInputs.insert(flatInputs.end(), list.begin(), list.end());
-  return delegate(op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs), flatInputs,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, backendHasPremul(outputs[0]));
-                    std::vector<std::vector<at::Tensor>> stagedIn;
-                    for (const auto& list : inputs) stagedIn.push_back(premul.in(staging, list));
-                    auto stagedOut = staging.out(outputs);
-                    return inner.reduce_scatter(stagedOut, stagedIn, premul.options(opts));
-                  });
+  return delegate(
+      op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs), flatInputs,
+      [&](c10d::Backend& inner, TensorStaging& staging) {
+        const PremulLowering premul(opts.reduceOp, backendHasPremul(outputs[0]));
+        const MinMaxLowering minmax(opts.reduceOp, outputs[0]);
+        std::vector<std::vector<at::Tensor>> stagedIn;
+        for (const auto& list : inputs) {
+          stagedIn.push_back(minmax.lowers() ? minmax.in(list) : premul.in(staging, list));
+        }
+        auto stagedOut = minmax.lowers() ? minmax.out(staging, outputs) : staging.out(outputs);
+        return inner.reduce_scatter(stagedOut, stagedIn, minmax.options(premul.options(opts)));
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
@@ -525,7 +538,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
         profilingTitle(std::string(op) + ":" + compressionName(plan_.backendCompression.method)),
         {input});
   }
-  if (alltoallReduceScatter_ && alltoallReduceScatter_->applies(output, input, opts)) {
+  // MIN/MAX of floats run on keys (MinMaxLowering), on the delegated route.
+  const bool minmaxKeys = MinMaxLowering(opts.reduceOp, input).lowers();
+  if (!minmaxKeys && alltoallReduceScatter_ &&
+      alltoallReduceScatter_->applies(output, input, opts)) {
     auto& inner = backendFor(input, op);  // flushes held ops first
     auto result = listValue({output});
     const uint64_t bytes = payloadBytes(result);
@@ -549,9 +565,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}), {input},
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(input));
-                    auto stagedIn = premul.in(staging, input);
-                    auto stagedOut = staging.out(output);
-                    return inner._reduce_scatter_base(stagedOut, stagedIn, premul.options(opts));
+                    const MinMaxLowering minmax(opts.reduceOp, input);
+                    auto stagedIn = minmax.lowers() ? minmax.in(input) : premul.in(staging, input);
+                    auto stagedOut =
+                        minmax.lowers() ? minmax.out(staging, output) : staging.out(output);
+                    return inner._reduce_scatter_base(stagedOut, stagedIn,
+                                                      minmax.options(premul.options(opts)));
                   });
 }
 
@@ -568,14 +587,16 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
     checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
     checks::reduceScatterBase(outputs[i], inputs[i], size_);
   }
-  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs), inputs,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, backendHasPremul(inputs[0]));
-                    auto stagedIn = premul.in(staging, inputs);
-                    auto stagedOut = staging.out(outputs);
-                    return inner.reduce_scatter_tensor_coalesced(stagedOut, stagedIn,
-                                                                 premul.options(opts));
-                  });
+  return delegate(
+      op, inputs[0], c10d::OpType::COALESCED, listValue(outputs), inputs,
+      [&](c10d::Backend& inner, TensorStaging& staging) {
+        const PremulLowering premul(opts.reduceOp, backendHasPremul(inputs[0]));
+        const MinMaxLowering minmax(opts.reduceOp, inputs[0]);
+        auto stagedIn = minmax.lowers() ? minmax.in(inputs) : premul.in(staging, inputs);
+        auto stagedOut = minmax.lowers() ? minmax.out(staging, outputs) : staging.out(outputs);
+        return inner.reduce_scatter_tensor_coalesced(stagedOut, stagedIn,
+                                                     minmax.options(premul.options(opts)));
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, at::Tensor& input,

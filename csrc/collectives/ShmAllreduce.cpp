@@ -53,19 +53,19 @@ void finish(at::Tensor& tensor, RedOp op, int size) {
 
 }  // namespace
 
-void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline deadline,
-               size_t smallBytes) {
+void allreduce(ShmTransport& transport, at::Tensor& tensor, const c10d::ReduceOp& reduceOp,
+               Deadline deadline, size_t smallBytes) {
   constexpr const char* name = "all_reduce";
   const int size = transport.size();
   const int rank = transport.rank();
+  const RedOp op = reduceOp.op_;
   const auto dtype = tensor.scalar_type();
   const int64_t elem = tensor.element_size();
   const int64_t numel = tensor.numel();
   const size_t totalBytes = static_cast<size_t>(numel * elem);
   uint8_t* data = detail::bytes(tensor);
   transport.publishDescriptor(
-      deadline, name,
-      {detail::describe(detail::OpCode::kAllreduce, dtype, static_cast<int>(op), 0), totalBytes});
+      deadline, name, detail::describeReduction(detail::OpCode::kAllreduce, tensor, reduceOp));
   std::vector<const void*> srcs(size);
 
   if (totalBytes <= std::min(smallBytes, transport.slotBytes())) {

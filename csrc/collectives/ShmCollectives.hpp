@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "common/AgreedCall.hpp"
 #include "transport/ShmTransport.hpp"
 
 namespace xcomm::shm {
@@ -29,8 +30,10 @@ constexpr size_t kDefaultSmallAllreduceBytes = 256 << 10;
 bool supports(at::ScalarType dtype);
 bool supports(at::ScalarType dtype, RedOp op);
 
-void allreduce(ShmTransport& transport, at::Tensor& tensor, RedOp op, Deadline deadline,
-               size_t smallBytes = kDefaultSmallAllreduceBytes);
+// The reductions take the reduce op itself: it may record the caller's dtype
+// (common/AgreedCall.hpp), which the ranks agree on.
+void allreduce(ShmTransport& transport, at::Tensor& tensor, const c10d::ReduceOp& op,
+               Deadline deadline, size_t smallBytes = kDefaultSmallAllreduceBytes);
 void broadcast(ShmTransport& transport, at::Tensor& tensor, int root, Deadline deadline);
 // What a broadcast's root hands its readers instead of the data when it
 // could not produce it (a hierarchical allreduce's leader whose step between
@@ -49,7 +52,8 @@ void allgather(ShmTransport& transport, const at::Tensor& input, std::vector<at:
                Deadline deadline);
 // output = reduction over ranks of their inputs[this rank].
 void reduceScatter(ShmTransport& transport, at::Tensor& output,
-                   const std::vector<at::Tensor>& inputs, RedOp op, Deadline deadline);
+                   const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& op,
+                   Deadline deadline);
 // sends[d] goes to rank d, recvs[s] comes from rank s; each pair's sizes may
 // differ from the other pairs' (uneven splits) but must agree between the two
 // ranks of the pair, or every rank raises. Any dtype: the bytes are moved.
@@ -87,6 +91,14 @@ inline uint64_t describe(OpCode code, at::ScalarType dtype, int redOp, int root,
   return (static_cast<uint64_t>(code) << 56) | (static_cast<uint64_t>(dtype) << 48) |
          (static_cast<uint64_t>(redOp & 0xff) << 40) |
          (static_cast<uint64_t>(fallbackOp & 0xff) << 32) | static_cast<uint32_t>(root);
+}
+
+// A reduction's descriptor (`t` its output): the caller's dtype and bytes,
+// also where the op runs on MinMaxLowering's keys.
+inline ShmTransport::Descriptor describeReduction(OpCode code, const at::Tensor& t,
+                                                  const c10d::ReduceOp& op) {
+  return {describe(code, agreedDtype(t.scalar_type(), op), static_cast<int>(op.op_), 0),
+          agreedBytes(t, op)};
 }
 
 // After a barrier: raises a ValueError, with the same message on every rank,

@@ -9,19 +9,19 @@
 namespace xcomm::shm {
 
 void reduceScatter(ShmTransport& transport, at::Tensor& output,
-                   const std::vector<at::Tensor>& inputs, RedOp op, Deadline deadline) {
+                   const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& reduceOp,
+                   Deadline deadline) {
   constexpr const char* name = "reduce_scatter";
   const int rank = transport.rank();
   const int size = transport.size();
   TORCH_CHECK(static_cast<int>(inputs.size()) == size, "xcomm shm: reduce_scatter needs ", size,
               " inputs");
+  const RedOp op = reduceOp.op_;
   const auto dtype = output.scalar_type();
   const int64_t elem = output.element_size();
   const int64_t numel = output.numel();
   transport.publishDescriptor(
-      deadline, name,
-      {detail::describe(detail::OpCode::kReduceScatter, dtype, static_cast<int>(op), 0),
-       static_cast<uint64_t>(numel * elem)});
+      deadline, name, detail::describeReduction(detail::OpCode::kReduceScatter, output, reduceOp));
   const int64_t chunkElems =
       std::max<int64_t>(1, static_cast<int64_t>(transport.slotBytes()) / (elem * size));
   std::vector<const void*> srcs(size);

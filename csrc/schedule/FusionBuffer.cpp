@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/AgreedCall.hpp"
 #include "observe/Stats.hpp"
 #include "observe/Timeline.hpp"
 #include "schedule/CycleFusion.hpp"
@@ -105,8 +106,13 @@ void FusedWork::complete(std::exception_ptr error) {
 
 bool sameFusionKind(const at::Tensor& a, const c10d::AllreduceOptions& aOpts, const at::Tensor& b,
                     const c10d::AllreduceOptions& bOpts) {
-  return a.scalar_type() == b.scalar_type() && aOpts.reduceOp.op_ == bOpts.reduceOp.op_ &&
-         aOpts.timeout == bOpts.timeout;
+  // The agreed dtypes too: a fused transfer describes itself to the ranks'
+  // agreement by its first op, so float MIN's keys (common/AgreedCall.hpp)
+  // never travel with an int32 MIN.
+  return a.scalar_type() == b.scalar_type() &&
+         agreedDtype(a.scalar_type(), aOpts.reduceOp) ==
+             agreedDtype(b.scalar_type(), bOpts.reduceOp) &&
+         aOpts.reduceOp.op_ == bOpts.reduceOp.op_ && aOpts.timeout == bOpts.timeout;
 }
 
 bool FusionBuffer::accepts(const at::Tensor& tensor, const c10d::AllreduceOptions& opts) const {

@@ -54,8 +54,8 @@ class FusedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-// Whether two ops may travel in one transfer: same dtype, reduce op and
-// timeout.
+// Whether two ops may travel in one transfer: same dtype (the caller's too,
+// where an op was lowered), reduce op and timeout.
 bool sameFusionKind(const at::Tensor& a, const c10d::AllreduceOptions& aOpts, const at::Tensor& b,
                     const c10d::AllreduceOptions& bOpts);
 
