@@ -167,7 +167,10 @@ void CheckedCpuBackend::announceDeparture() {
   // worker is stopped, so no other thread is using the checks group.
   if (size_ < 2) return;
   try {
-    at::Tensor row = at::zeros({kHeaderWords}, at::kLong);
+    // As long as the row a peer's receive expects (run's capacity): a
+    // transport may refuse a message of another size.
+    const int64_t payloadAt = kHeaderWords + (size_ <= kInlinePairsMaxRanks ? 2 * size_ : 0);
+    at::Tensor row = at::zeros({payloadAt + carryBytes_ / 8}, at::kLong);
     row.data_ptr<int64_t>()[0] = kDepartedOp;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;

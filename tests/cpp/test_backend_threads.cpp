@@ -253,6 +253,9 @@ TEST_CASE("over a TCPStore, a receive waiting on one thread does not hold up a s
 
 TEST_CASE("a missing peer is an error within the timeout, not a hang", "[backend]") {
   const auto start = std::chrono::steady_clock::now();
+  // Rank 1 shuts its backend down without joining: it announces that it
+  // left (CheckedCpuBackend::announceDeparture), or, if rank 0's check began
+  // after its connections closed, rank 0 times out. Either names rank 1.
   CHECK_THROWS_WITH(runRanks(
                         2,
                         [](XcommBackend& b, int rank, int size) {
@@ -261,7 +264,9 @@ TEST_CASE("a missing peer is an error within the timeout, not a hang", "[backend
                           b.allreduce(ts)->wait();
                         },
                         std::chrono::milliseconds(500)),
-                    Contains("timed out") && Contains("rank 1"));
+                    (Contains("timed out") || Contains("left the group") ||
+                     Contains("connection to rank 1 was lost")) &&
+                        Contains("rank 1"));
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
 }
 
