@@ -4,7 +4,7 @@ Ranks on different hosts, or ``Options(shm=False)``: every collective first
 exchanges a descriptor (op, dtype, reduce op, root, bytes; an all-to-all's
 per-pair sizes) over a Gloo group of its own (``CheckedCpuBackend``). The
 reference is what plain gloo does with the same calls, seen with a 2-rank
-script at this stop: different sizes or dtypes abort the receiving process
+script: different sizes or dtypes abort the receiving process
 (``gloo::EnforceNotMet``), different reduce ops return a wrong sum on both
 ranks (SUM on one, MAX on the other: ``[5, 5, 3, 3]``), different ops or
 roots wait for the timeout. Here each is the same ``ValueError`` on every

@@ -359,6 +359,11 @@ def test_partial_build_failure_tears_down(
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_cli_run_tears_down(no_leftovers: None, sig: signal.Signals) -> None:
     marker = f"sleep 47{uuid.uuid4().int % 10000:04d}"
+    # The tool gets the signal's default action, as from a terminal: a test
+    # run started in the background by a shell without job control has SIGINT
+    # ignored, which the tool would inherit (and rightly keep running). A
+    # Python handler here is the default again in the child after exec.
+    previous = signal.signal(sig, lambda *_: None)
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -380,6 +385,7 @@ def test_interrupted_cli_run_tears_down(no_leftovers: None, sig: signal.Signals)
         stderr=subprocess.PIPE,
         cwd=REPO,
     )
+    signal.signal(sig, previous)
     prefix = f"xc{proc.pid}-"
     try:
         deadline = time.monotonic() + 60

@@ -18,7 +18,7 @@ The bucket takes ``argmin T``; it keeps its method unless another is
 ``switch_margin`` faster, so noise does not flip it, and never keeps one
 predicted slower than ``none``.
 
-The loop is closed (``observe=True``, the default): every reduction is timed
+The loop is closed (``observe=True``, the default; CPU buckets): every reduction is timed
 and compared with its prediction (:class:`~xcomm.hooks._measure.ObservedCosts`).
 Uncompressed ones (the first ``start_iter`` steps, and buckets on ``none``)
 correct the link, so a probe that read a fast link slow is overruled by what
@@ -565,9 +565,12 @@ class AutoState(PicklableState):
         """Times this bucket's reduction, issued at ``issued_at``
         (``time.perf_counter()``), for the closed loop; from step 1 (step 0
         runs DDP's first buckets and pays first-touch costs)."""
-        if not self.observe or self._agreed is None or step < 1:
-            return
         buffer = bucket.buffer()
+        # CPU buckets only: a NCCL future completes once its kernels are
+        # queued, so its done callback would time the enqueue, not the
+        # reduction (to be measured on a GPU before the loop covers them).
+        if not self.observe or self._agreed is None or step < 1 or buffer.device.type != "cpu":
+            return
         link, costs = self._agreed
         shapes = [tuple(p.shape) for p in bucket.parameters()]
         world = group_size(self.process_group)
