@@ -466,7 +466,7 @@ class ObservedCosts:
             finished = time.perf_counter()
             with self._lock:
                 start, self._last_done = max(issued_at, self._last_done), finished
-            if not f.done() or _failed(f):
+            if not f.done() or future_failed(f):
                 return
             self.record(key, finished - start, predicted_s)
 
@@ -496,9 +496,10 @@ class ObservedCosts:
         self.factors.update({k: float(v) for k, v in factors.items() if k in self.factors})
 
 
-def _failed(fut: torch.futures.Future) -> bool:
+def future_failed(fut: torch.futures.Future) -> bool:
+    """Whether a completed future holds an error (its waiter raises it)."""
     try:
         fut.value()
-    except Exception:  # noqa: BLE001 - the caller's wait raises it
+    except Exception:  # noqa: BLE001 - the waiter raises it
         return True
     return False

@@ -92,7 +92,14 @@ from ._common import (
     mark_issued,
     then_collective,
 )
-from ._measure import LinkModel, MeasuredLink, MethodChoices, ObservedCosts, best_seconds
+from ._measure import (
+    LinkModel,
+    MeasuredLink,
+    MethodChoices,
+    ObservedCosts,
+    best_seconds,
+    future_failed,
+)
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .feedback import FeedbackStore
 from .int8 import Int8State, int8_compress_hook
@@ -595,20 +602,12 @@ def _ordered(
         mark_issued(issued)
         return fut
 
-    if ready.done() and not _failed(ready):
+    if ready.done() and not future_failed(ready):
         # Its turn already (the usual case: the bucket before issued its
         # last collective from this thread): issue now and hand DDP the
         # method's own future, without a forwarding future and callback.
         return start(ready)
     return then_collective(ready, start, bucket.buffer().device)
-
-
-def _failed(fut: torch.futures.Future) -> bool:
-    try:
-        fut.value()
-    except Exception:  # noqa: BLE001 - then_collective hands it to the bucket's future
-        return True
-    return False
 
 
 def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
