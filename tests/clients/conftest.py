@@ -23,8 +23,3 @@ for _p in (HERE, HARNESS_DIR):
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes several seconds (runs by default)")
     config.addinivalue_line("markers", "client: runs a third-party client program on two backends")
-    config.addinivalue_line(
-        "markers",
-        "first_torch_only: scripts/test.sh runs it on its first torch only (another case of the "
-        "same test takes the same path on both)",
-    )

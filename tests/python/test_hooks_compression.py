@@ -115,7 +115,7 @@ def _compressed_grad_vs_exact(ctx: RankContext, method: str) -> tuple[torch.Tens
     return got, exact / ctx.world_size
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.large_world)])
 @pytest.mark.parametrize("method", ["fp16", "bf16", "int8"])
 def test_dense_codecs_approximate_the_mean_gradient(method: str, world_size: int) -> None:
     got, exact = run_ranks(_compressed_grad_vs_exact, world_size, method)[0]

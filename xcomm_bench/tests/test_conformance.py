@@ -146,6 +146,7 @@ def test_the_standin_really_routes_through_xcomm(runs: dict[str, Any]) -> None:
     assert all("backend_types" not in r for r in runs["gloo"].values())
 
 
+@pytest.mark.first_torch_only  # the runner's own behaviour, not torch's
 def test_a_hung_test_is_killed_at_its_hard_timeout_and_the_next_one_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -163,6 +164,7 @@ def test_a_hung_test_is_killed_at_its_hard_timeout_and_the_next_one_runs(
     assert time.monotonic() - start < 120
 
 
+@pytest.mark.first_torch_only  # the runner's own behaviour, not torch's
 def test_a_rank_that_dies_is_named_with_its_exit_status_and_stderr(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
