@@ -152,7 +152,7 @@ void CheckedCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void CheckedCpuBackend::shutdown() {
-  queue_.shutdown();
+  runner_.shutdown();
   announceDeparture();
   inner_->shutdown();
   checks_->shutdown();
@@ -186,7 +186,7 @@ void CheckedCpuBackend::abort() {
   // The worker may be waiting in a check: the checks group's abort ends it.
   checks_->abort();
   inner_->abort();
-  queue_.shutdown();
+  runner_.shutdown();
 }
 
 std::chrono::milliseconds CheckedCpuBackend::limit(std::chrono::milliseconds timeout) const {
@@ -272,15 +272,14 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::issueDirect(
   // A pool thread waits for the messages: the worker goes on to the next
   // op's check meanwhile. The task holds no pointer to this backend, which
   // may be gone before the messages are.
-  completions_.run(
-      [posted, work, title = std::string(title), member = memberName_, deadline, limit] {
-        try {
-          DirectExchange::waitAll(*posted, title, member, deadline, limit);
-          work->markSucceeded();
-        } catch (...) {
-          work->markFailed(std::current_exception());
-        }
-      });
+  runner_.aside([posted, work, title = std::string(title), member = memberName_, deadline, limit] {
+    try {
+      DirectExchange::waitAll(*posted, title, member, deadline, limit);
+      work->markSucceeded();
+    } catch (...) {
+      work->markFailed(std::current_exception());
+    }
+  });
   return work;
 }
 
@@ -449,17 +448,11 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(
   const auto wait = limit(timeout);
   std::lock_guard<std::mutex> lock(submitMutex_);
   seq_++;
-  // Always on the worker. Running a synchronous op's exchange on the
-  // caller's thread when nothing was queued (as ShmCpuBackend does) saved two
-  // thread hand-offs, but on torch 2.14.1 a process that profiled such ops
-  // then aborted at exit in about half the runs (glibc: "unaligned tcache
-  // chunk", a use-after-free; 0 of 10 runs with this path off).
-  queue_.push([this, work, title, call, pairs = std::move(pairs), carry = std::move(carry), wait,
-               issue = std::move(issue)] {
+  runner_.submit([this, work, title, call, pairs = std::move(pairs), carry = std::move(carry), wait,
+                  issue = std::move(issue)]() -> OrderedRunner::Completion {
     const auto outcome = run(title, call, pairs, carry, wait, issue, work);
-    if (outcome.done) {
-      completions_.run([work, outcome] { outcome.mark(*work); });
-    }
+    if (!outcome.done) return {};
+    return [work, outcome] { outcome.mark(*work); };
   });
   return work;
 }
@@ -729,14 +722,10 @@ void CheckedCpuBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool 
                                       c10::IValue(std::vector<at::Tensor>{}), tensorListType());
   {
     std::lock_guard<std::mutex> lock(submitMutex_);
-    queue_.push([this, work, opts, waitAllRanks] {
-      try {
-        inner_->monitoredBarrier(opts, waitAllRanks);
-        work->markSucceeded();
-      } catch (...) {
-        work->markFailed(std::current_exception());
-      }
-    });
+    runner_.submit(finishing(work, [this, opts, waitAllRanks] {
+      inner_->monitoredBarrier(opts, waitAllRanks);
+      return -1;
+    }));
   }
   work->wait();
 }

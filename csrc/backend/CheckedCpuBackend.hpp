@@ -28,7 +28,7 @@
 // One worker thread issues the checks and then the ops in the caller's
 // order; it does not wait for an op to finish before checking the next, so
 // consecutive async ops still overlap (their transfers share the link
-// anyway). Synchronous ops too: see submit() for why not the caller's thread.
+// anyway). Synchronous ops too: see OrderedRunner.hpp for why not the caller's thread.
 // Options(check_collectives=False) leaves Gloo unwrapped.
 #include <atomic>
 #include <chrono>
@@ -42,8 +42,7 @@
 #include "backend/XcommWork.hpp"
 #include "collectives/CarriedCollectives.hpp"
 #include "collectives/DirectExchange.hpp"
-#include "runtime/CompletionPool.hpp"
-#include "runtime/OpQueue.hpp"
+#include "runtime/OrderedRunner.hpp"
 
 namespace xcomm {
 
@@ -215,11 +214,10 @@ class CheckedCpuBackend : public c10d::Backend {
   std::vector<c10::intrusive_ptr<c10d::Work>> inflight_;  // issued inner ops, maybe not done
   // The departure rows' sends (announceDeparture), kept until the group ends.
   std::vector<c10::intrusive_ptr<c10d::Work>> departureSends_;
-  // Completes carried and failed ops that ran on the worker: future
-  // callbacks may wait for another op of this group, which needs the worker.
-  // Before queue_: it outlives the worker that feeds it.
-  CompletionPool completions_;
-  OpQueue queue_{"xcomm collective checks"};
+  // Carried and failed ops are completed off its worker: future callbacks
+  // may wait for another op of this group, which needs the worker. Never on
+  // the caller's thread: see OrderedRunner.hpp.
+  OrderedRunner runner_{"xcomm collective checks", OrderedRunner::CallerThread::kNever};
 };
 
 }  // namespace xcomm

@@ -189,9 +189,7 @@ void ShmCpuBackend::leaderStep(at::Tensor& tensor, RedOp op, bool compress,
   leaderCompression_->run(*leaders_, tensor, leaderOpts);
 }
 
-ShmCpuBackend::~ShmCpuBackend() {
-  queue_.shutdown();  // then completions_ runs what is queued and stops
-}
+ShmCpuBackend::~ShmCpuBackend() = default;
 
 void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_ = timeout.count();
@@ -204,7 +202,7 @@ void ShmCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void ShmCpuBackend::shutdown() {
-  queue_.shutdown();
+  runner_.shutdown();
   transport_->depart();  // after this rank's own ops: peers waiting for more fail at once
   fallback_->shutdown();
   if (checkedLeaders_) {
@@ -217,7 +215,7 @@ void ShmCpuBackend::shutdown() {
 void ShmCpuBackend::abort() {
   transport_->requestAbort();  // a wait in progress fails within one sleep slice
   transport_->depart();        // and the peers' waits for this rank at once
-  queue_.shutdown();
+  runner_.shutdown();
   fallback_->abort();
   if (checkedLeaders_) {
     checkedLeaders_->abort();  // leaders_ too
@@ -241,42 +239,13 @@ c10::intrusive_ptr<c10d::Work> ShmCpuBackend::submit(c10d::OpType type, const ch
     work = c10::make_intrusive<FuturelessWork>(rank_, type, title, std::move(result),
                                                tensorListType());
   }
-  // `complete` finishes the work: inline on the caller's thread, or, from the
-  // worker, on the completion pool. Future callbacks run where the future is
-  // completed, and some block on another collective of this group (torch's
-  // powerSGD_hook waits inside its callbacks): on the worker they would wait
-  // for the worker itself.
-  auto run = [this, work, body = std::move(body), limit, countAsShm](bool onWorker) {
-    std::exception_ptr error;
-    try {
-      body(Clock::now() + limit);
-      if (countAsShm) shmOps_++;
-    } catch (...) {
-      error = std::current_exception();
-    }
-    auto complete = [work, error] {
-      if (error) {
-        work->markFailed(error);
-      } else {
-        work->markSucceeded();
-      }
-    };
-    if (onWorker) {
-      completions_.run(std::move(complete));
-    } else {
-      complete();
-    }
-  };
-  std::lock_guard<std::mutex> lock(submitMutex_);
-  if (!asyncOp && pending_.load() == 0) {
-    run(false);  // nothing queued or running: the order is kept
-    return work;
-  }
-  pending_++;
-  queue_.push([this, run = std::move(run)] {
-    run(true);
-    pending_--;
-  });
+  runner_.submit(finishing(work,
+                           [this, body = std::move(body), limit, countAsShm] {
+                             body(Clock::now() + limit);
+                             if (countAsShm) shmOps_++;
+                             return -1;
+                           }),
+                 /*synchronous=*/!asyncOp);
   return work;
 }
 

@@ -32,8 +32,7 @@
 
 #include "backend/CheckedCpuBackend.hpp"
 #include "collectives/CompressedAllreduce.hpp"
-#include "runtime/CompletionPool.hpp"
-#include "runtime/OpQueue.hpp"
+#include "runtime/OrderedRunner.hpp"
 #include "transport/ShmTransport.hpp"
 
 namespace xcomm {
@@ -195,14 +194,10 @@ class ShmCpuBackend : public c10d::Backend {
   std::unique_ptr<CompressedAllreduce> leaderCompression_;  // over the hosts
   std::atomic<int64_t> timeoutMs_;
   Config config_;
-  std::mutex submitMutex_;
-  std::atomic<int> pending_{0};  // queued or running on the worker
   std::atomic<uint64_t> shmOps_{0};
-  // Completes the worker's works (runs their future callbacks), so a callback
-  // that waits for another collective never blocks the worker. Declared
-  // before queue_: it outlives the worker that feeds it.
-  CompletionPool completions_;
-  OpQueue queue_{"xcomm shm queue"};
+  // Synchronous ops run on the caller's thread when nothing is queued: the
+  // segment's steps are the ones worth those two saved thread hand-offs.
+  OrderedRunner runner_{"xcomm shm queue", OrderedRunner::CallerThread::kWhenIdle};
 };
 
 }  // namespace xcomm

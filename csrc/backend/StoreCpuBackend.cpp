@@ -47,19 +47,13 @@ std::string StoreCpuBackend::p2pChannel(int src, int dst, int tag, uint64_t n) c
          std::to_string(n);
 }
 
-c10::intrusive_ptr<c10d::Work> StoreCpuBackend::enqueue(OpQueue& queue, c10d::OpType type,
+c10::intrusive_ptr<c10d::Work> StoreCpuBackend::enqueue(OrderedRunner& runner, c10d::OpType type,
                                                         const char* title,
                                                         std::vector<at::Tensor> outputs,
                                                         Body body) {
   auto work = c10::make_intrusive<FutureWork>(rank_, type, title, c10::IValue(std::move(outputs)),
                                               tensorListType());
-  queue.push([work, body = std::move(body)] {
-    try {
-      work->markSucceeded(body());
-    } catch (...) {
-      work->markFailed(std::current_exception());
-    }
-  });
+  runner.submit(finishing(work, std::move(body)));
   return work;
 }
 

@@ -9,7 +9,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "runtime/OpQueue.hpp"
+#include "runtime/OrderedRunner.hpp"
 #include "transport/StoreTransport.hpp"
 
 namespace xcomm {
@@ -66,9 +66,10 @@ class StoreCpuBackend : public c10d::Backend {
  private:
   using Body = std::function<int()>;  // returns the source rank, or -1
 
-  // Runs `body` on `queue` and returns the work that reports it.
-  c10::intrusive_ptr<c10d::Work> enqueue(OpQueue& queue, c10d::OpType type, const char* title,
-                                         std::vector<at::Tensor> outputs, Body body);
+  // Runs `body` on `runner` and returns the work that reports it.
+  c10::intrusive_ptr<c10d::Work> enqueue(OrderedRunner& runner, c10d::OpType type,
+                                         const char* title, std::vector<at::Tensor> outputs,
+                                         Body body);
   std::string nextChannel();
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds requested) const;
   std::string p2pChannel(int src, int dst, int tag, uint64_t n) const;
@@ -79,8 +80,9 @@ class StoreCpuBackend : public c10d::Backend {
   uint64_t collectiveSeq_ = 0;
   std::map<std::pair<int, int>, uint64_t> sent_;      // (dst, tag) -> messages sent
   std::map<std::pair<int, int>, uint64_t> received_;  // (src, tag) -> messages received
-  OpQueue collectives_{"xcomm collective queue"};
-  OpQueue p2p_{"xcomm receive queue"};  // so a pending recv never blocks a collective
+  OrderedRunner collectives_{"xcomm collective queue", OrderedRunner::CallerThread::kNever};
+  // So a pending recv never blocks a collective.
+  OrderedRunner p2p_{"xcomm receive queue", OrderedRunner::CallerThread::kNever};
 };
 
 }  // namespace xcomm

@@ -57,8 +57,8 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
       TORCH_CHECK_VALUE(inner_.cpuCompressed, "xcomm: ", compressionName(compression.method),
                         " allreduce compression needs a second CPU backend for its own "
                         "collectives; build the group through init_process_group/new_group");
-      compressCompletions_ = std::make_unique<CompletionPool>();
-      compressQueue_ = std::make_unique<OpQueue>("xcomm compressed allreduce");
+      compressRunner_ = std::make_unique<OrderedRunner>("xcomm compressed allreduce",
+                                                        OrderedRunner::CallerThread::kNever);
     }
   }
   if (inner_.cpu && !(inner_.shm && !inner_.shm->hierarchical())) {
@@ -108,9 +108,7 @@ void XcommBackend::flushFused() {
 void XcommBackend::shutdown() {
   if (fusion_) fusion_->stop();
   if (fusionControl_) fusionControl_->shutdown();
-  if (compressQueue_) {
-    compressQueue_->shutdown();
-  }
+  if (compressRunner_) compressRunner_->shutdown();
   for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->shutdown();
   }
@@ -271,11 +269,10 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   } else if (inner_.shm && !inner_.shm->hierarchical()) {
     agreed = inner_.shm->agreeOnAllreduce({tensor}, opts);
   }
-  auto* completions = compressCompletions_.get();
   // auto's ops are counted once it chose: ALLREDUCE_AUTO_NONE/_BF16/_INT8.
   const bool chooses = algorithm->autoCompression() != nullptr;
-  compressQueue_->push([work, algorithm, compressedBackend, tensor, opts, completions, chooses,
-                        statsName, bytesIn, startUs, agreed] {
+  compressRunner_->submit(finishing(work, [algorithm, compressedBackend, tensor, opts, chooses,
+                                           statsName, bytesIn, startUs, agreed]() mutable {
     std::exception_ptr error;
     Compression ran = Compression::kAuto;
     try {
@@ -295,16 +292,9 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
       recordCompleted(name, bytesIn, algorithm->payloadBytes(tensor, ran), startUs,
                       error != nullptr);
     }
-    // Off the worker: a callback that waits for the next int8 allreduce must
-    // not hold the thread that would run it.
-    completions->run([work, error] {
-      if (error) {
-        work->markFailed(error);
-      } else {
-        work->markSucceeded();
-      }
-    });
-  });
+    if (error) std::rethrow_exception(error);
+    return -1;
+  }));
   if (!chooses) recordOnCompletion(work, statsName, bytesIn, bytesOnWire, startUs);
   return work;
 }

@@ -24,8 +24,7 @@
 #include "collectives/CompressedAllreduce.hpp"
 #include "collectives/CompressedReduceScatter.hpp"
 #include "common/TorchCompat.hpp"
-#include "runtime/CompletionPool.hpp"
-#include "runtime/OpQueue.hpp"
+#include "runtime/OrderedRunner.hpp"
 #include "schedule/FusionBuffer.hpp"
 
 namespace xcomm {
@@ -213,10 +212,9 @@ class XcommBackend : public c10d::Backend {
   // Uncompressed reduce-scatter on a CPU group whose data does not move over
   // shared memory: half Gloo's bytes (null in a flat shared-memory group).
   std::unique_ptr<AlltoallReduceScatter> alltoallReduceScatter_;
-  // Completes int8 works off their worker: a callback may wait for another
-  // int8 allreduce of this group, which the worker must be free to run.
-  std::unique_ptr<CompletionPool> compressCompletions_;
-  std::unique_ptr<OpQueue> compressQueue_;  // declared last: stops before the rest goes
+  // Runs compressed allreduces that need their own group's collectives, in
+  // issue order (declared last: stops before the rest goes).
+  std::unique_ptr<OrderedRunner> compressRunner_;
 };
 
 }  // namespace xcomm

@@ -198,4 +198,23 @@ std::vector<at::Tensor> FutureWork::result() {
   return tensorsOf(result_);
 }
 
+OrderedRunner::Step finishing(c10::intrusive_ptr<FutureWork> work, std::function<int()> body) {
+  return [work = std::move(work), body = std::move(body)]() -> OrderedRunner::Completion {
+    std::exception_ptr error;
+    int sourceRank = -1;
+    try {
+      sourceRank = body();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    return [work, error, sourceRank] {
+      if (error) {
+        work->markFailed(error);
+      } else {
+        work->markSucceeded(sourceRank);
+      }
+    };
+  };
+}
+
 }  // namespace xcomm

@@ -13,6 +13,8 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "runtime/OrderedRunner.hpp"
+
 namespace xcomm {
 
 // The future type of collectives whose result is a list of tensors.
@@ -102,5 +104,10 @@ class FuturelessWork : public FutureWork {
     TORCH_CHECK(false, "Work::getFuture not implemented.");
   }
 };
+
+// The OrderedRunner step that runs `body` and finishes `work` with its
+// outcome: succeeded with the source rank `body` returns (-1: none), or
+// failed with what it threw.
+OrderedRunner::Step finishing(c10::intrusive_ptr<FutureWork> work, std::function<int()> body);
 
 }  // namespace xcomm

@@ -6,10 +6,14 @@
 #include <chrono>
 #include <future>
 #include <memory>
+#include <mutex>
+#include <stdexcept>
 #include <thread>
+#include <vector>
 
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
+#include "runtime/OrderedRunner.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
@@ -59,4 +63,95 @@ TEST_CASE("a CompletionPool destroyed by its own task lets its threads finish", 
   go.set_value();
   CHECK(waitFor(released));
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the detached thread exits
+}
+
+TEST_CASE("an OrderedRunner runs steps in submission order and completes them off its worker",
+          "[runtime]") {
+  using xcomm::OrderedRunner;
+  for (auto policy :
+       {OrderedRunner::CallerThread::kNever, OrderedRunner::CallerThread::kWhenIdle}) {
+    OrderedRunner runner("test runner", policy);
+    std::mutex mutex;
+    std::vector<int> ran;
+    std::vector<std::thread::id> stepThreads(6), completionThreads(6);
+    std::atomic<int> completed{0};
+    std::promise<void> release;
+    auto released = release.get_future().share();
+    for (int i = 0; i < 6; ++i) {
+      // Step 0 blocks until released, so steps 1-5 queue behind it even
+      // when synchronous: the caller's thread may run a step only when idle.
+      runner.submit(
+          [&, i]() -> OrderedRunner::Completion {
+            if (i == 0) released.wait();
+            {
+              std::lock_guard<std::mutex> lock(mutex);
+              ran.push_back(i);
+            }
+            stepThreads[i] = std::this_thread::get_id();
+            return [&, i] {
+              completionThreads[i] = std::this_thread::get_id();
+              completed++;
+            };
+          },
+          /*synchronous=*/i % 2 == 1);
+    }
+    release.set_value();
+    for (int i = 0; i < 500 && completed < 6; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    REQUIRE(completed == 6);
+    REQUIRE(ran == std::vector<int>{0, 1, 2, 3, 4, 5});
+    for (int i = 0; i < 6; ++i) {
+      CHECK(stepThreads[i] != std::this_thread::get_id());
+      CHECK(completionThreads[i] != stepThreads[i]);  // the worker stays free
+    }
+  }
+}
+
+TEST_CASE("an idle OrderedRunner runs a synchronous step on the caller's thread only if allowed",
+          "[runtime]") {
+  using xcomm::OrderedRunner;
+  const auto caller = std::this_thread::get_id();
+  for (auto policy :
+       {OrderedRunner::CallerThread::kNever, OrderedRunner::CallerThread::kWhenIdle}) {
+    OrderedRunner runner("test runner", policy);
+    std::thread::id stepThread, completionThread;
+    std::atomic<bool> done{false};
+    runner.submit(
+        [&]() -> OrderedRunner::Completion {
+          stepThread = std::this_thread::get_id();
+          return [&] {
+            completionThread = std::this_thread::get_id();
+            done = true;
+          };
+        },
+        /*synchronous=*/true);
+    REQUIRE(waitFor(done));
+    const bool inline_ = policy == OrderedRunner::CallerThread::kWhenIdle;
+    CHECK((stepThread == caller) == inline_);
+    CHECK((completionThread == caller) == inline_);
+  }
+}
+
+TEST_CASE("an OrderedRunner refuses steps once shut down and still finishes the queued ones",
+          "[runtime]") {
+  using xcomm::OrderedRunner;
+  OrderedRunner runner("test runner", OrderedRunner::CallerThread::kWhenIdle);
+  std::atomic<bool> done{false};
+  runner.submit([&]() -> OrderedRunner::Completion {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return [&] { done = true; };
+  });
+  runner.shutdown();
+  REQUIRE(waitFor(done));
+  CHECK_THROWS_WITH(runner.submit([]() -> OrderedRunner::Completion { return {}; }, true),
+                    Catch::Contains("was shut down"));
+  // An empty completion: the step's op is finished elsewhere; nothing runs.
+  OrderedRunner other("other runner", OrderedRunner::CallerThread::kNever);
+  std::atomic<bool> stepRan{false};
+  other.submit([&]() -> OrderedRunner::Completion {
+    stepRan = true;
+    return {};
+  });
+  REQUIRE(waitFor(stepRan));
 }
