@@ -40,8 +40,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/XcommWork.hpp"
-#include "collectives/CarriedCollectives.hpp"
-#include "collectives/DirectExchange.hpp"
+#include "collectives/gloo/CarriedCollectives.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
 

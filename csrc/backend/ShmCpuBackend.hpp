@@ -31,7 +31,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CheckedCpuBackend.hpp"
-#include "collectives/CompressedAllreduce.hpp"
+#include "collectives/compressed/CompressedAllreduce.hpp"
 #include "runtime/CompletionPool.hpp"
 #include "runtime/OpQueue.hpp"
 #include "transport/ShmTransport.hpp"

@@ -30,7 +30,7 @@
 namespace xcomm {
 
 // kAuto: per allreduce, whichever of none, bf16 and int8 is predicted
-// fastest (collectives/AutoCompression.hpp).
+// fastest (collectives/compressed/AutoCompression.hpp).
 enum class Compression { kNone, kFp16, kBf16, kInt8, kAuto };
 
 // "none", "fp16", "bf16", "int8", "auto" (ValueError naming the choices otherwise).

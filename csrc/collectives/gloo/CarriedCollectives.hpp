@@ -12,7 +12,7 @@
 // trips for a few bytes (~2 ms for an 8-byte all_reduce between two ranks on
 // a busy 2-core machine), the exchange one.
 // (On a plain group a reduce-scatter runs as an all_to_all_single plus a
-// local reduction, collectives/AlltoallReduceScatter: carried with it.)
+// local reduction, collectives/gloo/AlltoallReduceScatter: carried with it.)
 //
 // Each function here says whether this rank can carry the op (a dense CPU
 // tensor of a dtype and reduce op Gloo takes, up to `capacityBytes`, outputs

@@ -2,7 +2,7 @@
 // its slot, one barrier, every rank copies every slot's chunk out.
 #include <cstring>
 
-#include "collectives/ShmCollectives.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 
 namespace xcomm::shm {
 

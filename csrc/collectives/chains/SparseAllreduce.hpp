@@ -16,7 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "collectives/BucketChain.hpp"
+#include "collectives/chains/BucketChain.hpp"
 #include "compress/RandomKCodec.hpp"
 #include "compress/TopKCodec.hpp"
 

@@ -1,4 +1,4 @@
-#include "collectives/DirectExchange.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
 
 #include <algorithm>
 #include <utility>

@@ -18,7 +18,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "collectives/CompressedAllreduce.hpp"
+#include "collectives/compressed/CompressedAllreduce.hpp"
 #include "compress/Int8Codec.hpp"
 
 namespace xcomm {

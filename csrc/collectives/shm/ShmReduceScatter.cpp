@@ -3,8 +3,8 @@
 // reduces piece r of every slot, in rank order, into its output.
 #include <cstring>
 
-#include "collectives/ShmCollectives.hpp"
-#include "collectives/VectorReduce.hpp"
+#include "collectives/reduce/VectorReduce.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 
 namespace xcomm::shm {
 

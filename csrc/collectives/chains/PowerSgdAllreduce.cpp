@@ -1,4 +1,4 @@
-#include "collectives/PowerSgdAllreduce.hpp"
+#include "collectives/chains/PowerSgdAllreduce.hpp"
 
 #include <utility>
 #include <vector>

@@ -1,9 +1,9 @@
-#include "collectives/AlltoallReduceScatter.hpp"
+#include "collectives/gloo/AlltoallReduceScatter.hpp"
 
 #include <vector>
 
-#include "collectives/ReduceKernels.hpp"
-#include "collectives/VectorReduce.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
+#include "collectives/reduce/VectorReduce.hpp"
 
 namespace xcomm {
 

@@ -1,4 +1,4 @@
-#include "collectives/BucketChain.hpp"
+#include "collectives/chains/BucketChain.hpp"
 
 #include <utility>
 #include <vector>

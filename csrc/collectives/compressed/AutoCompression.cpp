@@ -1,4 +1,4 @@
-#include "collectives/AutoCompression.hpp"
+#include "collectives/compressed/AutoCompression.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -19,7 +19,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "collectives/BucketChain.hpp"
+#include "collectives/chains/BucketChain.hpp"
 #include "compress/PowerSgdCodec.hpp"
 
 namespace xcomm {

@@ -1,8 +1,8 @@
-#include "collectives/FlatCollectives.hpp"
+#include "collectives/store/FlatCollectives.hpp"
 
 #include <c10/util/Exception.h>
 
-#include "collectives/ReduceKernels.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
 
 namespace xcomm::flat {
 namespace {

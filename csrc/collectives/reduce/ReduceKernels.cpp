@@ -1,4 +1,4 @@
-#include "collectives/ReduceKernels.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
 
 #include <c10/util/Exception.h>
 

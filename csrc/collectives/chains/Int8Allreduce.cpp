@@ -1,4 +1,4 @@
-#include "collectives/Int8Allreduce.hpp"
+#include "collectives/chains/Int8Allreduce.hpp"
 
 #include <utility>
 #include <vector>

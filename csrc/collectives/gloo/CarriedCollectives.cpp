@@ -1,10 +1,10 @@
-#include "collectives/CarriedCollectives.hpp"
+#include "collectives/gloo/CarriedCollectives.hpp"
 
 #include <algorithm>
 #include <memory>
 
-#include "collectives/ReduceKernels.hpp"
-#include "collectives/VectorReduce.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
+#include "collectives/reduce/VectorReduce.hpp"
 
 namespace xcomm {
 namespace {

@@ -14,7 +14,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "collectives/ShmCollectives.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 
 namespace xcomm::shm {
 

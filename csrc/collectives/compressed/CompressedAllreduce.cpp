@@ -1,12 +1,12 @@
-#include "collectives/CompressedAllreduce.hpp"
+#include "collectives/compressed/CompressedAllreduce.hpp"
 
-#include "collectives/DirectExchange.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
 
 #include <cctype>
 
 #include <c10/util/Exception.h>
 
-#include "collectives/AutoCompression.hpp"
+#include "collectives/compressed/AutoCompression.hpp"
 #include "common/CurrentStream.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
@@ -227,7 +227,7 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
   // On the CPU the all-to-all and all-gather go as point-to-point messages
   // on the transport (a group of this algorithm's own, so its tags are
   // free): Gloo's own collectives fill a rate-limited link only about half
-  // (collectives/DirectExchange.hpp).
+  // (collectives/gloo/DirectExchange.hpp).
   if (!tensor.device().is_cpu()) {
     std::function<void()> finalize;
     startInt8(transport, tensor, opts, finalize)->wait();

@@ -9,8 +9,8 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "collectives/ReduceKernels.hpp"
-#include "collectives/ShmCollectives.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 #include "common/OpNames.hpp"
 
 namespace xcomm::shm {

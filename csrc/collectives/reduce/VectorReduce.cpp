@@ -1,4 +1,4 @@
-#include "collectives/VectorReduce.hpp"
+#include "collectives/reduce/VectorReduce.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include "collectives/ReduceKernels.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
 
 namespace xcomm {
 namespace {

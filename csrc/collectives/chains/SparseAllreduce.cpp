@@ -1,4 +1,4 @@
-#include "collectives/SparseAllreduce.hpp"
+#include "collectives/chains/SparseAllreduce.hpp"
 
 #include <utility>
 #include <vector>

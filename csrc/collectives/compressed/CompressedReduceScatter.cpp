@@ -1,4 +1,4 @@
-#include "collectives/CompressedReduceScatter.hpp"
+#include "collectives/compressed/CompressedReduceScatter.hpp"
 
 #include <cctype>
 

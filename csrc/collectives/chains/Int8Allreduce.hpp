@@ -16,7 +16,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#include "collectives/BucketChain.hpp"
+#include "collectives/chains/BucketChain.hpp"
 #include "compress/Int8Codec.hpp"
 
 namespace xcomm {

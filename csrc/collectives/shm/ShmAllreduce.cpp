@@ -10,8 +10,8 @@
 // unnecessary.
 #include <cstring>
 
-#include "collectives/ShmCollectives.hpp"
-#include "collectives/VectorReduce.hpp"
+#include "collectives/reduce/VectorReduce.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 
 namespace xcomm::shm {
 

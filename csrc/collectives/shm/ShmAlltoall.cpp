@@ -11,7 +11,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "collectives/ShmCollectives.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 
 namespace xcomm::shm {
 namespace {
