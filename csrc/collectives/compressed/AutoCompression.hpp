@@ -34,7 +34,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "collectives/compressed/CompressedAllreduce.hpp"
+#include "common/Compression.hpp"
 
 namespace xcomm {
 

@@ -1,12 +1,11 @@
 #include "collectives/compressed/CompressedAllreduce.hpp"
 
-#include "collectives/gloo/DirectExchange.hpp"
-
 #include <cctype>
 
 #include <c10/util/Exception.h>
 
 #include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
 #include "common/CurrentStream.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
@@ -24,37 +23,8 @@ int64_t ringBytes(int64_t bytes, int size) {
 
 }  // namespace
 
-Compression parseCompression(const std::string& name) {
-  if (name.empty() || name == "none") return Compression::kNone;
-  if (name == "fp16") return Compression::kFp16;
-  if (name == "bf16") return Compression::kBf16;
-  if (name == "int8") return Compression::kInt8;
-  if (name == "auto") return Compression::kAuto;
-  TORCH_CHECK_VALUE(false, "xcomm: unknown allreduce compression '", name,
-                    "'; choose one of none, fp16, bf16, int8, auto");
-}
-
-const char* compressionName(Compression c) {
-  switch (c) {
-    case Compression::kNone:
-      return "none";
-    case Compression::kFp16:
-      return "fp16";
-    case Compression::kBf16:
-      return "bf16";
-    case Compression::kInt8:
-      return "int8";
-    case Compression::kAuto:
-      return "auto";
-  }
-  return "?";
-}
-
-void CompressionConfig::validate() const {
-  TORCH_CHECK_VALUE(minBytes >= 0, "xcomm: compression_min_bytes must be >= 0, got ", minBytes);
-  TORCH_CHECK_VALUE(int8ChunkElems > 0, "xcomm: int8_chunk_elems must be > 0, got ",
-                    int8ChunkElems);
-}
+static_assert(CompressionConfig::kDefaultInt8ChunkElems == Int8Codec::kDefaultChunkElems,
+              "the int8 chunk default is one number");
 
 CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
     : config_(config), size_(size), int8_(config.int8ChunkElems) {

@@ -25,35 +25,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "common/Compression.hpp"
 #include "compress/Int8Codec.hpp"
 
 namespace xcomm {
-
-// kAuto: per allreduce, whichever of none, bf16 and int8 is predicted
-// fastest (collectives/compressed/AutoCompression.hpp).
-enum class Compression { kNone, kFp16, kBf16, kInt8, kAuto };
-
-// "none", "fp16", "bf16", "int8", "auto" (ValueError naming the choices otherwise).
-Compression parseCompression(const std::string& name);
-const char* compressionName(Compression c);
-// fp16 or bf16: a cast to the low precision, the transport's own SUM.
-inline bool isCast(Compression c) {
-  return c == Compression::kFp16 || c == Compression::kBf16;
-}
-
-struct CompressionConfig {
-  Compression method = Compression::kNone;
-  int64_t minBytes = 64 * 1024;
-  int64_t int8ChunkElems = Int8Codec::kDefaultChunkElems;
-  // auto's bounds, from XCOMM_AUTO_METHODS / XCOMM_AUTO_LINK as every rank
-  // agreed them (backend/GroupSettings): the methods it may choose (empty:
-  // all it knows), and a link fixed instead of probed (0 bytes/s: probe).
-  std::vector<Compression> autoMethods;
-  double autoLinkLatency = 0;
-  double autoLinkBytesPerSecond = 0;
-
-  void validate() const;
-};
 
 // Link bytes per rank: what a bandwidth-optimal collective on the
 // uncompressed tensors would have sent (a ring allreduce; an all-to-all
