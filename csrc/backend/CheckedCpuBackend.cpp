@@ -8,7 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "backend/TensorLists.hpp"
-#include "collectives/ReduceKernels.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
 #include "common/ErrorText.hpp"
 #include "common/OpNames.hpp"
 

@@ -22,7 +22,7 @@
 // exchange and never reaches Gloo.
 //
 // Once agreed on, an all-to-all or all-gather of dense tensors moves as
-// point-to-point messages on the checks group (collectives/DirectExchange.hpp),
+// point-to-point messages on the checks group (collectives/gloo/DirectExchange.hpp),
 // not as Gloo's collective, which fills a rate-limited link only about half.
 //
 // One worker thread issues the checks and then the ops in the caller's
@@ -40,8 +40,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/XcommWork.hpp"
-#include "collectives/CarriedCollectives.hpp"
-#include "collectives/DirectExchange.hpp"
+#include "collectives/gloo/CarriedCollectives.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
 #include "runtime/OrderedRunner.hpp"
 
 namespace xcomm {
@@ -129,7 +129,7 @@ class CheckedCpuBackend : public c10d::Backend {
                                                std::vector<int64_t>& inputSplits,
                                                const c10d::AllToAllOptions& opts) override;
   // An all_to_all_single with even splits that is how a reduce_scatter_tensor
-  // (`redOp`) runs here (collectives/AlltoallReduceScatter): checked as that
+  // (`redOp`) runs here (collectives/gloo/AlltoallReduceScatter): checked as that
   // op, so it and a real all_to_all_single disagree instead of trading rows.
   c10::intrusive_ptr<c10d::Work> alltoallForReduceScatter(at::Tensor& output, at::Tensor& input,
                                                           int64_t redOp,

@@ -5,7 +5,7 @@
 
 #include <c10/util/Exception.h>
 
-#include "collectives/CarriedCollectives.hpp"
+#include "collectives/gloo/CarriedCollectives.hpp"
 
 namespace xcomm {
 const char* groupShapeName(GroupShape shape) {

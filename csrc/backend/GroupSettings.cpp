@@ -8,7 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include "backend/StoreText.hpp"
-#include "collectives/AutoCompression.hpp"
+#include "collectives/compressed/AutoCompression.hpp"
 #include "transport/HostIdentity.hpp"
 
 namespace xcomm {

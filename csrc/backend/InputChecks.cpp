@@ -5,7 +5,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
-#include "collectives/ReduceKernels.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
 
 namespace xcomm::checks {
 namespace {

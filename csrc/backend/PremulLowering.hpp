@@ -11,7 +11,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include "backend/TensorStaging.hpp"
-#include "collectives/ReduceKernels.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
 
 namespace xcomm {
 

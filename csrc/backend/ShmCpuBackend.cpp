@@ -6,7 +6,7 @@
 
 #include "backend/TensorLists.hpp"
 #include "backend/XcommWork.hpp"
-#include "collectives/ShmCollectives.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 #include "common/ErrorText.hpp"
 
 namespace xcomm {

@@ -20,7 +20,7 @@
 // that never came) hands its error to its host's ranks in the broadcast, so
 // every rank raises it and the host stays in step.
 // With `leaderCompression` the leaders' step alone is compressed (fp16/bf16
-// cast or int8, collectives/CompressedAllreduce): the bytes that cross hosts
+// cast or int8, collectives/compressed/CompressedAllreduce): the bytes that cross hosts
 // shrink 2-4x more while the sums inside a host stay exact.
 // Every other op goes to the fallback over the whole group.
 #include <atomic>
@@ -31,7 +31,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CheckedCpuBackend.hpp"
-#include "collectives/CompressedAllreduce.hpp"
+#include "collectives/compressed/CompressedAllreduce.hpp"
 #include "runtime/OrderedRunner.hpp"
 #include "transport/ShmTransport.hpp"
 

@@ -4,7 +4,7 @@
 
 #include "backend/TensorLists.hpp"
 #include "backend/XcommWork.hpp"
-#include "collectives/FlatCollectives.hpp"
+#include "collectives/store/FlatCollectives.hpp"
 
 namespace xcomm {
 namespace {

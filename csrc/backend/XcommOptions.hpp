@@ -7,7 +7,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
-#include "collectives/CompressedAllreduce.hpp"
+#include "common/Compression.hpp"
 
 namespace xcomm {
 

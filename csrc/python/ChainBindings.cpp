@@ -1,13 +1,13 @@
 // Python bindings of the compressed allreduces chained in C++
-// (csrc/collectives/BucketChain.hpp): xcomm._C.PowerSgdAllreduce,
+// (csrc/collectives/chains/BucketChain.hpp): xcomm._C.PowerSgdAllreduce,
 // Int8Allreduce, TopKAllreduce and RandomKAllreduce, one per hook state,
 // started by the hooks in python/xcomm/hooks/.
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "collectives/Int8Allreduce.hpp"
-#include "collectives/PowerSgdAllreduce.hpp"
-#include "collectives/SparseAllreduce.hpp"
+#include "collectives/chains/Int8Allreduce.hpp"
+#include "collectives/chains/PowerSgdAllreduce.hpp"
+#include "collectives/chains/SparseAllreduce.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -50,7 +50,7 @@ constexpr const char* kTurnDoc =
 void bindChains(py::module_& m) {
   py::class_<xcomm::PowerSgdAllreduce, std::shared_ptr<xcomm::PowerSgdAllreduce>>(
       m, "PowerSgdAllreduce", R"(PowerSGD's two allreduces of a DDP bucket, chained in C++
-(see csrc/collectives/PowerSgdAllreduce.hpp). One per hook state: buckets take
+(see csrc/collectives/chains/PowerSgdAllreduce.hpp). One per hook state: buckets take
 turns, so every rank issues the collectives in the same order.)")
       .def(py::init([] { return std::make_shared<xcomm::PowerSgdAllreduce>(pythonResult()); }))
       .def(
@@ -72,7 +72,7 @@ turns, so every rank issues the collectives in the same order.)")
 
   py::class_<xcomm::Int8Allreduce, std::shared_ptr<xcomm::Int8Allreduce>>(
       m, "Int8Allreduce", R"(The int8 hook's alltoall and allgather of a DDP bucket, chained
-in C++ (see csrc/collectives/Int8Allreduce.hpp). One per hook state: buckets take
+in C++ (see csrc/collectives/chains/Int8Allreduce.hpp). One per hook state: buckets take
 turns, so every rank issues the collectives in the same order.)")
       .def(py::init([] { return std::make_shared<xcomm::Int8Allreduce>(pythonResult()); }))
       .def(
@@ -96,7 +96,7 @@ turns, so every rank issues the collectives in the same order.)")
 
   py::class_<xcomm::TopKAllreduce, std::shared_ptr<xcomm::TopKAllreduce>>(
       m, "TopKAllreduce", R"(The top-k hook's allgather and decode of a DDP bucket, chained
-in C++ (see csrc/collectives/SparseAllreduce.hpp). One per hook state.)")
+in C++ (see csrc/collectives/chains/SparseAllreduce.hpp). One per hook state.)")
       .def(py::init([] { return std::make_shared<xcomm::TopKAllreduce>(pythonResult()); }))
       .def(
           "start",
@@ -119,7 +119,7 @@ in C++ (see csrc/collectives/SparseAllreduce.hpp). One per hook state.)")
 
   py::class_<xcomm::RandomKAllreduce, std::shared_ptr<xcomm::RandomKAllreduce>>(
       m, "RandomKAllreduce", R"(The random-k hook's allreduce and decode of a DDP bucket,
-chained in C++ (see csrc/collectives/SparseAllreduce.hpp). One per hook state.)")
+chained in C++ (see csrc/collectives/chains/SparseAllreduce.hpp). One per hook state.)")
       .def(py::init([] { return std::make_shared<xcomm::RandomKAllreduce>(pythonResult()); }))
       .def(
           "start",

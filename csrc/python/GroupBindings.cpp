@@ -5,7 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "backend/GroupBuilder.hpp"
-#include "collectives/AutoCompression.hpp"
+#include "collectives/compressed/AutoCompression.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
 #include "transport/HostIdentity.hpp"

@@ -4,7 +4,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/XcommBackend.hpp"
-#include "collectives/AutoCompression.hpp"
+#include "collectives/compressed/AutoCompression.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"

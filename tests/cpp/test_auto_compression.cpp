@@ -1,6 +1,6 @@
 // Options(compression="auto"): the cost model against its formula, and the
 // choice it implies at the two ends of the link range.
-#include "collectives/AutoCompression.hpp"
+#include "collectives/compressed/AutoCompression.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>

@@ -10,7 +10,7 @@
 
 #include <ATen/ATen.h>
 
-#include "collectives/BucketChain.hpp"
+#include "collectives/chains/BucketChain.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>

@@ -8,7 +8,7 @@
 
 #include "RankThreads.hpp"
 #include "backend/StoreCpuBackend.hpp"
-#include "collectives/CompressedAllreduce.hpp"
+#include "collectives/compressed/CompressedAllreduce.hpp"
 #include "compress/Int8Codec.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.

@@ -5,7 +5,7 @@
 
 #include "RankThreads.hpp"
 #include "backend/StoreCpuBackend.hpp"
-#include "collectives/DirectExchange.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>

@@ -1,7 +1,7 @@
 // GroupPlan: a group's shape, auxiliary groups and compression site follow
 // from the members' host identities and the options alone.
 #include "backend/GroupPlan.hpp"
-#include "collectives/CarriedCollectives.hpp"
+#include "collectives/gloo/CarriedCollectives.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>

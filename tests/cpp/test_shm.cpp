@@ -21,9 +21,9 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "RankThreads.hpp"
-#include "collectives/ReduceKernels.hpp"
-#include "collectives/ShmCollectives.hpp"
-#include "collectives/VectorReduce.hpp"
+#include "collectives/reduce/ReduceKernels.hpp"
+#include "collectives/reduce/VectorReduce.hpp"
+#include "collectives/shm/ShmCollectives.hpp"
 #include "transport/ShmTransport.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.

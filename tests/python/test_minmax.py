@@ -271,7 +271,7 @@ def test_a_float_min_against_an_int32_min_of_the_same_size_raises(route: str) ->
     res = run_ranks(_rank_float_against_int, 2, route)
     # Rank 0's call as rank 0 made it (float32, 12 elements), not as its keys
     # travel (int32 of the same size; bfloat16's are twice its size).
-    if route == "shm":  # its descriptors (collectives/ShmAgreement.cpp)
+    if route == "shm":  # its descriptors (collectives/shm/ShmAgreement.cpp)
         calls = {
             "all_reduce": "all_reduce(MIN, Float, 48 bytes)",
             "reduce": "reduce(root=1, Float, 48 bytes)",

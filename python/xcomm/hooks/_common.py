@@ -148,7 +148,7 @@ class IssueOrder:
     collective starts once the previous bucket has issued its last one.
     Transfers still overlap the rest of the backward pass. The hooks' own
     chains take such turns in C++ (``BucketTurns``,
-    csrc/collectives/BucketChain.hpp); this Python order is the one
+    csrc/collectives/chains/BucketChain.hpp); this Python order is the one
     ``auto_hook`` shares between its methods.
 
     Example::

@@ -127,7 +127,7 @@ def int8_compress_hook(
 
     # The alltoall, the reduction of this rank's shard, the allgather and the
     # unpacking run in C++, chained by future callbacks (see
-    # csrc/collectives/Int8Allreduce.hpp): nothing waits, no Python runs per
+    # csrc/collectives/chains/Int8Allreduce.hpp): nothing waits, no Python runs per
     # collective, and buckets take turns so every rank issues the collectives
     # in the same order. On a GPU the first collective goes to the stream
     # current now (where the encode ran), and the future carries CUDA events.

@@ -488,7 +488,7 @@ def powersgd_hook(
     state._report_compression_stats(bucket)
 
     # The two allreduces and the phases between them run in C++, chained by
-    # future callbacks (see csrc/collectives/PowerSgdAllreduce.hpp): nothing
+    # future callbacks (see csrc/collectives/chains/PowerSgdAllreduce.hpp): nothing
     # waits, no Python runs per collective, and buckets take turns so every
     # rank issues the collectives in the same order. On a GPU the future
     # carries CUDA events, so DDP's stream waits for finish's kernels.

@@ -141,7 +141,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
-    # The allgather and the decode run in C++ (csrc/collectives/SparseAllreduce.hpp):
+    # The allgather and the decode run in C++ (csrc/collectives/chains/SparseAllreduce.hpp):
     # no Python callback, future or collective wrapper per bucket.
     return state._chain.start(state.codec, group, buffer, view.tensor, view.index, packed, k)[0]
 
@@ -224,7 +224,7 @@ def randomk_hook(
         state.feedback.flush(view)
         values = state.codec.encode(key, view.tensor, positions)
     state.stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world))
-    # The allreduce and the decode run in C++ (csrc/collectives/SparseAllreduce.hpp).
+    # The allreduce and the decode run in C++ (csrc/collectives/chains/SparseAllreduce.hpp).
     return state._chain.start(
         state.codec, group, buffer, view.tensor, view.index, values, positions
     )[0]

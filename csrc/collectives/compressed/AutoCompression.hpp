@@ -1,0 +1,107 @@
+#pragma once
+// Options(compression="auto"): per allreduce, the method predicted fastest on
+// this link and machine (none, bf16 or int8).
+//
+// For `n` float elements of `b` bytes over `w` ranks, with latency L, link
+// seconds per byte s (as a ring allreduce sees it) and codec seconds per
+// element c:
+//   none : L + 2 (w-1)/w * n b s
+//   bf16 : c_bf16 n + L + 2 (w-1)/w * 2n s
+//   int8 : c_int8 n + 2L + 2 (w-1)/w * n (1 + 4/chunk) s   (all-to-all + allgather)
+// The inputs are measured, never guessed: the codecs timed once on this
+// machine, the link probed by the group's own collectives every `interval`
+// choices, and every input agreed by an allreduce MAX, so every rank computes
+// the same choice from the same numbers and their collectives match.
+//
+// Two environment variables bound it (read and agreed by every rank when the
+// group is made, backend/GroupSettings, and passed in the config):
+// XCOMM_AUTO_METHODS="none,bf16" limits the choice; XCOMM_AUTO_LINK=
+// "<latency s>,<bytes/s>" fixes the link instead of probing it (a known
+// network; tests). Codec costs are still measured and agreed.
+//
+// Rounds run on the transport the choices' collectives use, in the same
+// order on every rank (the caller runs every choice and its collectives on
+// one thread, in issue order: XcommBackend's compressed-allreduce worker, or
+// the shared-memory backend's worker for a hierarchical group's leaders).
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "common/Compression.hpp"
+
+namespace xcomm {
+
+// What the cost model needs; the same on every rank after a round.
+struct AutoInputs {
+  double latencySeconds = 0;
+  double secondsPerByte = 0;  // of a ring allreduce's link bytes
+  double bf16SecondsPerElem = 0;
+  double int8SecondsPerElem = 0;
+};
+
+// What auto did so far (xcomm's stats and the group's explanation).
+struct AutoReport {
+  int64_t rounds = 0;
+  AutoInputs inputs;
+  std::array<int64_t, 3> chosen{};  // none, bf16, int8
+  std::string last;                 // the last choice and its predictions, in words
+};
+
+class AutoCompression {
+ public:
+  // Methods auto chooses from, cheapest codec first (ties go to the earlier).
+  static constexpr std::array<Compression, 3> kMethods{Compression::kNone, Compression::kBf16,
+                                                       Compression::kInt8};
+
+  // The methods `names` name ("none", "bf16", "int8"), deduplicated, in
+  // kMethods' order; ValueError naming `source` (the variable or option that
+  // gave them) for an unknown name or an empty list.
+  static std::vector<Compression> methodsNamed(const std::vector<std::string>& names,
+                                               const std::string& source);
+
+  // `config`: the int8 chunk and auto's bounds (autoMethods, autoLink*).
+  AutoCompression(int size, const CompressionConfig& config, int64_t interval = 64);
+
+  // The methods it may choose (config.autoMethods, default all of kMethods).
+  const std::vector<Compression>& allowed() const { return allowed_; }
+
+  // Predicted seconds of `method` for `numel` elements of `elementSize` bytes.
+  static double predict(Compression method, int64_t numel, int64_t elementSize, int size,
+                        int64_t int8ChunkElems, const AutoInputs& in);
+
+  // The method for one allreduce of `numel` elements. Every `interval`-th
+  // call (the first included) first runs a round on `transport`: probe,
+  // agree. Blocking; call it on the thread that issues the op's collectives.
+  Compression choose(c10d::Backend& transport, int64_t numel, int64_t elementSize,
+                     std::chrono::milliseconds timeout);
+
+  AutoReport report() const;
+
+ private:
+  void round(c10d::Backend& transport, std::chrono::milliseconds timeout);
+  void calibrate();
+
+  int size_;
+  int64_t chunkElems_;
+  int64_t interval_;
+  std::vector<Compression> allowed_;
+  double fixedLatency_ = -1, fixedBandwidth_ = -1;  // config.autoLink*; -1: probe
+  int64_t calls_ = 0;
+  int64_t probeBytes_ = 1 << 20;
+  bool calibrated_ = false;
+  double localBf16_ = 0, localInt8_ = 0;
+  std::deque<double> readings_;    // the last three agreed seconds per byte
+  std::deque<double> agreements_;  // the last few agreement times: the least is the latency
+  std::chrono::steady_clock::time_point lastRound_;
+  mutable std::mutex mutex_;  // guards report_ (read from other threads)
+  AutoReport report_;
+};
+
+}  // namespace xcomm

@@ -1,0 +1,229 @@
+#include "collectives/compressed/CompressedAllreduce.hpp"
+
+#include <cctype>
+
+#include <c10/util/Exception.h>
+
+#include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/gloo/DirectExchange.hpp"
+#include "common/CurrentStream.hpp"
+#include "compress/cuda/CudaCodecs.hpp"
+
+namespace xcomm {
+namespace {
+
+bool isMean(const c10d::AllreduceOptions& opts) {
+  return opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+}
+
+// Bytes one rank sends in a ring allreduce of `bytes`.
+int64_t ringBytes(int64_t bytes, int size) {
+  return size > 1 ? 2 * (size - 1) * bytes / size : 0;
+}
+
+}  // namespace
+
+static_assert(CompressionConfig::kDefaultInt8ChunkElems == Int8Codec::kDefaultChunkElems,
+              "the int8 chunk default is one number");
+
+CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
+    : config_(config), size_(size), int8_(config.int8ChunkElems) {
+  config_.validate();
+  statsName_ = "ALLREDUCE_";
+  for (const char* c = compressionName(config_.method); *c; ++c) {
+    statsName_ += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+  }
+  if (config_.method == Compression::kAuto) {
+    auto_ = std::make_unique<AutoCompression>(size, config_);
+  }
+}
+
+CompressedAllreduce::~CompressedAllreduce() = default;
+
+bool CompressedAllreduce::applies(const std::vector<at::Tensor>& tensors,
+                                  const c10d::AllreduceOptions& opts) const {
+  if (config_.method == Compression::kNone || tensors.size() != 1 || size_ < 2) {
+    return false;
+  }
+  const auto& t = tensors[0];
+  const auto op = opts.reduceOp.op_;
+  const bool eligible = t.layout() == at::kStrided &&
+                        (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) &&
+                        (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
+                        t.numel() * t.element_size() >= config_.minBytes && t.numel() > 0;
+  if (!eligible || t.device().is_cpu()) return eligible;
+  if (!t.is_cuda()) return false;
+  // On a GPU: the casts are ATen ops plus NCCL's own low-precision SUM; int8
+  // runs xcomm's CUDA kernels between two NCCL collectives.
+  if (isCast(config_.method)) return true;
+  if (config_.method == Compression::kInt8 && cuda::codecsBuilt()) return true;
+  TORCH_WARN_ONCE("xcomm: ", compressionName(config_.method), " allreduce compression ",
+                  config_.method == Compression::kAuto
+                      ? "chooses for CPU tensors only"
+                      : "needs xcomm built with its CUDA kernels (a CUDA toolkit at build time)",
+                  "; CUDA tensors are reduced uncompressed by NCCL. "
+                  "Options(compression=\"bf16\") compresses them.");
+  return false;
+}
+
+int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor) const {
+  return payloadBytes(tensor, config_.method);
+}
+
+int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor, Compression method) const {
+  switch (method) {
+    case Compression::kInt8:
+      return size_ * int8_.packedBytes(int8_.shardElems(tensor.numel(), size_));
+    case Compression::kFp16:
+    case Compression::kBf16:
+      return tensor.numel() * 2;
+    default:  // none; auto, not known before it chose
+      return tensor.numel() * tensor.element_size();
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(c10d::Backend& transport,
+                                                          const at::Tensor& tensor,
+                                                          const c10d::AllreduceOptions& opts,
+                                                          std::function<void()>& finalize) {
+  TORCH_INTERNAL_ASSERT(issuesOnCaller(tensor), "xcomm: ", compressionName(config_.method),
+                        " allreduce of this tensor runs on the compression worker");
+  if (config_.method == Compression::kInt8) return startInt8(transport, tensor, opts, finalize);
+  return startCast(transport, tensor, opts, finalize, config_.method);
+}
+
+void CompressedAllreduce::count(const at::Tensor& tensor, int64_t sentBytes) {
+  counters_->calls++;
+  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_->linkBytesSent += sentBytes;
+}
+
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
+                                                              const at::Tensor& tensor,
+                                                              const c10d::AllreduceOptions& opts,
+                                                              std::function<void()>& finalize,
+                                                              Compression method) {
+  const auto low = method == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+  at::Tensor scaled = isMean(opts) ? tensor.div(size_) : tensor;
+  std::vector<at::Tensor> wire{scaled.to(low).contiguous()};
+  c10d::AllreduceOptions sumOpts = opts;
+  sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+  auto work = transport.allreduce(wire, sumOpts);
+  count(tensor, ringBytes(wire[0].numel() * wire[0].element_size(), size_));
+  finalize = [tensor, low = wire[0]]() mutable {
+    tensor.copy_(low);
+    usedOnCurrentStream({low});
+  };
+  return work;
+}
+
+Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor& tensor,
+                                     const c10d::AllreduceOptions& opts) {
+  const Compression method =
+      auto_ ? auto_->choose(transport, tensor.numel(), tensor.element_size(), opts.timeout)
+            : config_.method;
+  switch (method) {
+    case Compression::kInt8:
+      runInt8(transport, tensor, opts);
+      break;
+    case Compression::kFp16:
+    case Compression::kBf16: {
+      std::function<void()> finalize;
+      startCast(transport, tensor, opts, finalize, method)->wait();
+      finalize();
+      break;
+    }
+    default: {  // none: Gloo has no AVG, so a SUM, then the division
+      at::Tensor flat = tensor.is_contiguous() ? tensor : tensor.contiguous();
+      std::vector<at::Tensor> one{flat};
+      c10d::AllreduceOptions sum = opts;
+      sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+      transport.allreduce(one, sum)->wait();
+      if (isMean(opts)) flat.div_(size_);
+      if (!tensor.is_contiguous()) tensor.copy_(flat);
+      count(tensor, ringBytes(tensor.numel() * tensor.element_size(), size_));
+    }
+  }
+  return method;
+}
+
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& transport,
+                                                              const at::Tensor& tensor,
+                                                              const c10d::AllreduceOptions& opts,
+                                                              std::function<void()>& finalize) {
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  const int64_t shard = int8_.shardElems(flat.numel(), size_);
+  at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
+  at::Tensor received = at::empty_like(packed);
+  std::vector<int64_t> even;  // equal splits
+  c10d::AllToAllOptions a2a;
+  a2a.timeout = opts.timeout;
+  // For CUDA tensors this makes the current stream wait for NCCL's, and
+  // returns at once (CPU tensors take runInt8's messages instead).
+  transport.alltoall_base(received, packed, even, even, a2a)->wait();
+
+  // float32 sum in rank order, the mean's division, quantization: one pass.
+  at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
+  at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
+  c10d::AllgatherOptions ag;
+  ag.timeout = opts.timeout;
+  auto work = transport._allgather_base(gathered, mine, ag);
+  count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
+  finalize = [codec = int8_, gathered, mine, shard, flat, tensor]() mutable {
+    codec.unpackAll(gathered, shard, flat);
+    if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+    usedOnCurrentStream({gathered, mine, flat});
+  };
+  return work;
+}
+
+namespace {
+
+// The limit of an op on `transport`: the op's own, else the backend's.
+std::chrono::milliseconds limitOf(c10d::Backend& transport, std::chrono::milliseconds requested) {
+  if (requested != c10d::kUnsetTimeout) return requested;
+  try {
+    if (auto options = transport.getBackendOptions()) return options->timeout;
+  } catch (const c10::Error&) {
+    // a backend without options: c10d's default below
+  }
+  return std::chrono::minutes(30);
+}
+
+}  // namespace
+
+void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,
+                                  const c10d::AllreduceOptions& opts) {
+  // On the CPU the all-to-all and all-gather go as point-to-point messages
+  // on the transport (a group of this algorithm's own, so its tags are
+  // free): Gloo's own collectives fill a rate-limited link only about half
+  // (collectives/gloo/DirectExchange.hpp).
+  if (!tensor.device().is_cpu()) {
+    std::function<void()> finalize;
+    startInt8(transport, tensor, opts, finalize)->wait();
+    finalize();
+    return;
+  }
+  const int rank = transport.getRank();
+  DirectExchange direct(
+      c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&transport),
+      /*tag=*/3, rank, size_);
+  const auto limit = limitOf(transport, opts.timeout);
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  const int64_t shard = int8_.shardElems(flat.numel(), size_);
+  at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
+  at::Tensor received = at::empty_like(packed);
+  const std::vector<int64_t> rowBytes(size_, packed.size(1));
+  DirectExchange::waitAll(direct.postAlltoall(received, packed, rowBytes, rowBytes),
+                          "all_reduce (int8, all-to-all)", "rank", deadline, limit);
+  at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
+  at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
+  DirectExchange::waitAll(direct.postAllgather(gathered, mine), "all_reduce (int8, all-gather)",
+                          "rank", deadline, limit);
+  count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
+  int8_.unpackAll(gathered, shard, flat);
+  if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
+}
+
+}  // namespace xcomm

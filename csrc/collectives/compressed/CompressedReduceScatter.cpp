@@ -1,0 +1,105 @@
+#include "collectives/compressed/CompressedReduceScatter.hpp"
+
+#include <cctype>
+
+#include <c10/util/Exception.h>
+
+#include "common/CurrentStream.hpp"
+#include "compress/cuda/CudaCodecs.hpp"
+
+namespace xcomm {
+namespace {
+
+// Bytes one rank sends in an all-to-all of a `bytes` send buffer.
+int64_t alltoallBytes(int64_t bytes, int size) {
+  return size > 1 ? (size - 1) * bytes / size : 0;
+}
+
+}  // namespace
+
+CompressedReduceScatter::CompressedReduceScatter(CompressionConfig config, int size,
+                                                 std::shared_ptr<CompressionCounters> counters)
+    : config_(config), size_(size), int8_(config.int8ChunkElems), counters_(std::move(counters)) {
+  config_.validate();
+  TORCH_CHECK(counters_, "xcomm: CompressedReduceScatter needs its group's counters");
+  statsName_ = "REDUCE_SCATTER_";
+  for (const char* c = compressionName(config_.method); *c; ++c) {
+    statsName_ += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
+  }
+}
+
+bool CompressedReduceScatter::applies(const at::Tensor& input,
+                                      const c10d::ReduceScatterOptions& opts) const {
+  // auto chooses per allreduce only: its reduce-scatters go uncompressed.
+  if (config_.method == Compression::kNone || config_.method == Compression::kAuto || size_ < 2) {
+    return false;
+  }
+  const auto op = opts.reduceOp.op_;
+  const bool eligible = input.layout() == at::kStrided &&
+                        (input.scalar_type() == at::kFloat || input.scalar_type() == at::kDouble) &&
+                        (op == c10d::ReduceOp::SUM || op == c10d::ReduceOp::AVG) &&
+                        input.numel() > 0 &&
+                        input.numel() * input.element_size() >= config_.minBytes;
+  if (!eligible || input.device().is_cpu()) return eligible;
+  // A CUDA input takes the casts (ATen ops and NCCL's all-to-all) and, where
+  // xcomm's CUDA kernels are built, int8's row codec on the device.
+  if (!input.is_cuda()) return false;
+  if (isCast(config_.method) || cuda::codecsBuilt()) return true;
+  TORCH_WARN_ONCE(
+      "xcomm: int8 reduce-scatter compression needs xcomm built with its CUDA kernels (a CUDA "
+      "toolkit at build time); CUDA tensors are reduce-scattered uncompressed by NCCL.");
+  return false;
+}
+
+int64_t CompressedReduceScatter::payloadBytes(const at::Tensor& input) const {
+  if (config_.method == Compression::kInt8) {
+    return size_ * int8_.packedBytes(int8_.rowElems(input.numel(), size_));
+  }
+  return input.numel() * 2;  // fp16 / bf16
+}
+
+c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
+    c10d::Backend& transport, const at::Tensor& output, const at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts, std::function<void()>& finalize) {
+  const int64_t n = input.numel();
+  const int64_t rowElems = n / size_;
+  const bool mean = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+  at::Tensor wire;
+  if (config_.method == Compression::kInt8) {
+    wire = int8_.packRows(input, size_, nullptr, 0);  // [size, bytes per row]
+  } else {
+    const auto low = config_.method == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+    wire = input.reshape({size_, rowElems}).to(low).contiguous();
+  }
+  at::Tensor received = at::empty_like(wire);
+  std::vector<int64_t> even;  // equal splits along dim 0: row j to rank j
+  c10d::AllToAllOptions a2a;
+  a2a.timeout = opts.timeout;
+  auto work = transport.alltoall_base(received, wire, even, even, a2a);
+  counters_->calls++;
+  counters_->linkBytesBefore += alltoallBytes(n * input.element_size(), size_);
+  counters_->linkBytesSent += alltoallBytes(wire.numel() * wire.element_size(), size_);
+
+  if (config_.method == Compression::kInt8) {
+    const int64_t padded = int8_.rowElems(n, size_);
+    finalize = [codec = int8_, output, received, wire, padded, rowElems, mean,
+                size = size_]() mutable {
+      at::Tensor total = codec.reduceShards(received, padded).narrow(0, 0, rowElems);
+      if (mean) total.div_(size);
+      output.copy_(total.view(output.sizes()));
+      usedOnCurrentStream({received, wire});
+    };
+  } else {
+    finalize = [output, received, wire, mean, size = size_]() mutable {
+      // In the output's precision, rank order: the same bits on every run.
+      at::Tensor total = received[0].to(output.scalar_type());
+      for (int j = 1; j < size; ++j) total.add_(received[j]);
+      if (mean) total.div_(size);
+      output.copy_(total.view(output.sizes()));
+      usedOnCurrentStream({received, wire});
+    };
+  }
+  return work;
+}
+
+}  // namespace xcomm
