@@ -24,9 +24,18 @@ feedback, and the rate (bucket bytes / time) is set beside the machine's copy
 bandwidth (``dst.copy_(src)`` of the same bucket, same run, same threads).
 The target is at least 25% of the single-core copy rate for every method.
 
+With ``--inputs`` it times every method on gradients unlike ``torch.randn``
+(one ``--inputs-size`` bucket, ``--inputs-threads`` threads), xcomm beside the
+same codec in torch ops and beside a copy, all taking turns in one run:
+``zeros`` (99.7% exact zeros), ``ties`` (every element equal), ``rows`` (an
+embedding gradient: 0.5% of its 64-wide rows nonzero), and each of those
+with ``+res``, a small dense residual added (what error feedback leaves
+behind once any step was dense). ``all`` names every input.
+
 Example::
 
     python -m xcomm_bench codecs --sizes 1M,4M,16M --out bench-results/codecs
+    python -m xcomm_bench codecs --sizes "" --throughput-size "" --inputs all
 """
 
 from __future__ import annotations
@@ -43,10 +52,52 @@ import torch
 
 from xcomm import _C
 
-__all__ = ["main", "measure"]
+__all__ = ["INPUTS", "main", "make_input", "measure", "measure_inputs"]
 
 CHUNK = 1024
 DENSITY = 0.01
+
+
+# -- inputs ------------------------------------------------------------------
+
+ROW = 64  # the embedding dimension of the "rows" input
+NONZERO = 0.003  # "zeros": the fraction of elements that are not exactly zero
+ROWS_TOUCHED = 0.005  # "rows": the fraction of rows a batch touched
+RESIDUAL = 1e-3  # "+res": the residual's scale against the gradient's unit scale
+INPUTS = ("randn", "zeros", "ties", "rows", "zeros+res", "ties+res", "rows+res")
+
+
+def make_input(name: str, numel: int, gen: torch.Generator) -> torch.Tensor:
+    """One float32 bucket of ``numel`` elements shaped like a kind of gradient.
+
+    >>> x = make_input("zeros", 100_000, torch.Generator().manual_seed(0))
+    >>> int((x != 0).sum())
+    300
+    """
+    base, _, extra = name.partition("+")
+    if base == "randn":
+        flat = torch.randn(numel, generator=gen)
+    elif base == "zeros":
+        flat = torch.zeros(numel)
+        hit = torch.randperm(numel, generator=gen)[: max(1, round(NONZERO * numel))]
+        flat[hit] = torch.randn(hit.numel(), generator=gen)
+    elif base == "ties":
+        flat = torch.full((numel,), 0.25)
+    elif base == "rows":
+        if numel % ROW:
+            raise ValueError(f"'rows' needs a bucket of whole {ROW}-wide rows, got {numel}")
+        table = torch.zeros(numel // ROW, ROW)
+        rows = torch.randperm(table.size(0), generator=gen)
+        rows = rows[: max(1, round(ROWS_TOUCHED * table.size(0)))]
+        table[rows] = torch.randn(rows.numel(), ROW, generator=gen)
+        flat = table.view(-1)
+    else:
+        raise ValueError(f"unknown input {name!r}; choose from {', '.join(INPUTS)}")
+    if extra == "res":
+        flat += RESIDUAL * torch.randn(numel, generator=gen)
+    elif extra:
+        raise ValueError(f"unknown input {name!r}; choose from {', '.join(INPUTS)}")
+    return flat
 
 
 # -- plain torch versions of the same codecs (the baseline) ------------------
@@ -244,6 +295,95 @@ def measure_throughput(numel: int, threads: int, world: int, reps: int) -> list[
     return rows
 
 
+def measure_inputs(
+    numel: int, inputs: list[str], threads: int, world: int, reps: int
+) -> list[dict]:
+    """Rows (input, method, impl, ms) of every method on each input.
+
+    Per input, fresh codecs (so no residual carries over from another input);
+    the copy, xcomm's codecs and their torch-ops versions take turns
+    repetition by repetition, so a busy moment slows them alike.
+    """
+    torch.set_num_threads(threads)
+    rows = []
+    for name in inputs:
+        for (method, impl), ts in _time_input(name, numel, world, reps).items():
+            rows.append(
+                {
+                    "input": name,
+                    "numel": numel,
+                    "threads": threads,
+                    "method": method,
+                    "impl": impl,
+                    "ms": 1000 * statistics.median(ts),
+                    "isa": _C.codec_kernels_isa(),
+                }
+            )
+    return rows
+
+
+def _time_input(name: str, numel: int, world: int, reps: int) -> dict[tuple[str, str], list]:
+    gen = torch.Generator().manual_seed(2)
+    flat = make_input(name, numel, gen)
+    out = torch.empty_like(flat)
+    k = max(1, math.ceil(DENSITY * numel))
+    residuals = [torch.zeros_like(flat) for _ in range(3)]
+    int8, feedback = _C.Int8Codec(CHUNK), _C.ErrorFeedback()
+    topk = _C.TopKCodec(False, True, 4096, 0)
+    randk = _C.RandomKCodec(0, True)
+    steps = iter(range(10**9))
+    half = torch.empty(numel, dtype=torch.float16)
+    bf16 = torch.empty(numel, dtype=torch.bfloat16)
+    impls: dict[tuple[str, str], Callable[[], object]] = {
+        ("copy", "torch"): lambda: out.copy_(flat),
+        ("int8 + EF", "xcomm"): lambda: xcomm_int8(int8, feedback, flat, world, out),
+        ("int8 + EF", "torch ops"): lambda: torch_int8(flat, residuals[0], world, out),
+        ("top-k 1% + EF", "xcomm"): lambda: xcomm_topk(topk, flat, k, world, out),
+        ("top-k 1% + EF", "torch ops"): lambda: torch_topk(flat, residuals[1], k, world, out),
+        ("random-k 1% + EF", "xcomm"): lambda: xcomm_randomk(randk, flat, next(steps), world, out),
+        ("random-k 1% + EF", "torch ops"): lambda: torch_randomk(
+            flat, residuals[2], k, world, out, gen
+        ),
+        ("fp16 cast", "torch"): lambda: (half.copy_(flat), out.copy_(half)),
+        ("bf16 cast", "torch"): lambda: (bf16.copy_(flat), out.copy_(bf16)),
+    }
+    seconds: dict[tuple[str, str], list[float]] = {key: [] for key in impls}
+    for fn in impls.values():
+        fn()  # warm-up: allocations, first touch
+    for _ in range(reps):
+        for key, fn in impls.items():
+            t0 = time.perf_counter()
+            fn()
+            seconds[key].append(time.perf_counter() - t0)
+    return seconds
+
+
+def format_inputs(rows: list[dict]) -> str:
+    """Markdown: ms per method (rows) and input (columns), the worst input
+    against randn, and the ratio to torch ops and to the copy on that input."""
+    inputs = list(dict.fromkeys(r["input"] for r in rows))
+    ms = {(r["method"], r["impl"], r["input"]): r["ms"] for r in rows}
+    keys = list(dict.fromkeys((r["method"], r["impl"]) for r in rows))
+    head = " | ".join(f"{name} ms" for name in inputs)
+    lines = [
+        f"| method | impl | {head} | worst / randn | worst input / copy | torch ops / xcomm (worst) |",
+        "|---|---|" + "---:|" * (len(inputs) + 3),
+    ]
+    for method, impl in keys:
+        times = [ms[(method, impl, name)] for name in inputs]
+        worst = max(range(len(inputs)), key=lambda i: times[i])
+        base = ms.get((method, impl, "randn"), float("nan"))
+        copy = ms[("copy", "torch", inputs[worst])]
+        torch_ms = ms.get((method, "torch ops", inputs[worst]))
+        vs_torch = f"{torch_ms / times[worst]:.1f}x" if torch_ms and impl == "xcomm" else ""
+        cells = " | ".join(f"{t:.2f}" for t in times)
+        lines.append(
+            f"| {method} | {impl} | {cells} | {times[worst] / base:.2f} ({inputs[worst]}) | "
+            f"{times[worst] / copy:.1f} | {vs_torch} |"
+        )
+    return "\n".join(lines)
+
+
 TARGET_RATIO = 0.25
 
 
@@ -340,6 +480,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--throughput-size", default="16M", help="bucket for the GB/s table ('' skips)")
     p.add_argument("--threads-list", default="1,2", help="thread counts of the GB/s table")
+    p.add_argument(
+        "--inputs",
+        default="",
+        help=f"inputs of the per-input table, comma-separated, or 'all' ({', '.join(INPUTS)}); "
+        "'' skips it",
+    )
+    p.add_argument("--inputs-size", default="4M", help="bucket of the per-input table")
+    p.add_argument("--inputs-threads", type=int, default=1, help="torch threads of that table")
     args = p.parse_args(argv)
     default_threads = torch.get_num_threads()
     if args.threads:
@@ -375,4 +523,19 @@ def main(argv: list[str] | None = None) -> int:
         (out / "throughput.md").write_text(table + "\n")
         plot_throughput(tput, out / "throughput.png")
         print(f"plot: {out / 'throughput.png'}")
+    if args.inputs:
+        names = list(INPUTS) if args.inputs == "all" else args.inputs.split(",")
+        numel = _parse_size(args.inputs_size)
+        for name in names:  # a bad name fails now, not after the other tables' minutes
+            make_input(name, ROW, torch.Generator())
+        per_input = measure_inputs(numel, names, args.inputs_threads, args.world, args.reps)
+        torch.set_num_threads(args.threads or default_threads)
+        table = format_inputs(per_input)
+        print(
+            f"inputs: {numel:,} float32, {args.inputs_threads} thread(s), world {args.world}, "
+            f"median of {args.reps}, kernels {_C.codec_kernels_isa()}"
+        )
+        print(table)
+        (out / "inputs.json").write_text(json.dumps(per_input, indent=1))
+        (out / "inputs.md").write_text(table + "\n")
     return 0

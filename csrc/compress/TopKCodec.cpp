@@ -30,37 +30,45 @@ bool onCudaKernels(const at::Tensor& t) {
   return t.is_cuda() && cuda::codecsBuilt() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
 
-// Runs the scan kernel over [0, n) in blocks and leaves the passing
-// (index, value) pairs in `out`, in index order; returns how many passed.
+// Runs the scan kernel over [0, n) in blocks and leaves the (index, value)
+// pairs above the threshold in `out`, in index order, and each block's count
+// of entries equal to it in scratch.ties; returns how many were above.
 // Each block writes into its own stretch of the scratch, sized from `expect`
 // (how many should pass in all) with a margin; a block that overflows is
 // rescanned read-only into a buffer of its own.
 int64_t scanAll(const float* src, float* residual, int64_t n, uint32_t threshold, int64_t expect,
-                TopKScratch& scratch, TopKCandidates& out) {
+                TopKScratch& scratch, TopKCandidates& out, TopKSelection& stats) {
   const auto& kern = kernels::codecKernels();
   const int64_t blocks = (n + kScanBlock - 1) / kScanBlock;
   const int64_t blockCap = std::min<int64_t>(kScanBlock, 2 * expect * kScanBlock / n + 256);
   scratch.indices.resize(std::max<size_t>(scratch.indices.size(), blocks * blockCap));
   scratch.values.resize(std::max<size_t>(scratch.values.size(), blocks * blockCap));
   scratch.counts.assign(blocks, 0);
+  scratch.ties.assign(blocks, 0);
   std::vector<TopKCandidates> overflow(blocks);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kScanBlock, hi = std::min(n, lo + kScanBlock);
       int64_t count =
           kern.topkScan(src, residual, lo, hi, threshold, scratch.indices.data() + b * blockCap,
-                        scratch.values.data() + b * blockCap, blockCap);
+                        scratch.values.data() + b * blockCap, blockCap, &scratch.ties[b]);
       if (count > blockCap) {  // the values are final now (in residual, if any): rescan
         overflow[b].indices.resize(count);
         overflow[b].values.resize(count);
+        int64_t ties = 0;
         kern.topkScan(residual ? residual : src, nullptr, lo, hi, threshold,
-                      overflow[b].indices.data(), overflow[b].values.data(), count);
+                      overflow[b].indices.data(), overflow[b].values.data(), count, &ties);
       }
       scratch.counts[b] = count;
     }
   });
   int64_t total = 0;
-  for (int64_t c : scratch.counts) total += c;
+  for (int64_t b = 0; b < blocks; ++b) {
+    total += scratch.counts[b];
+    if (scratch.counts[b] > blockCap) {
+      stats.reread += std::min(n, (b + 1) * kScanBlock) - b * kScanBlock;
+    }
+  }
   out.indices.resize(total);
   out.values.resize(total);
   int64_t at = 0;
@@ -74,7 +82,27 @@ int64_t scanAll(const float* src, float* residual, int64_t n, uint32_t threshold
     std::copy(val, val + c, out.values.begin() + at);
     at += c;
   }
+  stats.candidates += total;
   return total;
+}
+
+// The indices of the first `need` entries of values[0, n) whose key is
+// `key`, ascending, into `out`: only blocks the scan counted ties in are
+// read, each only up to the last tie taken.
+void collectTies(const float* values, int64_t n, uint32_t key, int64_t need,
+                 const TopKScratch& scratch, std::vector<int32_t>& out, TopKSelection& stats) {
+  const auto& kern = kernels::codecKernels();
+  out.resize(need);
+  int64_t got = 0;
+  for (size_t b = 0; b < scratch.ties.size() && got < need; ++b) {
+    if (scratch.ties[b] == 0) continue;
+    const int64_t lo = static_cast<int64_t>(b) * kScanBlock, hi = std::min(n, lo + kScanBlock);
+    const int64_t want = need - got;
+    const int64_t c = kern.topkTies(values, lo, hi, key, out.data() + got, want);
+    stats.reread += c == want ? out[got + c - 1] + 1 - lo : hi - lo;
+    got += c;
+  }
+  TORCH_CHECK(got == need, "xcomm: internal error: top-k found ", got, " of ", need, " ties");
 }
 
 // The key of the k-th largest magnitude among `keys` (k <= keys.size()).
@@ -169,6 +197,7 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
                                   ErrorFeedback* fb) {
   const int64_t n = flat.numel();
   k = std::min<int64_t>(k, n);
+  selection_ = TopKSelection{};
   const float* src = flat.data_ptr<float>();
   at::Tensor residual;
   bool seeded = false;
@@ -180,54 +209,78 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
   TopKCandidates& cand = candidates_;              // reused memory; no candidates yet
   cand.indices.clear();
   cand.values.clear();
-  bool scanned = false;
-  if (k > 0 && k < n && n > 4 * sampleSize_) {
-    const uint32_t t = sampleThreshold(seeded ? res : src, seeded ? nullptr : res, n, k);
-    const int64_t count =
-        scanAll(seeded ? res : src, seeded ? nullptr : res, n, t, 3 * k / 2, scratch_, cand);
-    scanned = true;
-    if (count < k) {  // the sample overshot: the exact route below
-      cand.indices.clear();
-      cand.values.clear();
-    }
-  }
-  if (k > 0 && static_cast<int64_t>(cand.indices.size()) < k) {
-    if (!scanned && (fb != nullptr) && !seeded) {
-      kernels::codecKernels().addInto(src, res, 0, n);  // residual += input
-    }
-    std::vector<uint32_t> keys(n);
-    at::parallel_for(0, n, kScanBlock, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) keys[i] = kernels::magnitudeKey(acc[i]);
-    });
-    const uint32_t t = kthLargestKey(std::move(keys), k);
-    scanAll(acc, nullptr, n, t, k, scratch_, cand);
-  } else if (k == 0 && (fb != nullptr) && !seeded) {
-    kernels::codecKernels().addInto(src, res, 0, n);
-  }
-  // Trim the candidates (index order, all >= the k-th key) to exactly k:
-  // every key above the k-th, then ties at it by lowest index.
-  const int64_t m = static_cast<int64_t>(cand.indices.size());
-  std::vector<uint32_t> keys(m);
-  for (int64_t i = 0; i < m; ++i) keys[i] = kernels::magnitudeKey(cand.values[i]);
-  const uint32_t kth = k > 0 ? kthLargestKey(keys, k) : 0;
-  int64_t above = 0;
-  for (uint32_t key32 : keys) above += key32 > kth;
-  int64_t ties = k - above;
   const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
   at::Tensor packed = at::empty({packedBytes(k, at::kFloat)}, at::kByte);
   int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
   float* outVal = reinterpret_cast<float*>(packed.data_ptr<uint8_t>() + idxBytes);
-  int64_t j = 0;
-  for (int64_t i = 0; i < m && j < k; ++i) {
-    // Branch-free, as in the scan: write, then advance when kept.
-    const bool tie = keys[i] == kth && ties > 0;
-    const bool take = keys[i] > kth || tie;
-    ties -= tie;
-    outIdx[j] = cand.indices[i];
-    outVal[j] = cand.values[i];
-    j += take;
+  bool scanned = false, selected = false;
+  uint32_t t = 0;    // the threshold of the last scan: cand holds the keys above it
+  int64_t tied = 0;  // and this many entries are equal to it
+  if (k > 0 && k < n && n > 4 * sampleSize_) {
+    t = sampleThreshold(seeded ? res : src, seeded ? nullptr : res, n, k);
+    scanAll(seeded ? res : src, seeded ? nullptr : res, n, t, 3 * k / 2, scratch_, cand,
+            selection_);
+    scanned = true;
+    for (int64_t c : scratch_.ties) tied += c;
+    // Fewer than k at or above the sampled key: it overshot (rare; the
+    // exact route below gives the same answer).
+    selected = static_cast<int64_t>(cand.indices.size()) + tied >= k;
   }
-  TORCH_CHECK(j == k, "xcomm: internal error: top-k selected ", j, " of ", k);
+  if (k > 0 && !selected) {
+    if (!scanned && (fb != nullptr) && !seeded) {
+      kernels::codecKernels().addInto(src, res, 0, n);  // residual += input
+    }
+    if (k == n) {  // everything is sent, in index order
+      for (int64_t i = 0; i < n; ++i) {
+        outIdx[i] = static_cast<int32_t>(i);
+        outVal[i] = acc[i];
+      }
+      if ((fb != nullptr)) std::fill(res, res + n, 0.f);
+      return packed;
+    }
+    selection_.exact = true;
+    std::vector<uint32_t> keys(n);
+    at::parallel_for(0, n, kScanBlock, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) keys[i] = kernels::magnitudeKey(acc[i]);
+    });
+    t = kthLargestKey(std::move(keys), k);
+    scanAll(acc, nullptr, n, t, k, scratch_, cand, selection_);
+  } else if (k == 0 && (fb != nullptr) && !seeded) {
+    kernels::codecKernels().addInto(src, res, 0, n);
+  }
+  const int64_t m = static_cast<int64_t>(cand.indices.size());
+  if (m >= k) {
+    // Trim the candidates (index order, all above t) to exactly k: every key
+    // above the k-th, then ties at it by lowest index.
+    std::vector<uint32_t> keys(m);
+    for (int64_t i = 0; i < m; ++i) keys[i] = kernels::magnitudeKey(cand.values[i]);
+    const uint32_t kth = k > 0 ? kthLargestKey(keys, k) : 0;
+    int64_t above = 0;
+    for (uint32_t key32 : keys) above += key32 > kth;
+    int64_t ties = k - above;
+    int64_t j = 0;
+    for (int64_t i = 0; i < m && j < k; ++i) {
+      // Branch-free, as in the scan: write, then advance when kept.
+      const bool tie = keys[i] == kth && ties > 0;
+      const bool take = keys[i] > kth || tie;
+      ties -= tie;
+      outIdx[j] = cand.indices[i];
+      outVal[j] = cand.values[i];
+      j += take;
+    }
+    TORCH_CHECK(j == k, "xcomm: internal error: top-k selected ", j, " of ", k);
+  } else {
+    // t is the k-th key: every candidate goes, and the k - m entries equal
+    // to t of lowest index, merged in index order.
+    collectTies(acc, n, t, k - m, scratch_, tieIndices_, selection_);
+    int64_t a = 0, b = 0;
+    for (int64_t j = 0; j < k; ++j) {
+      const bool fromCand = b == k - m || (a < m && cand.indices[a] < tieIndices_[b]);
+      const int32_t i = fromCand ? cand.indices[a++] : tieIndices_[b++];
+      outIdx[j] = i;
+      outVal[j] = acc[i];
+    }
+  }
   if ((fb != nullptr)) {
     for (int64_t i = 0; i < k; ++i) res[outIdx[i]] = 0.f;  // sent: nothing left behind
   }

@@ -9,11 +9,15 @@
 // Selection always yields the exact top-k by magnitude (ties: the lower
 // index wins; NaN ranks above Inf, so it is sent rather than buried). For
 // float32 buckets it takes one fused pass: a magnitude threshold is
-// estimated from a random sample (as in DGC), the pass adds the residual and
-// collects the entries at or above it, and a selection over those few trims
-// the set to exactly k. A sample that overshoots costs a second pass, never
-// a different answer. `approximate` is kept for the API: it only decided,
-// before the fused pass existed, whether small buckets used the sample.
+// estimated from a random sample (as in DGC), the pass adds the residual,
+// collects the entries above it and counts those equal to it, and a
+// selection over those few trims the set to exactly k. When the threshold
+// is itself the k-th magnitude (a gradient of mostly exact zeros, or of
+// equal values), the entries equal to it are taken by lowest index from
+// the blocks that hold them, reading no further than the last one taken.
+// A sample that overshoots costs a second pass, never a different answer.
+// `approximate` is kept for the API: it only decided, before the fused pass
+// existed, whether small buckets used the sample.
 #include <cstdint>
 #include <vector>
 
@@ -33,6 +37,16 @@ struct TopKScratch {
   std::vector<int32_t> indices;
   std::vector<float> values;
   std::vector<int64_t> counts;
+  std::vector<int64_t> ties;  // per block: entries equal to the threshold
+};
+
+// What the last float32 CPU selection did, beyond its one fused pass over
+// the bucket (for tests and benchmarks: the work must not grow with how many
+// entries share a magnitude).
+struct TopKSelection {
+  int64_t candidates = 0;  // (index, value) pairs the scans collected
+  int64_t reread = 0;      // elements read again: overflowing blocks, ties taken
+  bool exact = false;      // the full selection over every element ran
 };
 
 class TopKCodec {
@@ -58,6 +72,8 @@ class TopKCodec {
   bool hasErrorFeedback() const { return useFeedback_; }
   // The sampling generator's state, so a resumed run samples the same.
   at::Tensor rngState() const { return generator_.get_state(); }
+  // The last float32 CPU encode's selection work.
+  const TopKSelection& lastSelection() const { return selection_; }
   void setRngState(const at::Tensor& state) { generator_.set_state(state); }
 
  private:
@@ -76,6 +92,8 @@ class TopKCodec {
   ErrorFeedback feedback_;
   TopKScratch scratch_;
   TopKCandidates candidates_;
+  std::vector<int32_t> tieIndices_;
+  TopKSelection selection_;
 };
 
 }  // namespace xcomm

@@ -1,6 +1,10 @@
 // Codecs: round-trip error bounds, error-feedback conservation, determinism
 // and edge cases, against the arithmetic each codec promises.
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -8,6 +12,7 @@
 #include "compress/Int8Codec.hpp"
 #include "compress/RandomKCodec.hpp"
 #include "compress/TopKCodec.hpp"
+#include "compress/kernels/CodecKernels.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
@@ -30,6 +35,60 @@ at::Tensor int8Bound(const at::Tensor& x, int64_t chunk) {
   p.narrow(0, 0, n).copy_(x);
   auto absmax = std::get<0>(p.abs().view({-1, chunk}).max(1));
   return (absmax / 127.0 / 2.0).repeat_interleave(chunk).narrow(0, 0, n) + 1e-7;
+}
+
+// Gradients unlike randn, as real models give them.
+// `nonzero` of the elements drawn from randn at random positions, the rest exact zeros.
+at::Tensor zeroHeavy(int64_t n, double nonzero, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto x = at::zeros({n});
+  auto pos = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong))
+                 .narrow(0, 0, std::max<int64_t>(1, std::llround(nonzero * n)));
+  x.index_copy_(0, pos, at::randn({pos.numel()}, gen, at::TensorOptions().dtype(at::kFloat)));
+  return x;
+}
+
+// An embedding table's gradient, flat: `touched` of its `dim`-wide rows nonzero.
+at::Tensor rowSparse(int64_t rows, int64_t dim, double touched, uint64_t seed) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  auto table = at::zeros({rows, dim});
+  auto hit = at::randperm(rows, gen, at::TensorOptions().dtype(at::kLong))
+                 .narrow(0, 0, std::max<int64_t>(1, std::llround(touched * rows)));
+  table.index_copy_(0, hit,
+                    at::randn({hit.numel(), dim}, gen, at::TensorOptions().dtype(at::kFloat)));
+  return table.view({-1});
+}
+
+// The inputs the robustness tests share, 1M elements each.
+std::vector<std::pair<std::string, at::Tensor>> unevenGradients() {
+  return {{"99.7% zeros", zeroHeavy(1 << 20, 0.003, 1)},
+          {"all equal", at::full({1 << 20}, 0.25f)},
+          {"0.5% of 64-wide rows", rowSparse(1 << 14, 64, 0.005, 2)}};
+}
+
+at::Tensor bits(const at::Tensor& t) {
+  return t.contiguous().view(at::kInt);
+}
+
+// A top-k payload against plain arithmetic on `acc` (input + residual):
+// exactly k ascending indices holding acc's values bit for bit, every kept
+// magnitude at least the k-th largest (torch's topk), every other at most
+// it, and among the entries equal to it, those of lowest index (the codec's
+// tie rule).
+void checkTopK(const at::Tensor& packed, const at::Tensor& acc, int64_t k) {
+  REQUIRE(packed.numel() == 8 * k);
+  auto idx = packed.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong);
+  auto vals = packed.narrow(0, 4 * k, 4 * k).view(at::kFloat);
+  CHECK(at::all(idx.narrow(0, 1, k - 1) > idx.narrow(0, 0, k - 1)).item<bool>());
+  CHECK(at::equal(bits(vals), bits(acc.index_select(0, idx))));
+  auto mag = acc.abs();
+  const float kth = std::get<0>(at::topk(mag, k)).min().item<float>();
+  auto kept = at::zeros({acc.numel()}, at::kBool).index_fill_(0, idx, true);
+  CHECK(at::all(mag.masked_select(kept) >= kth).item<bool>());
+  CHECK(at::all(mag.masked_select(kept.logical_not()) <= kth).item<bool>());
+  const int64_t above = (mag > kth).sum().item<int64_t>();
+  auto tied = at::nonzero(mag == kth).view({-1});
+  CHECK(at::equal(at::nonzero(kept & (mag == kth)).view({-1}), tied.narrow(0, 0, k - above)));
 }
 
 }  // namespace
@@ -248,4 +307,170 @@ TEST_CASE("error feedback refuses a bucket whose size changed", "[feedback]") {
   fb.store(0, at::zeros({4}));
   CHECK(at::equal(fb.compensate(0, at::ones({4})), at::ones({4})));
   CHECK_THROWS_WITH(fb.compensate(0, at::ones({5})), Contains("iteration 2"));
+}
+
+TEST_CASE("top-k on zero-heavy, tie-heavy and row-sparse gradients: the exact top k", "[topk]") {
+  for (const auto& [name, g] : unevenGradients()) {
+    const int64_t n = g.numel(), k = xcomm::TopKCodec::kFor(n, 0.01);
+    xcomm::TopKCodec codec(/*approximate=*/false, /*errorFeedback=*/true);
+    auto residual = at::zeros({n});
+    for (int step = 0; step < 3; ++step) {
+      INFO(name << ", step " << step);
+      auto acc = g + residual;
+      auto packed = codec.encode(0, g, k);
+      checkTopK(packed, acc, k);
+      // What was sent and what stays behind add up to the input, exactly.
+      auto sent = at::zeros({n});
+      codec.decode(packed.view({1, -1}), k, sent, 1.0);
+      residual =
+          acc.clone().index_fill_(0, packed.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong), 0);
+      CHECK(at::equal(bits(codec.errorFeedback().find(0)), bits(residual)));
+      CHECK(at::equal(sent + residual, acc));
+      // The selection stays a few k pairs whatever the input: a threshold
+      // that most of the bucket equals (0, or the one value) is counted, not
+      // collected (collected, every element was a candidate).
+      const auto& sel = codec.lastSelection();
+      CHECK_FALSE(sel.exact);
+      CHECK(sel.candidates <= 2 * k);
+      CHECK(sel.reread <= 3 * k + 64);
+    }
+  }
+}
+
+TEST_CASE("top-k below the nonzeros of a zero-heavy gradient, and on one tie", "[topk]") {
+  // 0.3% nonzero at 0.1% density: the k are all nonzero, no zero is sent.
+  auto g = zeroHeavy(1 << 20, 0.003, 5);
+  xcomm::TopKCodec codec(false, false);
+  const int64_t k = xcomm::TopKCodec::kFor(g.numel(), 0.001);
+  auto packed = codec.encode(0, g, k);
+  checkTopK(packed, g, k);
+  CHECK(at::all(packed.narrow(0, 4 * k, 4 * k).view(at::kFloat) != 0).item<bool>());
+  CHECK(codec.lastSelection().reread == 0);
+  // Fewer than k nonzero in all: every nonzero goes, then the first zeros.
+  auto few = zeroHeavy(1 << 20, 0.0001, 6);
+  packed = codec.encode(0, few, k);
+  checkTopK(packed, few, k);
+  CHECK(at::sum(packed.narrow(0, 4 * k, 4 * k).view(at::kFloat) != 0).item<int64_t>() ==
+        (few != 0).sum().item<int64_t>());
+  // -0 and +0 are one magnitude: the lowest indices go, each with its sign.
+  auto zeros = at::zeros({100000});
+  zeros.narrow(0, 0, 50000).fill_(-0.0f);
+  packed = codec.encode(0, zeros, 1000);
+  checkTopK(packed, zeros, 1000);
+  CHECK(at::equal(bits(packed.narrow(0, 4000, 4000).view(at::kFloat)),
+                  bits(at::full({1000}, -0.0f))));
+}
+
+TEST_CASE("top-k decode of uneven gradients is index_add in rank order, divided", "[topk]") {
+  for (const auto& [name, g] : unevenGradients()) {
+    INFO(name);
+    const int64_t n = g.numel(), k = xcomm::TopKCodec::kFor(n, 0.01);
+    xcomm::TopKCodec r0(false, true), r1(false, true);
+    auto p0 = r0.encode(0, g, k);
+    auto p1 = r1.encode(0, g * -3.0 + zeroHeavy(n, 0.01, 9), k);
+    auto out = at::empty({n});
+    r0.decode(at::stack({p0, p1}), k, out, 2.0);
+    auto ref = at::zeros({n});
+    for (const auto& p : {p0, p1}) {
+      ref.index_add_(0, p.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong),
+                     p.narrow(0, 4 * k, 4 * k).view(at::kFloat));
+    }
+    CHECK(at::equal(bits(out), bits(ref / 2.0)));
+  }
+}
+
+TEST_CASE("random-k on zero-heavy, tie-heavy and row-sparse gradients", "[randomk]") {
+  for (const auto& [name, g] : unevenGradients()) {
+    INFO(name);
+    const int64_t n = g.numel();
+    xcomm::RandomKCodec codec(11, true);
+    auto residual = at::zeros({n});
+    for (int step = 0; step < 2; ++step) {
+      auto pos = codec.positions(0, step, n, 0.01);
+      auto acc = g + residual;
+      auto values = codec.encode(0, g, pos);
+      CHECK(at::equal(bits(values), bits(acc.index_select(0, pos))));
+      residual = acc.clone().index_fill_(0, pos, 0);
+      CHECK(at::equal(bits(codec.errorFeedback().find(0)), bits(residual)));
+      auto out = at::full({n}, 7.0f);
+      codec.decode(values, pos, out, 2.0);
+      auto ref = at::zeros({n}).index_copy_(0, pos, values / 2.0);
+      CHECK(at::equal(bits(out), bits(ref)));
+    }
+  }
+}
+
+TEST_CASE("int8 on zero-heavy, tie-heavy and row-sparse gradients is the chunk arithmetic",
+          "[int8]") {
+  const int64_t chunk = 1024;
+  xcomm::Int8Codec codec(chunk);
+  for (const auto& [name, g] : unevenGradients()) {
+    INFO(name);
+    // scale = max |x| / 127 per chunk (1 where the chunk is all zero),
+    // q = round(x * (1 / scale)) ties to even, decoded q * scale.
+    auto chunks = g.view({-1, chunk});
+    auto absmax = std::get<0>(chunks.abs().max(1, true));
+    auto scale = at::where(absmax > 0, absmax / 127.0f, at::ones_like(absmax));
+    auto q = at::round(chunks * (1.0f / scale)).to(at::kChar);  // an integer: no -0
+    auto ref = (q.to(at::kFloat) * scale).view({-1});
+    CHECK(at::equal(bits(codec.roundTrip(g)), bits(ref)));
+    // With feedback: the residual keeps exactly what the shards do not carry.
+    xcomm::ErrorFeedback feedback;
+    auto packed = codec.packShardsWithFeedback(g, 2, feedback, 0);
+    auto sent = at::empty({g.numel()});
+    codec.unpackAll(packed, codec.shardElems(g.numel(), 2), sent);
+    CHECK(at::equal(bits(sent), bits(ref)));
+    CHECK(at::equal(bits(feedback.find(0)), bits(g - ref)));
+  }
+}
+
+TEST_CASE("top-k kernels: every instruction set counts ties and takes them in order",
+          "[topk][kernels]") {
+  // 0 and 2 are each shared by many entries; 3 and -3 are one magnitude.
+  const int64_t n = 1000 + 7;  // a tail past every vector width
+  std::vector<float> v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    v[i] = i % 5 == 0 ? 2.f : i % 11 == 0 ? (i % 2 ? -3.f : 3.f) : i % 13 == 0 ? 0.5f : 0.f;
+  }
+  const uint32_t two = xcomm::kernels::magnitudeKey(2.f);
+  std::vector<int32_t> wantAbove, wantTies;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t key = xcomm::kernels::magnitudeKey(v[i]);
+    if (key > two) wantAbove.push_back(static_cast<int32_t>(i));
+    if (key == two) wantTies.push_back(static_cast<int32_t>(i));
+  }
+  int tested = 0;
+  for (const char* isa : {"default", "avx2", "avx512"}) {
+    const auto* kern = xcomm::kernels::codecKernelsFor(isa);
+    if (kern == nullptr) continue;
+    INFO(isa);
+    ++tested;
+    std::vector<int32_t> idx(n);
+    std::vector<float> val(n);
+    int64_t ties = -1;
+    const int64_t count =
+        kern->topkScan(v.data(), nullptr, 0, n, two, idx.data(), val.data(), n, &ties);
+    REQUIRE(count == static_cast<int64_t>(wantAbove.size()));
+    CHECK(std::equal(wantAbove.begin(), wantAbove.end(), idx.begin()));
+    for (int64_t i = 0; i < count; ++i) CHECK(val[i] == v[idx[i]]);
+    CHECK(ties == static_cast<int64_t>(wantTies.size()));
+    // With a residual: a = src + residual is stored back, and scanned.
+    std::vector<float> res(n, 1.f);
+    kern->topkScan(v.data(), res.data(), 0, n, two, idx.data(), val.data(), n, &ties);
+    CHECK(res[0] == 3.f);
+    CHECK(ties == std::count(v.begin(), v.end(), -3.f));  // |-3 + 1| is the one 2 left
+    // Ties from an offset, capped: the first `cap` in index order.
+    for (int64_t cap :
+         {int64_t{0}, int64_t{1}, int64_t{17}, static_cast<int64_t>(wantTies.size())}) {
+      std::vector<int32_t> got(cap + 1, -1);
+      CHECK(kern->topkTies(v.data(), 0, n, two, got.data(), cap) == cap);
+      CHECK(std::equal(wantTies.begin(), wantTies.begin() + cap, got.begin()));
+      CHECK(got[cap] == -1);  // nothing written past the cap
+    }
+    std::vector<int32_t> tail(8);
+    const int64_t late = kern->topkTies(v.data(), 990, n, two, tail.data(), 8);
+    CHECK(late == 4);  // 990, 995, 1000, 1005
+    CHECK(tail[3] == 1005);
+  }
+  CHECK(tested >= 1);
 }

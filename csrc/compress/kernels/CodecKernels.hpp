@@ -41,11 +41,20 @@ struct CodecKernels {
   // dst[i] = src[i] / divisor for i in [begin, end).
   void (*divideInto)(const float* src, float* dst, float divisor, int64_t begin, int64_t end);
   // Top-k candidate scan over [begin, end): a = src[i] (+ residual[i], then
-  // stored back into residual); keeps (i, a) when |a| as bits >= threshold
-  // (bits of |a| order floats by magnitude and put NaN above Inf). Writes at
-  // most `cap` pairs and returns how many passed (possibly more than cap).
+  // stored back into residual); keeps (i, a) when |a| as bits > threshold
+  // (bits of |a| order floats by magnitude and put NaN above Inf), and counts
+  // the entries equal to it into *ties without keeping them, so a threshold
+  // that many entries share (0 in a mostly-zero gradient) costs no more than
+  // any other. Writes at most `cap` pairs and returns how many passed
+  // (possibly more than cap).
   int64_t (*topkScan)(const float* src, float* residual, int64_t begin, int64_t end,
-                      uint32_t threshold, int32_t* indices, float* values, int64_t cap);
+                      uint32_t threshold, int32_t* indices, float* values, int64_t cap,
+                      int64_t* ties);
+  // The indices of the first `cap` entries of values[begin, end) whose
+  // magnitude key equals `key`, ascending; returns how many it wrote. Stops
+  // reading once it has `cap`.
+  int64_t (*topkTies)(const float* values, int64_t begin, int64_t end, uint32_t key,
+                      int32_t* indices, int64_t cap);
 };
 
 // The kernels for this CPU, capped by XCOMM_CPU_CAPABILITY (default, avx2,

@@ -224,7 +224,7 @@ void divideInto(const float* src, float* dst, float divisor, int64_t begin, int6
 
 template <bool kAdd>
 int64_t scanRange(const float* src, float* r, int64_t begin, int64_t end, uint32_t threshold,
-                  int32_t* indices, float* values, int64_t cap) {
+                  int32_t* indices, float* values, int64_t cap, int64_t* ties) {
   int64_t count = 0;
   auto keep = [&](int64_t i, float a) {
     if (count < cap) {
@@ -233,6 +233,7 @@ int64_t scanRange(const float* src, float* r, int64_t begin, int64_t end, uint32
     }
     ++count;
   };
+  VecI equal = {};  // per lane: minus the count of keys equal to the threshold
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     VecF a = load(src + i);
@@ -240,7 +241,9 @@ int64_t scanRange(const float* src, float* r, int64_t begin, int64_t end, uint32
       a = a + load(r + i);
       store(r + i, a);
     }
-    const VecI hit = magnitudeKeys(a) >= threshold;
+    const VecU key = magnitudeKeys(a);
+    const VecI hit = key > threshold;
+    equal += key == threshold;
     if (anyLane(hit)) {
       if (count + kLanes <= cap) {
         // Branch-free: write every lane, advance past the ones that passed
@@ -257,21 +260,45 @@ int64_t scanRange(const float* src, float* r, int64_t begin, int64_t end, uint32
       }
     }
   }
+  int64_t tied = 0;
+  for (int l = 0; l < kLanes; ++l) tied -= equal[l];
   for (; i < end; ++i) {
     float a = src[i];
     if constexpr (kAdd) {
       a = a + r[i];
       r[i] = a;
     }
-    if (magnitudeKey(a) >= threshold) keep(i, a);
+    const uint32_t key = magnitudeKey(a);
+    if (key > threshold) keep(i, a);
+    tied += key == threshold;
   }
+  *ties = tied;
   return count;
 }
 
 int64_t topkScan(const float* src, float* residual, int64_t begin, int64_t end, uint32_t threshold,
-                 int32_t* indices, float* values, int64_t cap) {
-  return residual ? scanRange<true>(src, residual, begin, end, threshold, indices, values, cap)
-                  : scanRange<false>(src, nullptr, begin, end, threshold, indices, values, cap);
+                 int32_t* indices, float* values, int64_t cap, int64_t* ties) {
+  return residual
+             ? scanRange<true>(src, residual, begin, end, threshold, indices, values, cap, ties)
+             : scanRange<false>(src, nullptr, begin, end, threshold, indices, values, cap, ties);
+}
+
+int64_t topkTies(const float* values, int64_t begin, int64_t end, uint32_t key, int32_t* indices,
+                 int64_t cap) {
+  int64_t count = 0;
+  int64_t i = begin;
+  for (; i + kLanes <= end && count < cap; i += kLanes) {
+    const VecI eq = magnitudeKeys(load(values + i)) == key;
+    if (anyLane(eq)) {
+      for (int l = 0; l < kLanes && count < cap; ++l) {
+        if (eq[l]) indices[count++] = static_cast<int32_t>(i + l);
+      }
+    }
+  }
+  for (; i < end && count < cap; ++i) {
+    if (magnitudeKey(values[i]) == key) indices[count++] = static_cast<int32_t>(i);
+  }
+  return count;
 }
 
 }  // namespace
@@ -283,7 +310,8 @@ const CodecKernels kKernels = {XCOMM_STR(XCOMM_KERNEL_ISA),
                                int8ReduceShard,
                                addInto,
                                divideInto,
-                               topkScan};
+                               topkScan,
+                               topkTies};
 
 }  // namespace XCOMM_KERNEL_NS
 }  // namespace kernels

@@ -1,0 +1,138 @@
+"""The CPU codecs on gradients unlike ``torch.randn``: mostly exact zeros,
+all-equal values, embedding rows, each also with a small dense residual.
+
+Top-k's selection must stay the exact top k (ties to the lower index) and
+give the same bits on every instruction set and thread count; the
+benchmark's ``--inputs`` table must time every method on every input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from xcomm import _C
+from xcomm_bench import codecs
+
+N = 1 << 18
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _topk_reference(acc: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest |acc|, ties to the lower index, ascending:
+    every magnitude above the k-th, then the first of those equal to it."""
+    mag = acc.abs()
+    kth = torch.topk(mag, k).values.min()
+    above = torch.nonzero(mag > kth).view(-1)
+    tied = torch.nonzero(mag == kth).view(-1)[: k - above.numel()]
+    return torch.sort(torch.cat([above, tied])).values
+
+
+def test_inputs_are_the_gradients_they_name() -> None:
+    gen = torch.Generator().manual_seed(0)
+    zeros = codecs.make_input("zeros", N, gen)
+    assert int((zeros != 0).sum()) == round(codecs.NONZERO * N)
+    ties = codecs.make_input("ties", N, gen)
+    assert torch.all(ties == ties[0])
+    table = codecs.make_input("rows", N, gen).view(-1, codecs.ROW)
+    touched = (table != 0).any(dim=1)
+    assert int(touched.sum()) == round(codecs.ROWS_TOUCHED * table.size(0))
+    assert torch.all(table[touched] != 0)  # a touched row is dense
+    res = codecs.make_input("rows+res", N, torch.Generator().manual_seed(3))
+    base = codecs.make_input("rows", N, torch.Generator().manual_seed(3))
+    assert torch.all(res != 0)
+    assert 0 < float((res - base).abs().max()) < 10 * codecs.RESIDUAL
+    with pytest.raises(ValueError, match="unknown input"):
+        codecs.make_input("sparse", N, gen)
+
+
+@pytest.mark.parametrize("name", list(codecs.INPUTS))
+def test_topk_is_the_exact_top_k_on_every_input(name: str) -> None:
+    g = codecs.make_input(name, N, torch.Generator().manual_seed(1))
+    k = _C.TopKCodec.k_for(N, 0.01)
+    codec = _C.TopKCodec(False, True)
+    residual = torch.zeros(N)
+    for step in range(3):
+        acc = g + residual
+        packed = codec.encode(0, g, k)
+        idx = packed[: 4 * k].view(torch.int32).long()
+        want = _topk_reference(acc, k)
+        assert torch.equal(idx, want), f"step {step}"
+        assert torch.equal(_bits(packed[4 * k :].view(torch.float32)), _bits(acc[want]))
+        residual = acc.index_fill(0, want, 0)
+        assert torch.equal(_bits(codec.feedback_state()[0]), _bits(residual))
+
+
+_SCRIPT = r"""
+import sys, torch
+from xcomm import _C
+from xcomm_bench import codecs
+torch.set_num_threads(int(sys.argv[1]))
+n = 1 << 18
+parts = []
+for name in codecs.INPUTS:
+    g = codecs.make_input(name, n, torch.Generator().manual_seed(4))
+    tk, rk = _C.TopKCodec(False, True), _C.RandomKCodec(3, True)
+    i8, fb = _C.Int8Codec(1024), _C.ErrorFeedback()
+    for step in range(3):
+        parts += [tk.encode(0, g, 2622), tk.feedback_state()[0].view(torch.uint8)]
+        pos = rk.positions(0, step, n, 0.01)
+        parts += [rk.encode(0, g, pos).view(torch.uint8), rk.feedback_state()[0].view(torch.uint8)]
+        parts += [i8.pack_shards_with_feedback(g, 2, fb, 0).view(-1), fb.state()[0].view(torch.uint8)]
+sys.stdout.write(_C.codec_kernels_isa() + " " + str(hash(torch.cat([t.reshape(-1) for t in parts]).numpy().tobytes())))
+"""
+
+
+def _run(isa: str | None, threads: int) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env.pop("XCOMM_CPU_CAPABILITY", None)
+    if isa is not None:
+        env["XCOMM_CPU_CAPABILITY"] = isa
+    return subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(threads)],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.slow
+def test_uneven_inputs_give_the_same_bits_on_every_instruction_set() -> None:
+    runs = {(isa, t): _run(isa, t) for isa in (None, "avx2", "default") for t in (1, 2)}
+    for key, r in runs.items():
+        assert r.returncode == 0, f"{key}: {r.stderr}"
+    assert runs[("default", 1)].stdout.split()[0] == "default"
+    digests = {r.stdout.split()[1] for r in runs.values()}
+    assert len(digests) == 1, {k: r.stdout for k, r in runs.items()}
+
+
+def test_benchmark_times_every_method_on_every_input(tmp_path: Path) -> None:
+    out = tmp_path / "codecs"
+    args = ["--sizes", "", "--throughput-size", "", "--inputs", "randn,zeros,ties+res"]
+    args += ["--inputs-size", "64K", "--reps", "1", "--out", str(out)]
+    assert codecs.main(args) == 0
+    rows = json.loads((out / "inputs.json").read_text())
+    keys = {(r["method"], r["impl"]) for r in rows}
+    assert ("copy", "torch") in keys and ("top-k 1% + EF", "torch ops") in keys
+    assert {"int8 + EF", "top-k 1% + EF", "random-k 1% + EF", "fp16 cast", "bf16 cast"} <= {
+        m for m, _ in keys
+    }
+    for method, impl in keys:
+        mine = [r for r in rows if (r["method"], r["impl"]) == (method, impl)]
+        assert [r["input"] for r in mine] == ["randn", "zeros", "ties+res"]
+        assert all(r["ms"] > 0 and r["numel"] == 1 << 16 for r in mine)
+    table = (out / "inputs.md").read_text()
+    assert "| top-k 1% + EF | xcomm |" in table and "ties+res ms" in table
