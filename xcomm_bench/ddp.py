@@ -81,7 +81,9 @@ import torch.distributed as dist
 from .launch import module_command, run_ranks
 
 __all__ = [
+    "ALL_MODELS",
     "DEFAULT_REDUCTIONS",
+    "EXTRA_MODELS",
     "MODELS",
     "REDUCTIONS",
     "DDPBenchConfig",
@@ -93,8 +95,15 @@ __all__ = [
     "run_rank",
 ]
 
-#: Models, in report order.
+#: Models, in report order: the default sweep.
 MODELS: tuple[str, ...] = ("mlp", "cnn", "transformer")
+#: Families outside the default sweep, run when ``--models`` names them: an
+#: embedding table whose dense gradients are almost all exact zeros, and a
+#: deep narrow MLP (many small buckets' worth of layers). auto was tuned on
+#: :data:`MODELS` only; these check it on gradients it never saw.
+EXTRA_MODELS: tuple[str, ...] = ("embedding", "deep")
+#: Every model ``--models`` accepts, in report order.
+ALL_MODELS: tuple[str, ...] = MODELS + EXTRA_MODELS
 #: Reductions, in report order; ``none`` is the baseline of the speedups.
 REDUCTIONS: tuple[str, ...] = (
     "none",
@@ -175,7 +184,7 @@ class ModelSpec:
     """A model and its synthetic batch.
 
     Attributes:
-        name: ``mlp``, ``cnn`` or ``transformer``.
+        name: One of :data:`ALL_MODELS`.
         build: Returns a fresh module.
         batch: ``batch(generator) -> (inputs, targets)`` for one rank's step.
     """
@@ -193,6 +202,19 @@ def build_model(name: str, *, smoke: bool = False, batch_size: int | None = None
       3x32x32 images, then 2048 -> 512 -> 10; 1.15M parameters, batch 16.
     * ``transformer``: vocabulary 4096, d_model 256, 4 heads, 2 layers,
       sequence 32; 3.7M parameters, batch 8 sequences.
+    * ``embedding``: ``EmbeddingBag(200_000, 64)`` (mean of bags of 32
+      uniform ids) -> 256 -> 10 with ReLU; 12.8M parameters, batch 16. Its
+      gradients are dense (DDP reduces the whole table) and ~99.7% exact
+      zeros: a step touches at most 512 of the 200,000 rows.
+    * ``deep``: 24 x (Linear(512, 512) + ReLU), then 512 -> 10; 6.3M
+      parameters, batch 16.
+
+    Example::
+
+        >>> spec = build_model("embedding", smoke=True)
+        >>> x, y = spec.batch(torch.Generator().manual_seed(0))
+        >>> spec.build()(x).shape == (y.shape[0], 10)
+        True
     """
     if name == "mlp":
         dims = [32, 64, 64, 10] if smoke else [784, 2048, 2048, 2048, 2048, 2048, 1000]
@@ -253,7 +275,40 @@ def build_model(name: str, *, smoke: bool = False, batch_size: int | None = None
             return tokens, torch.randint(vocab, (bs * seq,), generator=g)
 
         return ModelSpec(name, build, batch)
-    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    if name == "embedding":
+        rows, dim, hidden, bag = (1000, 8, 16, 4) if smoke else (200_000, 64, 256, 32)
+        bs = batch_size or (4 if smoke else 16)
+
+        def build() -> torch.nn.Module:
+            return torch.nn.Sequential(
+                torch.nn.EmbeddingBag(rows, dim, mode="mean"),
+                torch.nn.Linear(dim, hidden),
+                torch.nn.ReLU(),
+                torch.nn.Linear(hidden, 10),
+            )
+
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            # A 2-D input is one bag per row, all of the same length.
+            ids = torch.randint(rows, (bs, bag), generator=g)
+            return ids, torch.randint(10, (bs,), generator=g)
+
+        return ModelSpec(name, build, batch)
+    if name == "deep":
+        width, depth = (16, 4) if smoke else (512, 24)
+        bs = batch_size or (4 if smoke else 16)
+
+        def build() -> torch.nn.Module:
+            layers: list[torch.nn.Module] = []
+            for _ in range(depth):
+                layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+            layers.append(torch.nn.Linear(width, 10))
+            return torch.nn.Sequential(*layers)
+
+        def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.randn(bs, width, generator=g), torch.randint(10, (bs,), generator=g)
+
+        return ModelSpec(name, build, batch)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(ALL_MODELS)}")
 
 
 # ----------------------------------------------------------------------------- config
@@ -264,7 +319,7 @@ class DDPBenchConfig:
     """Everything that defines a DDP benchmark run (also its command line, :meth:`to_argv`).
 
     Attributes:
-        models: Subset of :data:`MODELS`.
+        models: Subset of :data:`ALL_MODELS` (default :data:`MODELS`).
         reductions: Subset of :data:`REDUCTIONS`; ``none`` is added (it is the baseline).
         rates: Link rates, one emulated cluster each (e.g. ``["0.1gbit", "1gbit"]``);
             ignored on loopback (``nodes=0``).
@@ -317,9 +372,9 @@ class DDPBenchConfig:
 
     def validate(self) -> None:
         """Raises ValueError with a clear message for an inconsistent config."""
-        bad = [m for m in self.models if m not in MODELS]
+        bad = [m for m in self.models if m not in ALL_MODELS]
         if bad or not self.models:
-            raise ValueError(f"unknown models {bad}; known: {', '.join(MODELS)}")
+            raise ValueError(f"unknown models {bad}; known: {', '.join(ALL_MODELS)}")
         bad = [r for r in self.reductions if r not in REDUCTIONS]
         if bad or not self.reductions:
             raise ValueError(f"unknown reductions {bad}; known: {', '.join(REDUCTIONS)}")
@@ -1032,7 +1087,7 @@ def plot_speedup(path: Path, results: Sequence[DDPResult], *, title: str = "") -
 
     from .cluster.netns import parse_rate
 
-    models = [m for m in MODELS if any(r.model == m for r in results)]
+    models = [m for m in ALL_MODELS if any(r.model == m for r in results)]
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for red in REDUCTIONS:
@@ -1119,7 +1174,10 @@ def auto_vs_best(
     out = []
     points = sorted(
         {(r.model, r.rate) for r in results},
-        key=lambda mr: (MODELS.index(mr[0]) if mr[0] in MODELS else 99, _rate_bits(mr[1])),
+        key=lambda mr: (
+            ALL_MODELS.index(mr[0]) if mr[0] in ALL_MODELS else 99,
+            _rate_bits(mr[1]),
+        ),
     )
     for model, rate in points:
         group = [r for r in results if r.model == model and r.rate == rate]
