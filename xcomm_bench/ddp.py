@@ -481,6 +481,11 @@ class DDPResult:
     step_ms: list[float] = dataclasses.field(default_factory=list)
     #: The hook's auto only: which timed steps ran a measuring round.
     round_steps: list[bool] = dataclasses.field(default_factory=list)
+    #: The hook's auto only: each change of its per-bucket methods during the
+    #: timed steps, ``{"step": i, "chosen": "...", "explain": "..."}`` (``i``
+    #: the timed step after which it was seen), so an excursion to a slower
+    #: method can be told from noise and its reason read; in the JSON only.
+    changes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (a JSON/CSV row)."""
@@ -570,6 +575,7 @@ class _Runner:
         self.batch = spec.batch
         self.times: list[float] = []
         self.rounds: list[bool] = []  # auto: which timed steps ran a measuring round
+        self.changes: list[dict[str, Any]] = []  # auto: its method changes (DDPResult.changes)
         self.last_warm = math.inf  # the last untimed step's seconds
         self.cpu: list[float] = []
         self.accounted = 0.0
@@ -675,11 +681,20 @@ class _Runner:
                     # A round moves next_round past the step it was due at.
                     self.rounds.append(self.state.next_round > due)
                     due = self.state.next_round
+                    self._note_change()
             else:
                 self.last_warm = dt
         if timed:
             self.accounted += self._accounted_total() - acc0 + steps * self._per_step_formula()
             self.tx += _tx_bytes(ifname) - tx0
+
+    def _note_change(self) -> None:
+        """Records auto's methods and ``explain()`` when they differ from the last
+        recorded (the first timed step always records)."""
+        chosen = _chosen(self.state)
+        if not self.changes or self.changes[-1]["chosen"] != chosen:
+            step = len(self.times) - 1
+            self.changes.append({"step": step, "chosen": chosen, "explain": _explain(self.state)})
 
 
 def _tx_bytes(ifname: str | None) -> int:
@@ -867,6 +882,7 @@ def run_model(
                 explain=_explain(done[r].state),
                 step_ms=[x * 1e3 for x in times[i].tolist()],
                 round_steps=done[r].rounds,
+                changes=done[r].changes,
             )
         )
     assert base is not None
@@ -1288,7 +1304,7 @@ def write_reports(
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
-    lists = ("step_ms", "round_steps")  # per-step lists: the JSON has them
+    lists = ("step_ms", "round_steps", "changes")  # per-step lists: the JSON has them
     fields = [f.name for f in dataclasses.fields(DDPResult) if f.name not in lists]
     with open(out / "ddp.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")

@@ -48,3 +48,31 @@ def test_default_sweep_is_unchanged_and_extra_models_are_accepted() -> None:
         DDPBenchConfig(models=["wide"]).validate()
     with pytest.raises(ValueError, match="unknown model"):
         build_model("wide")
+
+
+def test_auto_changes_are_recorded_once_per_change_with_their_explanation() -> None:
+    """An excursion of auto to another method shows in ``DDPResult.changes``:
+    the timed step it was first seen after, the methods, and ``explain()``."""
+    from xcomm_bench import ddp
+
+    class FakeAuto:
+        def __init__(self) -> None:
+            self.methods = ["topk", "topk"]
+
+        def methods_by_bucket(self) -> list[str]:
+            return list(self.methods)
+
+        def explain(self) -> str:
+            return "why: " + ",".join(self.methods)
+
+    runner = object.__new__(ddp._Runner)
+    runner.state, runner.times, runner.changes = FakeAuto(), [], []
+    for methods in (["topk", "topk"], ["topk", "topk"], ["fp16", "topk"], ["topk", "topk"]):
+        runner.state.methods = methods
+        runner.times.append(0.05)
+        runner._note_change()
+    assert runner.changes == [
+        {"step": 0, "chosen": "topk,topk", "explain": "why: topk,topk"},
+        {"step": 2, "chosen": "fp16,topk", "explain": "why: fp16,topk"},
+        {"step": 3, "chosen": "topk,topk", "explain": "why: topk,topk"},
+    ]
