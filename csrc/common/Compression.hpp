@@ -3,6 +3,8 @@
 // the methods, their names and the group's settings. Here, below both, so that
 // the options (backend/XcommOptions) and the algorithms
 // (collectives/compressed/) share it without including each other.
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -15,31 +17,36 @@ namespace xcomm {
 // fastest (collectives/compressed/AutoCompression.hpp).
 enum class Compression { kNone, kFp16, kBf16, kInt8, kAuto };
 
-// "none", "fp16", "bf16", "int8", "auto" (ValueError naming the choices otherwise).
-inline Compression parseCompression(const std::string& name) {
-  if (name.empty() || name == "none") return Compression::kNone;
-  if (name == "fp16") return Compression::kFp16;
-  if (name == "bf16") return Compression::kBf16;
-  if (name == "int8") return Compression::kInt8;
-  if (name == "auto") return Compression::kAuto;
-  TORCH_CHECK_VALUE(false, "xcomm: unknown allreduce compression '", name,
-                    "'; choose one of none, fp16, bf16, int8, auto");
-}
+// Every value's name, in the enum's order: the one list of backend methods
+// (bound as xcomm._C.compression_names(), which Options reads).
+inline constexpr std::array<const char*, 5> kCompressionNames = {"none", "fp16", "bf16", "int8",
+                                                                 "auto"};
 
 inline const char* compressionName(Compression c) {
-  switch (c) {
-    case Compression::kNone:
-      return "none";
-    case Compression::kFp16:
-      return "fp16";
-    case Compression::kBf16:
-      return "bf16";
-    case Compression::kInt8:
-      return "int8";
-    case Compression::kAuto:
-      return "auto";
+  const auto i = static_cast<size_t>(c);
+  return i < kCompressionNames.size() ? kCompressionNames[i] : "?";
+}
+
+// The names, for an error: "none, fp16, bf16, int8, auto" (`quote`: each in
+// single quotes; `withNone`: "none" included).
+inline std::string compressionChoices(bool quote = false, bool withNone = true) {
+  std::string out;
+  for (const char* name : kCompressionNames) {
+    if (!withNone && std::string(name) == "none") continue;
+    if (!out.empty()) out += ", ";
+    out += quote ? "'" + std::string(name) + "'" : std::string(name);
   }
-  return "?";
+  return out;
+}
+
+// A name (or "" for none) as its value; ValueError naming the choices otherwise.
+inline Compression parseCompression(const std::string& name) {
+  if (name.empty()) return Compression::kNone;
+  for (size_t i = 0; i < kCompressionNames.size(); ++i) {
+    if (name == kCompressionNames[i]) return static_cast<Compression>(i);
+  }
+  TORCH_CHECK_VALUE(false, "xcomm: unknown allreduce compression '", name, "'; choose one of ",
+                    compressionChoices());
 }
 
 // fp16 or bf16: a cast to the low precision, the transport's own SUM.

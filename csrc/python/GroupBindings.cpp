@@ -1,11 +1,16 @@
 // Python bindings of a group's options and construction: xcomm._C.XcommOptions
 // (what xcomm.Options converts to) and xcomm._C.build_group.
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include <pybind11/chrono.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include "backend/GroupBuilder.hpp"
 #include "collectives/compressed/AutoCompression.hpp"
+#include "common/Compression.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
 #include "transport/HostIdentity.hpp"
@@ -59,9 +64,12 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
                            typeName(compression));
     }
     const auto name = compression.cast<std::string>();
-    TORCH_CHECK_VALUE(name == "fp16" || name == "bf16" || name == "int8" || name == "auto",
-                      "xcomm.Options: compression must be one of None, 'fp16', 'bf16', 'int8', "
-                      "'auto', got '",
+    // None, not "none", says "no compression" here.
+    const bool known = name != "none" &&
+                       std::find(xcomm::kCompressionNames.begin(), xcomm::kCompressionNames.end(),
+                                 name) != xcomm::kCompressionNames.end();
+    TORCH_CHECK_VALUE(known, "xcomm.Options: compression must be one of None, ",
+                      xcomm::compressionChoices(/*quote=*/true, /*withNone=*/false), ", got '",
                       name, "'");
     options->compression.method = xcomm::parseCompression(name);
   }
@@ -250,6 +258,15 @@ ProcessGroupNCCL, or None).)");
           "plan", [](const xcomm::XcommBackend& b) { return planDict(b.plan()); },
           "What this group is (its GroupPlan): shape and why, hosts, who compresses what, "
           "fusion, and each auxiliary group with the reason it exists.");
+
+  m.def(
+      "compression_names",
+      [] {
+        return std::vector<std::string>(xcomm::kCompressionNames.begin(),
+                                        xcomm::kCompressionNames.end());
+      },
+      "The backend's compression methods by name (Options(compression=) takes them, None "
+      "for \"none\"), in the order of the C++ enum.");
 
   m.def("host_identity", &xcomm::hostIdentity,
         "This process's host identity: equal strings mean shared memory works between two "

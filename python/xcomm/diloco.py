@@ -82,12 +82,13 @@ import torch.distributed as dist
 
 from . import _C
 from .hooks._common import all_gather_single
+from .hooks._methods import method_names
 from .hooks.stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
 
 __all__ = ["DILOCO_METHODS", "DiLoCo"]
 
 #: Values of ``method``.
-DILOCO_METHODS: tuple[str, ...] = ("none", "bf16", "fp16", "int8")
+DILOCO_METHODS: tuple[str, ...] = method_names("diloco")
 
 #: The version :meth:`DiLoCo.state_dict` writes.
 DILOCO_STATE_VERSION = 1

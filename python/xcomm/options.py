@@ -17,7 +17,10 @@ from . import _C
 __all__ = ["COMPRESSIONS", "Options"]
 
 #: Values of ``Options.compression``.
-COMPRESSIONS: tuple[str | None, ...] = (None, "fp16", "bf16", "int8", "auto")
+COMPRESSIONS: tuple[str | None, ...] = (
+    None,
+    *(name for name in _C.compression_names() if name != "none"),
+)
 
 _DEFAULTS = _C.XcommOptions()
 

@@ -100,6 +100,7 @@ from ._measure import (
     best_seconds,
     future_failed,
 )
+from ._methods import method_names
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .feedback import FeedbackStore
 from .int8 import Int8State, int8_compress_hook
@@ -110,20 +111,17 @@ from .stats import CompressionStats
 __all__ = ["DEFAULT_METHODS", "METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
 
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
-METHODS = ("none", "bf16", "fp16", "int8", "topk", "powersgd")
-_LOSSLESS = ("none",)
+METHODS = method_names("ddp")
+_LOSSLESS = method_names("ddp", lossless_only=True)
 #: What ``auto`` chooses from unless told otherwise: the methods whose error
 #: per step is small (a cast; int8 with a scale per chunk and error
-#: feedback). Top-k and PowerSGD send far fewer bytes but hold back most of
-#: each step's gradient in the residual, so they need more steps to reach a
-#: loss: docs/quickstart.md's run reached loss 0.90 after 30 steps on top-k
-#: against 0.26 on int8. ``auto`` optimises time per step, so it would pick
-#: them whenever their steps are cheaper; name them in ``methods`` after
-#: checking time to your target loss on your model.
-DEFAULT_METHODS = ("none", "bf16", "int8")
+#: feedback). ``auto`` optimises time per step, so it would pick top-k or
+#: PowerSGD whenever their steps are cheaper although they need more steps
+#: to reach a loss (``_methods.Method.in_default`` says by how much).
+DEFAULT_METHODS = method_names("ddp", default_only=True)
 #: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
-#: kernels (its int8 and top-k codecs would run on the host).
-_ON_DEVICE = ("none", "bf16", "fp16")
+#: kernels (its int8, top-k and PowerSGD codecs would run on the host).
+_ON_DEVICE = method_names("ddp", device_capable_only=True)
 _INT8_CHUNK = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")

@@ -83,6 +83,7 @@ from .. import _C
 from ..opstats import record_op
 from ..trace import add_span, now_us, timeline_enabled
 from ._measure import LinkModel, MeasuredLink, MethodChoices, best_seconds
+from ._methods import method_names
 from ._pickling import pack_state, pickled_state
 from .stats import CompressionStats, alltoall_bytes
 
@@ -95,7 +96,7 @@ __all__ = [
 ]
 
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
-FSDP_AUTO_METHODS: tuple[str, ...] = ("none", "bf16", "fp16", "int8")
+FSDP_AUTO_METHODS: tuple[str, ...] = method_names("fsdp")
 
 #: Values of ``method``.
 FSDP_METHODS: tuple[str, ...] = (*FSDP_AUTO_METHODS, "auto")
@@ -218,7 +219,7 @@ class FsdpCompressionState:
     chunk_elems: int = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
     error_feedback: bool | None = None
     min_bytes: int = 64 * 1024
-    methods: tuple[str, ...] = ("none", "bf16", "int8")
+    methods: tuple[str, ...] = method_names("fsdp", default_only=True)
     lossless_only: bool = False
     interval: int = 5
     switch_margin: float = 0.1

@@ -1,0 +1,60 @@
+"""The one table of compression methods (python/xcomm/hooks/_methods.py)
+against the code that accepts or refuses a method: the C++ backend's names,
+``xcomm.Options``, ``AutoState``, FSDP2's state and DiLoCo. Single process,
+no group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import xcomm
+from xcomm import _C
+from xcomm.diloco import DiLoCo
+from xcomm.hooks import AutoState, FsdpCompressionState
+from xcomm.hooks._methods import METHODS, method_names
+
+
+def test_the_backend_methods_are_the_c_plus_plus_names() -> None:
+    # "auto" is the backend's chooser, not a method of its own.
+    cpp = tuple(n for n in _C.compression_names() if n != "auto")
+    assert sorted(method_names("backend")) == sorted(cpp)  # each list has its own order
+    assert xcomm.options.COMPRESSIONS == (None, *cpp[1:], "auto")
+
+
+@pytest.mark.parametrize("name", method_names("backend")[1:])
+def test_options_take_every_backend_method_and_name_them_when_refusing(name: str) -> None:
+    assert xcomm.Options(compression=name).compression == name
+    with pytest.raises(ValueError) as err:
+        xcomm.Options(compression="topk")
+    for known in method_names("backend")[1:]:
+        assert f"'{known}'" in str(err.value)
+
+
+def test_auto_state_takes_exactly_the_ddp_methods() -> None:
+    assert AutoState(methods=method_names("ddp")).methods == method_names("ddp")
+    assert AutoState().methods == method_names("ddp", default_only=True)
+    with pytest.raises(ValueError, match="randomk"):
+        AutoState(methods=("none", "randomk"))
+
+
+@pytest.mark.parametrize("name", [m.name for m in METHODS])
+def test_fsdp_and_diloco_take_their_methods_and_refuse_the_rest(name: str) -> None:
+    if "fsdp" in next(m for m in METHODS if m.name == name).surfaces:
+        assert FsdpCompressionState(method=name).method == name
+    else:
+        with pytest.raises(ValueError, match=name):
+            FsdpCompressionState(method=name)
+    model = torch.nn.Linear(4, 2)
+    if name not in method_names("diloco"):
+        with pytest.raises(ValueError, match="method must be one of"):
+            DiLoCo(model, method=name)
+
+
+def test_lossless_and_default_sets() -> None:
+    assert method_names("ddp", lossless_only=True) == ("none",)
+    assert set(method_names("ddp", default_only=True)) <= set(method_names("fsdp"))
+    # A GPU bucket without xcomm's CUDA codecs: the casts only.
+    assert method_names("ddp", device_capable_only=True) == ("none", "bf16", "fp16")
+    with pytest.raises(ValueError, match="unknown surface"):
+        method_names("nccl")  # type: ignore[arg-type]
