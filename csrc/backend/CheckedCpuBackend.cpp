@@ -38,6 +38,19 @@ int64_t wordsFor(int64_t bytes) {
   return (bytes + 7) / 8;
 }
 
+// Where a row's carried bytes start, in int64s (after the pair sizes when
+// they travel inline).
+int64_t payloadOffset(int size) {
+  return kHeaderWords + (size <= kInlinePairsMaxRanks ? 2 * size : 0);
+}
+
+// The longest row a peer's receive expects: the header, the pair sizes, and
+// the most a carried op may hold. Every row sent on kDescriptorTag (a
+// departure's too) is at most this long.
+int64_t descriptorCapacity(int size, int64_t carryBytes) {
+  return payloadOffset(size) + carryBytes / 8;
+}
+
 void putCall(int64_t* row, const CheckedCpuBackend::Call& c) {
   row[0] = static_cast<int64_t>(c.type);
   row[1] = static_cast<int64_t>(c.dtype);
@@ -169,8 +182,7 @@ void CheckedCpuBackend::announceDeparture() {
   try {
     // As long as the row a peer's receive expects (run's capacity): a
     // transport may refuse a message of another size.
-    const int64_t payloadAt = kHeaderWords + (size_ <= kInlinePairsMaxRanks ? 2 * size_ : 0);
-    at::Tensor row = at::zeros({payloadAt + carryBytes_ / 8}, at::kLong);
+    at::Tensor row = at::zeros({descriptorCapacity(size_, carryBytes_)}, at::kLong);
     row.data_ptr<int64_t>()[0] = kDepartedOp;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
@@ -311,7 +323,7 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
     // In a small group every row has room for an all-to-all's sizes, so one
     // exchange checks it; rows of other ops carry zeros there.
     const bool inlinePairs = size_ <= kInlinePairsMaxRanks;
-    const int64_t payloadAt = kHeaderWords + (inlinePairs ? 2 * size_ : 0);
+    const int64_t payloadAt = payloadOffset(size_);
     // One row per peer (the same tensor where the same bytes go to several):
     // the call, the pair sizes, the bytes carried to that peer.
     std::vector<at::Tensor> outgoing(size_);
@@ -340,7 +352,8 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
       }
       outgoing[peer] = mine;
     }
-    const auto rows = exchange(title, outgoing, payloadAt + carryBytes_ / 8, kDescriptorTag, wait);
+    const auto rows =
+        exchange(title, outgoing, descriptorCapacity(size_, carryBytes_), kDescriptorTag, wait);
     const int64_t* first = rows[0].data_ptr<int64_t>();
     bool carried = true;
     bool direct = true;
