@@ -167,7 +167,7 @@ def _add_collectives(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 
 def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from .ddp import DEFAULT_REDUCTIONS, MODELS, REDUCTIONS
+    from .ddp import DEFAULT_REDUCTIONS, EXTRA_MODELS, MODELS, REDUCTIONS
 
     p = sub.add_parser(
         "ddp",
@@ -177,7 +177,11 @@ def _add_ddp(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "Reports p50 time/step, bytes/step and the speedup over uncompressed DDP in the same run.",
     )
     a = p.add_argument
-    a("--models", default=",".join(MODELS), help=f"comma-separated (default {','.join(MODELS)})")
+    a(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated (default {','.join(MODELS)}; also {','.join(EXTRA_MODELS)})",
+    )
     a(
         "--reductions",
         default=",".join(DEFAULT_REDUCTIONS),
