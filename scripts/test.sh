@@ -107,10 +107,19 @@ prepare() {
 
 # Runs torch $1's C++ and Python tests; the same failure lines on fd 3.
 run_tests() {
-  local v=$1 py build_dir select=()
+  local v=$1 py build_dir select=() paths=(tests/python xcomm_bench/tests tests/clients tests/gpu)
   py=$(interpreter "$v")
   if [ "$v" != "2.13.0" ] && [[ " ${versions[*]} " == *" 2.13.0 "* ]]; then
-    for f in "${ONCE_ONLY[@]}"; do select+=("--ignore=$f"); done
+    for f in "${ONCE_ONLY[@]}"; do
+      # A folder named on pytest's command line is collected despite --ignore: drop it there.
+      if [[ " ${paths[*]} " == *" $f "* ]]; then
+        local kept=()
+        for p in "${paths[@]}"; do [ "$p" != "$f" ] && kept+=("$p"); done
+        paths=("${kept[@]}")
+      else
+        select+=("--ignore=$f")
+      fi
+    done
     select+=(-m "not first_torch_only and not large_world")
     echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]}, and tests marked first_torch_only or large_world)"
   fi
@@ -122,7 +131,7 @@ run_tests() {
   phase "Python tests (pytest), torch $v"
   # tests/gpu: on CPU tensors against gloo where no GPU is visible (scripts/gpu_check.sh
   # runs them on a GPU against NCCL).
-  XCOMM_GPU_TESTS_ON_CPU=1 "$py" -m pytest tests/python xcomm_bench/tests tests/clients tests/gpu \
+  XCOMM_GPU_TESTS_ON_CPU=1 "$py" -m pytest "${paths[@]}" \
     --timeout=900 -q --durations=25 --junit-xml="build/pytest-torch$v.xml" \
     "${select[@]}" "${pytest_args[@]}" || echo "torch $v: pytest" >&3
   [ -f "build/pytest-torch$v.xml" ] && "$py" scripts/test_times.py "build/pytest-torch$v.xml"
