@@ -559,25 +559,41 @@ def test_a_method_that_fails_to_issue_raises_and_fails_the_next_turn() -> None:
 def test_observed_costs_correct_the_model_and_are_bounded() -> None:
     """The closed loop's arithmetic: an uncompressed reduction corrects the
     link every method's wire time uses; a compressed one corrects its method;
-    a factor stays within [FLOOR, CEILING] and keeps its value while unseen."""
+    a method never run takes the least factor of those that ran (its
+    calibration before any has); a factor stays within [FLOOR, CEILING] and
+    keeps its value while unseen; the state round-trips."""
     from xcomm.hooks._measure import ObservedCosts
 
-    o = ObservedCosts(("none", "int8", "topk"))
-    assert o.local() == [0.0, 0.0, 0.0]  # nothing seen
+    o = ObservedCosts(("none", "bf16", "int8", "topk"))
+    assert o.local() == [0.0, 0.0, 0.0, 0.0]  # nothing seen
     o.record("link", observed_s=0.002, predicted_s=0.008)  # the link is 4x faster
+    # Only the link seen: a compressed method keeps its calibration.
+    o.update(o.local())
+    assert o.factor("int8") == 1.0 and o.inherited_from("int8") is None
+    assert "int8 x1.00 (never run; uncorrected" in o.explain()
     o.record("topk", observed_s=0.030, predicted_s=0.003)  # top-k 10x slower
     o.update(o.local())
-    assert o.factors == {"link": 0.25, "int8": 1.0, "topk": pytest.approx(10.0)}
+    assert o.factors == {"link": 0.25, "bf16": 1.0, "int8": 1.0, "topk": pytest.approx(10.0)}
     assert o.predict("none", codec_s=0.0, wire_s=0.008) == pytest.approx(0.002)
     # A method: its factor times (codec + the corrected link).
-    assert o.predict("int8", codec_s=0.001, wire_s=0.004) == pytest.approx(0.002)
     assert o.predict("topk", codec_s=0.001, wire_s=0.004) == pytest.approx(0.02)
     assert o.base("topk", codec_s=0.001, wire_s=0.004) == pytest.approx(0.002)
-    o.update([0.0, 0.0, 1e6])  # unseen keep their factor; readings are bounded
+    # int8 never ran: top-k's correction, not its calibration's 0.002.
+    assert o.inherited_from("int8") == "topk"
+    assert o.predict("int8", codec_s=0.001, wire_s=0.004) == pytest.approx(0.02)
+    assert "int8 x10.00 (never run; corrected by topk's)" in o.explain()
+    o.record("bf16", observed_s=0.004, predicted_s=0.002)  # bf16 ran: 2x
+    o.update(o.local())
+    assert o.inherited_from("int8") == "bf16" and o.factor("int8") == pytest.approx(2.0)
+    assert o.inherited_from("topk") is None and o.factor("topk") == pytest.approx(10.0)
+    restored = ObservedCosts(("none", "bf16", "int8", "topk"))
+    restored.load_state_dict(o.state_dict())
+    assert restored.factors == o.factors and restored.seen == o.seen
+    o.update([0.0, 0.0, 0.0, 1e6])  # unseen keep their factor; readings are bounded
     assert o.factors["link"] == 0.25 and o.factors["topk"] == o.CEILING
     o.record("int8", 1e-9, 1.0)
     o.update(o.local())
-    assert o.factors["int8"] == o.FLOOR
+    assert o.factors["int8"] == o.FLOOR and o.factor("int8") == o.FLOOR  # its own now
 
 
 def test_a_method_predicted_slower_than_none_is_never_kept() -> None:
@@ -657,3 +673,87 @@ def test_a_codec_ten_times_slower_than_calibrated_is_left_within_two_rounds() ->
 
     kept, _ = run_ranks(_misjudged, 2, False)[0]
     assert [m for m, _ in kept][-1] == "topk", kept
+
+
+def _untried(ctx: RankContext, inherit: bool) -> tuple[list[str], dict[str, int], str]:
+    """One 16 MiB bucket, auto among top-k and int8 (no ``none``: the choice
+    is between the two alone). Top-k's codec cost is given as a few ms it
+    really exceeds (each reduction also sleeps 20 ms), int8's as 1.5x
+    top-k's, but each int8 reduction sleeps 80 ms: on its calibration int8
+    is second, on the real buckets it is far slower. Once top-k has run and
+    been seen at several times its prediction, int8, never run, looks
+    cheaper on its calibration alone. ``inherit=False`` puts back the rule
+    before never-run methods were corrected (their own factor, 1). Returns
+    each step's method, the calls each method's hook got, and the
+    explanation."""
+    import time as _time
+
+    from xcomm.hooks import _measure, auto
+
+    calls = {"topk": 0, "int8": 0}
+    plain_topk, plain_int8 = auto.topk_hook, auto.int8_compress_hook
+
+    def slow_topk(state: Any, bucket: Any) -> Any:
+        calls["topk"] += 1
+        _time.sleep(0.02)
+        return plain_topk(state, bucket)
+
+    def slower_int8(state: Any, bucket: Any) -> Any:
+        calls["int8"] += 1
+        _time.sleep(0.08)
+        return plain_int8(state, bucket)
+
+    auto.topk_hook, auto.int8_compress_hook = slow_topk, slower_int8
+    if not inherit:
+        _measure.ObservedCosts.inherited_from = lambda self, method: None  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    n = 2048
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, 8)))
+    numel = sum(p.numel() for p in model.parameters())
+    costs = dict(COSTS)
+    costs["topk"] = 4e-3 / numel  # 4 ms predicted; it takes 20 ms more than its codec
+    costs["int8"] = 6e-3 / numel  # 6 ms predicted; it takes 80 ms more
+    state = hooks.AutoState(
+        methods=("int8", "topk"),
+        codec_costs=costs,
+        model=model,
+        interval=2,
+        probe_fraction=0.05,  # rounds every few steps, not spaced out by their cost
+    )
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    history = []
+    for step in range(24):
+        g = torch.Generator().manual_seed(step * 10 + ctx.rank)
+        x, y = torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        history.append(state.decisions.get(0, {}).get("method", "-"))
+    calls["buckets"] = len(state.decisions)
+    return history, calls, state.explain()
+
+
+def test_a_method_never_run_is_predicted_with_the_correction_of_those_that_ran() -> None:
+    """auto picks top-k on the calibrations and sees it take several times
+    its prediction. int8 has never run: predicted with top-k's correction it
+    stays slower, so auto keeps top-k to the end and never calls int8's hook,
+    the same on every rank, and says why int8 was not tried. With the rule
+    from before (a never-run method keeps its calibration) the same run trips
+    to int8 at a round: the test's premise holds."""
+    results = run_ranks(_untried, 2, True)
+    history, calls, explain = results[0]
+    assert results[1][0] == history  # the same choices at the same steps
+    first = history.index("topk")  # chosen on the calibrations
+    assert set(history[first:]) == {"topk"}, history
+    assert calls["int8"] == 0, calls
+    assert calls["topk"] == (len(history) - first) * calls["buckets"] > 0, calls
+    topk_factor = float(explain.split("topk x")[1].split()[0].rstrip(","))
+    assert topk_factor > 2, explain  # the premise: top-k seen well above its model
+    assert f"int8 x{topk_factor:.2f} (never run; corrected by topk's)" in explain, explain
+    assert "int8 not tried (never run here)" in explain, explain
+    assert "corrected by topk's" in explain, explain
+
+    tripped, tripped_calls, _ = run_ranks(_untried, 2, False)[0]
+    assert "int8" in tripped[tripped.index("topk") :], tripped
+    assert tripped_calls["int8"] > 0, tripped_calls

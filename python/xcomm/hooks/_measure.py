@@ -322,7 +322,8 @@ class MethodChoices:
 
     ``decisions[key]`` holds the method, the step it started (``since``), the
     step it was last evaluated (``round``), the key's size and every allowed
-    method's predicted seconds.
+    method's predicted seconds; a chooser may add ``notes`` (lines
+    :meth:`explain` prints under the key).
     """
 
     def __init__(self, switch_margin: float) -> None:
@@ -381,6 +382,7 @@ class MethodChoices:
                 f"{what} {key} ({d['numel']} elements): {d['method']} since step "
                 f"{d['since']}; predicted ms: {times}"
             )
+            lines.extend(f"  {note}" for note in d.get("notes", ()))
         return "\n".join(lines)
 
 
@@ -410,13 +412,29 @@ class ObservedCosts:
     took, and one seen slower than uncompressed loses to it at the next
     round. A factor not seen again keeps its last value.
 
+    A method that has never run in this run has no ratio of its own, and its
+    calibration (``randn`` data, an idle machine) is as wrong for it as it
+    was for the methods that did run on these buckets: on 2 busy cores a
+    reduction waits for the backward pass's threads whatever its codec, and
+    the sweep saw top-k at 1.46x its model while int8 and fp16, never run,
+    were predicted at 1.00x, looked cheaper, and were each tried for a round
+    at 1.8x and 2.6x. So a never-run method is predicted with the least
+    factor of the compressed methods that have run (:meth:`factor`): the
+    most favourable correction the run has evidence for, so it is still
+    tried where it would win by that evidence, but not on a calibration the
+    run has shown to be optimistic. Before any compressed method has run it
+    keeps its calibration (factor 1). The ratios are agreed, so which
+    methods have run, and the factors, are the same on every rank.
+
     Example::
 
-        >>> o = ObservedCosts(("none", "topk"))
+        >>> o = ObservedCosts(("none", "int8", "topk"))
         >>> o.record("topk", observed_s=0.010, predicted_s=0.001)
         >>> o.update(o.local())  # one rank: its own ratios are the agreed ones
         >>> round(o.predict("topk", codec_s=0.0005, wire_s=0.0005), 6)
         0.01
+        >>> o.factor("int8"), o.inherited_from("int8")  # never run: top-k's correction
+        (10.0, 'topk')
     """
 
     #: Factors are kept within [FLOOR, CEILING]: one odd reading (a paused
@@ -426,6 +444,8 @@ class ObservedCosts:
     def __init__(self, methods: Sequence[str]) -> None:
         self.keys = ("link", *[m for m in methods if m != "none"])
         self.factors = dict.fromkeys(self.keys, 1.0)
+        #: The keys some round agreed a ratio for (the same on every rank).
+        self.seen: set[str] = set()
         self._sums = {k: [0.0, 0.0] for k in self.keys}  # observed, predicted
         self._lock = threading.Lock()
         self._last_done = 0.0
@@ -434,12 +454,31 @@ class ObservedCosts:
     def key(method: str) -> str:
         return "link" if method == "none" else method
 
+    def inherited_from(self, method: str) -> str | None:
+        """For a compressed method that has never run: the method whose
+        factor it is predicted with (the least factor among the compressed
+        methods that ran; ties to the earlier), or None where none has run
+        (its calibration stands). None for a method that has run."""
+        key = self.key(method)
+        if key == "link" or key in self.seen:
+            return None
+        ran = [k for k in self.keys if k != "link" and k in self.seen]
+        return min(ran, key=lambda k: self.factors[k]) if ran else None
+
+    def factor(self, method: str) -> float:
+        """The correction applied to ``method``'s prediction: its own
+        observed/predicted ratio, or for a method never run, the least of
+        those that ran (1 before any has)."""
+        key = self.key(method)
+        source = self.inherited_from(method)
+        return self.factors.get(source if source else key, 1.0)
+
     def predict(self, method: str, codec_s: float, wire_s: float) -> float:
         """The corrected prediction of ``method``, from the model's parts."""
         link = self.factors["link"] * wire_s
         if method == "none":
             return link
-        return self.factors.get(method, 1.0) * (codec_s + link)
+        return self.factor(method) * (codec_s + link)
 
     def base(self, method: str, codec_s: float, wire_s: float) -> float:
         """What an observation of ``method`` is compared with: its
@@ -483,17 +522,34 @@ class ObservedCosts:
             for k, ratio in zip(self.keys, agreed):
                 if ratio > 0:
                     self.factors[k] = min(max(ratio, self.FLOOR), self.CEILING)
+                    self.seen.add(k)
                 self._sums[k] = [0.0, 0.0]
 
+    def describe(self, key: str) -> str:
+        """One key's factor and where it comes from."""
+        if key == "link" or key in self.seen:
+            return f"{key} x{self.factors[key]:.2f}" + ("" if key in self.seen else " (not seen)")
+        source = self.inherited_from(key)
+        if source is None:
+            return f"{key} x1.00 (never run; uncorrected, no compressed method has run)"
+        # The least factor of the compressed methods that ran.
+        return f"{key} x{self.factors[source]:.2f} (never run; corrected by {source}'s)"
+
     def explain(self) -> str:
-        seen = ", ".join(f"{k} x{f:.2f}" for k, f in self.factors.items())
+        seen = ", ".join(self.describe(k) for k in self.keys)
         return f"observed/predicted (applied to the model): {seen}"
 
-    def state_dict(self) -> dict[str, float]:
-        return dict(self.factors)
+    def state_dict(self) -> dict[str, Any]:
+        return {"factors": dict(self.factors), "seen": sorted(self.seen)}
 
-    def load_state_dict(self, factors: Mapping[str, float]) -> None:
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        if "factors" not in d:
+            # Before never-run methods were corrected the factors alone were
+            # kept: one that moved off 1 was seen.
+            d = {"factors": d, "seen": [k for k, v in d.items() if float(v) != 1.0]}
+        factors = d["factors"]
         self.factors.update({k: float(v) for k, v in factors.items() if k in self.factors})
+        self.seen = {k for k in d["seen"] if k in self.factors}
 
 
 def future_failed(fut: torch.futures.Future) -> bool:

@@ -28,7 +28,12 @@ data (a zero-heavy bucket for top-k) is predicted at what it took. The
 corrections are agreed at each round like every other input, so
 ``T(m) = f_m (c_m n + C_m latency) + f_m f_link B_m(n) / bandwidth`` is the
 same on every rank; a method seen slower than uncompressed loses to
-``none`` at the next round.
+``none`` at the next round. A method that has not run yet is predicted with
+the least correction of the compressed methods that have (its calibration
+is as far off on these buckets as theirs was), so auto does not leave an
+observed method for one that only its ``randn`` calibration favours;
+:meth:`AutoState.explain` says which predictions are corrected and why a
+method was not tried.
 
 Inputs, measured, never guessed:
 
@@ -433,7 +438,10 @@ class AutoState(PicklableState):
 
     def explain(self) -> str:
         """A table: each bucket's method and the predicted milliseconds of every
-        allowed method that chose it."""
+        allowed method that chose it; the corrections applied (each method's
+        observed/predicted, and for a method not run yet whose correction it
+        takes or that it has none); under each bucket, why a method that has
+        not run was not tried."""
         link_line = None
         if self._agreed is not None:
             link = self._agreed[0]
@@ -520,7 +528,54 @@ class AutoState(PicklableState):
         device_type = bucket.buffer().device.type
         self._bucket_inputs[index] = (numel, shapes, itemsize, device_type)
         predicted = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
-        return self._choices.choose(index, numel, self.iter, predicted)
+        method = self._choices.choose(index, numel, self.iter, predicted)
+        if self.observe:
+            self.decisions[index]["notes"] = self._never_run_notes(
+                method, predicted, numel, shapes, itemsize, world, link, costs
+            )
+        return method
+
+    def _never_run_notes(
+        self,
+        chosen: str,
+        predicted: dict[str, float],
+        numel: int,
+        shapes: list[tuple[int, ...]],
+        itemsize: int,
+        world: int,
+        link: LinkModel,
+        costs: dict[str, float],
+    ) -> list[str]:
+        """For each candidate that has not run yet: its prediction on its
+        calibration, the correction applied (whose, or none yet) and why it
+        was not tried (or that it was chosen untried)."""
+        notes = []
+        for m, t in predicted.items():
+            if m == "none" or self._observed.key(m) in self._observed.seen:
+                continue
+            calibrated = self._observed.base(
+                m, *self._parts(m, numel, shapes, itemsize, world, link, costs)
+            )
+            source = self._observed.inherited_from(m)
+            if source is None:
+                how = (
+                    f"predicted {t * 1e3:.2f} ms on its calibration (uncorrected: no "
+                    "compressed method has run yet)"
+                )
+            else:
+                how = (
+                    f"{calibrated * 1e3:.2f} ms on its calibration, {t * 1e3:.2f} ms corrected "
+                    f"by {source}'s x{self._observed.factor(m):.2f}"
+                )
+            if m == chosen:
+                notes.append(f"{m} chosen before it has run: {how}")
+                continue
+            why = "slower than" if t >= predicted[chosen] else "within the switch margin of"
+            notes.append(
+                f"{m} not tried (never run here): {how}, {why} {chosen}'s "
+                f"{predicted[chosen] * 1e3:.2f} ms"
+            )
+        return notes
 
     def _predict(
         self,
