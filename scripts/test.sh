@@ -12,7 +12,9 @@
 # The machine has two cores, and compiling is what they would wait on: while
 # one torch's tests run, the next torch is set up and built at the lowest CPU
 # priority (nice 19), so it takes only the time the tests leave idle and the
-# tests keep their timing. Its log is printed when its tests begin.
+# tests keep their timing. Its log is printed when its tests begin. Likewise
+# the build against the CUDA torch with no toolkit, which no test uses, runs
+# beside that torch's own tests; its log follows them.
 #
 # XCOMM_TEST_TORCH="2.13.0" (or "2.14.1") runs one version only. Both versions
 # run even when the first fails; the exit status is non-zero if either did.
@@ -87,22 +89,29 @@ prepare() {
       echo "torch $v: CUDA codec kernels not built" >&3
   fi
 
-  if [ "$v" != "2.13.0" ]; then
-    # A pip-installed CUDA torch usually comes without a CUDA toolkit: xcomm
-    # must build against it all the same (setup.py skips torch's CMake package).
-    phase "build against torch $v with no CUDA toolkit, then use it"
-    local direct
-    direct=$(mktemp -d)
-    if env -u CUDA_HOME -u CUDA_PATH XCOMM_NO_CUDA_TOOLKIT=1 "$py" -m pip install -q \
-      --no-build-isolation --no-deps --target "$direct" . &&
-      PYTHONPATH="$direct" "$py" scripts/smoke.py --expect-cuda-path --expect-no-cuda-codecs; then
-      echo "built and ran without a CUDA toolkit"
-    else
-      echo "torch $v: build without a CUDA toolkit" >&3
-    fi
-    rm -rf "$direct"
-  fi
   phase "torch $v set up and built"
+}
+
+# A pip-installed CUDA torch usually comes without a CUDA toolkit: xcomm must
+# build against it all the same (setup.py skips torch's CMake package), then
+# import and reduce. Its own build folder; the C++ objects are those of the
+# toolkit build (CMakeLists.txt gives them the same flags), so ccache serves
+# all but the stand-in for the CUDA kernels. Nothing else uses this build, so
+# it runs beside torch $1's tests, at nice 19 (see the top); same fd 3 lines.
+build_without_toolkit() {
+  local v=$1 py direct
+  py=$(interpreter "$v")
+  phase "build against torch $v with no CUDA toolkit, then use it"
+  direct=$(mktemp -d)
+  if env -u CUDA_HOME -u CUDA_PATH XCOMM_NO_CUDA_TOOLKIT=1 "$py" -m pip install -q \
+    --no-build-isolation --no-deps --target "$direct" . &&
+    PYTHONPATH="$direct" "$py" scripts/smoke.py --expect-cuda-path --expect-no-cuda-codecs; then
+    echo "built and ran without a CUDA toolkit"
+  else
+    echo "torch $v: build without a CUDA toolkit" >&3
+  fi
+  rm -rf "$direct"
+  phase "the build against torch $v with no CUDA toolkit is done"
 }
 
 # Runs torch $1's C++ and Python tests; the same failure lines on fd 3.
@@ -157,7 +166,21 @@ for i in "${!versions[@]}"; do
   if grep -q "^torch $v: setup" "$failures"; then
     echo "torch $v: not set up, its tests skipped"
   else
+    toolkitless=""
+    if [ "$v" != "2.13.0" ]; then # a CUDA build of torch
+      nice -n 19 bash -c "$(declare -f phase interpreter build_without_toolkit); SECONDS=$SECONDS; started=$started; build_without_toolkit $v" \
+        >"$failures.direct.log" 2>&1 3>>"$failures.direct" &
+      toolkitless=$!
+    fi
     run_tests "$v" 3>>"$failures"
+    if [ -n "$toolkitless" ]; then
+      wait "$toolkitless"
+      echo "----- the build against torch $v with no CUDA toolkit, as logged in the background"
+      grep -v "^WARNING: Location 'file:" "$failures.direct.log"
+      echo "-----"
+      cat "$failures.direct" >>"$failures" 2>/dev/null
+      rm -f "$failures.direct" "$failures.direct.log"
+    fi
   fi
   if [ -n "$next" ]; then
     phase "waiting for torch $next's set-up and build (started in the background)"
