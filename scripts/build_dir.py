@@ -21,7 +21,9 @@ def build_dir() -> Path:
 
     major, minor = torch.__version__.split(".")[:2]
     py = f"{sys.version_info.major}{sys.version_info.minor}"
-    # Built against torch's files directly, not its CMake package (setup.py): other flags.
+    # Built against torch's files directly, not its CMake package (setup.py): other
+    # CMake settings, the same C++ flags. A sibling folder, so paths relative to it
+    # match and ccache serves one build from the other.
     direct = "-direct" if os.environ.get("XCOMM_NO_CUDA_TOOLKIT") == "1" else ""
     return ROOT / "build" / f"cmake-py{py}-torch{major}.{minor}{direct}"
 
