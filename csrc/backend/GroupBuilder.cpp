@@ -13,6 +13,7 @@
 #include "backend/GroupPlan.hpp"
 #include "backend/GroupSettings.hpp"
 #include "backend/ShmCpuBackend.hpp"
+#include "backend/StoreCpuBackend.hpp"
 #include "backend/StoreText.hpp"
 
 namespace xcomm {
@@ -176,6 +177,19 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
   }
   return backend;
+}
+
+// Defined here, beside buildGroup, so the c10d face does not include its builder.
+c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    c10::intrusive_ptr<XcommOptions> options) {
+  InnerBackendFactory factory;
+  factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
+                   std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+    return c10::make_intrusive<StoreCpuBackend>(prefixed, r, n, timeout);
+  };
+  factory.receivesShorter = false;
+  return buildGroup(store, rank, size, std::move(options), factory, /*allowShm=*/false);
 }
 
 }  // namespace xcomm

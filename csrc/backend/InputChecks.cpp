@@ -35,10 +35,6 @@ void oneTensor(const char* op, const at::Tensor& t, const char* what, size_t ind
 
 }  // namespace
 
-std::string dtypeName(at::ScalarType dtype) {
-  return "torch." + std::string(c10::getDtypeNames(dtype).first);
-}
-
 void tensorList(const char* op, const std::vector<at::Tensor>& ts, const char* what) {
   TORCH_CHECK_VALUE(!ts.empty(), "xcomm.", op, ": the ", what, " list is empty; pass one tensor");
   for (size_t i = 0; i < ts.size(); ++i) {

@@ -8,10 +8,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include "common/ErrorText.hpp"
+
 namespace xcomm::checks {
 
-// "torch.float32"-style dtype names, as users write them.
-std::string dtypeName(at::ScalarType dtype);
+using xcomm::dtypeName;  // common/ErrorText.hpp
 
 // A non-empty list of dense tensors of one device and one dtype that xcomm
 // can move. `what` names the list in messages ("input", "output").

@@ -5,14 +5,13 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "backend/GroupBuilder.hpp"
 #include "backend/InputChecks.hpp"
 #include "backend/MinMaxLowering.hpp"
 #include "backend/PremulLowering.hpp"
-#include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommWork.hpp"
 #include "observe/Stats.hpp"
 #include "observe/Timeline.hpp"
+#include "schedule/CycleFusion.hpp"
 
 namespace xcomm {
 namespace {
@@ -68,18 +67,6 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
 }
 
 XcommBackend::~XcommBackend() = default;
-
-c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
-    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    c10::intrusive_ptr<XcommOptions> options) {
-  InnerBackendFactory factory;
-  factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
-                   std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
-    return c10::make_intrusive<StoreCpuBackend>(prefixed, r, n, timeout);
-  };
-  factory.receivesShorter = false;
-  return buildGroup(store, rank, size, std::move(options), factory, /*allowShm=*/false);
-}
 
 void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;

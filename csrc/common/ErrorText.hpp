@@ -4,9 +4,15 @@
 #include <exception>
 #include <string>
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 namespace xcomm {
+
+// "torch.float32"-style dtype names, as users write them.
+inline std::string dtypeName(at::ScalarType dtype) {
+  return "torch." + std::string(c10::getDtypeNames(dtype).first);
+}
 
 // An error's message, without the C++ stack c10 appends to what().
 inline std::string messageOf(const std::exception& e) {

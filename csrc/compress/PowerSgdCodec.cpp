@@ -14,15 +14,13 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
-#include "backend/InputChecks.hpp"
+#include "common/ErrorText.hpp"
 #include "compress/PowerSgdKernels.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
 
 namespace {
-
-using checks::dtypeName;
 
 // Work items are cut to about this many elements, so a big matrix spreads
 // over threads and small ones are not split into pieces too small to pay

@@ -244,4 +244,12 @@ void CycleFusion::cycleLoop() {
   }
 }
 
+std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
+                                               std::chrono::microseconds cycle,
+                                               c10::intrusive_ptr<c10d::Backend> control,
+                                               std::chrono::milliseconds timeout) {
+  if (thresholdBytes == 0) return nullptr;
+  return std::make_shared<CycleFusion>(thresholdBytes, cycle, std::move(control), timeout);
+}
+
 }  // namespace xcomm

@@ -91,4 +91,11 @@ class CycleFusion final : public FusionBuffer {
   std::thread thread_;
 };
 
+// The group's fusion: null when `thresholdBytes` is 0 (fusion off); else rounds over `control`
+// that wait up to `timeout`, on demand when `cycle` is 0.
+std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
+                                               std::chrono::microseconds cycle,
+                                               c10::intrusive_ptr<c10d::Backend> control,
+                                               std::chrono::milliseconds timeout);
+
 }  // namespace xcomm

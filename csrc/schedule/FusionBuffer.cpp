@@ -8,7 +8,6 @@
 #include "common/AgreedCall.hpp"
 #include "observe/Stats.hpp"
 #include "observe/Timeline.hpp"
-#include "schedule/CycleFusion.hpp"
 
 namespace xcomm {
 namespace {
@@ -196,14 +195,6 @@ std::function<void()> FusionBuffer::issue(std::shared_ptr<std::vector<Held>> hel
       for (auto& h : *held) h.work->complete(error);
     });
   };
-}
-
-std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
-                                               std::chrono::microseconds cycle,
-                                               c10::intrusive_ptr<c10d::Backend> control,
-                                               std::chrono::milliseconds timeout) {
-  if (thresholdBytes == 0) return nullptr;
-  return std::make_shared<CycleFusion>(thresholdBytes, cycle, std::move(control), timeout);
 }
 
 }  // namespace xcomm

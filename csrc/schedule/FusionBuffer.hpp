@@ -124,11 +124,4 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
   size_t heldBytes_ = 0;    // guarded by mutex_
 };
 
-// Null when `thresholdBytes` is 0 (fusion off); else rounds over `control`
-// that wait up to `timeout`, on demand when `cycle` is 0.
-std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
-                                               std::chrono::microseconds cycle,
-                                               c10::intrusive_ptr<c10d::Backend> control,
-                                               std::chrono::milliseconds timeout);
-
 }  // namespace xcomm

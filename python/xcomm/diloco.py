@@ -277,6 +277,7 @@ class DiLoCo:
         self.stats = CompressionStats()
         self.inner_steps = 0
         self.codec = _C.Int8Codec(chunk_elems)
+        self._int8_chain = _C.Int8Allreduce()
         self.feedback = _C.ErrorFeedback()
         make_outer = outer_optimizer or nesterov_sgd()
         bounds = [total * i // fragments for i in range(fragments + 1)]
@@ -357,23 +358,19 @@ class DiLoCo:
         return self._mean_cast(key, delta, before, _CAST_DTYPES[self.method])
 
     def _mean_int8(self, key: int, delta: torch.Tensor, before: int) -> torch.Tensor:
+        # The int8 hook's own collectives (csrc/collectives/chains/Int8Allreduce):
+        # the alltoall of the shards, each rank's shard mean, the allgather.
         codec, world = self.codec, self.world
-        shard = codec.shard_elems(delta.numel(), world)
         if self.error_feedback:
             packed = codec.pack_shards_with_feedback(delta, world, self.feedback, key)
         else:
             packed = codec.pack_shards(delta, world)
-        received = torch.empty_like(packed)
-        dist.all_to_all_single(received, packed, group=self.group)
-        mean_packed = codec.reduce_and_pack(received, shard, float(world))
-        gathered = torch.empty(world * mean_packed.numel(), dtype=torch.uint8)
-        all_gather_single(gathered, mean_packed, group=self.group)
+        started = self._int8_chain.start(codec, self.group, delta, delta, None, packed)
+        mean = started[0].wait()  # raises what a collective raised
         self.stats.record(
-            before,
-            alltoall_bytes(packed.numel(), world) + allgather_bytes(mean_packed.numel(), world),
+            before, alltoall_bytes(packed.numel(), world) + allgather_bytes(packed.shape[1], world)
         )
-        codec.unpack_all(gathered, shard, delta)
-        return delta
+        return mean
 
     def _mean_cast(
         self, key: int, delta: torch.Tensor, before: int, dtype: torch.dtype

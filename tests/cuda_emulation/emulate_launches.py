@@ -8,6 +8,7 @@ original file. Usage: ``python emulate_launches.py IN.cu OUT.cpp``.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -29,6 +30,8 @@ def main() -> None:
     body = rewrite(text)
     if "<<<" in body:
         raise SystemExit(f"{src}: a kernel launch emulate_launches.py could not rewrite")
+    # Makefile generators do not create an OUTPUT's folder (Ninja does).
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w", encoding="utf-8") as f:
         f.write(f'#line 1 "{src}"\n{body}')
 
