@@ -573,9 +573,13 @@ void TopKCodec::decode(const at::Tensor& gathered, int64_t k, at::Tensor& out,
   at::Tensor flat = at::zeros({out.numel()}, out.options().device(rows.device()));
   for (int64_t r = 0; r < rows.size(0); ++r) {  // rank order: same bits on every rank
     at::Tensor row = rows.select(0, r);
-    at::Tensor indices = row.narrow(0, 0, idxBytes).view(at::kInt).to(at::kLong);
+    // A row is k * (4 + element size) bytes: with an odd k, the rows after
+    // the first of a 2-byte dtype start off 4-byte alignment, and float64
+    // values (after k int32) off 8-byte alignment; such slices are copied.
+    at::Tensor rawIdx = row.narrow(0, 0, idxBytes);
+    if (rawIdx.storage_offset() % 4 != 0) rawIdx = rawIdx.clone();
+    at::Tensor indices = rawIdx.view(at::kInt).to(at::kLong);
     at::Tensor raw = row.narrow(0, idxBytes, row.numel() - idxBytes);
-    // float64 values follow k int32 indices: 8-byte aligned only for even k.
     if (raw.storage_offset() % c10::elementSize(dtype) != 0) raw = raw.clone();
     at::Tensor values = raw.view(dtype);
     // On a GPU, index_add_ checks the range itself (reading it here would wait for the device).

@@ -158,6 +158,25 @@ def test_topk_picks_the_exact_top_k_and_keeps_the_rest(
         assert exact == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_topk_decode_of_two_ranks_with_an_odd_k(dtype: torch.dtype) -> None:
+    """An odd k puts the second row's indices (2-byte dtypes) or the values
+    (float64) off their alignment in the gathered payloads; decode reads them
+    anyway: index_add in rank order, then the divide."""
+    n, k = 10000, 101
+    codec = _C.TopKCodec(False, False)
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(2)]
+    payloads = [codec.encode(0, g, k) for g in grads]
+    out = torch.empty(n, dtype=dtype)
+    codec.decode(torch.stack(payloads), k, out, 2.0)
+    ref = torch.zeros(n, dtype=dtype)
+    for g, p in zip(grads, payloads):
+        idx = p[: 4 * k].clone().view(torch.int32).long()
+        ref.index_add_(0, idx, g[idx])
+    assert torch.equal(out, ref / 2)
+    assert int((out != 0).sum()) > k
+
+
 def test_topk_route_is_what_ran() -> None:
     """``last_selection()['route']`` tells the scan from at::topk: a strided
     bucket still takes at::topk, and on distinct magnitudes both pick alike."""
