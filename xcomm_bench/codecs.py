@@ -31,11 +31,16 @@ same codec in torch ops and beside a copy, all taking turns in one run:
 embedding gradient: 0.5% of its 64-wide rows nonzero), and each of those
 with ``+res``, a small dense residual added (what error feedback leaves
 behind once any step was dense). ``all`` names every input.
+``--inputs-dtype float16`` (or ``bfloat16``, ``float64``) casts those inputs
+to that dtype and times top-k (xcomm and torch ops) beside the copy only; the
+other codecs take float32 buckets.
 
 Example::
 
     python -m xcomm_bench codecs --sizes 1M,4M,16M --out bench-results/codecs
     python -m xcomm_bench codecs --sizes "" --throughput-size "" --inputs all
+    python -m xcomm_bench codecs --sizes "" --throughput-size "" --inputs all \\
+        --inputs-dtype bfloat16 --inputs-size 8M
 """
 
 from __future__ import annotations
@@ -295,23 +300,39 @@ def measure_throughput(numel: int, threads: int, world: int, reps: int) -> list[
     return rows
 
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+DTYPES.update({"bfloat16": torch.bfloat16, "float64": torch.float64})
+
+
 def measure_inputs(
-    numel: int, inputs: list[str], threads: int, world: int, reps: int
+    numel: int,
+    inputs: list[str],
+    threads: int,
+    world: int,
+    reps: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[dict]:
     """Rows (input, method, impl, ms) of every method on each input.
 
     Per input, fresh codecs (so no residual carries over from another input);
     the copy, xcomm's codecs and their torch-ops versions take turns
-    repetition by repetition, so a busy moment slows them alike.
+    repetition by repetition, so a busy moment slows them alike. With a
+    ``dtype`` other than float32, the inputs are cast to it and only the copy
+    and top-k are timed.
+
+    >>> rows = measure_inputs(4096, ["zeros"], 1, 2, 1, torch.float16)
+    >>> sorted({r["method"] for r in rows}), rows[0]["dtype"]
+    (['copy', 'top-k 1% + EF'], 'float16')
     """
     torch.set_num_threads(threads)
     rows = []
     for name in inputs:
-        for (method, impl), ts in _time_input(name, numel, world, reps).items():
+        for (method, impl), ts in _time_input(name, numel, world, reps, dtype).items():
             rows.append(
                 {
                     "input": name,
                     "numel": numel,
+                    "dtype": str(dtype).removeprefix("torch."),
                     "threads": threads,
                     "method": method,
                     "impl": impl,
@@ -322,9 +343,11 @@ def measure_inputs(
     return rows
 
 
-def _time_input(name: str, numel: int, world: int, reps: int) -> dict[tuple[str, str], list]:
+def _time_input(
+    name: str, numel: int, world: int, reps: int, dtype: torch.dtype = torch.float32
+) -> dict[tuple[str, str], list]:
     gen = torch.Generator().manual_seed(2)
-    flat = make_input(name, numel, gen)
+    flat = make_input(name, numel, gen).to(dtype)
     out = torch.empty_like(flat)
     k = max(1, math.ceil(DENSITY * numel))
     residuals = [torch.zeros_like(flat) for _ in range(3)]
@@ -347,6 +370,8 @@ def _time_input(name: str, numel: int, world: int, reps: int) -> dict[tuple[str,
         ("fp16 cast", "torch"): lambda: (half.copy_(flat), out.copy_(half)),
         ("bf16 cast", "torch"): lambda: (bf16.copy_(flat), out.copy_(bf16)),
     }
+    if dtype != torch.float32:  # the other codecs take float32 buckets
+        impls = {key: fn for key, fn in impls.items() if key[0] in ("copy", "top-k 1% + EF")}
     seconds: dict[tuple[str, str], list[float]] = {key: [] for key in impls}
     for fn in impls.values():
         fn()  # warm-up: allocations, first touch
@@ -488,6 +513,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--inputs-size", default="4M", help="bucket of the per-input table")
     p.add_argument("--inputs-threads", type=int, default=1, help="torch threads of that table")
+    p.add_argument(
+        "--inputs-dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="dtype of that table's buckets (other than float32: top-k and the copy only)",
+    )
     args = p.parse_args(argv)
     default_threads = torch.get_num_threads()
     if args.threads:
@@ -528,11 +559,13 @@ def main(argv: list[str] | None = None) -> int:
         numel = _parse_size(args.inputs_size)
         for name in names:  # a bad name fails now, not after the other tables' minutes
             make_input(name, ROW, torch.Generator())
-        per_input = measure_inputs(numel, names, args.inputs_threads, args.world, args.reps)
+        dtype = DTYPES[args.inputs_dtype]
+        per_input = measure_inputs(numel, names, args.inputs_threads, args.world, args.reps, dtype)
         torch.set_num_threads(args.threads or default_threads)
         table = format_inputs(per_input)
         print(
-            f"inputs: {numel:,} float32, {args.inputs_threads} thread(s), world {args.world}, "
+            f"inputs: {numel:,} {args.inputs_dtype}, {args.inputs_threads} thread(s), "
+            f"world {args.world}, "
             f"median of {args.reps}, kernels {_C.codec_kernels_isa()}"
         )
         print(table)

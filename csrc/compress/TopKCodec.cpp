@@ -21,6 +21,14 @@ namespace {
 // number of threads.
 constexpr int64_t kScanBlock = 1 << 16;
 
+// A CPU bucket the fused scan takes (float16 and bfloat16 widened).
+bool onCpuScan(const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return t.is_contiguous() && t.device().is_cpu() &&
+         (dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+          dtype == at::kBFloat16);
+}
+
 bool isDenseFloat(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu();
 }
@@ -30,34 +38,111 @@ bool onCudaKernels(const at::Tensor& t) {
   return t.is_cuda() && cuda::codecsBuilt() && t.scalar_type() == at::kFloat && t.is_contiguous();
 }
 
+// The scan's loops per element type. float32 runs the vectorized kernels;
+// float64 (rare in gradients) plain loops with the same contract: keep
+// (i, a) when the magnitude key of a = src[i] (+ residual[i], stored back)
+// is above the threshold, count the entries equal to it.
+template <typename T>
+struct ScanOps;
+
+template <>
+struct ScanOps<float> {
+  using Key = uint32_t;
+  static Key key(float x) { return kernels::magnitudeKey(x); }
+  static int64_t scan(const float* src, float* residual, int64_t lo, int64_t hi, Key threshold,
+                      int32_t* indices, float* values, int64_t cap, int64_t* ties) {
+    return kernels::codecKernels().topkScan(src, residual, lo, hi, threshold, indices, values, cap,
+                                            ties);
+  }
+  static int64_t ties(const float* values, int64_t lo, int64_t hi, Key k, int32_t* indices,
+                      int64_t cap) {
+    return kernels::codecKernels().topkTies(values, lo, hi, k, indices, cap);
+  }
+  static void addInto(const float* src, float* acc, int64_t n) {
+    kernels::codecKernels().addInto(src, acc, 0, n);
+  }
+};
+
+template <>
+struct ScanOps<double> {
+  using Key = uint64_t;
+  // Bits of |x|: ordered as the magnitudes, NaN above Inf (as for float).
+  static Key key(double x) {
+    uint64_t bits;
+    static_assert(sizeof(bits) == sizeof(x), "double is 64 bits");
+    std::memcpy(&bits, &x, sizeof(bits));
+    return bits & 0x7fffffffffffffffull;
+  }
+  template <bool kAdd>
+  static int64_t scanRange(const double* src, double* r, int64_t lo, int64_t hi, Key threshold,
+                           int32_t* indices, double* values, int64_t cap, int64_t* ties) {
+    int64_t count = 0, tied = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      double a = src[i];
+      if constexpr (kAdd) {
+        a = a + r[i];
+        r[i] = a;
+      }
+      const Key k = key(a);
+      if (k > threshold) {
+        if (count < cap) {
+          indices[count] = static_cast<int32_t>(i);
+          values[count] = a;
+        }
+        ++count;
+      }
+      tied += k == threshold;
+    }
+    *ties = tied;
+    return count;
+  }
+  static int64_t scan(const double* src, double* residual, int64_t lo, int64_t hi, Key threshold,
+                      int32_t* indices, double* values, int64_t cap, int64_t* ties) {
+    return residual ? scanRange<true>(src, residual, lo, hi, threshold, indices, values, cap, ties)
+                    : scanRange<false>(src, nullptr, lo, hi, threshold, indices, values, cap, ties);
+  }
+  static int64_t ties(const double* values, int64_t lo, int64_t hi, Key k, int32_t* indices,
+                      int64_t cap) {
+    int64_t count = 0;
+    for (int64_t i = lo; i < hi && count < cap; ++i) {
+      if (key(values[i]) == k) indices[count++] = static_cast<int32_t>(i);
+    }
+    return count;
+  }
+  static void addInto(const double* src, double* acc, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] + src[i];
+  }
+};
+
 // Runs the scan kernel over [0, n) in blocks and leaves the (index, value)
 // pairs above the threshold in `out`, in index order, and each block's count
 // of entries equal to it in scratch.ties; returns how many were above.
 // Each block writes into its own stretch of the scratch, sized from `expect`
 // (how many should pass in all) with a margin; a block that overflows is
 // rescanned read-only into a buffer of its own.
-int64_t scanAll(const float* src, float* residual, int64_t n, uint32_t threshold, int64_t expect,
-                TopKScratch& scratch, TopKCandidates& out, TopKSelection& stats) {
-  const auto& kern = kernels::codecKernels();
+template <typename T>
+int64_t scanAll(const T* src, T* residual, int64_t n, typename ScanOps<T>::Key threshold,
+                int64_t expect, TopKScratchOf<T>& scratch, TopKCandidatesOf<T>& out,
+                TopKSelection& stats) {
   const int64_t blocks = (n + kScanBlock - 1) / kScanBlock;
   const int64_t blockCap = std::min<int64_t>(kScanBlock, 2 * expect * kScanBlock / n + 256);
   scratch.indices.resize(std::max<size_t>(scratch.indices.size(), blocks * blockCap));
   scratch.values.resize(std::max<size_t>(scratch.values.size(), blocks * blockCap));
   scratch.counts.assign(blocks, 0);
   scratch.ties.assign(blocks, 0);
-  std::vector<TopKCandidates> overflow(blocks);
+  std::vector<TopKCandidatesOf<T>> overflow(blocks);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t lo = b * kScanBlock, hi = std::min(n, lo + kScanBlock);
       int64_t count =
-          kern.topkScan(src, residual, lo, hi, threshold, scratch.indices.data() + b * blockCap,
-                        scratch.values.data() + b * blockCap, blockCap, &scratch.ties[b]);
+          ScanOps<T>::scan(src, residual, lo, hi, threshold, scratch.indices.data() + b * blockCap,
+                           scratch.values.data() + b * blockCap, blockCap, &scratch.ties[b]);
       if (count > blockCap) {  // the values are final now (in residual, if any): rescan
         overflow[b].indices.resize(count);
         overflow[b].values.resize(count);
         int64_t ties = 0;
-        kern.topkScan(residual ? residual : src, nullptr, lo, hi, threshold,
-                      overflow[b].indices.data(), overflow[b].values.data(), count, &ties);
+        ScanOps<T>::scan(residual ? residual : src, nullptr, lo, hi, threshold,
+                         overflow[b].indices.data(), overflow[b].values.data(), count, &ties);
       }
       scratch.counts[b] = count;
     }
@@ -77,7 +162,7 @@ int64_t scanAll(const float* src, float* residual, int64_t n, uint32_t threshold
     const bool spilled = c > blockCap;
     const int32_t* idx =
         spilled ? overflow[b].indices.data() : scratch.indices.data() + b * blockCap;
-    const float* val = spilled ? overflow[b].values.data() : scratch.values.data() + b * blockCap;
+    const T* val = spilled ? overflow[b].values.data() : scratch.values.data() + b * blockCap;
     std::copy(idx, idx + c, out.indices.begin() + at);
     std::copy(val, val + c, out.values.begin() + at);
     at += c;
@@ -89,16 +174,16 @@ int64_t scanAll(const float* src, float* residual, int64_t n, uint32_t threshold
 // The indices of the first `need` entries of values[0, n) whose key is
 // `key`, ascending, into `out`: only blocks the scan counted ties in are
 // read, each only up to the last tie taken.
-void collectTies(const float* values, int64_t n, uint32_t key, int64_t need,
-                 const TopKScratch& scratch, std::vector<int32_t>& out, TopKSelection& stats) {
-  const auto& kern = kernels::codecKernels();
+template <typename T>
+void collectTies(const T* values, int64_t n, typename ScanOps<T>::Key key, int64_t need,
+                 const TopKScratchOf<T>& scratch, std::vector<int32_t>& out, TopKSelection& stats) {
   out.resize(need);
   int64_t got = 0;
   for (size_t b = 0; b < scratch.ties.size() && got < need; ++b) {
     if (scratch.ties[b] == 0) continue;
     const int64_t lo = static_cast<int64_t>(b) * kScanBlock, hi = std::min(n, lo + kScanBlock);
     const int64_t want = need - got;
-    const int64_t c = kern.topkTies(values, lo, hi, key, out.data() + got, want);
+    const int64_t c = ScanOps<T>::ties(values, lo, hi, key, out.data() + got, want);
     stats.reread += c == want ? out[got + c - 1] + 1 - lo : hi - lo;
     got += c;
   }
@@ -106,9 +191,30 @@ void collectTies(const float* values, int64_t n, uint32_t key, int64_t need,
 }
 
 // The key of the k-th largest magnitude among `keys` (k <= keys.size()).
-uint32_t kthLargestKey(std::vector<uint32_t> keys, int64_t k) {
-  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<uint32_t>());
+template <typename Key>
+Key kthLargestKey(std::vector<Key> keys, int64_t k) {
+  std::nth_element(keys.begin(), keys.begin() + (k - 1), keys.end(), std::greater<Key>());
   return keys[k - 1];
+}
+
+// The sampled threshold key: usually a little under k entries' magnitude.
+template <typename T>
+typename ScanOps<T>::Key sampleThreshold(at::Generator& generator, int64_t sampleSize, const T* src,
+                                         const T* residual, int64_t n, int64_t k) {
+  // The same draws as the unfused selection, so resumed runs sample alike.
+  at::Tensor idx = at::randint(n, {sampleSize}, generator, at::kLong);
+  const int64_t* pick = idx.data_ptr<int64_t>();
+  std::vector<typename ScanOps<T>::Key> keys(sampleSize);
+  for (int64_t i = 0; i < sampleSize; ++i) {
+    const T a = residual ? src[pick[i]] + residual[pick[i]] : src[pick[i]];
+    keys[i] = ScanOps<T>::key(a);
+  }
+  // Below the target quantile, so that nearly always at least k pass: 1.5 k
+  // expected; with 4096 samples at 1% density, fewer than k pass about once
+  // in 10^4 steps (then the exact route runs; the answer is the same).
+  const double keep = std::min(1.0, 1.5 * static_cast<double>(k) / n);
+  const int64_t rank = std::max<int64_t>(1, static_cast<int64_t>(keep * sampleSize));
+  return kthLargestKey(std::move(keys), rank);
 }
 
 }  // namespace
@@ -167,96 +273,78 @@ at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k, Err
   TORCH_CHECK_VALUE(flat.numel() <= std::numeric_limits<int32_t>::max(),
                     "xcomm: top-k indices are int32; a bucket of ", flat.numel(),
                     " elements is too large (use smaller DDP buckets)");
-  if (isDenseFloat(flat) && flat.numel() > 0) {
-    return encodeFloat(key, flat, k, fb);
+  selection_ = TopKSelection{};
+  if (onCpuScan(flat) && flat.numel() > 0) {
+    selection_.route = TopKRoute::kScan;
+    switch (flat.scalar_type()) {
+      case at::kFloat:
+        return encodeFloat(key, flat, k, fb);
+      case at::kDouble:
+        return encodeDouble(key, flat, k, fb);
+      default:
+        return encodeHalf(key, flat, k, fb);
+    }
   }
   if (onCudaKernels(flat) && flat.numel() > 0) {
+    selection_.route = TopKRoute::kCuda;
     return encodeCuda(key, flat, k, fb);
   }
+  if (flat.numel() > 0) selection_.route = TopKRoute::kTorch;
   return encodeGeneric(key, flat, k, fb);
 }
 
-uint32_t TopKCodec::sampleThreshold(const float* src, const float* residual, int64_t n, int64_t k) {
-  // The same draws as the unfused selection, so resumed runs sample alike.
-  at::Tensor idx = at::randint(n, {sampleSize_}, generator_, at::kLong);
-  const int64_t* pick = idx.data_ptr<int64_t>();
-  std::vector<uint32_t> keys(sampleSize_);
-  for (int64_t i = 0; i < sampleSize_; ++i) {
-    const float a = residual ? src[pick[i]] + residual[pick[i]] : src[pick[i]];
-    keys[i] = kernels::magnitudeKey(a);
-  }
-  // Below the target quantile, so that nearly always at least k pass: 1.5 k
-  // expected; with 4096 samples at 1% density, fewer than k pass about once
-  // in 10^4 steps (then the exact route runs; the answer is the same).
-  const double keep = std::min(1.0, 1.5 * static_cast<double>(k) / n);
-  const int64_t rank = std::max<int64_t>(1, static_cast<int64_t>(keep * sampleSize_));
-  return kthLargestKey(std::move(keys), rank);
-}
-
-at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k,
-                                  ErrorFeedback* fb) {
-  const int64_t n = flat.numel();
-  k = std::min<int64_t>(k, n);
-  selection_ = TopKSelection{};
-  const float* src = flat.data_ptr<float>();
-  at::Tensor residual;
-  bool seeded = false;
-  if ((fb != nullptr)) {
-    residual = fb->accumulator(key, flat, &seeded);
-  }
-  float* res = (fb != nullptr) ? residual.data_ptr<float>() : nullptr;
-  const float* acc = (fb != nullptr) ? res : src;  // the values, once the scan has run
-  TopKCandidates& cand = candidates_;              // reused memory; no candidates yet
-  cand.indices.clear();
+template <typename T>
+void TopKCodec::selectScan(const T* src, T* res, bool seeded, int64_t n, int64_t k, int32_t* outIdx,
+                           T* outVal, TopKScratchOf<T>& scratch, TopKCandidatesOf<T>& cand) {
+  using Key = typename ScanOps<T>::Key;
+  const T* acc = (res != nullptr) ? res : src;  // the values, once the scan has run
+  cand.indices.clear();                         // reused memory; no candidates yet
   cand.values.clear();
-  const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
-  at::Tensor packed = at::empty({packedBytes(k, at::kFloat)}, at::kByte);
-  int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
-  float* outVal = reinterpret_cast<float*>(packed.data_ptr<uint8_t>() + idxBytes);
   bool scanned = false, selected = false;
-  uint32_t t = 0;    // the threshold of the last scan: cand holds the keys above it
+  Key t = 0;         // the threshold of the last scan: cand holds the keys above it
   int64_t tied = 0;  // and this many entries are equal to it
   if (k > 0 && k < n && n > 4 * sampleSize_) {
-    t = sampleThreshold(seeded ? res : src, seeded ? nullptr : res, n, k);
-    scanAll(seeded ? res : src, seeded ? nullptr : res, n, t, 3 * k / 2, scratch_, cand,
-            selection_);
+    t = sampleThreshold<T>(generator_, sampleSize_, seeded ? res : src, seeded ? nullptr : res, n,
+                           k);
+    scanAll<T>(seeded ? res : src, seeded ? nullptr : res, n, t, 3 * k / 2, scratch, cand,
+               selection_);
     scanned = true;
-    for (int64_t c : scratch_.ties) tied += c;
+    for (int64_t c : scratch.ties) tied += c;
     // Fewer than k at or above the sampled key: it overshot (rare; the
     // exact route below gives the same answer).
     selected = static_cast<int64_t>(cand.indices.size()) + tied >= k;
   }
   if (k > 0 && !selected) {
-    if (!scanned && (fb != nullptr) && !seeded) {
-      kernels::codecKernels().addInto(src, res, 0, n);  // residual += input
+    if (!scanned && (res != nullptr) && !seeded) {
+      ScanOps<T>::addInto(src, res, n);  // residual += input
     }
     if (k == n) {  // everything is sent, in index order
       for (int64_t i = 0; i < n; ++i) {
         outIdx[i] = static_cast<int32_t>(i);
         outVal[i] = acc[i];
       }
-      if ((fb != nullptr)) std::fill(res, res + n, 0.f);
-      return packed;
+      if (res != nullptr) std::fill(res, res + n, T(0));
+      return;
     }
     selection_.exact = true;
-    std::vector<uint32_t> keys(n);
+    std::vector<Key> keys(n);
     at::parallel_for(0, n, kScanBlock, [&](int64_t lo, int64_t hi) {
-      for (int64_t i = lo; i < hi; ++i) keys[i] = kernels::magnitudeKey(acc[i]);
+      for (int64_t i = lo; i < hi; ++i) keys[i] = ScanOps<T>::key(acc[i]);
     });
     t = kthLargestKey(std::move(keys), k);
-    scanAll(acc, nullptr, n, t, k, scratch_, cand, selection_);
-  } else if (k == 0 && (fb != nullptr) && !seeded) {
-    kernels::codecKernels().addInto(src, res, 0, n);
+    scanAll<T>(acc, nullptr, n, t, k, scratch, cand, selection_);
+  } else if (k == 0 && (res != nullptr) && !seeded) {
+    ScanOps<T>::addInto(src, res, n);
   }
   const int64_t m = static_cast<int64_t>(cand.indices.size());
   if (m >= k) {
     // Trim the candidates (index order, all above t) to exactly k: every key
     // above the k-th, then ties at it by lowest index.
-    std::vector<uint32_t> keys(m);
-    for (int64_t i = 0; i < m; ++i) keys[i] = kernels::magnitudeKey(cand.values[i]);
-    const uint32_t kth = k > 0 ? kthLargestKey(keys, k) : 0;
+    std::vector<Key> keys(m);
+    for (int64_t i = 0; i < m; ++i) keys[i] = ScanOps<T>::key(cand.values[i]);
+    const Key kth = k > 0 ? kthLargestKey(keys, k) : 0;
     int64_t above = 0;
-    for (uint32_t key32 : keys) above += key32 > kth;
+    for (Key key : keys) above += key > kth;
     int64_t ties = k - above;
     int64_t j = 0;
     for (int64_t i = 0; i < m && j < k; ++i) {
@@ -272,7 +360,7 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
   } else {
     // t is the k-th key: every candidate goes, and the k - m entries equal
     // to t of lowest index, merged in index order.
-    collectTies(acc, n, t, k - m, scratch_, tieIndices_, selection_);
+    collectTies<T>(acc, n, t, k - m, scratch, tieIndices_, selection_);
     int64_t a = 0, b = 0;
     for (int64_t j = 0; j < k; ++j) {
       const bool fromCand = b == k - m || (a < m && cand.indices[a] < tieIndices_[b]);
@@ -281,8 +369,97 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
       outVal[j] = acc[i];
     }
   }
-  if ((fb != nullptr)) {
-    for (int64_t i = 0; i < k; ++i) res[outIdx[i]] = 0.f;  // sent: nothing left behind
+  if (res != nullptr) {
+    for (int64_t i = 0; i < k; ++i) res[outIdx[i]] = T(0);  // sent: nothing left behind
+  }
+}
+
+at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k,
+                                  ErrorFeedback* fb) {
+  const int64_t n = flat.numel();
+  k = std::min<int64_t>(k, n);
+  at::Tensor residual;
+  bool seeded = false;
+  if (fb != nullptr) residual = fb->accumulator(key, flat, &seeded);
+  float* res = (fb != nullptr) ? residual.data_ptr<float>() : nullptr;
+  const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
+  at::Tensor packed = at::empty({packedBytes(k, at::kFloat)}, at::kByte);
+  int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
+  float* outVal = reinterpret_cast<float*>(packed.data_ptr<uint8_t>() + idxBytes);
+  selectScan<float>(flat.data_ptr<float>(), res, seeded, n, k, outIdx, outVal, scratch_,
+                    candidates_);
+  return packed;
+}
+
+at::Tensor TopKCodec::encodeDouble(int64_t key, const at::Tensor& flat, int64_t k,
+                                   ErrorFeedback* fb) {
+  const int64_t n = flat.numel();
+  k = std::min<int64_t>(k, n);
+  // The residual stays float64 (as the at::topk route kept it), updated in
+  // place; a first step, or one of another dtype, starts it as input + residual.
+  at::Tensor residual;
+  bool seeded = false;
+  if (fb != nullptr) {
+    residual = fb->find(key);
+    if (!residual.defined() || residual.scalar_type() != at::kDouble || !residual.is_contiguous() ||
+        !residual.device().is_cpu() || residual.numel() != n) {
+      residual = fb->compensate(key, flat.reshape({-1})).reshape({-1}).contiguous();
+      fb->store(key, residual);
+      seeded = true;
+    }
+  }
+  double* res = (fb != nullptr) ? residual.data_ptr<double>() : nullptr;
+  const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
+  at::Tensor packed = at::empty({packedBytes(k, at::kDouble)}, at::kByte);
+  int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
+  // After k int32 indices the values sit 8-byte aligned only for even k:
+  // selected into aligned memory, then copied in.
+  values64_.resize(k);
+  selectScan<double>(flat.data_ptr<double>(), res, seeded, n, k, outIdx, values64_.data(),
+                     scratch64_, candidates64_);
+  std::memcpy(packed.data_ptr<uint8_t>() + idxBytes, values64_.data(), k * sizeof(double));
+  return packed;
+}
+
+at::Tensor TopKCodec::encodeHalf(int64_t key, const at::Tensor& flat, int64_t k,
+                                 ErrorFeedback* fb) {
+  const auto dtype = flat.scalar_type();
+  const int64_t n = flat.numel();
+  k = std::min<int64_t>(k, n);
+  at::Tensor input = flat.reshape({-1});
+  // input + residual in the bucket's dtype, rounded as the at::topk route
+  // rounded it (ATen's add: each sum in float32, rounded once), into the
+  // residual itself when it is one of this dtype.
+  at::Tensor acc = input;
+  if (fb != nullptr) {
+    at::Tensor residual = fb->find(key);
+    if (residual.defined() && residual.scalar_type() == dtype && residual.is_contiguous() &&
+        residual.device().is_cpu() && residual.dim() == 1 && residual.numel() == n) {
+      acc = residual.add_(input);
+    } else {
+      acc = fb->compensate(key, input).reshape({-1}).contiguous();
+      fb->store(key, acc);
+    }
+  }
+  // Widening is exact, so the float32 keys order the values as their own
+  // bits would; one caveat: a signalling NaN may come out quiet, so NaNs
+  // among themselves are ordered by their quiet payload (all still rank
+  // above Inf and are sent first).
+  widened_.resize(n);
+  at::from_blob(widened_.data(), {n}, at::kFloat).copy_(acc);
+  widenedValues_.resize(k);
+  const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
+  at::Tensor packed = at::empty({packedBytes(k, dtype)}, at::kByte);
+  int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
+  selectScan<float>(widened_.data(), nullptr, false, n, k, outIdx, widenedValues_.data(), scratch_,
+                    candidates_);
+  // The values sent are the bucket's own (2-byte) elements, copied as bits.
+  const uint16_t* accBits = reinterpret_cast<const uint16_t*>(acc.data_ptr());
+  uint16_t* outVal = reinterpret_cast<uint16_t*>(packed.data_ptr<uint8_t>() + idxBytes);
+  for (int64_t i = 0; i < k; ++i) outVal[i] = accBits[outIdx[i]];
+  if (fb != nullptr) {
+    uint16_t* resBits = reinterpret_cast<uint16_t*>(acc.data_ptr());
+    for (int64_t i = 0; i < k; ++i) resBits[outIdx[i]] = 0;  // +0 in both formats
   }
   return packed;
 }
@@ -396,8 +573,15 @@ void TopKCodec::decode(const at::Tensor& gathered, int64_t k, at::Tensor& out,
   at::Tensor flat = at::zeros({out.numel()}, out.options().device(rows.device()));
   for (int64_t r = 0; r < rows.size(0); ++r) {  // rank order: same bits on every rank
     at::Tensor row = rows.select(0, r);
-    at::Tensor indices = row.narrow(0, 0, idxBytes).view(at::kInt).to(at::kLong);
-    at::Tensor values = row.narrow(0, idxBytes, row.numel() - idxBytes).view(dtype);
+    // A row is k * (4 + element size) bytes: with an odd k, the rows after
+    // the first of a 2-byte dtype start off 4-byte alignment, and float64
+    // values (after k int32) off 8-byte alignment; such slices are copied.
+    at::Tensor rawIdx = row.narrow(0, 0, idxBytes);
+    if (rawIdx.storage_offset() % 4 != 0) rawIdx = rawIdx.clone();
+    at::Tensor indices = rawIdx.view(at::kInt).to(at::kLong);
+    at::Tensor raw = row.narrow(0, idxBytes, row.numel() - idxBytes);
+    if (raw.storage_offset() % c10::elementSize(dtype) != 0) raw = raw.clone();
+    at::Tensor values = raw.view(dtype);
     // On a GPU, index_add_ checks the range itself (reading it here would wait for the device).
     TORCH_CHECK(
         indices.numel() == 0 || rows.is_cuda() ||

@@ -16,6 +16,15 @@
 // equal values), the entries equal to it are taken by lowest index from
 // the blocks that hold them, reading no further than the last one taken.
 // A sample that overshoots costs a second pass, never a different answer.
+//
+// Other CPU buckets take the same route. float64 runs it on its own 64-bit
+// magnitude keys (bits of |x| order doubles as they order floats), so it is
+// the exact top-k of the doubles: not the float32 route on rounded values,
+// which would merge magnitudes one float apart and send Inf for |x| above
+// FLT_MAX. float16 and bfloat16 widen (input + residual, added in the
+// bucket's dtype as before) into float32 scratch, which is exact, and run the
+// float32 selection on it: the same set as the float32 route on the upcast
+// values. Their residual stays in the bucket's dtype.
 // `approximate` is kept for the API: it only decided, before the fused pass
 // existed, whether small buckets used the sample.
 #include <cstdint>
@@ -29,21 +38,34 @@ namespace xcomm {
 
 // Candidates of one selection, and the per-block scratch they are collected
 // in; kept by the codec so a step reuses the last step's memory.
-struct TopKCandidates {
+template <typename T>
+struct TopKCandidatesOf {
   std::vector<int32_t> indices;
-  std::vector<float> values;
+  std::vector<T> values;
 };
-struct TopKScratch {
+template <typename T>
+struct TopKScratchOf {
   std::vector<int32_t> indices;
-  std::vector<float> values;
+  std::vector<T> values;
   std::vector<int64_t> counts;
   std::vector<int64_t> ties;  // per block: entries equal to the threshold
 };
+using TopKCandidates = TopKCandidatesOf<float>;
+using TopKScratch = TopKScratchOf<float>;
 
-// What the last float32 CPU selection did, beyond its one fused pass over
-// the bucket (for tests and benchmarks: the work must not grow with how many
-// entries share a magnitude).
+// Which code selected the last encode's entries.
+enum class TopKRoute {
+  kNone,   // nothing encoded yet, or an empty bucket
+  kScan,   // the fused CPU scan (float32, float64, or float16/bfloat16 widened)
+  kCuda,   // the CUDA kernels (a float32 GPU bucket)
+  kTorch,  // at::topk on magnitudes (any other bucket)
+};
+
+// What the last CPU selection did, beyond its one fused pass over the bucket
+// (for tests and benchmarks: the work must not grow with how many entries
+// share a magnitude, and the route says the scan ran at all).
 struct TopKSelection {
+  TopKRoute route = TopKRoute::kNone;
   int64_t candidates = 0;  // (index, value) pairs the scans collected
   int64_t reread = 0;      // elements read again: overflowing blocks, ties taken
   bool exact = false;      // the full selection over every element ran
@@ -72,7 +94,7 @@ class TopKCodec {
   bool hasErrorFeedback() const { return useFeedback_; }
   // The sampling generator's state, so a resumed run samples the same.
   at::Tensor rngState() const { return generator_.get_state(); }
-  // The last float32 CPU encode's selection work.
+  // The last encode's route and, for the CPU scan, its selection work.
   const TopKSelection& lastSelection() const { return selection_; }
   void setRngState(const at::Tensor& state) { generator_.set_state(state); }
 
@@ -80,10 +102,18 @@ class TopKCodec {
   at::Tensor select(const at::Tensor& magnitudes, int64_t k);
   at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
   at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
+  at::Tensor encodeDouble(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
+  // float16 / bfloat16: widened into float32 scratch, then the float32 scan.
+  at::Tensor encodeHalf(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
   // A float32 GPU bucket: compress/cuda/TopKKernels.cu, same selection.
   at::Tensor encodeCuda(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
-  // The sampled threshold key: usually a little under k entries' magnitude.
-  uint32_t sampleThreshold(const float* src, const float* residual, int64_t n, int64_t k);
+  // The fused selection on n values of type T (float or double): src, plus
+  // res when given (seeded: res holds the sum already), leaving the sum in
+  // res with the sent entries zeroed; writes k ascending indices and their
+  // values.
+  template <typename T>
+  void selectScan(const T* src, T* res, bool seeded, int64_t n, int64_t k, int32_t* outIdx,
+                  T* outVal, TopKScratchOf<T>& scratch, TopKCandidatesOf<T>& cand);
 
   bool approximate_;
   bool useFeedback_;
@@ -92,6 +122,11 @@ class TopKCodec {
   ErrorFeedback feedback_;
   TopKScratch scratch_;
   TopKCandidates candidates_;
+  TopKScratchOf<double> scratch64_;
+  TopKCandidatesOf<double> candidates64_;
+  std::vector<float> widened_;  // a float16 / bfloat16 bucket as float32
+  std::vector<float> widenedValues_;
+  std::vector<double> values64_;
   std::vector<int32_t> tieIndices_;
   TopKSelection selection_;
 };

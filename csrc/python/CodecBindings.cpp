@@ -134,7 +134,25 @@ void bindCodecs(py::module_& m) {
           py::arg("gathered"), py::arg("k"), py::arg("out"), py::arg("divisor"),
           py::call_guard<py::gil_scoped_release>())
       .def("get_rng_state", &xcomm::TopKCodec::rngState)
-      .def("set_rng_state", &xcomm::TopKCodec::setRngState, py::arg("state"));
+      .def("set_rng_state", &xcomm::TopKCodec::setRngState, py::arg("state"))
+      .def(
+          "last_selection",
+          [](const xcomm::TopKCodec& c) {
+            const auto& s = c.lastSelection();
+            const char* route = s.route == xcomm::TopKRoute::kScan    ? "scan"
+                                : s.route == xcomm::TopKRoute::kCuda  ? "cuda"
+                                : s.route == xcomm::TopKRoute::kTorch ? "torch"
+                                                                      : "none";
+            py::dict d;
+            d["route"] = route;
+            d["candidates"] = s.candidates;
+            d["reread"] = s.reread;
+            d["exact"] = s.exact;
+            return d;
+          },
+          "How the last encode selected: route 'scan' (the fused CPU selection), 'cuda', "
+          "'torch' (at::topk) or 'none'; for 'scan', the (index, value) candidates its scans "
+          "collected, the elements it read again and whether the full selection ran.");
   bindFeedbackState(topk);
 
   py::class_<xcomm::RandomKCodec, std::shared_ptr<xcomm::RandomKCodec>> randk(

@@ -2,6 +2,7 @@
 // and edge cases, against the arithmetic each codec promises.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -83,6 +84,32 @@ void checkTopK(const at::Tensor& packed, const at::Tensor& acc, int64_t k) {
   CHECK(at::equal(bits(vals), bits(acc.index_select(0, idx))));
   auto mag = acc.abs();
   const float kth = std::get<0>(at::topk(mag, k)).min().item<float>();
+  auto kept = at::zeros({acc.numel()}, at::kBool).index_fill_(0, idx, true);
+  CHECK(at::all(mag.masked_select(kept) >= kth).item<bool>());
+  CHECK(at::all(mag.masked_select(kept.logical_not()) <= kth).item<bool>());
+  const int64_t above = (mag > kth).sum().item<int64_t>();
+  auto tied = at::nonzero(mag == kth).view({-1});
+  CHECK(at::equal(at::nonzero(kept & (mag == kth)).view({-1}), tied.narrow(0, 0, k - above)));
+}
+
+// The bits of a tensor of 2, 4 or 8-byte elements, for exact comparison.
+at::Tensor bitsOf(const at::Tensor& t) {
+  const auto size = t.element_size();
+  return t.contiguous().view(size == 2 ? at::kShort : size == 4 ? at::kInt : at::kLong);
+}
+
+// checkTopK for a bucket of any floating dtype: magnitudes compared in
+// float64, which holds float16, bfloat16, float32 and float64 exactly.
+void checkTopKOf(const at::Tensor& packed, const at::Tensor& acc, int64_t k) {
+  const int64_t size = acc.element_size();
+  REQUIRE(packed.numel() == (4 + size) * k);
+  auto idx = packed.narrow(0, 0, 4 * k).view(at::kInt).to(at::kLong);
+  // clone: float64 values are 8-byte aligned only for even k
+  auto vals = packed.narrow(0, 4 * k, size * k).clone().view(acc.scalar_type());
+  CHECK(at::all(idx.narrow(0, 1, k - 1) > idx.narrow(0, 0, k - 1)).item<bool>());
+  CHECK(at::equal(bitsOf(vals), bitsOf(acc.index_select(0, idx))));
+  auto mag = acc.abs().to(at::kDouble);
+  const double kth = std::get<0>(at::topk(mag, k)).min().item<double>();
   auto kept = at::zeros({acc.numel()}, at::kBool).index_fill_(0, idx, true);
   CHECK(at::all(mag.masked_select(kept) >= kth).item<bool>());
   CHECK(at::all(mag.masked_select(kept.logical_not()) <= kth).item<bool>());
@@ -359,6 +386,94 @@ TEST_CASE("top-k below the nonzeros of a zero-heavy gradient, and on one tie", "
   checkTopK(packed, zeros, 1000);
   CHECK(at::equal(bits(packed.narrow(0, 4000, 4000).view(at::kFloat)),
                   bits(at::full({1000}, -0.0f))));
+}
+
+TEST_CASE("top-k on float16, bfloat16 and float64 buckets: the scan, the float32 rule", "[topk]") {
+  std::vector<std::pair<std::string, at::Tensor>> inputs = unevenGradients();
+  inputs.emplace_back("randn", randn(1 << 20, 9));
+  for (auto dtype : {at::kHalf, at::kBFloat16, at::kDouble}) {
+    for (const auto& [name, input] : inputs) {
+      const auto g = input.to(dtype);
+      const int64_t n = g.numel(), k = xcomm::TopKCodec::kFor(n, 0.01);
+      xcomm::TopKCodec codec(/*approximate=*/false, /*errorFeedback=*/true);
+      xcomm::TopKCodec widened(false, false);  // float32 on the upcast values
+      auto residual = at::zeros({n}, g.options());
+      for (int step = 0; step < 3; ++step) {
+        INFO(c10::toString(dtype) << " " << name << ", step " << step);
+        // In the bucket's dtype, as the residual is kept; the first step's
+        // residual is the input itself (-0 stays -0).
+        auto acc = step > 0 ? g + residual : g.clone();
+        auto packed = codec.encode(0, g, k);
+        const auto& sel = codec.lastSelection();
+        CHECK(sel.route == xcomm::TopKRoute::kScan);
+        CHECK_FALSE(sel.exact);
+        // The scan collected or re-read the k (at::topk records neither).
+        CHECK(sel.candidates + sel.reread >= k);
+        CHECK(sel.candidates <= 2 * k);
+        checkTopKOf(packed, acc, k);
+        auto idx = packed.narrow(0, 0, 4 * k).view(at::kInt);
+        if (dtype != at::kDouble) {
+          auto ref = widened.encode(0, acc.to(at::kFloat), k);
+          CHECK(at::equal(idx, ref.narrow(0, 0, 4 * k).view(at::kInt)));
+          CHECK(at::equal(packed.narrow(0, 4 * k, 2 * k).view(dtype).to(at::kFloat),
+                          ref.narrow(0, 4 * k, 4 * k).view(at::kFloat)));
+        }
+        residual = acc.clone().index_fill_(0, idx.to(at::kLong), 0);
+        auto kept = codec.errorFeedback().find(0);
+        REQUIRE(kept.scalar_type() == dtype);
+        CHECK(at::equal(bitsOf(kept), bitsOf(residual)));
+      }
+    }
+  }
+  // The route is what ran: a strided bucket still takes at::topk.
+  xcomm::TopKCodec codec(false, false, /*sampleSize=*/64);
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  auto distinct = at::randperm(2048, gen, at::TensorOptions().dtype(at::kLong)).to(at::kHalf);
+  auto strided = at::stack({distinct, distinct}, 1).view({-1}).slice(0, 0, 4096, 2);
+  REQUIRE_FALSE(strided.is_contiguous());
+  auto packed = codec.encode(0, strided, 100);
+  CHECK(codec.lastSelection().route == xcomm::TopKRoute::kTorch);
+  // Distinct magnitudes: at::topk picks the same set.
+  auto scanned = codec.encode(0, strided.contiguous(), 100);
+  CHECK(codec.lastSelection().route == xcomm::TopKRoute::kScan);
+  auto sorted = std::get<0>(packed.narrow(0, 0, 400).view(at::kInt).sort());
+  CHECK(at::equal(sorted, scanned.narrow(0, 0, 400).view(at::kInt)));
+}
+
+TEST_CASE("top-k on float64 orders by the doubles, not by their float32 rounding", "[topk]") {
+  // Not the float32 route on rounded values: 1 + 2^-40 rounds to 1.0f, and
+  // 1e300 and 1e301 both to Inf, which would make each pair a tie the lower
+  // index wins.
+  const int64_t n = 1 << 16;
+  auto g = at::ones({n}, at::kDouble);
+  g.narrow(0, n - 100, 100).fill_(1.0 + std::ldexp(1.0, -40));
+  g[1000] = 1e300;
+  g[n - 1] = -1e301;
+  xcomm::TopKCodec codec(false, false);
+  auto packed = codec.encode(0, g, 1);
+  CHECK(codec.lastSelection().route == xcomm::TopKRoute::kScan);
+  CHECK(packed.narrow(0, 0, 4).view(at::kInt).item<int32_t>() == n - 1);
+  packed = codec.encode(0, g, 101);  // every magnitude above 1.0, no tie
+  checkTopKOf(packed, g, 101);
+  auto idx = packed.narrow(0, 0, 4 * 101).view(at::kInt);  // ascending
+  CHECK(idx[0].item<int32_t>() == 1000);
+  CHECK(idx[1].item<int32_t>() == n - 100);  // the larger doubles, not indices 0 and 1
+  CHECK(idx[100].item<int32_t>() == n - 1);
+  // An odd k leaves the values unaligned in the payload; two ranks' decode
+  // is still the sum of their doubles (the at::topk route threw here).
+  auto twice = at::zeros({n}, at::kDouble);
+  codec.decode(at::stack({packed, packed}), 101, twice, 1.0);
+  CHECK(at::equal(twice.index_select(0, idx.to(at::kLong)),
+                  2 * g.index_select(0, idx.to(at::kLong))));
+  CHECK((twice != 0).sum().item<int64_t>() == 101);
+  // NaN ranks above Inf and is sent; one tie at 1.0 goes to the lowest index.
+  g[5] = std::nan("");
+  g[6] = -std::numeric_limits<double>::infinity();
+  packed = codec.encode(0, g, 104);
+  idx = packed.narrow(0, 0, 4 * 104).view(at::kInt);
+  const std::vector<int32_t> head = {0, 5, 6, 1000, static_cast<int32_t>(n - 100)};
+  for (size_t i = 0; i < head.size(); ++i) CHECK(idx[i].item<int32_t>() == head[i]);
+  CHECK(std::isnan(packed.narrow(0, 4 * 104, 8 * 104).view(at::kDouble)[1].item<double>()));
 }
 
 TEST_CASE("top-k decode of uneven gradients is index_add in rank order, divided", "[topk]") {

@@ -72,6 +72,48 @@ def test_topk_is_the_exact_top_k_on_every_input(name: str) -> None:
         assert torch.equal(_bits(codec.feedback_state()[0]), _bits(residual))
 
 
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", list(codecs.INPUTS))
+def test_topk_scans_half_and_double_buckets_on_every_input(name: str, dtype: torch.dtype) -> None:
+    """float16 / bfloat16 / float64 buckets take the fused scan (not at::topk):
+    the exact top k of their magnitudes, ties to the lower index, the residual
+    kept in the bucket's dtype. For the 2-byte types the indices are also
+    those the float32 route picks on the upcast values (widening is exact)."""
+    g = codecs.make_input(name, N, torch.Generator().manual_seed(1)).to(dtype)
+    k = _C.TopKCodec.k_for(N, 0.01)
+    codec = _C.TopKCodec(False, True)
+    widened = _C.TopKCodec(False, False)
+    residual = torch.zeros(N, dtype=dtype)
+    size = g.element_size()
+    for step in range(3):
+        # In the bucket's dtype, as the codec adds them; the first step's
+        # residual is the input itself (a -0 cast from a tiny float stays -0).
+        acc = g + residual if step else g.clone()
+        packed = codec.encode(0, g, k)
+        sel = codec.last_selection()
+        assert sel["route"] == "scan" and not sel["exact"], f"step {step}: {sel}"
+        # the scan collected or re-read the k (at::topk records neither)
+        assert sel["candidates"] <= 2 * k <= 2 * (sel["candidates"] + sel["reread"]), sel
+        assert packed.numel() == (4 + size) * k
+        idx = packed[: 4 * k].view(torch.int32).long()
+        want = _topk_reference(acc.double(), k)  # float64 holds every value exactly
+        assert torch.equal(idx, want), f"step {step}"
+        vals = packed[4 * k :].clone().view(dtype)  # float64 is 8-byte aligned only for even k
+        assert torch.equal(_bits_of(vals), _bits_of(acc[want]))
+        if dtype != torch.float64:
+            ref = widened.encode(0, acc.float(), k)
+            assert torch.equal(packed[: 4 * k], ref[: 4 * k]), f"step {step}"
+        residual = acc.index_fill(0, want, 0)
+        kept = codec.feedback_state()[0]
+        assert kept.dtype == dtype
+        assert torch.equal(_bits_of(kept), _bits_of(residual)), f"step {step}"
+
+
 _SCRIPT = r"""
 import sys, torch
 from xcomm import _C
@@ -88,6 +130,10 @@ for name in codecs.INPUTS:
         pos = rk.positions(0, step, n, 0.01)
         parts += [rk.encode(0, g, pos).view(torch.uint8), rk.feedback_state()[0].view(torch.uint8)]
         parts += [i8.pack_shards_with_feedback(g, 2, fb, 0).view(-1), fb.state()[0].view(torch.uint8)]
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        td = _C.TopKCodec(False, True)
+        for step in range(2):
+            parts += [td.encode(0, g.to(dtype), 2622), td.feedback_state()[0].view(torch.uint8)]
 sys.stdout.write(_C.codec_kernels_isa() + " " + str(hash(torch.cat([t.reshape(-1) for t in parts]).numpy().tobytes())))
 """
 
@@ -136,3 +182,17 @@ def test_benchmark_times_every_method_on_every_input(tmp_path: Path) -> None:
         assert all(r["ms"] > 0 and r["numel"] == 1 << 16 for r in mine)
     table = (out / "inputs.md").read_text()
     assert "| top-k 1% + EF | xcomm |" in table and "ties+res ms" in table
+
+
+def test_benchmark_times_top_k_on_half_buckets(tmp_path: Path) -> None:
+    out = tmp_path / "codecs"
+    args = ["--sizes", "", "--throughput-size", "", "--inputs", "zeros,ties"]
+    args += ["--inputs-size", "64K", "--reps", "1", "--inputs-dtype", "bfloat16", "--out", str(out)]
+    assert codecs.main(args) == 0
+    rows = json.loads((out / "inputs.json").read_text())
+    assert {(r["method"], r["impl"]) for r in rows} == {
+        ("copy", "torch"),
+        ("top-k 1% + EF", "xcomm"),
+        ("top-k 1% + EF", "torch ops"),
+    }
+    assert all(r["dtype"] == "bfloat16" and r["ms"] > 0 for r in rows)

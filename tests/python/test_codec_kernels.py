@@ -104,9 +104,17 @@ def test_int8_reduce_and_pack_is_reduce_divide_pack(divisor: float) -> None:
 
 def _topk_reference(acc: torch.Tensor, k: int) -> list[int]:
     """Indices of the k largest |acc| (NaN largest), ties to the lower index."""
-    key = acc.abs().view(torch.int32).long()  # sign-less bits order magnitudes; NaN above Inf
+    if acc.dtype == torch.float64:
+        key = acc.abs().view(torch.int64)
+    else:  # 2-byte types widen exactly; sign-less float bits order magnitudes, NaN above Inf
+        key = acc.abs().float().view(torch.int32).long()
     order = sorted(range(acc.numel()), key=lambda i: (-int(key[i]), i))
     return sorted(order[:k])
+
+
+def _bits_of(t: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
 
 
 @pytest.mark.parametrize(
@@ -114,30 +122,76 @@ def _topk_reference(acc: torch.Tensor, k: int) -> list[int]:
     [(1000, 0.01, 4096), (70001, 0.01, 4096), (70001, 0.2, 64), (50000, 0.05, 16)],
 )
 @pytest.mark.parametrize("feedback", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_topk_picks_the_exact_top_k_and_keeps_the_rest(
-    n: int, density: float, sample: int, feedback: bool
+    n: int, density: float, sample: int, feedback: bool, dtype: torch.dtype
 ) -> None:
     gen = torch.Generator().manual_seed(n + sample)
     codec = _C.TopKCodec(True, feedback, sample, 5)
     k = _C.TopKCodec.k_for(n, density)
-    residual = torch.zeros(n)
+    residual = torch.zeros(n, dtype=dtype)
+    exact = 0
     for step in range(4):  # small samples overshoot now and then: the exact route
-        g = torch.randn(n, generator=gen)
+        g = torch.randn(n, generator=gen).to(dtype)
         g[::97] = 3.0  # ~1% tie at one magnitude: at 1% density the k-th falls among them
         if step == 2:
             g[11] = float("nan")
+            g[12] = float("-inf")
         acc = g + residual if feedback else g
         packed = codec.encode(0, g, k)
+        sel = codec.last_selection()
+        assert sel["route"] == "scan", f"step {step}: {sel}"  # every CPU dtype: not at::topk
+        exact += sel["exact"]
         idx = packed[: 4 * k].view(torch.int32).tolist()
-        vals = packed[4 * k :].view(torch.float32)
+        vals = packed[4 * k :].clone().view(dtype)  # float64 is 8-byte aligned only for even k
         want = _topk_reference(acc, k)
         assert idx == want, f"step {step}"
-        assert torch.equal(_bits(vals), _bits(acc[want]))
+        assert torch.equal(_bits_of(vals), _bits_of(acc[want]))
         if feedback:
             expect = acc.clone()
             expect[want] = 0
-            assert torch.equal(_bits(codec.feedback_state()[0]), _bits(expect))
+            kept = codec.feedback_state()[0]
+            assert kept.dtype == dtype
+            assert torch.equal(_bits_of(kept), _bits_of(expect))
             residual = expect
+    if n <= 4 * sample:  # too small to sample: the full selection, every step
+        assert exact == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_topk_decode_of_two_ranks_with_an_odd_k(dtype: torch.dtype) -> None:
+    """An odd k puts the second row's indices (2-byte dtypes) or the values
+    (float64) off their alignment in the gathered payloads; decode reads them
+    anyway: index_add in rank order, then the divide."""
+    n, k = 10000, 101
+    codec = _C.TopKCodec(False, False)
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(2)]
+    payloads = [codec.encode(0, g, k) for g in grads]
+    out = torch.empty(n, dtype=dtype)
+    codec.decode(torch.stack(payloads), k, out, 2.0)
+    ref = torch.zeros(n, dtype=dtype)
+    for g, p in zip(grads, payloads):
+        idx = p[: 4 * k].clone().view(torch.int32).long()
+        ref.index_add_(0, idx, g[idx])
+    assert torch.equal(out, ref / 2)
+    assert int((out != 0).sum()) > k
+
+
+def test_topk_route_is_what_ran() -> None:
+    """``last_selection()['route']`` tells the scan from at::topk: a strided
+    bucket still takes at::topk, and on distinct magnitudes both pick alike."""
+    codec = _C.TopKCodec(False, False, 64)
+    distinct = torch.randperm(2048, generator=torch.Generator().manual_seed(3)).half()
+    strided = torch.stack([distinct, distinct], 1).view(-1)[::2]
+    assert not strided.is_contiguous()
+    assert codec.last_selection()["route"] == "none"
+    by_torch = codec.encode(0, strided, 50)
+    assert codec.last_selection()["route"] == "torch"
+    by_scan = codec.encode(0, strided.contiguous(), 50)
+    assert codec.last_selection()["route"] == "scan"
+    assert torch.equal(
+        by_torch[:200].view(torch.int32).sort().values, by_scan[:200].view(torch.int32)
+    )
 
 
 def test_topk_decode_sums_ranks_in_order_and_divides() -> None:
