@@ -1,5 +1,6 @@
 #include "backend/XcommBackend.hpp"
 
+#include <algorithm>
 #include <cctype>
 
 #include <c10/util/Exception.h>
@@ -9,6 +10,7 @@
 #include "backend/MinMaxLowering.hpp"
 #include "backend/PremulLowering.hpp"
 #include "backend/XcommWork.hpp"
+#include "common/ErrorText.hpp"
 #include "observe/Stats.hpp"
 #include "observe/Timeline.hpp"
 #include "schedule/CycleFusion.hpp"
@@ -102,13 +104,66 @@ void XcommBackend::shutdown() {
 }
 
 void XcommBackend::abort() {
+  std::exception_ptr error;
+  try {
+    C10_THROW_ERROR(DistBackendError,
+                    "xcomm: the process group was aborted while this op was pending "
+                    "(ProcessGroup.abort()); its peers' part of it is abandoned");
+  } catch (...) {
+    error = std::current_exception();
+  }
+  pending_.failAll(error);  // first: no caller waits on what follows
   if (fusion_) fusion_->abort();
   for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->abort();
   }
 }
 
+void XcommBackend::checkNotAborted(const char* op) const {
+  TORCH_CHECK_WITH(DistBackendError, !pending_.aborted(), "xcomm.", op,
+                   ": this process group was aborted; create a new one (or shrink/reconfigure "
+                   "where supported) to go on");
+}
+
+c10d::ErrorType XcommBackend::getError() {
+  if (pending_.aborted()) return c10d::ErrorType::COMM_ERROR;
+  return static_cast<c10d::ErrorType>(transportError_->load());
+}
+
+void XcommBackend::watchForErrors(const c10::intrusive_ptr<c10d::Work>& work) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = work->getFuture();
+  } catch (const c10::Error&) {
+    return;  // point to point: no future to watch
+  }
+  future->addCallback([state = transportError_](c10::ivalue::Future& done) {
+    if (!done.hasError()) return;
+    int kind = static_cast<int>(c10d::ErrorType::COMM_ERROR);
+    try {
+      std::rethrow_exception(done.exception_ptr());
+    } catch (const c10::ValueError&) {
+      return;  // the caller's mistake (ranks called different ops): the group is fine
+    } catch (const c10::TypeError&) {
+      return;
+    } catch (const std::exception& e) {
+      std::string text = messageOf(e);
+      std::transform(text.begin(), text.end(), text.begin(),
+                     [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+      if (text.find("timed out") != std::string::npos ||
+          text.find("timeout") != std::string::npos ||
+          text.find("did not take part within") != std::string::npos) {
+        kind = static_cast<int>(c10d::ErrorType::TIMEOUT);
+      }
+    } catch (...) {
+    }
+    int expected = static_cast<int>(c10d::ErrorType::SUCCESS);
+    state->compare_exchange_strong(expected, kind);  // the first error counts
+  });
+}
+
 c10d::Backend& XcommBackend::backendFor(const at::Tensor& t, const char* op, bool flushFused) {
+  checkNotAborted(op);
   if (flushFused) this->flushFused();
   const bool cuda = t.device().is_cuda();
   const auto& backend = cuda ? inner_.cuda : inner_.cpu;
@@ -149,6 +204,8 @@ c10::intrusive_ptr<DelegatedWork> XcommBackend::wrapCounted(
   auto work =
       c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                          std::move(result), std::move(resultType), title, inputs);
+  pending_.add(work);
+  watchForErrors(work);
   // xcomm.stats() and the timeline, timed from the issue: an inner backend may run
   // a small op inline and be done before it returns.
   recordOnCompletion(work, statsName, bytes, wireBytes, issuedUs);
@@ -245,6 +302,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   auto work =
       c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, title, listValue({tensor}),
                                       tensorListType(), std::vector<at::Tensor>{tensor});
+  pending_.add(work);
+  watchForErrors(work);
   auto* algorithm = compressed_.get();
   auto compressedBackend = inner_.cpuCompressed;
   // Its collectives run on a group of their own: first every rank agrees,
@@ -654,6 +713,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
+  checkNotAborted("barrier");
   flushFused();
   const bool useCuda = !inner_.cpu || (opts.device && opts.device->is_cuda() && inner_.cuda);
   auto& inner = useCuda ? *inner_.cuda : *inner_.cpu;
@@ -687,6 +747,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_coalesced(
 }
 
 void XcommBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  checkNotAborted("monitored_barrier");
   flushFused();
   cpuGloo().monitoredBarrier(opts, waitAllRanks);
 }

@@ -8,6 +8,7 @@
 // GroupPlan) and its inner backends come from GroupBuilder. ("Inner backend": a
 // whole c10d backend xcomm delegates to; "transport": a byte mover under
 // csrc/transport/.)
+#include <atomic>
 #include <chrono>
 #include <memory>
 
@@ -89,7 +90,15 @@ class XcommBackend : public c10d::Backend {
     return fusion_ ? fusion_->cycle() : std::chrono::microseconds{0};
   }
   void shutdown() override;
+  // Every CPU op still pending fails at once (wait() raises, futures hold the
+  // error), whatever route it took, and later ops are refused; then the inner
+  // backends abort. A route's own threads may stay blocked in their transport
+  // until the op's timeout, but no caller waits for them.
   void abort() override;
+  // COMM_ERROR once aborted or after an op failed in its transport, TIMEOUT
+  // after one timed out; SUCCESS otherwise (a caller's mistake, such as ranks
+  // calling different collectives, is not the group's error).
+  c10d::ErrorType getError() override;
 
   c10::intrusive_ptr<c10d::Work> broadcast(
       std::vector<at::Tensor>& tensors,
@@ -199,6 +208,10 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);
+  // DistBackendError naming `op` once the group was aborted.
+  void checkNotAborted(const char* op) const;
+  // Keeps the group's error state (getError) from `work`'s outcome.
+  void watchForErrors(const c10::intrusive_ptr<c10d::Work>& work);
 
   c10::intrusive_ptr<XcommOptions> options_;
   GroupPlan plan_;
@@ -212,6 +225,11 @@ class XcommBackend : public c10d::Backend {
   // Uncompressed reduce-scatter on a CPU group whose data does not move over
   // shared memory: half Gloo's bytes (null in a flat shared-memory group).
   std::unique_ptr<AlltoallReduceScatter> alltoallReduceScatter_;
+  // What abort() fails; and the first error a transport reported (getError).
+  PendingWorks pending_;
+  // (Shared with the works' callbacks, which may outlive the group.)
+  std::shared_ptr<std::atomic<int>> transportError_ =
+      std::make_shared<std::atomic<int>>(static_cast<int>(c10d::ErrorType::SUCCESS));
   // Runs compressed allreduces that need their own group's collectives, in
   // issue order (declared last: stops before the rest goes).
   std::unique_ptr<OrderedRunner> compressRunner_;

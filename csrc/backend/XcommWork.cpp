@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 namespace xcomm {
@@ -84,9 +85,52 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
       done->addCallback([end = endProfiling_](c10::ivalue::Future&) { end->run(); });
     }
   }
+  // A CPU op's future, which an abort may complete before the op does. (A
+  // CUDA future carries stream events that only its own completion sets.)
+  auto done = chained_ ? chained_ : innerFuture_;
+  if (done && done->devices().empty()) {
+    completion_ = std::make_shared<Completion>();
+    completion_->future = c10::make_intrusive<c10::ivalue::Future>(done->elementType());
+    done->addCallback([completion = completion_](c10::ivalue::Future& finished) {
+      {
+        std::lock_guard<std::mutex> lock(completion->mutex);
+        completion->done = true;
+      }
+      completion->changed.notify_all();
+      completion->settle(&finished, finished.hasError() ? finished.exception_ptr() : nullptr);
+    });
+  }
+}
+
+void DelegatedWork::Completion::settle(c10::ivalue::Future* from, const std::exception_ptr& error) {
+  if (settled.exchange(true)) return;  // the op and an abort race: the first wins
+  if (error) {
+    future->setError(error);
+  } else {
+    future->markCompleted(from->value());
+  }
+}
+
+bool DelegatedWork::abortedFirst() const {
+  if (!completion_) return false;
+  std::lock_guard<std::mutex> lock(completion_->mutex);
+  return completion_->abort && !completion_->done;
+}
+
+void DelegatedWork::failIfPending(const std::exception_ptr& error) {
+  if (!completion_) return;
+  {
+    std::lock_guard<std::mutex> lock(completion_->mutex);
+    if (completion_->done || completion_->abort) return;
+    completion_->abort = error;
+  }
+  completion_->changed.notify_all();
+  endProfiling();
+  completion_->settle(nullptr, error);
 }
 
 bool DelegatedWork::isCompleted() {
+  if (abortedFirst()) return true;
   // A CPU transport may complete its future a moment before it marks its work
   // finished (Gloo does): whoever saw the future done must see this work done.
   // A CUDA future completes at launch, so there only the work itself counts.
@@ -108,10 +152,12 @@ void DelegatedWork::endProfiling() {
 }
 
 bool DelegatedWork::isSuccess() const {
+  if (abortedFirst()) return false;
   return inner_->isSuccess() && (!chained_ || !chained_->completed() || !chained_->hasError());
 }
 
 std::exception_ptr DelegatedWork::exception() const {
+  if (abortedFirst()) return completion_->abort;
   if (auto e = inner_->exception()) {
     return e;
   }
@@ -137,6 +183,27 @@ void DelegatedWork::synchronize() {
 }
 
 bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
+  if (completion_) {
+    // Wait here, not inside the transport, so that an abort releases it.
+    const auto started = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lock(completion_->mutex);
+    auto ready = [this] { return completion_->done || completion_->abort != nullptr; };
+    if (timeout == kNoTimeout) {
+      completion_->changed.wait(lock, ready);
+    } else {
+      completion_->changed.wait_for(lock, timeout, ready);
+    }
+    if (completion_->abort && !completion_->done) {
+      auto error = completion_->abort;
+      lock.unlock();
+      std::rethrow_exception(error);
+    }
+    if (timeout != kNoTimeout) {  // the transport's wait gets what is left of it
+      const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
+          std::chrono::steady_clock::now() - started);
+      timeout = std::max(std::chrono::milliseconds(1), timeout - spent);
+    }
+  }
   bool ok = false;
   try {
     ok = inner_->wait(timeout);
@@ -167,6 +234,7 @@ void DelegatedWork::abort() {
 
 c10::intrusive_ptr<c10::ivalue::Future> DelegatedWork::getFuture() {
   TORCH_CHECK(!futureHidden_, "Work::getFuture not implemented.");
+  if (completion_) return completion_->future;
   return chained_ ? chained_ : inner_->getFuture();
 }
 
@@ -184,18 +252,75 @@ FutureWork::FutureWork(int rank, c10d::OpType opType, const char* profilingTitle
 // The work is marked finished before its future completes: whoever sees the
 // future done (a callback, collect_all) must also see is_completed() true.
 void FutureWork::markSucceeded(int sourceRank) {
+  if (settled_.exchange(true)) return;
   sourceRank_ = sourceRank;
   finish();
   future_->markCompleted(result_);
 }
 
 void FutureWork::markFailed(std::exception_ptr error) {
+  if (settled_.exchange(true)) return;
   finish(error);
   future_->setError(error);
 }
 
 std::vector<at::Tensor> FutureWork::result() {
   return tensorsOf(result_);
+}
+
+void PendingWorks::add(const c10::intrusive_ptr<DelegatedWork>& work) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (error_) {
+    auto error = error_;
+    lock.unlock();
+    work->failIfPending(error);
+    return;
+  }
+  delegated_.emplace_back(work);
+  pruneLocked();
+}
+
+void PendingWorks::add(const c10::intrusive_ptr<FutureWork>& work) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (error_) {
+    auto error = error_;
+    lock.unlock();
+    work->markFailed(error);
+    return;
+  }
+  own_.emplace_back(work);
+  pruneLocked();
+}
+
+void PendingWorks::pruneLocked() {
+  if (delegated_.size() + own_.size() < pruneAt_) return;
+  auto gone = [](auto& weak) {
+    auto strong = weak.lock();
+    return !strong || strong->isCompleted();
+  };
+  delegated_.erase(std::remove_if(delegated_.begin(), delegated_.end(), gone), delegated_.end());
+  own_.erase(std::remove_if(own_.begin(), own_.end(), gone), own_.end());
+  pruneAt_ = std::max<size_t>(64, 2 * (delegated_.size() + own_.size()));
+}
+
+void PendingWorks::failAll(const std::exception_ptr& error) {
+  std::vector<c10::weak_intrusive_ptr<DelegatedWork>> delegated;
+  std::vector<c10::weak_intrusive_ptr<FutureWork>> own;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (error_) return;
+    error_ = error;
+    aborted_ = true;
+    delegated.swap(delegated_);
+    own.swap(own_);
+  }
+  // Outside the lock: a work's callbacks run here and may issue more ops.
+  for (auto& weak : delegated) {
+    if (auto work = weak.lock()) work->failIfPending(error);
+  }
+  for (auto& weak : own) {
+    if (auto work = weak.lock()) work->markFailed(error);
+  }
 }
 
 OrderedRunner::Step finishing(c10::intrusive_ptr<FutureWork> work, std::function<int()> body) {

@@ -4,6 +4,8 @@
 // DelegatedWork wraps the Work of a transport backend (Gloo, NCCL) and adds
 // the step that copies staged results back into the caller's tensors.
 // FutureWork is completed by xcomm's own worker threads.
+#include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -60,8 +62,25 @@ class DelegatedWork : public c10d::Work {
   // getFuture() then raises as Gloo's does for works that have none (its
   // reduce-scatters), so code moving between the two sees the same API.
   void hideFuture() { futureHidden_ = true; }
+  // The group was aborted: a CPU op still pending fails now with `error`
+  // (wait() raises it, the future holds it) instead of waiting inside its
+  // transport, whose own threads may stay blocked until their timeout.
+  // CUDA works and point-to-point works (no future) are left to their backend.
+  void failIfPending(const std::exception_ptr& error);
 
  private:
+  // A CPU work's completion, by its op or by an abort, whichever comes first;
+  // shared with the inner future's callback, which may outlive the work.
+  struct Completion {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool done = false;         // the op itself finished (succeeded or failed)
+    std::exception_ptr abort;  // set when the group aborted first
+    std::atomic<bool> settled{false};
+    c10::intrusive_ptr<c10::ivalue::Future> future;  // what getFuture() hands out
+    void settle(c10::ivalue::Future* from, const std::exception_ptr& error);
+  };
+  bool abortedFirst() const;
   c10::intrusive_ptr<c10d::Work> inner_;
   c10::intrusive_ptr<c10::ivalue::Future> innerFuture_;  // null for point-to-point works
   std::shared_ptr<RunOnce> finalize_;                    // null when nothing is staged
@@ -75,6 +94,7 @@ class DelegatedWork : public c10d::Work {
   // future) ends its event in wait() only.
   std::shared_ptr<RunOnce> endProfiling_;
   bool futureHidden_ = false;
+  std::shared_ptr<Completion> completion_;  // CPU works with a future; else null
 };
 
 class FutureWork : public c10d::Work {
@@ -82,6 +102,8 @@ class FutureWork : public c10d::Work {
   FutureWork(int rank, c10d::OpType opType, const char* profilingTitle, c10::IValue result,
              c10::TypePtr resultType, const std::vector<at::Tensor>& inputs = {});
 
+  // The first of these wins; a later one is ignored (the group aborted the
+  // work while its step still ran).
   void markSucceeded(int sourceRank = -1);
   void markFailed(std::exception_ptr error);
 
@@ -93,6 +115,7 @@ class FutureWork : public c10d::Work {
   c10::IValue result_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   int sourceRank_ = -1;
+  std::atomic<bool> settled_{false};
 };
 
 // Gloo's reduce_scatter works have no future; xcomm's behave the same so
@@ -103,6 +126,26 @@ class FuturelessWork : public FutureWork {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     TORCH_CHECK(false, "Work::getFuture not implemented.");
   }
+};
+
+// The works a group handed out that may still be pending, so that abort()
+// fails every one of them at once, and new ops after it are refused.
+class PendingWorks {
+ public:
+  void add(const c10::intrusive_ptr<DelegatedWork>& work);
+  void add(const c10::intrusive_ptr<FutureWork>& work);
+  // Fails every pending work with `error`; works added later fail at once.
+  void failAll(const std::exception_ptr& error);
+  bool aborted() const { return aborted_.load(); }
+
+ private:
+  void pruneLocked();
+  std::mutex mutex_;
+  std::vector<c10::weak_intrusive_ptr<DelegatedWork>> delegated_;
+  std::vector<c10::weak_intrusive_ptr<FutureWork>> own_;
+  size_t pruneAt_ = 64;
+  std::exception_ptr error_;
+  std::atomic<bool> aborted_{false};
 };
 
 // The OrderedRunner step that runs `body` and finishes `work` with its

@@ -42,6 +42,12 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<xcomm::XcommBackend, c10d::Backend, xcomm::python::NoGilHolder<xcomm::XcommBackend>>(
       m, "XcommBackend")
+      // Bound here too: torch 2.14 binds Backend.get_error, torch 2.13 does not.
+      .def("get_error", &xcomm::XcommBackend::getError, py::call_guard<py::gil_scoped_release>(),
+           "The group's error state as torch.distributed's ErrorType: COMM_ERROR once "
+           "aborted or after an op failed in its transport, TIMEOUT after one timed out, "
+           "else SUCCESS (a caller's mistake, such as ranks calling different collectives, "
+           "leaves it SUCCESS).")
       .def_property_readonly(
           "compression_stats",
           [](const xcomm::XcommBackend& b) {
