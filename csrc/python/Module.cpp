@@ -74,6 +74,21 @@ PYBIND11_MODULE(_C, m) {
               a2["chosen"] = choices;
               a2["inputs"] = in;
               a2["last"] = r.last;
+              // The closed loop: per key, the observed/predicted factor its
+              // predictions are multiplied by and whose observations it is
+              // (the key's own, a codec that ran for one that has not, or
+              // None: uncorrected).
+              const char* keys[] = {"link", "bf16", "int8"};
+              py::dict observed;
+              for (size_t k = 0; k < r.factors.size(); ++k) {
+                py::dict one;
+                one["factor"] = r.factors[k];
+                one["from"] = r.factorSources[k] < 0
+                                  ? py::object(py::none())
+                                  : py::object(py::str(keys[r.factorSources[k]]));
+                observed[keys[k]] = one;
+              }
+              a2["observed"] = observed;
               d["auto"] = a2;
             }
             return d;
@@ -81,7 +96,9 @@ PYBIND11_MODULE(_C, m) {
           "Compressed allreduces and reduce-scatters of this group: calls, bytes a ring "
           "allreduce (all-to-all reduce-scatter) would have sent per rank, bytes sent per rank; "
           "with compression='auto', also what it chose (counts per method), the inputs every "
-          "rank agreed on, and its last choice with the predictions behind it.")
+          "rank agreed on, the observed/predicted factors it corrects its predictions by "
+          "('observed': per key link, bf16, int8, the factor and the key it comes from), and "
+          "its last choice with the predictions behind it.")
       .def_static(
           "create_with_store",
           [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

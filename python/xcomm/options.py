@@ -43,7 +43,9 @@ class Options:
             with measured inputs predicts fastest: the codecs timed once on
             this machine, the link probed by the group's own collectives
             every 64 compressible allreduces, every input agreed by all
-            ranks so they choose alike; ``compression_stats["auto"]`` on the
+            ranks so they choose alike; each method's observed time corrects
+            its prediction, so one slower than predicted, and than none, is
+            left at the next probe; ``compression_stats["auto"]`` on the
             group's backend says what it chose and why; its
             reduce-scatters go uncompressed), or ``None``.
             Lossy and stateless; it applies to a lone float32/float64 CPU

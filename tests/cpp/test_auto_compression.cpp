@@ -43,3 +43,33 @@ TEST_CASE("auto's model prefers none on a fast link and int8 on a slow one", "[a
   CHECK(best(1.0 / 100e9) == Compression::kNone);   // 100 GB/s: no codec pays
   CHECK(best(1.0 / 12.5e6) == Compression::kInt8);  // 0.1 Gbit/s: the fewest bytes win
 }
+
+TEST_CASE("auto's observed factors correct what ran and lend the least to what did not", "[auto]") {
+  using xcomm::ObservedFactors;
+  ObservedFactors o;
+  CHECK(o.factor(0) == 1.0);  // nothing seen: the calibration stands
+  CHECK(o.source(2) == -1);
+  o.record(2, 0.010, 0.001);  // int8 took 10x its prediction
+  o.record(2, 0.030, 0.003);
+  const auto ratios = o.local();
+  CHECK(ratios[0] == 0.0);
+  CHECK(ratios[2] == Approx(10.0));
+  o.update(ratios);
+  CHECK(o.factor(2) == Approx(10.0));
+  CHECK(o.source(2) == 2);
+  // bf16 never ran: predicted with int8's correction, the only codec seen
+  CHECK(o.source(1) == 2);
+  CHECK(o.factor(1) == Approx(10.0));
+  // the link is corrected by none's runs only
+  CHECK(o.source(0) == -1);
+  CHECK(o.factor(0) == 1.0);
+  // a period without int8 keeps its factor; the sums start again
+  CHECK(o.local()[2] == 0.0);
+  o.update({0.5, 0.0, 0.0});
+  CHECK(o.factor(0) == Approx(0.5));
+  CHECK(o.factor(2) == Approx(10.0));
+  // one odd reading is bounded
+  o.update({0.0, 1e6, 0.0});
+  CHECK(o.factor(1) == ObservedFactors::kCeiling);
+  CHECK(o.source(1) == 1);
+}

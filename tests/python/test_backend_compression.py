@@ -356,6 +356,66 @@ def test_auto_on_one_host_leaves_shared_memory_uncompressed() -> None:
         assert "backend auto (none: one host" in r["plan"], r["plan"]
 
 
+#: Choices between auto's rounds (AutoCompression's interval).
+_ROUND = 64
+
+
+def _rank_auto_mispredicted(ctx: RankContext) -> dict[str, Any]:
+    """Four rounds' worth of 1 MiB allreduces on an auto group whose int8 is
+    calibrated free but takes 20 ms more than it does (XCOMM_AUTO_TEST_SLOW),
+    with the counts of what ran after each round."""
+    group = _group("auto")
+    x = make_input(ctx, torch.float32, (1 << 18,), salt=3)
+    exact = x.clone()
+    dist.all_reduce(exact, group=ctx.ref)
+    backend = group._get_backend(torch.device("cpu"))
+    per_round, last = [], x
+    for _ in range(4):
+        for _ in range(_ROUND):
+            last = x.clone()
+            dist.all_reduce(last, group=group)
+        per_round.append(dict(backend.compression_stats["auto"]["chosen"]))
+    rows = {k: v["calls"] for k, v in xcomm.stats().items() if k.startswith("ALLREDUCE_AUTO")}
+    return {
+        "per_round": per_round,
+        "auto": backend.compression_stats["auto"],
+        "rows": rows,
+        "last_exact": torch.equal(last, exact),
+    }
+
+
+def test_auto_leaves_a_method_observed_slower_than_predicted_on_every_rank_alike() -> None:
+    """int8 calibrated at no codec cost is predicted ~4x faster than none on
+    any probed link, and chosen; it really takes 20 ms more per call. At the
+    next round its observed/predicted factor (agreed, so the same on every
+    rank) puts it above none, and auto runs none from then on; bf16, never
+    run, is predicted with int8's factor (the least of the codecs that ran)
+    and not tried. Without the closed loop none never runs here."""
+    per_rank = run_ranks(
+        _rank_auto_mispredicted, 2, env={"XCOMM_SHM": "0", "XCOMM_AUTO_TEST_SLOW": "int8,0.02"}
+    )
+    first = per_rank[0]
+    # int8 until the first round after it ran, none in every round since
+    assert [c["int8"] for c in first["per_round"]] == [_ROUND] * 4, first["per_round"]
+    assert [c["none"] for c in first["per_round"]] == [0, _ROUND, 2 * _ROUND, 3 * _ROUND]
+    assert first["per_round"][-1]["bf16"] == 0
+    assert first["rows"] == {
+        "ALLREDUCE_AUTO_INT8": _ROUND,
+        "ALLREDUCE_AUTO_NONE": 3 * _ROUND,
+    }, first["rows"]
+    observed = first["auto"]["observed"]
+    # 20 ms against a predicted fraction of a millisecond: well above none's
+    assert observed["int8"]["from"] == "int8" and observed["int8"]["factor"] > 10, observed
+    assert observed["bf16"] == {"factor": observed["int8"]["factor"], "from": "int8"}, observed
+    assert observed["link"]["from"] == "link", observed  # none's runs correct the link
+    assert first["auto"]["last"].endswith("-> none"), first["auto"]["last"]
+    for rank, r in enumerate(per_rank):
+        assert r["last_exact"], rank  # none: bitwise the exact sum
+        assert r["per_round"] == first["per_round"], (rank, r["per_round"])
+        assert r["auto"]["observed"] == first["auto"]["observed"], (rank, r["auto"])
+        assert r["auto"]["inputs"] == first["auto"]["inputs"], (rank, r["auto"])
+
+
 @pytest.mark.parametrize(
     "env, match",
     [

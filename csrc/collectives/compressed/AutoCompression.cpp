@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -46,6 +48,45 @@ size_t index(Compression m) {
 
 }  // namespace
 
+void ObservedFactors::record(size_t key, double observedSeconds, double predictedSeconds) {
+  if (observedSeconds <= 0 || predictedSeconds <= 0) return;
+  sums_[key][0] += observedSeconds;
+  sums_[key][1] += predictedSeconds;
+}
+
+std::array<double, ObservedFactors::kKeys> ObservedFactors::local() const {
+  std::array<double, kKeys> ratios{};
+  for (size_t k = 0; k < kKeys; ++k) {
+    if (sums_[k][1] > 0) ratios[k] = sums_[k][0] / sums_[k][1];
+  }
+  return ratios;
+}
+
+void ObservedFactors::update(const std::array<double, kKeys>& agreed) {
+  for (size_t k = 0; k < kKeys; ++k) {
+    if (agreed[k] > 0) {
+      factors_[k] = std::min(std::max(agreed[k], kFloor), kCeiling);
+      seen_[k] = true;
+    }
+    sums_[k] = {0.0, 0.0};
+  }
+}
+
+int ObservedFactors::source(size_t key) const {
+  if (seen_[key]) return static_cast<int>(key);
+  if (key == 0) return -1;  // the link: the probe (or XCOMM_AUTO_LINK) stands
+  int least = -1;
+  for (size_t k = 1; k < kKeys; ++k) {
+    if (seen_[k] && (least < 0 || factors_[k] < factors_[least])) least = static_cast<int>(k);
+  }
+  return least;
+}
+
+double ObservedFactors::factor(size_t key) const {
+  const int from = source(key);
+  return from < 0 ? 1.0 : factors_[from];
+}
+
 AutoCompression::AutoCompression(int size, const CompressionConfig& config, int64_t interval)
     : size_(size), chunkElems_(config.int8ChunkElems), interval_(interval) {
   TORCH_CHECK_VALUE(interval_ > 0, "xcomm: auto compression's interval must be > 0");
@@ -58,6 +99,17 @@ AutoCompression::AutoCompression(int size, const CompressionConfig& config, int6
   if (config.autoLinkBytesPerSecond > 0) {
     fixedLatency_ = config.autoLinkLatency;
     fixedBandwidth_ = config.autoLinkBytesPerSecond;
+  }
+  // Read on each rank, not agreed: its only effects (a calibration and the
+  // observed times) reach the choice through the round's allreduce MAX.
+  if (const char* slow = std::getenv("XCOMM_AUTO_TEST_SLOW")) {
+    const std::string spec = slow;
+    const auto comma = spec.find(',');
+    const auto methods = methodsNamed({spec.substr(0, comma)}, "XCOMM_AUTO_TEST_SLOW");
+    slowMethod_ = methods[0];
+    slowSeconds_ = comma == std::string::npos ? 0.0 : std::atof(spec.c_str() + comma + 1);
+    TORCH_CHECK_VALUE(slowSeconds_ > 0, "xcomm: XCOMM_AUTO_TEST_SLOW must be '<method>,<seconds>' ",
+                      "with seconds > 0, got '", spec, "'");
   }
 }
 
@@ -77,8 +129,21 @@ std::vector<Compression> AutoCompression::methodsNamed(const std::vector<std::st
   return methods;
 }
 
-double AutoCompression::predict(Compression method, int64_t numel, int64_t elementSize, int size,
-                                int64_t int8ChunkElems, const AutoInputs& in) {
+double AutoCompression::codec(Compression method, int64_t numel, const AutoInputs& in) {
+  const double n = static_cast<double>(numel);
+  switch (method) {
+    case Compression::kBf16:
+    case Compression::kFp16:
+      return in.bf16SecondsPerElem * n;
+    case Compression::kInt8:
+      return in.int8SecondsPerElem * n;
+    default:
+      return 0.0;
+  }
+}
+
+double AutoCompression::wire(Compression method, int64_t numel, int64_t elementSize, int size,
+                             int64_t int8ChunkElems, const AutoInputs& in) {
   const double ring = size > 1 ? 2.0 * (size - 1) / size : 0.0;
   const double n = static_cast<double>(numel);
   switch (method) {
@@ -86,15 +151,32 @@ double AutoCompression::predict(Compression method, int64_t numel, int64_t eleme
       return in.latencySeconds + ring * n * elementSize * in.secondsPerByte;
     case Compression::kBf16:
     case Compression::kFp16:
-      return in.bf16SecondsPerElem * n + in.latencySeconds + ring * n * 2.0 * in.secondsPerByte;
+      return in.latencySeconds + ring * n * 2.0 * in.secondsPerByte;
     case Compression::kInt8:
-      return in.int8SecondsPerElem * n + 2.0 * in.latencySeconds +
+      return 2.0 * in.latencySeconds +
              ring * n * (1.0 + 4.0 / static_cast<double>(int8ChunkElems)) * in.secondsPerByte;
     case Compression::kAuto:
       break;
   }
   TORCH_CHECK(false, "xcomm: auto predicts none, bf16, fp16 or int8, not ",
               compressionName(method));
+}
+
+double AutoCompression::predict(Compression method, int64_t numel, int64_t elementSize, int size,
+                                int64_t int8ChunkElems, const AutoInputs& in) {
+  return codec(method, numel, in) + wire(method, numel, elementSize, size, int8ChunkElems, in);
+}
+
+double AutoCompression::base(Compression method, int64_t numel, int64_t elementSize) const {
+  const double w = wire(method, numel, elementSize, size_, chunkElems_, inputs_);
+  if (method == Compression::kNone) return w;
+  return codec(method, numel, inputs_) + observed_.factor(0) * w;
+}
+
+void AutoCompression::agreeFactors(const double* agreedRatios) {
+  std::array<double, ObservedFactors::kKeys> ratios{};
+  std::copy(agreedRatios, agreedRatios + ratios.size(), ratios.begin());
+  observed_.update(ratios);
 }
 
 void AutoCompression::calibrate() {
@@ -112,6 +194,8 @@ void AutoCompression::calibrate() {
                  codec.unpackAll(mine.repeat({size_}), shard, out);
                }) /
                kElems;
+  if (slowMethod_ == Compression::kBf16) localBf16_ = 0;
+  if (slowMethod_ == Compression::kInt8) localInt8_ = 0;
   calibrated_ = true;
 }
 
@@ -119,13 +203,15 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   if (!calibrated_) calibrate();
   const double sinceLast = calls_ == 0 ? 0.0 : seconds(lastRound_);
   if (fixedBandwidth_ > 0) {  // XCOMM_AUTO_LINK: agree the codec costs only
-    at::Tensor costs = at::tensor({localBf16_, localInt8_}, at::TensorOptions().dtype(at::kDouble));
+    const auto ratios = observed_.local();
+    at::Tensor costs = at::tensor({localBf16_, localInt8_, ratios[0], ratios[1], ratios[2]},
+                                  at::TensorOptions().dtype(at::kDouble));
     allreduceAndWait(transport, costs, c10d::ReduceOp::MAX, timeout);
     lastRound_ = Clock::now();
     const double* c = costs.data_ptr<double>();
-    std::lock_guard<std::mutex> lock(mutex_);
-    report_.rounds++;
-    report_.inputs = AutoInputs{fixedLatency_, 1.0 / fixedBandwidth_, c[0], c[1]};
+    agreeFactors(c + 2);
+    inputs_ = AutoInputs{fixedLatency_, 1.0 / fixedBandwidth_, c[0], c[1]};
+    publish();
     return;
   }
   // A probe twice back to back, timing the second: the first lines the ranks
@@ -136,16 +222,19 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   const auto t0 = Clock::now();
   allreduceAndWait(transport, probe, c10d::ReduceOp::SUM, timeout);
   const double took = seconds(t0);
-  const double wire = 2.0 * (size_ - 1) / size_ * static_cast<double>(probe.numel()) * 4.0;
+  const double probeWireBytes =
+      2.0 * (size_ - 1) / size_ * static_cast<double>(probe.numel()) * 4.0;
   // The latency is the least of the recent agreements (a late rank inflates
   // one) and may explain at most half of the probe, so a noisy latency cannot
   // make the link look infinitely fast.
   const double latency =
       agreements_.empty() ? 0.0 : *std::min_element(agreements_.begin(), agreements_.end());
-  const double perByte = std::max(took - latency, 0.5 * took) / wire;
+  const double perByte = std::max(took - latency, 0.5 * took) / probeWireBytes;
 
-  at::Tensor agreed = at::tensor({latency, perByte, localBf16_, localInt8_, sinceLast},
-                                 at::TensorOptions().dtype(at::kDouble));
+  const auto ratios = observed_.local();
+  at::Tensor agreed = at::tensor(
+      {latency, perByte, localBf16_, localInt8_, sinceLast, ratios[0], ratios[1], ratios[2]},
+      at::TensorOptions().dtype(at::kDouble));
   const auto t1 = Clock::now();
   allreduceAndWait(transport, agreed, c10d::ReduceOp::MAX, timeout);
   agreements_.push_back(seconds(t1));
@@ -161,6 +250,7 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
   std::vector<double> sorted(readings_.begin(), readings_.end());
   std::sort(sorted.begin(), sorted.end());
   AutoInputs in{v[0], sorted[sorted.size() / 2], v[2], v[3]};
+  agreeFactors(v + 5);
   // The next probe: about 1% of the time between rounds (both runs of it),
   // growing at most 4x a round, between 64 kB (less measures a burst) and
   // 32 MB; sized from the faster of the median and the newest reading (a
@@ -173,37 +263,64 @@ void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds 
     const double next = std::min({budget / fastest, 4.0 * static_cast<double>(probeBytes_), 32e6});
     probeBytes_ = static_cast<int64_t>(std::max(next, 64e3));
   }
+  inputs_ = in;
+  publish();
+}
+
+void AutoCompression::publish() {
   std::lock_guard<std::mutex> lock(mutex_);
   report_.rounds++;
-  report_.inputs = in;
+  report_.inputs = inputs_;
+  for (size_t k = 0; k < ObservedFactors::kKeys; ++k) {
+    report_.factors[k] = observed_.factor(k);
+    report_.factorSources[k] = observed_.source(k);
+  }
 }
 
 Compression AutoCompression::choose(c10d::Backend& transport, int64_t numel, int64_t elementSize,
                                     std::chrono::milliseconds timeout) {
   if (calls_ % interval_ == 0) round(transport, timeout);
   ++calls_;
-  AutoInputs in;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    in = report_.inputs;
-  }
   Compression best = kMethods[0];
   double bestSeconds = std::numeric_limits<double>::infinity();
   std::ostringstream why;
   why << numel << " elements:";
   for (Compression m : allowed_) {
-    const double t = predict(m, numel, elementSize, size_, chunkElems_, in);
+    // Corrected by what the methods were seen to take (the factors agreed).
+    // none: f_link * its wire; a codec: f_m * (codec + f_link * wire).
+    const double f = observed_.factor(index(m));
+    const double t = f * base(m, numel, elementSize);
     why << " " << compressionName(m) << " " << t * 1e3 << " ms";
+    if (f != 1.0) why << " (x" << f << ")";
     if (t < bestSeconds) {
       best = m;
       bestSeconds = t;
     }
   }
   why << " -> " << compressionName(best);
+  pending_ = static_cast<int>(index(best));
+  pendingBase_ = base(best, numel, elementSize);
   std::lock_guard<std::mutex> lock(mutex_);
   report_.chosen[index(best)]++;
   report_.last = why.str();
   return best;
+}
+
+void AutoCompression::observed(double seconds) {
+  if (pending_ < 0) return;
+  const auto key = static_cast<size_t>(pending_);
+  pending_ = -1;
+  if (kMethods[key] == slowMethod_) {
+    std::this_thread::sleep_for(std::chrono::duration<double>(slowSeconds_));
+    seconds += slowSeconds_;
+  }
+  // A method's first run pays one-time set-up (buffers, the direct
+  // exchange's first messages): not what it costs from then on.
+  if (!warm_[key]) {
+    warm_[key] = true;
+    return;
+  }
+  observed_.record(key, seconds, pendingBase_);
 }
 
 AutoReport AutoCompression::report() const {

@@ -19,6 +19,23 @@
 // "<latency s>,<bytes/s>" fixes the link instead of probing it (a known
 // network; tests). Codec costs are still measured and agreed.
 //
+// The loop is closed (the DDP hook's ObservedCosts, hooks/_measure.py, is the
+// same design): every allreduce auto runs is timed and compared with its
+// prediction, because the codecs were timed on randn data on an idle machine
+// and the probe can read a link slow. none's observations correct the link
+// (key "link"), a codec's correct that method: its prediction becomes
+//   f_m * (codec + f_link * wire),   none's f_link * (L + wire),
+// so a method seen taking 10x its prediction is predicted at what it took
+// and loses to none at the next round if that is slower than none. The
+// observed/predicted ratios since the last round go into the round's
+// allreduce MAX, so the factors, and hence the choices, are the same on
+// every rank. A method that has never run is predicted with the least factor
+// of the codecs that did (its calibration is likely as far off as theirs),
+// so auto does not leave an observed method for one only its calibration
+// favours. XCOMM_AUTO_TEST_SLOW="<method>,<seconds>" (tests only: a codec
+// far slower than calibrated on any machine) takes that method's calibrated
+// cost as 0 and makes each of its allreduces take <seconds> longer.
+//
 // Rounds run on the transport the choices' collectives use, in the same
 // order on every rank (the caller runs every choice and its collectives on
 // one thread, in issue order: XcommBackend's compressed-allreduce worker, or
@@ -46,12 +63,42 @@ struct AutoInputs {
   double int8SecondsPerElem = 0;
 };
 
+// Observed/predicted factors, keyed 0: the link (none's runs), 1: bf16,
+// 2: int8 (AutoCompression::kMethods' order).
+class ObservedFactors {
+ public:
+  // Factors stay within [kFloor, kCeiling]: one odd reading (a paused
+  // process) cannot make a method look free or unusable for good.
+  static constexpr double kFloor = 0.05, kCeiling = 100.0;
+  static constexpr size_t kKeys = 3;
+
+  void record(size_t key, double observedSeconds, double predictedSeconds);
+  // This rank's ratios since the last update (0 where nothing was seen).
+  std::array<double, kKeys> local() const;
+  // The agreed ratios become the factors of the keys they saw; a new period.
+  void update(const std::array<double, kKeys>& agreed);
+  // The key whose factor `key` is predicted with: itself once seen; for a
+  // codec never seen, the seen codec with the least factor (ties to the
+  // earlier); -1 where none applies (its calibration stands, factor 1).
+  int source(size_t key) const;
+  double factor(size_t key) const;
+
+ private:
+  std::array<double, kKeys> factors_{1.0, 1.0, 1.0};
+  std::array<bool, kKeys> seen_{};
+  std::array<std::array<double, 2>, kKeys> sums_{};  // observed, predicted
+};
+
 // What auto did so far (xcomm's stats and the group's explanation).
 struct AutoReport {
   int64_t rounds = 0;
   AutoInputs inputs;
   std::array<int64_t, 3> chosen{};  // none, bf16, int8
   std::string last;                 // the last choice and its predictions, in words
+  // Per ObservedFactors key: the factor applied and the key it comes from
+  // (-1: uncorrected), as of the last round.
+  std::array<double, ObservedFactors::kKeys> factors{1.0, 1.0, 1.0};
+  std::array<int, ObservedFactors::kKeys> factorSources{-1, -1, -1};
 };
 
 class AutoCompression {
@@ -72,9 +119,16 @@ class AutoCompression {
   // The methods it may choose (config.autoMethods, default all of kMethods).
   const std::vector<Compression>& allowed() const { return allowed_; }
 
-  // Predicted seconds of `method` for `numel` elements of `elementSize` bytes.
+  // Predicted seconds of `method` for `numel` elements of `elementSize` bytes
+  // (uncorrected): codec() + wire().
   static double predict(Compression method, int64_t numel, int64_t elementSize, int size,
                         int64_t int8ChunkElems, const AutoInputs& in);
+
+  // The parts of predict(): the codec's seconds, and the link's (latency
+  // included) that the link factor corrects.
+  static double codec(Compression method, int64_t numel, const AutoInputs& in);
+  static double wire(Compression method, int64_t numel, int64_t elementSize, int size,
+                     int64_t int8ChunkElems, const AutoInputs& in);
 
   // The method for one allreduce of `numel` elements. Every `interval`-th
   // call (the first included) first runs a round on `transport`: probe,
@@ -82,11 +136,21 @@ class AutoCompression {
   Compression choose(c10d::Backend& transport, int64_t numel, int64_t elementSize,
                      std::chrono::milliseconds timeout);
 
+  // The allreduce choose() returned took `seconds` on this rank (from its
+  // choice to its end); the closed loop's observation.
+  void observed(double seconds);
+
   AutoReport report() const;
 
  private:
   void round(c10d::Backend& transport, std::chrono::milliseconds timeout);
   void calibrate();
+  // The prediction `method`'s observations are compared with: corrected by
+  // the link factor, not by its own.
+  double base(Compression method, int64_t numel, int64_t elementSize) const;
+  void agreeFactors(const double* agreedRatios);
+  // A round's agreed inputs and factors into report_.
+  void publish();
 
   int size_;
   int64_t chunkElems_;
@@ -100,6 +164,13 @@ class AutoCompression {
   std::deque<double> readings_;    // the last three agreed seconds per byte
   std::deque<double> agreements_;  // the last few agreement times: the least is the latency
   std::chrono::steady_clock::time_point lastRound_;
+  ObservedFactors observed_;
+  AutoInputs inputs_;  // the last round's, for this thread's predictions
+  std::array<bool, ObservedFactors::kKeys> warm_{};  // a method's first run pays its set-up
+  int pending_ = -1;                                 // the key choose() returned last
+  double pendingBase_ = 0;
+  Compression slowMethod_ = Compression::kAuto;  // XCOMM_AUTO_TEST_SLOW; kAuto: none
+  double slowSeconds_ = 0;
   mutable std::mutex mutex_;  // guards report_ (read from other threads)
   AutoReport report_;
 };

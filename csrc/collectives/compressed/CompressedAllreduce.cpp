@@ -122,6 +122,7 @@ Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor&
   const Compression method =
       auto_ ? auto_->choose(transport, tensor.numel(), tensor.element_size(), opts.timeout)
             : config_.method;
+  const auto started = std::chrono::steady_clock::now();
   switch (method) {
     case Compression::kInt8:
       runInt8(transport, tensor, opts);
@@ -143,6 +144,10 @@ Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor&
       if (!tensor.is_contiguous()) tensor.copy_(flat);
       count(tensor, ringBytes(tensor.numel() * tensor.element_size(), size_));
     }
+  }
+  if (auto_) {
+    auto_->observed(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   }
   return method;
 }
