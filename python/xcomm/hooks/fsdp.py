@@ -28,10 +28,18 @@ with one that moves fewer bytes:
   (whatever route the group's backend takes), and each codec's CPU seconds
   per element ``c_m`` timed once on this machine; an allreduce MAX makes
   every input the same on every rank, so every rank picks the same method
-  (their collectives match). A module keeps its method unless another is
-  ``switch_margin`` faster. A module leaving int8 sends its residual with its
-  next reduce-scatter. :meth:`FsdpCompressionState.explain` says what each
-  module uses and why; ``xcomm.stats()`` counts ``AUTO:<method>``; with the
+  (their collectives match). The loop is closed (``observe=True``, the
+  default; CPU inputs): every reduce-scatter auto runs is timed and compared
+  with its prediction, and :class:`~xcomm.hooks._measure.ObservedCosts`
+  (the DDP hook's, the same rules) turns the ratios, agreed as the MAX over
+  ranks at each re-evaluation, into factors on the model: uncompressed
+  reduce-scatters correct the link, a compressed one its method, a method
+  never run takes the least factor of the compressed methods that ran, and
+  a method observed slower than ``none`` is not kept. A module keeps its
+  method unless another is ``switch_margin`` faster. A module leaving int8
+  sends its residual with its next reduce-scatter.
+  :meth:`FsdpCompressionState.explain` says what each module uses and why,
+  with the factors; ``xcomm.stats()`` counts ``AUTO:<method>``; with the
   timeline on, each decision is a span on the track "xcomm auto".
 
 **Error feedback** (on for int8 by default; ``error_feedback=True`` turns it
@@ -72,6 +80,7 @@ Example::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,7 +91,7 @@ import torch.distributed as dist
 from .. import _C
 from ..opstats import record_op
 from ..trace import add_span, now_us, timeline_enabled
-from ._measure import LinkModel, MeasuredLink, MethodChoices, best_seconds
+from ._measure import LinkModel, MeasuredLink, MethodChoices, ObservedCosts, best_seconds
 from ._methods import method_names
 from ._pickling import pack_state, pickled_state
 from .stats import CompressionStats, alltoall_bytes
@@ -109,6 +118,9 @@ FSDP_STATE_VERSION = 2
 _PROBES = ("reduce_scatter", "all_to_all")
 
 _CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: Codec costs of nothing: the model's link part alone.
+_FREE_CODECS = dict.fromkeys(("bf16", "fp16", "int8"), 0.0)
 
 #: ``reduce_scatter_tensor`` under its newer name where torch has it (2.13+
 #: warns that the old name is deprecated).
@@ -207,6 +219,10 @@ class FsdpCompressionState:
             as an all-to-all does.
         codec_costs: with ``method="auto"``, fixed codec costs (seconds per
             element, keys ``bf16``, ``fp16``, ``int8``) instead of timing them.
+        observe: with ``method="auto"``, correct the model by what each
+            method is seen to take (module docstring); ``False`` trusts the
+            model alone (with a fixed ``link`` and ``codec_costs``: a
+            hypothetical machine, as tests use).
 
     Example::
 
@@ -226,6 +242,7 @@ class FsdpCompressionState:
     probe_fraction: float = 0.01
     link: LinkModel | None = None
     codec_costs: dict[str, float] | None = None
+    observe: bool = True
     stats: CompressionStats = field(default_factory=CompressionStats)
 
     def __post_init__(self) -> None:
@@ -271,6 +288,7 @@ class FsdpCompressionState:
             _PROBES, FSDP_AUTO_METHODS[1:], self.probe_fraction, self.interval
         )
         self._choices = MethodChoices(self.switch_margin)
+        self._observed = ObservedCosts(self.allowed)
         self._fresh_round = False
         # Each module's (numel, on CPU), to ask whether a new reading of the
         # link would change its method.
@@ -290,7 +308,9 @@ class FsdpCompressionState:
 
     def explain(self) -> str:
         """``auto``: each module's method and the predicted milliseconds of
-        every allowed method that chose it."""
+        every allowed method that chose it, and the corrections applied
+        (each method's observed/predicted; for a method not run yet, whose
+        correction it takes)."""
         line = None
         if (links := self.link_estimate) is not None:
             line = f"latency {links['all_to_all'].latency_s * 1e3:.3f} ms; " + ", ".join(
@@ -298,6 +318,8 @@ class FsdpCompressionState:
                 for k, link in links.items()
             )
             line += " (agreed by all ranks)"
+            if self.observe:
+                line += "\n" + self._observed.explain()
         return self._choices.explain("module", line)
 
     def choose(
@@ -332,12 +354,35 @@ class FsdpCompressionState:
     def _predict(
         self, numel: int, cpu: bool, links: dict[str, LinkModel], costs: dict[str, float]
     ) -> dict[str, float]:
-        """Every allowed method's predicted seconds for one module's reduce-scatter."""
+        """Every allowed method's predicted seconds for one module's
+        reduce-scatter (corrected by what the methods were seen to take)."""
         return {
-            m: predict_reduce_scatter_seconds(m, numel, links, costs, chunk_elems=self.chunk_elems)
+            m: self._observed.predict(m, *self._parts(m, numel, links, costs))
             for m in self.allowed
             if cpu or m != "int8"
         }
+
+    def _parts(
+        self, method: str, numel: int, links: dict[str, LinkModel], costs: dict[str, float]
+    ) -> tuple[float, float]:
+        """The model's (codec seconds, link seconds) for one reduce-scatter."""
+        wire = predict_reduce_scatter_seconds(
+            method, numel, links, _FREE_CODECS, chunk_elems=self.chunk_elems
+        )
+        total = predict_reduce_scatter_seconds(
+            method, numel, links, costs, chunk_elems=self.chunk_elems
+        )
+        return total - wire, wire
+
+    def _took(self, method: str, numel: int, seconds: float) -> None:
+        """``auto``: records that a reduce-scatter of ``numel`` elements with
+        ``method`` took ``seconds`` (the closed loop); from step 1 (step 0
+        pays first-touch costs)."""
+        if not self.observe or self._measure.agreed is None or self.iter < 1:
+            return
+        links, costs = self._measure.agreed
+        base = self._observed.base(method, *self._parts(method, numel, links, costs))
+        self._observed.record(self._observed.key(method), seconds, base)
 
     def _agree(self, group: dist.ProcessGroup, world: int) -> None:
         def reduce_scatter(nbytes: int) -> float:
@@ -367,7 +412,10 @@ class FsdpCompressionState:
                 self._choices.would_switch(name, self._predict(numel, cpu, links, costs))
                 for name, (numel, cpu) in self._module_inputs.items()
             ),
+            extra=self._observed.local() if self.observe else (),
         )
+        if self.observe:
+            self._observed.update(self._measure.agreed_extra)
         self._fresh_round = True
 
     def key(self, name: str) -> int:
@@ -397,6 +445,7 @@ class FsdpCompressionState:
                 "next_round": self._measure.next_round,
                 "first_module": self._first_module,
                 "decisions": {k: dict(v) for k, v in self.decisions.items()},
+                "observed": self._observed.state_dict(),
                 "agreed": None
                 if agreed is None
                 else (
@@ -434,6 +483,8 @@ class FsdpCompressionState:
             self._measure.next_round = int(auto["next_round"])
             self._first_module = auto["first_module"]
             self._choices.decisions = {k: dict(v) for k, v in auto["decisions"].items()}
+            # None before the closed loop.
+            self._observed.load_state_dict(auto.get("observed", {}))
             if auto["agreed"] is not None:
                 links, costs = auto["agreed"]
                 self._measure.agreed = (
@@ -519,11 +570,33 @@ class CompressedReduceScatter:
                 if residual is not None:
                     input_tensor = input_tensor + residual.view_as(input_tensor)
                     state.feedback.erase(self.key)
+            started = time.perf_counter()
             if method == "none":
                 state.stats.record(rs_bytes, rs_bytes)
-                return _reduce_scatter_single(
+                work = _reduce_scatter_single(
                     output_tensor, input_tensor, op=op, group=group, async_op=async_op
                 )
+                # Timed where the call is the reduction: synchronous, on the
+                # CPU (a GPU collective returns once queued).
+                if work is None and input_tensor.device.type == "cpu":
+                    state._took("none", input_tensor.numel(), time.perf_counter() - started)
+                return work
+            self._compressed(output_tensor, input_tensor, group, world, method, mean)
+            if input_tensor.device.type == "cpu":
+                state._took(method, input_tensor.numel(), time.perf_counter() - started)
+            return None
+        self._compressed(output_tensor, input_tensor, group, world, method, mean)
+        return None
+
+    def _compressed(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        world: int,
+        method: str,
+        mean: bool,
+    ) -> None:
         if method == "int8":
             total = self._int8(input_tensor, group, world)
         else:
@@ -531,7 +604,6 @@ class CompressedReduceScatter:
         if mean:
             total.div_(world)
         output_tensor.copy_(total)
-        return None
 
     def _int8(self, flat: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
         state = self.state
