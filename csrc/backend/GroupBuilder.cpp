@@ -173,6 +173,10 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     inner.cuda = factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout);
   }
   auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(inner));
+  backend->setRegroup(store, [factory, allowShm](const StorePtr& successorStore, int r, int n,
+                                                 c10::intrusive_ptr<XcommOptions> o) {
+    return buildGroup(successorStore, r, n, std::move(o), factory, allowShm);
+  });
   if (plan.fusionThresholdBytes > 0) {
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
   }

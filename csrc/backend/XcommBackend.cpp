@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <sstream>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -9,6 +10,7 @@
 #include "backend/InputChecks.hpp"
 #include "backend/MinMaxLowering.hpp"
 #include "backend/PremulLowering.hpp"
+#include "backend/StoreText.hpp"
 #include "backend/XcommWork.hpp"
 #include "common/ErrorText.hpp"
 #include "observe/Stats.hpp"
@@ -20,6 +22,12 @@ namespace {
 
 c10::IValue listValue(const std::vector<at::Tensor>& ts) {
   return c10::IValue(ts);
+}
+
+std::string rankListText(const std::vector<int64_t>& ranks) {
+  std::ostringstream text;
+  for (size_t i = 0; i < ranks.size(); ++i) text << (i ? ", " : "") << ranks[i];
+  return text.str();
 }
 
 c10::IValue listOfListsValue(const std::vector<std::vector<at::Tensor>>& lists) {
@@ -118,6 +126,91 @@ void XcommBackend::abort() {
     if (t) t->abort();
   }
 }
+
+void XcommBackend::setRegroup(c10::intrusive_ptr<c10d::Store> store, Regroup regroup) {
+  store_ = std::move(store);
+  regroup_ = std::move(regroup);
+}
+
+c10::intrusive_ptr<XcommBackend> XcommBackend::shrinkTo(const std::vector<int64_t>& excluded,
+                                                        int shrinkFlags,
+                                                        c10::intrusive_ptr<XcommOptions> options) {
+  TORCH_CHECK_VALUE((shrinkFlags & ~kShrinkAbort) == 0, "xcomm.shrink: unknown shrink flags ",
+                    shrinkFlags, "; xcomm knows SHRINK_DEFAULT (0) and SHRINK_ABORT (1)");
+  TORCH_CHECK_VALUE(regroup_ && store_,
+                    "xcomm.shrink: this group was not built by init_process_group, new_group "
+                    "or create_with_store, so it cannot build its survivors' group");
+  std::vector<int64_t> sorted(excluded);
+  std::sort(sorted.begin(), sorted.end());
+  TORCH_CHECK_VALUE(!sorted.empty(), "xcomm.shrink: name at least one rank to exclude");
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    TORCH_CHECK_VALUE(sorted[i] >= 0 && sorted[i] < size_, "xcomm.shrink: rank ", sorted[i],
+                      " is not in this group of ", size_, " ranks");
+    TORCH_CHECK_VALUE(i == 0 || sorted[i] != sorted[i - 1], "xcomm.shrink: rank ", sorted[i],
+                      " is excluded twice");
+  }
+  TORCH_CHECK_VALUE(!std::binary_search(sorted.begin(), sorted.end(), int64_t{rank_}),
+                    "xcomm.shrink: this rank (", rank_,
+                    ") is among the excluded ones; only the survivors call shrink");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(sorted.size()) < size_,
+                    "xcomm.shrink: excluding every rank leaves no group");
+  if (shrinkFlags & kShrinkAbort) {
+    abort();
+  } else {
+    checkNotAborted("shrink");
+    flushFused();
+  }
+  // Every survivor states whom it excludes, in a namespace of its own for
+  // this shrink; a survivor excluding others than this one's would build a
+  // different group (ranks waiting for each other until the timeout).
+  const std::string space = "xcomm/shrink/" + std::to_string(shrinks_++) + "/";
+  const std::string mine = rankListText(sorted);
+  setStoreText(store_, space + "excluded/" + std::to_string(rank_), mine);
+  std::vector<int64_t> survivors;
+  for (int64_t r = 0; r < size_; ++r) {
+    if (!std::binary_search(sorted.begin(), sorted.end(), r)) survivors.push_back(r);
+  }
+  std::vector<std::string> keys;
+  for (auto r : survivors) keys.push_back(space + "excluded/" + std::to_string(r));
+  try {
+    store_->wait(keys, options_->timeout);
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("xcomm.shrink: not every survivor (ranks ", rankListText(survivors),
+                             ") called shrink within the group's timeout (",
+                             options_->timeout.count(), " ms): ", messageOf(e)));
+  }
+  for (auto r : survivors) {
+    const auto theirs = getStoreText(store_, space + "excluded/" + std::to_string(r));
+    TORCH_CHECK_VALUE(theirs == mine, "xcomm.shrink: rank ", r, " excludes ranks [", theirs,
+                      "] but rank ", rank_, " excludes [", mine,
+                      "]; every survivor must exclude the same ranks");
+  }
+  const int newRank =
+      rank_ - static_cast<int>(std::lower_bound(sorted.begin(), sorted.end(), int64_t{rank_}) -
+                               sorted.begin());
+  const int newSize = size_ - static_cast<int>(sorted.size());
+  if (!options) options = c10::make_intrusive<XcommOptions>(*options_);
+  return regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", store_), newRank, newSize,
+                  std::move(options));
+}
+
+#if XCOMM_HAS_SHRINK
+c10::intrusive_ptr<c10d::Backend> XcommBackend::shrink(
+    const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+    const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride) {
+  c10::intrusive_ptr<XcommOptions> options;
+  if (optsOverride) {
+    options = c10::dynamic_intrusive_pointer_cast<XcommOptions>(optsOverride);
+    TORCH_CHECK_VALUE(options,
+                      "xcomm.shrink: pg_options must be xcomm's options "
+                      "(xcomm.Options(...).to_cpp()), got options of backend \"",
+                      optsOverride->backend, "\"");
+    options = c10::make_intrusive<XcommOptions>(*options);  // the new group's own copy
+  }
+  return shrinkTo(ranksToExclude, shrinkFlags, std::move(options));
+}
+#endif
 
 void XcommBackend::checkNotAborted(const char* op) const {
   TORCH_CHECK_WITH(DistBackendError, !pending_.aborted(), "xcomm.", op,

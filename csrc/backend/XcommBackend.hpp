@@ -10,7 +10,9 @@
 // csrc/transport/.)
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -56,15 +58,60 @@ class XcommBackend : public c10d::Backend {
       const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
       c10::intrusive_ptr<XcommOptions> options = XcommOptions::create());
 
-  const std::string getBackendName() const override { return "xcomm"; }
-  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override { return options_; }
-  const InnerBackends& innerBackends() const { return inner_; }
-  const GroupPlan& plan() const { return plan_; }
+  // How a successor of this group is built (a shrink's survivors): a group
+  // of `size` ranks over `store` in which this rank is `rank`. buildGroup
+  // sets it, with the store it built this group over.
+  using Regroup = std::function<c10::intrusive_ptr<XcommBackend>(
+      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+      c10::intrusive_ptr<XcommOptions> options)>;
+  void setRegroup(c10::intrusive_ptr<c10d::Store> store, Regroup regroup);
+
+  // The survivors' group without the `excluded` ranks, built without them
+  // (they must not call it): every survivor calls it with the same ranks,
+  // which is checked (ValueError naming both lists). It is built as any
+  // group is (GroupBuilder, on a fresh namespace of this group's store), so
+  // its shape, shared-memory segment and auxiliary groups are the survivors';
+  // its ranks are the survivors' in their old order. With kShrinkAbort in
+  // `shrinkFlags` this group's pending ops fail first, else held fused ops
+  // are sent first. `options` null: this group's. Compression state
+  // (residuals, auto's measurements) starts afresh in the new group, on
+  // every rank.
+  static constexpr int kShrinkAbort = 1;  // c10d's SHRINK_ABORT
+  c10::intrusive_ptr<XcommBackend> shrinkTo(const std::vector<int64_t>& excluded,
+                                            int shrinkFlags = 0,
+                                            c10::intrusive_ptr<XcommOptions> options = {});
+#if XCOMM_HAS_SHRINK
+#if XCOMM_VIRTUAL_CAPABILITIES
+  bool supportsShrinking() const override {
+    return static_cast<bool>(regroup_);
+  }
+#endif
+  // dist.shrink_group from C++: shrinkTo with an XcommOptions override
+  // (else this group's options). Python calls the binding's own shrink.
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
+      const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride = nullptr) override;
+#endif
+
+  const std::string getBackendName() const override {
+    return "xcomm";
+  }
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
+    return options_;
+  }
+  const InnerBackends& innerBackends() const {
+    return inner_;
+  }
+  const GroupPlan& plan() const {
+    return plan_;
+  }
   // Null when the group compresses nothing. A hierarchical group compresses
   // only its leaders' step (in its ShmCpuBackend), and reports it here.
   const CompressedAllreduce* compression() const;
   // Collectives run over shared memory; -1 when the group uses none.
-  int64_t shmOps() const { return inner_.shm ? static_cast<int64_t>(inner_.shm->shmOps()) : -1; }
+  int64_t shmOps() const {
+    return inner_.shm ? static_cast<int64_t>(inner_.shm->shmOps()) : -1;
+  }
   // Ops carried by the rank-agreement check alone; -1 when Gloo is not checked.
   int64_t carriedOps() const {
     return inner_.checked ? static_cast<int64_t>(inner_.checked->carriedOps()) : -1;
@@ -76,7 +123,9 @@ class XcommBackend : public c10d::Backend {
   }
   // Steps between hosts carried by the leaders' check (a hierarchical
   // group's leader); -1 elsewhere.
-  int64_t leaderCarriedOps() const { return inner_.shm ? inner_.shm->leaderCarriedOps() : -1; }
+  int64_t leaderCarriedOps() const {
+    return inner_.shm ? inner_.shm->leaderCarriedOps() : -1;
+  }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
   // (schedule/FusionBuffer.hpp); 0, the default, turns fusion off. A
@@ -85,7 +134,9 @@ class XcommBackend : public c10d::Backend {
   // when `cycle` is 0. All ranks must call this together.
   void setFusionThreshold(size_t bytes, std::chrono::microseconds cycle = {},
                           c10::intrusive_ptr<c10d::Backend> control = {});
-  size_t fusionThreshold() const { return fusion_ ? fusion_->thresholdBytes() : 0; }
+  size_t fusionThreshold() const {
+    return fusion_ ? fusion_->thresholdBytes() : 0;
+  }
   std::chrono::microseconds fusionCycle() const {
     return fusion_ ? fusion_->cycle() : std::chrono::microseconds{0};
   }
@@ -215,6 +266,9 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<XcommOptions> options_;
   GroupPlan plan_;
+  c10::intrusive_ptr<c10d::Store> store_;  // what regroup_ builds successors over
+  Regroup regroup_;
+  int shrinks_ = 0;  // successors built: each takes a fresh store namespace
   InnerBackends inner_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   // The fusion rounds' own transport: shut down with the group, so that

@@ -15,6 +15,22 @@
 #define XCOMM_HAS_GATHER_SINGLE 0
 #endif
 
+// torch 2.13 is the first xcomm builds against whose Backend has shrink()
+// and supportsShrinking() (dist.shrink_group).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#define XCOMM_HAS_SHRINK 1
+#else
+#define XCOMM_HAS_SHRINK 0
+#endif
+// torch main is turning the supportsX() capability queries into non-virtual
+// accessors of a bitset: override them only on the versions known to keep
+// them virtual.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR <= 14
+#define XCOMM_VIRTUAL_CAPABILITIES 1
+#else
+#define XCOMM_VIRTUAL_CAPABILITIES 0
+#endif
+
 namespace xcomm::compat {
 
 // torch 2.13 renamed NCCLPreMulSumSupplement (keeping an alias); 2.14 dropped

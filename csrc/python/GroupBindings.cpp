@@ -1,6 +1,7 @@
 // Python bindings of a group's options and construction: xcomm._C.XcommOptions
 // (what xcomm.Options converts to) and xcomm._C.build_group.
 #include <algorithm>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -183,6 +184,21 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
 using Factory = std::function<c10::intrusive_ptr<c10d::Backend>(
     const c10::intrusive_ptr<c10d::Store>&, int, int, std::chrono::milliseconds)>;
 
+// A Python factory a group keeps for building its successors (shrink): it
+// may be dropped on any thread, and after the interpreter finalised (a group
+// never destroyed), when taking the GIL to release it would crash. Then it
+// is left to the process's exit.
+Factory keptByGroup(Factory python) {
+  std::shared_ptr<Factory> held(new Factory(std::move(python)), [](Factory* f) {
+    if (Py_IsInitialized()) {
+      py::gil_scoped_acquire gil;
+      delete f;
+    }
+  });
+  return [held](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                std::chrono::milliseconds timeout) { return (*held)(store, rank, size, timeout); };
+}
+
 void bindGroup(py::module_& m) {
   const xcomm::XcommOptions defaults;
   py::class_<xcomm::XcommOptions, c10::intrusive_ptr<xcomm::XcommOptions>>(m, "XcommOptions")
@@ -233,8 +249,8 @@ void bindGroup(py::module_& m) {
          const c10::intrusive_ptr<xcomm::XcommOptions>& options, Factory cpu,
          std::optional<Factory> cuda) {
         xcomm::InnerBackendFactory factory;
-        factory.cpu = std::move(cpu);
-        if (cuda) factory.cuda = std::move(*cuda);
+        factory.cpu = keptByGroup(std::move(cpu));
+        if (cuda) factory.cuda = keptByGroup(std::move(*cuda));
         // Each rank's options object is its own: the group keeps this copy.
         auto own = c10::make_intrusive<xcomm::XcommOptions>(*options);
         // Waits on the store for the other ranks: let other threads run (the

@@ -48,6 +48,33 @@ PYBIND11_MODULE(_C, m) {
            "aborted or after an op failed in its transport, TIMEOUT after one timed out, "
            "else SUCCESS (a caller's mistake, such as ranks calling different collectives, "
            "leaves it SUCCESS).")
+      // Bound here too: torch binds shrink with options of its own base type,
+      // which xcomm's (Python) options are not, and keeps the GIL while the
+      // survivors' group is built.
+      .def(
+          "shrink",
+          [](xcomm::XcommBackend& b, const std::vector<int64_t>& ranks, int flags,
+             const py::object& options) -> c10::intrusive_ptr<xcomm::XcommBackend> {
+            c10::intrusive_ptr<xcomm::XcommOptions> own;
+            if (!options.is_none()) {
+              py::object cpp = options;
+              if (py::hasattr(options, "to_cpp")) {  // xcomm.Options
+                cpp = options.attr("to_cpp")(b.getBackendOptions()->timeout);
+              }
+              TORCH_CHECK_VALUE(py::isinstance<xcomm::XcommOptions>(cpp),
+                                "xcomm.shrink: pg_options must be an xcomm.Options, got ",
+                                py::str(py::type::of(options)).cast<std::string>());
+              own = c10::make_intrusive<xcomm::XcommOptions>(cpp.cast<xcomm::XcommOptions&>());
+            }
+            py::gil_scoped_release noGil;
+            return b.shrinkTo(ranks, flags, std::move(own));
+          },
+          py::arg("ranks_to_exclude"), py::arg("shrink_flags") = 0,
+          py::arg("opts_override") = py::none(),
+          "The survivors' group without ``ranks_to_exclude`` (dist.shrink_group calls it; "
+          "only the survivors do, all excluding the same ranks): built as any xcomm group, "
+          "for its survivors' shape; SHRINK_ABORT (1) first fails this group's pending ops. "
+          "``opts_override``: an xcomm.Options for the new group, else this group's.")
       .def_property_readonly(
           "compression_stats",
           [](const xcomm::XcommBackend& b) {

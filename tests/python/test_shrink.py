@@ -1,0 +1,199 @@
+"""``dist.shrink_group`` on xcomm: the survivors go on without the excluded ranks.
+
+No built-in CPU backend of torch implements ``shrink`` (only NCCL does). An
+xcomm group builds its survivors' group the way it builds any group
+(``GroupBuilder``, over a fresh namespace of the group's store), without the
+excluded ranks taking part, so every shape works: plain (checked Gloo),
+single-host shared memory and hierarchical, with the survivors' own shape.
+
+Reference: a group created from scratch for the same survivors
+(``dist.new_group(ranks=survivors)``, same options): the shrunk group must
+have its plan and give its all_reduce results, bit for bit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import SHRINK_ABORT
+
+from dist_harness import BACKEND, RankContext, error_of, run_ranks
+
+# Host tags per shape (XCOMM_SHM_HOST_TAG): what the group builder sees as hosts.
+SHAPES = {
+    "plain": {"options": {"shm": False}, "hosts": None},
+    "single-host shared memory": {"options": {}, "hosts": None},
+    "hierarchical": {"options": {}, "hosts": "halves"},
+}
+
+
+def _host_tag(rank: int, world: int, hosts: str | None) -> str:
+    return "" if hosts is None else ("a" if rank < (world + 1) // 2 else "b")
+
+
+def _shrink_every_shape(ctx: RankContext) -> dict[str, Any]:
+    import xcomm
+
+    world = ctx.world_size
+    out: dict[str, Any] = {}
+    for shape, spec in SHAPES.items():
+        os.environ["XCOMM_SHM_HOST_TAG"] = _host_tag(ctx.rank, world, spec["hosts"])
+        options = xcomm.Options(timeout=datetime.timedelta(seconds=60), **spec["options"])
+        for excluded in sorted({0, world // 2, world - 1}):
+            survivors = [r for r in range(world) if r != excluded]
+            group = dist.new_group(backend=BACKEND, pg_options=options)
+            reference = dist.new_group(ranks=survivors, backend=BACKEND, pg_options=options)
+            key = f"{shape}/exclude{excluded}"
+            if ctx.rank == excluded:
+                out[key] = {"excluded": True}
+                continue
+            parent_plan = xcomm.group_plan(group)["shape"]
+            backend = group._get_backend(torch.device("cpu"))
+            supports = bool(backend.supports_shrinking)
+            started = time.monotonic()
+            shrunk = dist.shrink_group([excluded], group=group)
+            shrink_s = time.monotonic() - started
+            calls_before = xcomm.stats().get("ALLREDUCE", {}).get("calls", 0)
+            # Every survivor's data differs; 70_000 floats run the bulk path of each route.
+            data = torch.arange(70_000, dtype=torch.float32) * (ctx.rank + 1) + ctx.rank
+            got = data.clone()
+            dist.all_reduce(got, group=shrunk)
+            want = data.clone()
+            dist.all_reduce(want, group=reference)
+            out[key] = {
+                "excluded": False,
+                "parent_shape": parent_plan,
+                "supports_shrinking": supports,
+                "shrink_s": shrink_s,
+                "rank": shrunk.rank(),
+                "size": shrunk.size(),
+                "plan": xcomm.group_plan(shrunk)["shape"],
+                "reference_plan": xcomm.group_plan(reference)["shape"],
+                "equal": torch.equal(got, want),
+                "expected_sum": torch.equal(
+                    got,
+                    sum(torch.arange(70_000, dtype=torch.float32) * (r + 1) + r for r in survivors),
+                ),
+                "allreduces": xcomm.stats()["ALLREDUCE"]["calls"] - calls_before,
+                "backend": shrunk._get_backend(torch.device("cpu")).__class__.__name__,
+            }
+            dist.destroy_process_group(shrunk)
+    return out
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_shrink_group_excluding_first_middle_and_last_on_every_shape(world: int) -> None:
+    results = run_ranks(_shrink_every_shape, world, timeout=240)
+    for shape in SHAPES:
+        for excluded in sorted({0, world // 2, world - 1}):
+            key = f"{shape}/exclude{excluded}"
+            survivors = [r for r in range(world) if r != excluded]
+            for rank, result in enumerate(results):
+                r = result[key]
+                if rank == excluded:
+                    assert r["excluded"], (key, r)
+                    continue
+                assert r["parent_shape"] == shape, (key, r)
+                assert r["supports_shrinking"], (key, r)
+                # The survivors keep their order: the new rank is the position among them.
+                assert (r["rank"], r["size"]) == (survivors.index(rank), world - 1), (key, r)
+                assert r["backend"] == "XcommBackend", (key, r)
+                # The survivors' shape, as a group created for them from scratch has it.
+                assert r["plan"] == r["reference_plan"], (key, r)
+                assert r["equal"] and r["expected_sum"], (key, r)
+                # The new group's all_reduce ran on xcomm (the reference's counts as one more).
+                assert r["allreduces"] == 2, (key, r)
+
+
+def _survivors_shrink_after_a_kill(ctx: RankContext, shm: bool) -> dict[str, Any] | None:
+    import xcomm
+
+    timeout = datetime.timedelta(seconds=20)
+    group = dist.new_group(backend=BACKEND, pg_options=xcomm.Options(timeout=timeout, shm=shm))
+    dist.all_reduce(torch.ones(4), group=group)
+    victim = ctx.world_size - 1
+    if ctx.rank == victim:
+        time.sleep(0.3)  # the survivors are inside the all_reduce by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    data = torch.full((1 << 18,), float(ctx.rank + 1))
+    failed_at = None
+    error = error_of(lambda: dist.all_reduce(data, group=group))
+    failed_at = time.monotonic()
+    shrunk = dist.shrink_group([victim], group=group, shrink_flags=SHRINK_ABORT)
+    after = torch.full((1 << 18,), float(ctx.rank + 1))
+    dist.all_reduce(after, group=shrunk)
+    recovered_s = time.monotonic() - failed_at
+    expected = float(sum(r + 1 for r in range(ctx.world_size) if r != victim))
+    out = {
+        "error": error,
+        "recovered_s": recovered_s,
+        "correct": bool((after == expected).all()),
+        "size": shrunk.size(),
+    }
+    dist.destroy_process_group(shrunk)
+    return out
+
+
+@pytest.mark.parametrize("shm", [False, True], ids=["plain", "shared-memory"])
+def test_survivors_of_a_sigkilled_rank_shrink_and_go_on(shm: bool) -> None:
+    results = run_ranks(_survivors_shrink_after_a_kill, 3, shm, timeout=120, may_die=[2])
+    assert results[2] is None
+    for r in results[:2]:
+        assert r is not None
+        assert r["error"] is not None, r  # the op the victim left failed, on every survivor
+        assert r["correct"] and r["size"] == 2, r
+        # Rebuilt at once, not after the 20 s group timeout.
+        assert r["recovered_s"] < 10, r
+
+
+def _disagreeing_exclusions(ctx: RankContext) -> dict[str, Any]:
+    import xcomm
+
+    group = dist.new_group(
+        backend=BACKEND, pg_options=xcomm.Options(timeout=datetime.timedelta(seconds=30))
+    )
+    backend = group._get_backend(torch.device("cpu"))
+    excluded = [3] if ctx.rank < 2 else [1]  # ranks 2 and 3 think rank 1 left
+    error = error_of(lambda: backend.shrink(excluded, 0, None))
+    # The group was not touched: it still works.
+    ones = torch.ones(3)
+    dist.all_reduce(ones, group=group)
+    return {"error": error, "sum": ones[0].item()}
+
+
+def test_survivors_that_disagree_on_whom_to_exclude_get_a_value_error() -> None:
+    results = run_ranks(_disagreeing_exclusions, 4, timeout=120)
+    for r in results:
+        assert r["error"] is not None and "ValueError" in r["error"], r
+        assert "every survivor must exclude the same ranks" in r["error"], r
+        assert r["sum"] == 4.0, r
+
+
+def _bad_shrink_calls(ctx: RankContext) -> dict[str, str | None]:
+    import xcomm
+
+    group = dist.new_group(backend=BACKEND, pg_options=xcomm.Options(shm=False))
+    backend = group._get_backend(torch.device("cpu"))
+    return {
+        "self": error_of(lambda: backend.shrink([ctx.rank], 0, None)),
+        "out_of_range": error_of(lambda: backend.shrink([5], 0, None)),
+        "twice": error_of(lambda: backend.shrink([1 - ctx.rank, 1 - ctx.rank], 0, None)),
+        "flags": error_of(lambda: backend.shrink([1 - ctx.rank], 4, None)),
+        "options": error_of(lambda: backend.shrink([1 - ctx.rank], 0, "fast")),
+    }
+
+
+def test_bad_shrink_calls_raise_value_errors_naming_the_problem() -> None:
+    for r in run_ranks(_bad_shrink_calls, 2, timeout=60):
+        assert "ValueError" in r["self"] and "among the excluded" in r["self"], r
+        assert "ValueError" in r["out_of_range"] and "not in this group" in r["out_of_range"], r
+        assert "ValueError" in r["twice"] and "excluded twice" in r["twice"], r
+        assert "ValueError" in r["flags"] and "unknown shrink flags" in r["flags"], r
+        assert "ValueError" in r["options"] and "xcomm.Options" in r["options"], r
