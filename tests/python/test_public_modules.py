@@ -22,7 +22,7 @@ import xcomm
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Modules that need an optional framework: imported by name, never by ``import xcomm``.
-OPTIONAL = {"lightning": "pytorch_lightning"}
+OPTIONAL = {"lightning": "pytorch_lightning", "torchft": "torchft"}
 
 
 def _fresh(code: str) -> dict:

@@ -1,0 +1,230 @@
+"""torchft (its ``Manager``, lighthouse, DDP and checkpoint transport) on
+xcomm: ``xcomm.torchft.ProcessGroupXcomm`` as the group between the replicas.
+
+Two replica groups of one rank each (torchft_client.py, real processes) and a
+``LighthouseServer`` in this process. Each replica trains the tiny regression
+model with torchft's ``DistributedDataParallel`` on batches of its own.
+
+* Healthy run: every step is committed by both replicas, whose parameters
+  are bit for bit the same after every step and equal, step by step, to the
+  same run on torchft's own ``ProcessGroupGloo`` (the reference: a 2-replica
+  sum is exact on both); the loss on a fixed set falls; xcomm ran every
+  allreduce (``xcomm.stats()`` in each replica, the group's backend and shape).
+* Kill and rejoin: replica 1 SIGKILLs itself inside its gradient allreduce of
+  step 4, while replica 0 waits in its own. xcomm releases replica 0's op
+  ("died") long before the 10 s timeout, torchft skips that step, forms a
+  quorum of replica 0 alone, which trains on; a fresh replica 1 then rejoins
+  through the Manager, receives the survivor's model and optimizer by
+  torchft's HTTP checkpoint transport, and from then on both replicas'
+  parameters are bit for bit the same after every step (its first
+  iteration already ends at the survivor's step, with the survivor's
+  parameters). With torchft's ``ProcessGroupGloo`` the survivor ends at the kill
+  (torchft 0.2.0's DDP hook asserts when ``wait()`` raises), so that run has
+  no reference here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchft")
+from torchft.coordination import LighthouseServer
+
+HERE = Path(__file__).resolve().parent
+CLIENT = HERE / "torchft_client.py"
+HEALTHY_STEPS = 10
+KILL_AT = 4
+REJOIN_STEPS = 14
+HOLD_ALONE = 3  # steps the survivor trains alone before it waits for the restarted replica
+PROCESS_TIMEOUT = 90.0
+OP_TIMEOUT_S = 10.0  # torchft_client.OP_TIMEOUT
+
+
+@pytest.fixture
+def lighthouse() -> Any:
+    # Replicas heartbeat every 100 ms: a dead one is out of the next quorum
+    # after 1 s; the first quorum waits up to 2 s for a replica still starting.
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000
+    )
+    yield server
+    server.shutdown()
+
+
+class Replicas:
+    """The replica processes of one run; every one is killed at the end."""
+
+    def __init__(self, tmp: Path, pg: str, lighthouse_addr: str) -> None:
+        self.tmp, self.pg, self.addr = tmp, pg, lighthouse_addr
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": os.pathsep.join(
+                [str(HERE), str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+
+    def start(self, tag: str, replica: int, steps: int, *flags: str) -> None:
+        log = open(self.tmp / f"{tag}.log", "wb")  # noqa: SIM115 - the child holds it
+        self.procs[tag] = subprocess.Popen(
+            [sys.executable, str(CLIENT), self.pg, str(replica), self.addr]
+            + [str(self.tmp / tag), str(steps), *flags],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+        )
+        log.close()
+
+    def wait(self, tag: str) -> int:
+        try:
+            return self.procs[tag].wait(timeout=PROCESS_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.pg} replica {tag} hung:\n{self.log(tag)}")
+
+    def log(self, tag: str) -> str:
+        return (self.tmp / f"{tag}.log").read_text(errors="replace")[-4000:]
+
+    def records(self, tag: str) -> list[dict[str, Any]]:
+        path = self.tmp / f"{tag}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def result(self, tag: str) -> dict[str, Any]:
+        return json.loads((self.tmp / f"{tag}.json").read_text())
+
+    def kill_all(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def replicas(tmp: Path, pg: str, lighthouse_addr: str) -> Any:
+    run = Replicas(tmp, pg, lighthouse_addr)
+    try:
+        yield run
+    finally:
+        run.kill_all()
+
+
+def _ready(tmp: Path, name: str) -> str:
+    return str(tmp / f"ready.{name}")
+
+
+def _healthy_run(tmp: Path, pg: str, lighthouse_addr: str) -> list[list[dict[str, Any]]]:
+    tmp.mkdir()
+    with replicas(tmp, pg, lighthouse_addr) as run:
+        for r in (0, 1):
+            run.start(
+                f"r{r}",
+                r,
+                HEALTHY_STEPS,
+                *("--ready", _ready(tmp, str(r)), "--wait", _ready(tmp, str(1 - r))),
+            )
+        for tag in ("r0", "r1"):
+            assert run.wait(tag) == 0, f"{pg} {tag}:\n{run.log(tag)}"
+        return [run.records(t) + [run.result(t)] for t in ("r0", "r1")]
+
+
+def test_ddp_on_xcomm_matches_torchfts_gloo(tmp_path: Path, lighthouse: Any) -> None:
+    started = time.monotonic()
+    xcomm_run = _healthy_run(tmp_path / "xcomm", "xcomm", lighthouse.address())
+    gloo_run = _healthy_run(tmp_path / "gloo", "gloo", lighthouse.address())
+    print(f"both runs: {time.monotonic() - started:.1f} s")
+
+    for name, run in (("xcomm", xcomm_run), ("gloo", gloo_run)):
+        for records in run:
+            steps = records[:-1]
+            assert [s["step"] for s in steps] == list(range(1, HEALTHY_STEPS + 1)), (name, steps)
+            assert all(s["committed"] and s["participants"] == 2 for s in steps), (name, steps)
+        # bit for bit the same parameters on both replicas after every step
+        assert [s["hash"] for s in run[0]] == [s["hash"] for s in run[1]], name
+    # ... and the same as on torchft's own Gloo group, step by step
+    assert [s["hash"] for s in xcomm_run[0]] == [s["hash"] for s in gloo_run[0]]
+
+    losses = [s["eval_loss"] for s in xcomm_run[0][:-1]]
+    assert losses[-1] < 0.6 * losses[0], losses
+
+    for records in xcomm_run:
+        result = records[-1]
+        assert result["pg"] == "torchft-xcomm" and result["backend_type"] == "XcommBackend"
+        assert result["shape"] == "single-host shared memory", result
+        # one gradient bucket per step, each allreduced by xcomm
+        assert result["stats"]["ALLREDUCE"]["calls"] >= HEALTHY_STEPS, result
+        assert result["stats"]["ALLREDUCE"]["failures"] == 0, result
+    assert gloo_run[0][-1]["pg"] == "torchft-gloo"
+
+
+def test_sigkilled_replica_rejoins_with_the_survivors_state(
+    tmp_path: Path, lighthouse: Any
+) -> None:
+    started = time.monotonic()
+    with replicas(tmp_path, "xcomm", lighthouse.address()) as run:
+        run.start(
+            "survivor",
+            0,
+            REJOIN_STEPS,
+            *("--ready", _ready(tmp_path, "0"), "--wait", _ready(tmp_path, "1")),
+            *("--hold-alone", str(HOLD_ALONE), "--hold-for", _ready(tmp_path, "1b")),
+        )
+        run.start(
+            "killed",
+            1,
+            REJOIN_STEPS,
+            *("--ready", _ready(tmp_path, "1"), "--wait", _ready(tmp_path, "0")),
+            *("--kill-at", str(KILL_AT)),
+        )
+        assert run.wait("killed") == -9, run.log("killed")
+        run.start("rejoined", 1, REJOIN_STEPS, "--ready", _ready(tmp_path, "1b"))
+        for tag in ("survivor", "rejoined"):
+            assert run.wait(tag) == 0, f"{tag}:\n{run.log(tag)}"
+        survivor, killed, rejoined = (run.records(t) for t in ("survivor", "killed", "rejoined"))
+        results = {t: run.result(t) for t in ("survivor", "rejoined")}
+    print(f"kill and rejoin: {time.monotonic() - started:.1f} s")
+
+    # Before the kill: the same parameters on both replicas after every step.
+    assert [s["step"] for s in killed] == list(range(1, KILL_AT + 1)), killed
+    assert [s["hash"] for s in survivor[:KILL_AT]] == [s["hash"] for s in killed]
+
+    # The survivor's allreduce of the kill step was released by xcomm (the
+    # dead peer), not by the timeout, and the step was not committed.
+    failed = survivor[KILL_AT]
+    assert not failed["committed"] and failed["step"] == KILL_AT, failed
+    assert failed["error"] is not None and "died" in failed["error"], failed
+    assert failed["seconds"] < OP_TIMEOUT_S / 2, failed
+    assert results["survivor"]["stats"]["ALLREDUCE"]["failures"] >= 1, results
+
+    # It trained on alone, then with the rejoined replica.
+    after = survivor[KILL_AT + 1 :]
+    alone = [s for s in after if s["committed"] and s["participants"] == 1]
+    together = [s for s in after if s["committed"] and s["participants"] == 2]
+    assert len(alone) >= HOLD_ALONE, survivor
+    assert len(together) >= 3, survivor
+    assert all(s["committed"] for s in after), survivor
+    assert survivor[-1]["step"] == REJOIN_STEPS
+
+    # The rejoined replica's first iteration ends at the survivor's step with
+    # the survivor's parameters (on its own it would be at step 1), and so
+    # does every later step, bit for bit.
+    by_step = {s["step"]: s["hash"] for s in survivor if s["committed"]}
+    assert rejoined[0]["step"] > KILL_AT + HOLD_ALONE, rejoined
+    assert [s["hash"] for s in rejoined] == [by_step[s["step"]] for s in rejoined]
+    assert rejoined[-1]["step"] == REJOIN_STEPS
+    assert results["rejoined"]["hash"] == results["survivor"]["hash"]
+    assert results["rejoined"]["stats"]["ALLREDUCE"]["calls"] > 0, results
+    assert results["rejoined"]["shape"] == "single-host shared memory", results
+
+    # Training went on through it all: the fixed-set loss fell.
+    assert survivor[-1]["eval_loss"] < 0.6 * survivor[0]["eval_loss"], survivor
