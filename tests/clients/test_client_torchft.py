@@ -3,13 +3,16 @@ xcomm: ``xcomm.torchft.ProcessGroupXcomm`` as the group between the replicas.
 
 Two replica groups of one rank each (torchft_client.py, real processes) and a
 ``LighthouseServer`` in this process. Each replica trains the tiny regression
-model with torchft's ``DistributedDataParallel`` on batches of its own.
+model on batches of its own, with torchft's ``DistributedDataParallel`` or
+its ``DiLoCo`` (two local steps, then an outer step on the averaged
+pseudo-gradients).
 
-* Healthy run: every step is committed by both replicas, whose parameters
-  are bit for bit the same after every step and equal, step by step, to the
-  same run on torchft's own ``ProcessGroupGloo`` (the reference: a 2-replica
-  sum is exact on both); the loss on a fixed set falls; xcomm ran every
-  allreduce (``xcomm.stats()`` in each replica, the group's backend and shape).
+* Healthy run, DDP and DiLoCo: every step (DiLoCo: outer step) is committed
+  by both replicas, whose parameters are bit for bit the same after every
+  step and equal, step by step, to the same run on torchft's own
+  ``ProcessGroupGloo`` (the reference: a 2-replica sum is exact on both);
+  the loss on a fixed set falls; xcomm ran the allreduces
+  (``xcomm.stats()`` in each replica, the group's backend and shape).
 * Kill and rejoin: replica 1 SIGKILLs itself inside its gradient allreduce of
   step 4, while replica 0 waits in its own. xcomm releases replica 0's op
   ("died") long before the 10 s timeout, torchft skips that step, forms a
@@ -123,7 +126,7 @@ def _ready(tmp: Path, name: str) -> str:
     return str(tmp / f"ready.{name}")
 
 
-def _healthy_run(tmp: Path, pg: str, lighthouse_addr: str) -> list[list[dict[str, Any]]]:
+def _healthy_run(tmp: Path, pg: str, algo: str, lighthouse_addr: str) -> list[list[dict[str, Any]]]:
     tmp.mkdir()
     with replicas(tmp, pg, lighthouse_addr) as run:
         for r in (0, 1):
@@ -132,17 +135,21 @@ def _healthy_run(tmp: Path, pg: str, lighthouse_addr: str) -> list[list[dict[str
                 r,
                 HEALTHY_STEPS,
                 *("--ready", _ready(tmp, str(r)), "--wait", _ready(tmp, str(1 - r))),
+                *("--algo", algo),
             )
         for tag in ("r0", "r1"):
             assert run.wait(tag) == 0, f"{pg} {tag}:\n{run.log(tag)}"
         return [run.records(t) + [run.result(t)] for t in ("r0", "r1")]
 
 
-def test_ddp_on_xcomm_matches_torchfts_gloo(tmp_path: Path, lighthouse: Any) -> None:
+@pytest.mark.parametrize("algo", ["ddp", "diloco"])
+def test_training_on_xcomm_matches_torchfts_gloo(
+    tmp_path: Path, lighthouse: Any, algo: str
+) -> None:
     started = time.monotonic()
-    xcomm_run = _healthy_run(tmp_path / "xcomm", "xcomm", lighthouse.address())
-    gloo_run = _healthy_run(tmp_path / "gloo", "gloo", lighthouse.address())
-    print(f"both runs: {time.monotonic() - started:.1f} s")
+    xcomm_run = _healthy_run(tmp_path / "xcomm", "xcomm", algo, lighthouse.address())
+    gloo_run = _healthy_run(tmp_path / "gloo", "gloo", algo, lighthouse.address())
+    print(f"{algo}, both runs: {time.monotonic() - started:.1f} s")
 
     for name, run in (("xcomm", xcomm_run), ("gloo", gloo_run)):
         for records in run:
@@ -161,7 +168,7 @@ def test_ddp_on_xcomm_matches_torchfts_gloo(tmp_path: Path, lighthouse: Any) -> 
         result = records[-1]
         assert result["pg"] == "torchft-xcomm" and result["backend_type"] == "XcommBackend"
         assert result["shape"] == "single-host shared memory", result
-        # one gradient bucket per step, each allreduced by xcomm
+        # DDP: one gradient bucket per step; DiLoCo: a pseudo-gradient per parameter
         assert result["stats"]["ALLREDUCE"]["calls"] >= HEALTHY_STEPS, result
         assert result["stats"]["ALLREDUCE"]["failures"] == 0, result
     assert gloo_run[0][-1]["pg"] == "torchft-gloo"

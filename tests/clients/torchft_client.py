@@ -6,11 +6,12 @@ group between the replicas: ``xcomm`` (``xcomm.torchft.ProcessGroupXcomm``)
 or ``gloo`` (torchft's own ``ProcessGroupGloo``, the reference). The replica
 trains the clients' tiny regression model with torchft's
 ``DistributedDataParallel`` and ``OptimizerWrapper`` (SGD with momentum, so
-a rejoining replica needs the optimizer's state too) until the Manager's step
-reaches STEPS; its batch depends on the replica and the step, the start on
-neither.
+a rejoining replica needs the optimizer's state too), or with ``--algo
+diloco`` torchft's ``DiLoCo`` (that SGD as the inner optimizer, 2 inner
+steps per outer Nesterov step), until the Manager's step reaches STEPS; its
+batch depends on the replica and the step, the start on neither.
 
-After every iteration it appends a JSON line to OUT.jsonl (flushed, so a
+After every iteration (DiLoCo: every outer step) it appends a JSON line to OUT.jsonl (flushed, so a
 killed replica leaves its lines): the Manager's step, whether the step was
 committed, how many replicas took part, the loss on a fixed evaluation set
 and a SHA-256 of its parameters' bytes. At the end it writes OUT.json:
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("lighthouse")
     ap.add_argument("out")
     ap.add_argument("steps", type=int)
+    ap.add_argument("--algo", choices=("ddp", "diloco"), default="ddp")
     ap.add_argument("--ready")
     ap.add_argument("--wait", action="append", default=[])
     ap.add_argument("--kill-at", type=int)
@@ -126,6 +128,7 @@ def main() -> None:
         store_port=store.port,
         lighthouse_addr=args.lighthouse,
         replica_id=str(args.replica),
+        use_async_quorum=args.algo == "ddp",  # DiLoCo requires a synchronous quorum
     )
     if args.kill_at is not None:
         allreduce = manager.allreduce
@@ -138,8 +141,6 @@ def main() -> None:
             return allreduce(tensor, *a, **kw)
 
         manager.allreduce = allreduce_or_die  # DDP's hook calls manager.allreduce
-    model = DistributedDataParallel(manager, net)
-    optimizer = OptimizerWrapper(manager, sgd)
     eval_x, eval_y = regression_data(64, seed=7).tensors
 
     if args.ready:
@@ -148,35 +149,10 @@ def main() -> None:
         _wait_file(f)
 
     log = open(args.out + ".jsonl", "w")  # noqa: SIM115 - flushed per line, closed at the end
-    alone = 0
-    held = False
-    while manager.current_step() < args.steps:
-        if args.hold_for and not held and alone >= (args.hold_alone or 0):
-            _wait_file(args.hold_for)
-            held = True
-        before = manager.current_step()
-        started = time.monotonic()
-        x, y = _batch(args.replica, before)
-        optimizer.zero_grad()  # starts the quorum
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()  # steps SGD only if every replica's allreduce succeeded
-        committed = manager.current_step() == before + 1
-        participants = manager.num_participants()
-        if committed and participants == 1:
-            alone += 1
-        with torch.no_grad():
-            eval_loss = nn.functional.mse_loss(net(eval_x), eval_y).item()
-        record = {
-            "step": manager.current_step(),
-            "committed": committed,
-            "participants": participants,
-            "eval_loss": eval_loss,
-            "hash": params_hash(net),
-            "seconds": time.monotonic() - started,
-            "error": None if manager.errored() is None else str(manager.errored())[:300],
-        }
-        log.write(json.dumps(record) + "\n")
-        log.flush()
+    if args.algo == "diloco":
+        _diloco(args, manager, net, sgd, log, eval_x, eval_y)
+    else:
+        _ddp(args, manager, net, sgd, log, eval_x, eval_y)
     log.close()
 
     result: dict[str, Any] = {"hash": params_hash(net), "pg": pg.getBackendName()}
@@ -190,6 +166,88 @@ def main() -> None:
     manager.shutdown(wait=False)
     sys.stdout.flush()
     os._exit(0)  # the Manager's threads and servers need no orderly teardown here
+
+
+def _record(
+    manager: Manager,
+    net: nn.Module,
+    eval_x: torch.Tensor,
+    eval_y: torch.Tensor,
+    committed: bool,
+    started: float,
+) -> str:
+    with torch.no_grad():
+        eval_loss = nn.functional.mse_loss(net(eval_x), eval_y).item()
+    record = {
+        "step": manager.current_step(),
+        "committed": committed,
+        "participants": manager.num_participants(),
+        "eval_loss": eval_loss,
+        "hash": params_hash(net),
+        "seconds": time.monotonic() - started,
+        "error": None if manager.errored() is None else str(manager.errored())[:300],
+    }
+    return json.dumps(record) + "\n"
+
+
+def _diloco(
+    args: argparse.Namespace,
+    manager: Manager,
+    net: nn.Module,
+    sgd: torch.optim.Optimizer,
+    log: Any,
+    eval_x: torch.Tensor,
+    eval_y: torch.Tensor,
+) -> None:
+    """DiLoCo: 2 local SGD steps, then an outer Nesterov step on the replicas'
+    averaged pseudo-gradients; one line per outer step."""
+    from torchft.local_sgd import DiLoCo
+
+    outer = torch.optim.SGD(net.parameters(), lr=0.7, momentum=0.5, nesterov=True)
+    inner_steps = 0
+    with DiLoCo(manager, [net], sgd, outer, sync_every=2, pin_memory=False):
+        while manager.current_step() < args.steps:
+            before = manager.current_step()
+            started = time.monotonic()
+            x, y = _batch(args.replica, 1000 + inner_steps)
+            sgd.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            sgd.step()  # every second step: the outer sync (quorum, allreduce, commit)
+            inner_steps += 1
+            if manager.current_step() != before or inner_steps % 2 == 0:
+                committed = manager.current_step() == before + 1
+                log.write(_record(manager, net, eval_x, eval_y, committed, started))
+                log.flush()
+
+
+def _ddp(
+    args: argparse.Namespace,
+    manager: Manager,
+    net: nn.Module,
+    sgd: torch.optim.Optimizer,
+    log: Any,
+    eval_x: torch.Tensor,
+    eval_y: torch.Tensor,
+) -> None:
+    model = DistributedDataParallel(manager, net)
+    optimizer = OptimizerWrapper(manager, sgd)
+    alone = 0
+    held = False
+    while manager.current_step() < args.steps:
+        if args.hold_for and not held and alone >= (args.hold_alone or 0):
+            _wait_file(args.hold_for)
+            held = True
+        before = manager.current_step()
+        started = time.monotonic()
+        x, y = _batch(args.replica, before)
+        optimizer.zero_grad()  # starts the quorum
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()  # steps SGD only if every replica's allreduce succeeded
+        committed = manager.current_step() == before + 1
+        if committed and manager.num_participants() == 1:
+            alone += 1
+        log.write(_record(manager, net, eval_x, eval_y, committed, started))
+        log.flush()
 
 
 if __name__ == "__main__":
