@@ -191,8 +191,13 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::shrinkTo(const std::vector<int64_
                                sorted.begin());
   const int newSize = size_ - static_cast<int>(sorted.size());
   if (!options) options = c10::make_intrusive<XcommOptions>(*options_);
-  return regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", store_), newRank, newSize,
-                  std::move(options));
+  auto successor = regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", store_),
+                            newRank, newSize, std::move(options));
+  // torch destroys this group as soon as shrink returns; its destructor joins
+  // transport threads the survivors' first collective need not wait for.
+  successor->predecessor_ =
+      std::make_unique<DeferredRelease>(c10::intrusive_ptr<XcommBackend>::reclaim_copy(this));
+  return successor;
 }
 
 #if XCOMM_HAS_SHRINK

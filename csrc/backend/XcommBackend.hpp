@@ -27,6 +27,7 @@
 #include "collectives/compressed/CompressedReduceScatter.hpp"
 #include "collectives/gloo/AlltoallReduceScatter.hpp"
 #include "common/TorchCompat.hpp"
+#include "runtime/DeferredRelease.hpp"
 #include "runtime/OrderedRunner.hpp"
 #include "schedule/FusionBuffer.hpp"
 
@@ -284,6 +285,8 @@ class XcommBackend : public c10d::Backend {
   // (Shared with the works' callbacks, which may outlive the group.)
   std::shared_ptr<std::atomic<int>> transportError_ =
       std::make_shared<std::atomic<int>>(static_cast<int>(c10d::ErrorType::SUCCESS));
+  // The group this one was shrunk from, released off the survivors' path.
+  std::unique_ptr<DeferredRelease> predecessor_;
   // Runs compressed allreduces that need their own group's collectives, in
   // issue order (declared last: stops before the rest goes).
   std::unique_ptr<OrderedRunner> compressRunner_;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "runtime/CompletionPool.hpp"
+#include "runtime/DeferredRelease.hpp"
 #include "runtime/OpQueue.hpp"
 #include "runtime/OrderedRunner.hpp"
 
@@ -154,4 +155,38 @@ TEST_CASE("an OrderedRunner refuses steps once shut down and still finishes the 
     return {};
   });
   REQUIRE(waitFor(stepRan));
+}
+
+namespace {
+
+// Records the thread its destructor ran on.
+struct Tracked : c10::intrusive_ptr_target {
+  explicit Tracked(std::promise<std::thread::id>& died) : died_(died) {}
+  ~Tracked() override { died_.set_value(std::this_thread::get_id()); }
+  std::promise<std::thread::id>& died_;
+};
+
+}  // namespace
+
+TEST_CASE("a DeferredRelease lets go once the other owners did, on its own thread", "[runtime]") {
+  std::promise<std::thread::id> died;
+  auto diedAt = died.get_future();
+  auto object = c10::make_intrusive<Tracked>(died);
+  xcomm::DeferredRelease deferred(object);
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  CHECK_FALSE(deferred.released());  // another owner still holds it
+  object.reset();                    // the last other owner: no destruction on this thread
+  REQUIRE(diedAt.wait_for(std::chrono::seconds(5)) == std::future_status::ready);
+  CHECK(diedAt.get() != std::this_thread::get_id());
+  CHECK(deferred.released());
+}
+
+TEST_CASE("a DeferredRelease destroyed first releases at once", "[runtime]") {
+  std::promise<std::thread::id> died;
+  auto diedAt = died.get_future();
+  {
+    xcomm::DeferredRelease deferred(c10::make_intrusive<Tracked>(died));
+    // Its thread may release at once (no other owner), or the destructor makes it.
+  }
+  CHECK(diedAt.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
 }

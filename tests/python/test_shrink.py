@@ -38,6 +38,20 @@ def _host_tag(rank: int, world: int, hosts: str | None) -> str:
     return "" if hosts is None else ("a" if rank < (world + 1) // 2 else "b")
 
 
+def _allreduces_since(before: int, expected: int) -> int:
+    """ALLREDUCE calls counted by xcomm.stats() since `before`, once `expected`
+    arrived or after a second: a count lands when the op's completion runs,
+    which may be just after wait() returned."""
+    import xcomm
+
+    deadline = time.monotonic() + 1.0
+    while True:
+        got = xcomm.stats()["ALLREDUCE"]["calls"] - before
+        if got >= expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.005)
+
+
 def _shrink_every_shape(ctx: RankContext) -> dict[str, Any]:
     import xcomm
 
@@ -81,7 +95,7 @@ def _shrink_every_shape(ctx: RankContext) -> dict[str, Any]:
                     got,
                     sum(torch.arange(70_000, dtype=torch.float32) * (r + 1) + r for r in survivors),
                 ),
-                "allreduces": xcomm.stats()["ALLREDUCE"]["calls"] - calls_before,
+                "allreduces": _allreduces_since(calls_before, 2),
                 "backend": shrunk._get_backend(torch.device("cpu")).__class__.__name__,
             }
             dist.destroy_process_group(shrunk)
