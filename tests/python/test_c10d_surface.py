@@ -224,3 +224,37 @@ def test_each_op_is_one_profiler_event_named_xcomm_op_with_gloos_input_shapes() 
             e[0] == "xcomm:reduce_scatter_tensor:int8" for e in res["int8"]["reduce_scatter_tensor"]
         )
         assert any(e[0] == "xcomm:all_reduce:fused" for e in res["fusion"]["all_reduce:async"])
+
+
+def _futures_not_done_after_wait(ctx: RankContext, route: str) -> dict[str, int]:
+    import xcomm
+
+    group = dist.new_group(backend="xcomm", pg_options=xcomm.Options(shm=route == "shm"))
+    out = {}
+    for name, g in (("xcomm", group), ("gloo", ctx.ref)):
+        late = 0
+        for _ in range(FUTURE_ROUNDS):
+            work = dist.all_reduce(torch.ones(64), group=g, async_op=True)
+            work.wait()
+            late += not work.get_future().done()
+        out[name] = late
+    return out
+
+
+FUTURE_ROUNDS = 500
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="xcomm bug: DelegatedWork::wait() (csrc/backend/XcommWork.cpp) returns once the "
+    "Completion is marked done, before Completion::settle() completes the future the caller "
+    "holds; xcomm.torchft waits on the future as well",
+)
+@pytest.mark.parametrize("route", ["shm", "plain"])
+def test_the_future_is_done_when_wait_returns(route: str) -> None:
+    """Gloo completes a work's future before its ``wait()`` returns, so a
+    callback chained with ``then()`` right after ``wait()`` runs at once;
+    torchft's ``Manager`` relies on it (its callback chain breaks otherwise)."""
+    for r in run_ranks(_futures_not_done_after_wait, 2, route, timeout=120):
+        assert r["gloo"] == 0, r  # the reference
+        assert r["xcomm"] == 0, r
