@@ -183,6 +183,21 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
   return backend;
 }
 
+c10::intrusive_ptr<XcommBackend> buildAwaitingReconfigure(const StorePtr& store, int rank, int size,
+                                                          c10::intrusive_ptr<XcommOptions> options,
+                                                          const InnerBackendFactory& factory,
+                                                          bool allowShm) {
+  TORCH_CHECK(options, "xcomm: options must not be null");
+  TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
+  options->validate();
+  auto backend = XcommBackend::awaitingReconfigure(std::move(options), rank, size);
+  backend->setRegroup(store, [factory, allowShm](const StorePtr& successorStore, int r, int n,
+                                                 c10::intrusive_ptr<XcommOptions> o) {
+    return buildGroup(successorStore, r, n, std::move(o), factory, allowShm);
+  });
+  return backend;
+}
+
 // Defined here, beside buildGroup, so the c10d face does not include its builder.
 c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,

@@ -43,4 +43,12 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const c10::intrusive_ptr<c10d::Store
                                             const InnerBackendFactory& factory,
                                             bool allowShm = true);
 
+// A group created with enable_reconfigure=True (torch 2.14): no communicator,
+// and nothing exchanged with the other ranks, until its first reconfigure()
+// builds one (with buildGroup) for the members that reconfigure names.
+c10::intrusive_ptr<XcommBackend> buildAwaitingReconfigure(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    c10::intrusive_ptr<XcommOptions> options, const InnerBackendFactory& factory,
+    bool allowShm = true);
+
 }  // namespace xcomm

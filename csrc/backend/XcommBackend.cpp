@@ -73,10 +73,45 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
   if (inner_.cpu && !(inner_.shm && !inner_.shm->hierarchical())) {
     alltoallReduceScatter_ = std::make_unique<AlltoallReduceScatter>(size_);
   }
+  stableRank_ = rank_;
   init();
 }
 
+XcommBackend::XcommBackend(Unconfigured, c10::intrusive_ptr<XcommOptions> options, GroupPlan plan)
+    : Backend(plan.rank, plan.size), options_(std::move(options)), plan_(std::move(plan)) {
+  TORCH_CHECK(options_, "xcomm: options must not be null");
+  stableRank_ = rank_;
+  init();
+}
+
+c10::intrusive_ptr<XcommBackend> XcommBackend::awaitingReconfigure(
+    c10::intrusive_ptr<XcommOptions> options, int rank, int size) {
+  TORCH_CHECK(options, "xcomm: options must not be null");
+  auto plan = GroupPlan::plain(rank, size, *options, "no communicator until reconfigure()");
+  return c10::make_intrusive<XcommBackend>(Unconfigured{}, std::move(options), std::move(plan));
+}
+
 XcommBackend::~XcommBackend() = default;
+
+void XcommBackend::swapGroup(XcommBackend& other) {
+  using std::swap;
+  swap(options_, other.options_);
+  swap(plan_, other.plan_);
+  swap(inner_, other.inner_);
+  swap(fusion_, other.fusion_);
+  swap(fusionControl_, other.fusionControl_);
+  swap(compressed_, other.compressed_);
+  swap(compressedReduceScatter_, other.compressedReduceScatter_);
+  swap(alltoallReduceScatter_, other.alltoallReduceScatter_);
+  swap(pending_, other.pending_);
+  swap(transportError_, other.transportError_);
+  swap(predecessor_, other.predecessor_);
+  swap(compressRunner_, other.compressRunner_);
+#if XCOMM_HAS_RECONFIGURE
+  swap(rank_, other.rank_);  // const in c10d::Backend before torch 2.14
+  swap(size_, other.size_);
+#endif
+}
 
 void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
@@ -120,7 +155,7 @@ void XcommBackend::abort() {
   } catch (...) {
     error = std::current_exception();
   }
-  pending_.failAll(error);  // first: no caller waits on what follows
+  pending_->failAll(error);  // first: no caller waits on what follows
   if (fusion_) fusion_->abort();
   for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->abort();
@@ -217,14 +252,125 @@ c10::intrusive_ptr<c10d::Backend> XcommBackend::shrink(
 }
 #endif
 
+std::string XcommBackend::reconfigureHandle() const {
+  return "xcomm:" + std::to_string(rank_) + ":" + std::to_string(reconfigureUuid_) + ":" +
+         std::to_string(stableRank_);
+}
+
+#if XCOMM_HAS_RECONFIGURE
+namespace {
+
+void checkReconfigureHandle(const std::string& handle) {
+  const bool valid =
+      handle.rfind("xcomm:", 0) == 0 && std::count(handle.begin(), handle.end(), ':') == 3;
+  TORCH_CHECK_VALUE(valid, "xcomm.reconfigure: \"", handle,
+                    "\" is not an xcomm reconfigure handle (get_reconfigure_handle() gives "
+                    "\"xcomm:<rank>:<uuid>:<stable rank>\")");
+}
+
+std::vector<uint8_t> bytesOf(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+}  // namespace
+
+void XcommBackend::reconfigureTo(int64_t uuid, std::vector<std::string> handles, bool ordered,
+                                 std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(regroup_ && store_,
+                    "xcomm.reconfigure: this group was not built by init_process_group, "
+                    "new_group or create_with_store, so it cannot build another");
+  TORCH_CHECK_VALUE(!handles.empty(), "xcomm.reconfigure: needs at least one handle");
+  for (const auto& h : handles) checkReconfigureHandle(h);
+  if (!ordered) std::sort(handles.begin(), handles.end());
+  auto sorted = handles;
+  std::sort(sorted.begin(), sorted.end());
+  const auto twice = std::adjacent_find(sorted.begin(), sorted.end());
+  TORCH_CHECK_VALUE(twice == sorted.end(), "xcomm.reconfigure: the handle \"",
+                    twice == sorted.end() ? std::string() : *twice,
+                    "\" is given twice; every member's handle must be unique");
+  const std::string mine = reconfigureHandle();
+  const auto at = std::find(handles.begin(), handles.end(), mine);
+  TORCH_CHECK_VALUE(at != handles.end(), "xcomm.reconfigure: this process's handle \"", mine,
+                    "\" is not among the new group's handles");
+  const int newRank = static_cast<int>(at - handles.begin());
+  const int newSize = static_cast<int>(handles.size());
+  const std::string space = "xcomm/reconfigure/" + std::to_string(uuid) + "/";
+  // Every wait on the store below, the builder's included, ends at `timeout`:
+  // a member that never comes fails the others then, not at the store's own
+  // (often much longer) timeout.
+  c10d::StoreTimeoutGuard storeTimeout(*store_, timeout);
+  if (newRank == 0) {
+    // A handle names the last uuid its process took, so a claim repeated by
+    // the same members after a success differs from the claim made then.
+    const auto claimed = store_->compareSet(space + "claimed", {}, bytesOf(mine));
+    TORCH_CHECK(claimed == bytesOf(mine), "xcomm reconfigure uuid ", uuid,
+                " was already used; each reconfigure() requires a unique uuid");
+  }
+  // Build the new group beside the old one; take it only once every member
+  // built its own, so that all of them change or none does.
+  c10::intrusive_ptr<XcommBackend> successor;
+  std::string failure;
+  try {
+    successor = regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", store_), newRank,
+                         newSize, c10::make_intrusive<XcommOptions>(*options_));
+  } catch (const std::exception& e) {
+    failure = messageOf(e);
+    if (failure.empty()) failure = "failed";
+  }
+  const std::string mineBuilt = space + "built/" + std::to_string(newRank);
+  setStoreText(store_, mineBuilt, failure.empty() ? "ok" : failure);
+  std::vector<std::string> keys;
+  for (int r = 0; r < newSize; ++r) keys.push_back(space + "built/" + std::to_string(r));
+  try {
+    store_->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("xcomm.reconfigure: not every member built the new group within ",
+                             timeout.count(), " ms, so this process keeps its group (",
+                             failure.empty() ? messageOf(e) : failure, ")"));
+  }
+  for (int r = 0; r < newSize; ++r) {
+    const auto said = getStoreText(store_, keys[r]);
+    TORCH_CHECK_WITH(DistBackendError, said == "ok", "xcomm.reconfigure: the new group's rank ", r,
+                     " (", handles[r], ") could not build it, so no member takes it: ", said);
+  }
+  swapGroup(*successor);
+  reconfigureUuid_ = uuid;
+  // The old group, now held by `successor` alone, goes on a thread of its own.
+  predecessor_ = std::make_unique<DeferredRelease>(std::move(successor));
+}
+
+c10::intrusive_ptr<c10d::Work> XcommBackend::reconfigure(const c10d::ReconfigureOptions& opts) {
+  std::vector<std::string> handles;
+  bool ordered = true;
+  if (const auto* list = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
+    handles.assign(list->begin(), list->end());
+  } else {
+    const auto& set = std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles);
+    handles.assign(set.begin(), set.end());
+    ordered = false;
+  }
+  reconfigureTo(opts.uuid, std::move(handles), ordered, opts.timeout.value_or(options_->timeout));
+  auto work =
+      c10::make_intrusive<FutureWork>(rank_, c10d::OpType::UNKNOWN, "xcomm:reconfigure",
+                                      c10::IValue(std::vector<at::Tensor>{}), tensorListType());
+  work->markSucceeded();
+  return work;
+}
+#endif
+
 void XcommBackend::checkNotAborted(const char* op) const {
-  TORCH_CHECK_WITH(DistBackendError, !pending_.aborted(), "xcomm.", op,
+  TORCH_CHECK_WITH(DistBackendError, configured(), "xcomm.", op,
+                   ": this process group was created with enable_reconfigure=True and has no "
+                   "communicator yet; call torch.distributed._reconfigure(...) first");
+
+  TORCH_CHECK_WITH(DistBackendError, !pending_->aborted(), "xcomm.", op,
                    ": this process group was aborted; create a new one (or shrink/reconfigure "
                    "where supported) to go on");
 }
 
 c10d::ErrorType XcommBackend::getError() {
-  if (pending_.aborted()) return c10d::ErrorType::COMM_ERROR;
+  if (pending_->aborted()) return c10d::ErrorType::COMM_ERROR;
   return static_cast<c10d::ErrorType>(transportError_->load());
 }
 
@@ -302,7 +448,7 @@ c10::intrusive_ptr<DelegatedWork> XcommBackend::wrapCounted(
   auto work =
       c10::make_intrusive<DelegatedWork>(rank_, type, std::move(inner), std::move(finalize),
                                          std::move(result), std::move(resultType), title, inputs);
-  pending_.add(work);
+  pending_->add(work);
   watchForErrors(work);
   // xcomm.stats() and the timeline, timed from the issue: an inner backend may run
   // a small op inline and be done before it returns.
@@ -400,7 +546,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   auto work =
       c10::make_intrusive<FutureWork>(rank_, c10d::OpType::ALLREDUCE, title, listValue({tensor}),
                                       tensorListType(), std::vector<at::Tensor>{tensor});
-  pending_.add(work);
+  pending_->add(work);
   watchForErrors(work);
   auto* algorithm = compressed_.get();
   auto compressedBackend = inner_.cpuCompressed;
@@ -851,11 +997,12 @@ void XcommBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitA
 }
 
 void XcommBackend::setSequenceNumberForGroup() {
-  cpuGloo().setSequenceNumberForGroup();
+  // torch calls it as it creates a group, one awaiting reconfigure() too.
+  if (inner_.cpu) cpuGloo().setSequenceNumberForGroup();
 }
 
 uint64_t XcommBackend::getSequenceNumberForGroup() {
-  return cpuGloo().getSequenceNumberForGroup();
+  return inner_.cpu ? cpuGloo().getSequenceNumberForGroup() : 0;
 }
 
 }  // namespace xcomm

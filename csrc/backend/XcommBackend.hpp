@@ -12,6 +12,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -92,6 +93,45 @@ class XcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> shrink(
       const std::vector<int64_t>& ranksToExclude, int shrinkFlags = 0,
       const c10::intrusive_ptr<c10d::Backend::Options>& optsOverride = nullptr) override;
+#endif
+
+  // A group created with enable_reconfigure=True: it has no communicator
+  // (every op raises, naming reconfigure) until reconfigure() gives it its
+  // members. buildAwaitingReconfigure (GroupBuilder) makes it.
+  static c10::intrusive_ptr<XcommBackend> awaitingReconfigure(
+      c10::intrusive_ptr<XcommOptions> options, int rank, int size);
+  bool configured() const {
+    return inner_.cpu || inner_.cuda;
+  }
+
+  // This process's handle for reconfigure: "xcomm:<rank>:<uuid>:<stable
+  // rank>", with the uuid of the last reconfigure that succeeded here (-1:
+  // none) and the rank this process had when the group was created (its
+  // lasting identity). It changes with every successful reconfigure.
+  std::string reconfigureHandle() const;
+#if XCOMM_HAS_RECONFIGURE
+  // Makes this group the one of `handles`' processes, as torch 2.14's
+  // reconfigure contract says (Gloo's): a process's rank is its handle's
+  // position (`ordered`), or its position after sorting the handles as
+  // strings; the members meet under `uuid` in this group's store, where the
+  // new rank 0 claims it (a uuid used before is refused, "already used");
+  // the new group is built as any group is (GroupBuilder) and taken only once
+  // every member built its own (then every one does; otherwise every one
+  // keeps the old group and raises). Ops must not run meanwhile. The new
+  // group's ops have this group's timeout; `timeout` bounds the meeting.
+  // After an abort too: the new group works. Compression state starts afresh.
+  void reconfigureTo(int64_t uuid, std::vector<std::string> handles, bool ordered,
+                     std::chrono::milliseconds timeout);
+#if XCOMM_VIRTUAL_CAPABILITIES
+  bool supportsReconfigure() const override {
+    return static_cast<bool>(regroup_);
+  }
+#endif
+  c10d::ReconfigureHandle get_reconfigure_handle() const override {
+    return reconfigureHandle();
+  }
+  // Blocks until done; returns a completed work.
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
 #endif
 
   const std::string getBackendName() const override {
@@ -260,8 +300,20 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> compressedAllreduce(at::Tensor& tensor,
                                                      const c10d::AllreduceOptions& opts);
-  // DistBackendError naming `op` once the group was aborted.
+  // DistBackendError naming `op` once the group was aborted, or while it
+  // awaits its first reconfigure().
   void checkNotAborted(const char* op) const;
+  // Takes `other`'s group (plan, inner backends, fusion, compression,
+  // pending works, rank and size) and leaves it this one's; what says who
+  // this process is and how groups are built (store, regroup, handle) stays.
+  void swapGroup(XcommBackend& other);
+  struct Unconfigured {};
+
+ public:
+  // (awaitingReconfigure's; make_intrusive needs it public.)
+  XcommBackend(Unconfigured, c10::intrusive_ptr<XcommOptions> options, GroupPlan plan);
+
+ private:
   // Keeps the group's error state (getError) from `work`'s outcome.
   void watchForErrors(const c10::intrusive_ptr<c10d::Work>& work);
 
@@ -269,7 +321,9 @@ class XcommBackend : public c10d::Backend {
   GroupPlan plan_;
   c10::intrusive_ptr<c10d::Store> store_;  // what regroup_ builds successors over
   Regroup regroup_;
-  int shrinks_ = 0;  // successors built: each takes a fresh store namespace
+  int shrinks_ = 0;               // successors built: each takes a fresh store namespace
+  int64_t stableRank_ = 0;        // the rank this process had when the group was created
+  int64_t reconfigureUuid_ = -1;  // of the last reconfigure that succeeded here
   InnerBackends inner_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   // The fusion rounds' own transport: shut down with the group, so that
@@ -281,7 +335,7 @@ class XcommBackend : public c10d::Backend {
   // shared memory: half Gloo's bytes (null in a flat shared-memory group).
   std::unique_ptr<AlltoallReduceScatter> alltoallReduceScatter_;
   // What abort() fails; and the first error a transport reported (getError).
-  PendingWorks pending_;
+  std::unique_ptr<PendingWorks> pending_ = std::make_unique<PendingWorks>();
   // (Shared with the works' callbacks, which may outlive the group.)
   std::shared_ptr<std::atomic<int>> transportError_ =
       std::make_shared<std::atomic<int>>(static_cast<int>(c10d::ErrorType::SUCCESS));

@@ -22,6 +22,13 @@
 #else
 #define XCOMM_HAS_SHRINK 0
 #endif
+// torch 2.14 added the experimental reconfigure API (Backend::reconfigure,
+// get_reconfigure_handle, supportsReconfigure; ReconfigureOptions).
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14)
+#define XCOMM_HAS_RECONFIGURE 1
+#else
+#define XCOMM_HAS_RECONFIGURE 0
+#endif
 // torch main is turning the supportsX() capability queries into non-virtual
 // accessors of a bitset: override them only on the versions known to keep
 // them virtual.

@@ -247,7 +247,7 @@ void bindGroup(py::module_& m) {
       "build_group",
       [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
          const c10::intrusive_ptr<xcomm::XcommOptions>& options, Factory cpu,
-         std::optional<Factory> cuda) {
+         std::optional<Factory> cuda, bool awaitReconfigure) {
         xcomm::InnerBackendFactory factory;
         factory.cpu = keptByGroup(std::move(cpu));
         if (cuda) factory.cuda = keptByGroup(std::move(*cuda));
@@ -256,15 +256,21 @@ void bindGroup(py::module_& m) {
         // Waits on the store for the other ranks: let other threads run (the
         // factories take the GIL back when they are called).
         py::gil_scoped_release noGil;
+        if (awaitReconfigure) {
+          return xcomm::buildAwaitingReconfigure(store, rank, size, std::move(own), factory);
+        }
         return xcomm::buildGroup(store, rank, size, std::move(own), factory);
       },
       py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("options"),
       py::arg("cpu_backend"), py::arg("cuda_backend") = py::none(),
+      py::arg("await_reconfigure") = false,
       R"(Builds one group (collective over ``store``): decides its GroupPlan from
 every member's host identity and ``options``, then calls
 ``cpu_backend(store, rank, size, timeout)`` for each CPU backend the plan
 names (a ProcessGroupGloo) and ``cuda_backend(...)`` once (a
-ProcessGroupNCCL, or None).)");
+ProcessGroupNCCL, or None). ``await_reconfigure``: torch 2.14's
+``enable_reconfigure=True``: nothing is built (nor exchanged) until the
+group's first reconfigure().)");
 
   // The class is bound in Module.cpp; its plan is bound here, beside the plan's dict.
   py::reinterpret_borrow<py::class_<xcomm::XcommBackend, c10d::Backend,

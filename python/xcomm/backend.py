@@ -65,6 +65,8 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         pg_options.to_cpp(timeout),
         _gloo,
         _nccl_factory(str(dist_backend_opts.group_id)),
+        # torch 2.14's init_process_group(enable_reconfigure=True); absent before.
+        await_reconfigure=bool(getattr(dist_backend_opts, "enable_reconfigure", False)),
     )
 
 

@@ -57,6 +57,9 @@ def _shrink_every_shape(ctx: RankContext) -> dict[str, Any]:
 
     world = ctx.world_size
     out: dict[str, Any] = {}
+    # Every group first: torch 2.14 numbers the groups a shrink makes on the
+    # survivors alone, so a new_group after it would pair different groups.
+    made = []
     for shape, spec in SHAPES.items():
         os.environ["XCOMM_SHM_HOST_TAG"] = _host_tag(ctx.rank, world, spec["hosts"])
         options = xcomm.Options(timeout=datetime.timedelta(seconds=60), **spec["options"])
@@ -64,41 +67,45 @@ def _shrink_every_shape(ctx: RankContext) -> dict[str, Any]:
             survivors = [r for r in range(world) if r != excluded]
             group = dist.new_group(backend=BACKEND, pg_options=options)
             reference = dist.new_group(ranks=survivors, backend=BACKEND, pg_options=options)
-            key = f"{shape}/exclude{excluded}"
-            if ctx.rank == excluded:
-                out[key] = {"excluded": True}
-                continue
-            parent_plan = xcomm.group_plan(group)["shape"]
-            backend = group._get_backend(torch.device("cpu"))
-            supports = bool(backend.supports_shrinking)
-            started = time.monotonic()
-            shrunk = dist.shrink_group([excluded], group=group)
-            shrink_s = time.monotonic() - started
-            calls_before = xcomm.stats().get("ALLREDUCE", {}).get("calls", 0)
-            # Every survivor's data differs; 70_000 floats run the bulk path of each route.
-            data = torch.arange(70_000, dtype=torch.float32) * (ctx.rank + 1) + ctx.rank
-            got = data.clone()
-            dist.all_reduce(got, group=shrunk)
-            want = data.clone()
-            dist.all_reduce(want, group=reference)
-            out[key] = {
-                "excluded": False,
-                "parent_shape": parent_plan,
-                "supports_shrinking": supports,
-                "shrink_s": shrink_s,
-                "rank": shrunk.rank(),
-                "size": shrunk.size(),
-                "plan": xcomm.group_plan(shrunk)["shape"],
-                "reference_plan": xcomm.group_plan(reference)["shape"],
-                "equal": torch.equal(got, want),
-                "expected_sum": torch.equal(
-                    got,
-                    sum(torch.arange(70_000, dtype=torch.float32) * (r + 1) + r for r in survivors),
-                ),
-                "allreduces": _allreduces_since(calls_before, 2),
-                "backend": shrunk._get_backend(torch.device("cpu")).__class__.__name__,
-            }
-            dist.destroy_process_group(shrunk)
+            made.append((shape, spec, excluded, survivors, group, reference))
+    for shape, spec, excluded, survivors, group, reference in made:
+        # The survivors' group is built at the shrink: with their hosts as they were.
+        os.environ["XCOMM_SHM_HOST_TAG"] = _host_tag(ctx.rank, world, spec["hosts"])
+        key = f"{shape}/exclude{excluded}"
+        if ctx.rank == excluded:
+            out[key] = {"excluded": True}
+            continue
+        parent_plan = xcomm.group_plan(group)["shape"]
+        backend = group._get_backend(torch.device("cpu"))
+        supports = bool(backend.supports_shrinking)
+        started = time.monotonic()
+        shrunk = dist.shrink_group([excluded], group=group)
+        shrink_s = time.monotonic() - started
+        calls_before = xcomm.stats().get("ALLREDUCE", {}).get("calls", 0)
+        # Every survivor's data differs; 70_000 floats run the bulk path of each route.
+        data = torch.arange(70_000, dtype=torch.float32) * (ctx.rank + 1) + ctx.rank
+        got = data.clone()
+        dist.all_reduce(got, group=shrunk)
+        want = data.clone()
+        dist.all_reduce(want, group=reference)
+        out[key] = {
+            "excluded": False,
+            "parent_shape": parent_plan,
+            "supports_shrinking": supports,
+            "shrink_s": shrink_s,
+            "rank": shrunk.rank(),
+            "size": shrunk.size(),
+            "plan": xcomm.group_plan(shrunk)["shape"],
+            "reference_plan": xcomm.group_plan(reference)["shape"],
+            "equal": torch.equal(got, want),
+            "expected_sum": torch.equal(
+                got,
+                sum(torch.arange(70_000, dtype=torch.float32) * (r + 1) + r for r in survivors),
+            ),
+            "allreduces": _allreduces_since(calls_before, 2),
+            "backend": shrunk._get_backend(torch.device("cpu")).__class__.__name__,
+        }
+        dist.destroy_process_group(shrunk)
     return out
 
 
