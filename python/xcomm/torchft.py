@@ -38,6 +38,7 @@ Example::
 from __future__ import annotations
 
 import datetime
+import threading
 
 import torch
 import torch.distributed as dist
@@ -183,8 +184,12 @@ class ProcessGroupXcomm(ProcessGroupWrapper):
     def abort(self, errored: bool = True) -> None:
         """Aborts the current group: its pending ops raise within milliseconds.
 
-        ``errored=False`` is torchft's own call before it builds the next
-        group (a planned reconfiguration, not an error).
+        Returns at once: xcomm's abort releases the pending ops first, and on
+        Gloo's route then waits for the op inside Gloo to end (its peer's
+        exit, or the timeout), so it runs on a thread of its own and
+        ``configure()`` builds the next group meanwhile. ``errored=False`` is
+        torchft's own call before it builds the next group (a planned
+        reconfiguration, not an error).
         """
         backend = self._backend
         self._backend = None
@@ -193,9 +198,10 @@ class ProcessGroupXcomm(ProcessGroupWrapper):
                 # Before the abort releases the pending ops: their callers may
                 # ask errored() at once.
                 self._aborted = RuntimeError("xcomm: the torchft process group was aborted")
-            # Directly, not only through the ProcessGroup: torchft's base class
-            # aborts the group's CUDA backend only where the group has no abort().
-            backend.abort()
+            threading.Thread(target=backend.abort, name="xcomm-torchft-abort", daemon=True).start()
+        # The base class logs the abort and aborts the group it holds: that
+        # is the same backend, whose abort is under way.
+        self._pg = None
         super().abort(errored=errored)
 
     def errored(self) -> Exception | None:

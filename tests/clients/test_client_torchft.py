@@ -13,6 +13,10 @@ pseudo-gradients).
   ``ProcessGroupGloo`` (the reference: a 2-replica sum is exact on both);
   the loss on a fixed set falls; xcomm ran the allreduces
   (``xcomm.stats()`` in each replica, the group's backend and shape).
+* The wrapper alone, as the ``Manager`` drives it: ``configure()`` on a
+  new store prefix builds a new xcomm group each time (the allreduce is the
+  sum), and ``abort()`` returns and releases a pending op at once
+  (reference: the 30 s timeout), which ``errored()`` then reports.
 * Kill and rejoin: replica 1 SIGKILLs itself inside its gradient allreduce of
   step 4, while replica 0 waits in its own. xcomm releases replica 0's op
   ("died") long before the 10 s timeout, torchft skips that step, forms a
@@ -29,15 +33,21 @@ pseudo-gradients).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import RankContext, error_of, run_ranks
 
 pytest.importorskip("torchft")
 from torchft.coordination import LighthouseServer
@@ -61,6 +71,77 @@ def lighthouse() -> Any:
     )
     yield server
     server.shutdown()
+
+
+def _configure_and_abort(ctx: RankContext, route: str) -> dict[str, Any]:
+    import xcomm
+    from xcomm.torchft import ProcessGroupXcomm
+
+    store = None
+    port = [None]
+    if ctx.rank == 0:
+        store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        port = [store.port]
+    dist.broadcast_object_list(port)  # on the harness's gloo group
+    options = xcomm.Options(shm=route == "shm")
+    pg = ProcessGroupXcomm(timeout=datetime.timedelta(seconds=30), options=options)
+    out: dict[str, Any] = {"name": pg.getBackendName()}
+    first = None
+    for quorum in (1, 2):
+        # what the Manager passes at a new quorum: a fresh prefix, the replica's rank
+        pg.configure(f"localhost:{port[0]}/torchft/{quorum}/0", str(ctx.rank), ctx.rank, 2, quorum)
+        t = torch.full((1000,), float(ctx.rank + 1) * quorum)
+        out[f"waited{quorum}"] = pg.allreduce([t], dist.ReduceOp.SUM).wait()
+        out[f"sum{quorum}"] = t.unique().tolist()
+        out[f"errored{quorum}"] = pg.errored()
+        out[f"shape{quorum}"] = pg.backend.plan["shape"]
+        first = first or pg.backend  # kept alive to be read after the next configure()
+    out["first_group_after_reconfigure"] = first.get_error().name
+    out["allreduces"] = xcomm.stats()["ALLREDUCE"]["calls"]
+    if ctx.rank == 1:  # never joins rank 0's next op
+        ctx.wait_signal("released", 60)
+        pg.abort()
+        return out
+    work = pg.allreduce([torch.ones(1 << 16)], dist.ReduceOp.SUM)
+    aborted_at: list[float] = []
+
+    def abort() -> None:
+        aborted_at.append(time.monotonic())
+        pg.abort()
+        out["abort_returned_after_s"] = time.monotonic() - aborted_at[0]
+
+    timer = threading.Timer(0.5, abort)
+    timer.start()
+    out["pending_waited"] = work.wait()  # False: the op failed
+    out["released_after_abort_s"] = time.monotonic() - aborted_at[0]
+    timer.join()
+    out["future_error"] = error_of(work.get_future().wait)
+    out["errored_after_abort"] = str(pg.errored())
+    ctx.signal("released")
+    return out
+
+
+@pytest.mark.parametrize("route", ["shm", "plain"])
+def test_configure_builds_a_new_group_and_abort_releases_a_pending_op(route: str) -> None:
+    rank0, rank1 = run_ranks(
+        _configure_and_abort, 2, route, backend="gloo", ref_group=False, timeout=120
+    )
+    shape = {"shm": "single-host shared memory", "plain": "plain"}[route]
+    for r in (rank0, rank1):
+        assert r["name"] == "torchft-xcomm"
+        for quorum in (1, 2):
+            assert r[f"waited{quorum}"] is True and r[f"sum{quorum}"] == [3.0 * quorum], r
+            assert r[f"errored{quorum}"] is None and r[f"shape{quorum}"] == shape, r
+        assert r["first_group_after_reconfigure"] == "COMM_ERROR", r  # aborted by configure()
+        assert r["allreduces"] >= 2, r  # counted by xcomm
+    # released by the abort within a second, not by the 30 s timeout
+    assert rank0["pending_waited"] is False, rank0
+    assert rank0["released_after_abort_s"] < 1.0, rank0
+    # abort() itself returns at once too (the Manager calls it before each new
+    # group), also while Gloo's route still holds the op rank 1 never joins
+    assert rank0["abort_returned_after_s"] < 1.0, rank0
+    assert rank0["future_error"] is not None and "aborted" in rank0["future_error"], rank0
+    assert "aborted" in rank0["errored_after_abort"], rank0
 
 
 class Replicas:
