@@ -92,12 +92,14 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
     completion_ = std::make_shared<Completion>();
     completion_->future = c10::make_intrusive<c10::ivalue::Future>(done->elementType());
     done->addCallback([completion = completion_](c10::ivalue::Future& finished) {
+      // The future first, as Gloo's works do: whoever wait() released finds
+      // it done (torchft's Manager chains on it right after wait()).
+      completion->settle(&finished, finished.hasError() ? finished.exception_ptr() : nullptr);
       {
         std::lock_guard<std::mutex> lock(completion->mutex);
         completion->done = true;
       }
       completion->changed.notify_all();
-      completion->settle(&finished, finished.hasError() ? finished.exception_ptr() : nullptr);
     });
   }
 }
@@ -121,12 +123,16 @@ void DelegatedWork::failIfPending(const std::exception_ptr& error) {
   if (!completion_) return;
   {
     std::lock_guard<std::mutex> lock(completion_->mutex);
-    if (completion_->done || completion_->abort) return;
+    if (completion_->done || completion_->aborting) return;
+    completion_->aborting = true;
+  }
+  endProfiling();
+  completion_->settle(nullptr, error);  // the future first, as for the op itself
+  {
+    std::lock_guard<std::mutex> lock(completion_->mutex);
     completion_->abort = error;
   }
   completion_->changed.notify_all();
-  endProfiling();
-  completion_->settle(nullptr, error);
 }
 
 bool DelegatedWork::isCompleted() {

@@ -75,7 +75,8 @@ class DelegatedWork : public c10d::Work {
     std::mutex mutex;
     std::condition_variable changed;
     bool done = false;         // the op itself finished (succeeded or failed)
-    std::exception_ptr abort;  // set when the group aborted first
+    bool aborting = false;     // an abort claimed it (before settling the future)
+    std::exception_ptr abort;  // set when the group aborted first, once the future is
     std::atomic<bool> settled{false};
     c10::intrusive_ptr<c10::ivalue::Future> future;  // what getFuture() hands out
     void settle(c10::ivalue::Future* from, const std::exception_ptr& error);

@@ -244,12 +244,6 @@ def _futures_not_done_after_wait(ctx: RankContext, route: str) -> dict[str, int]
 FUTURE_ROUNDS = 500
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="xcomm bug: DelegatedWork::wait() (csrc/backend/XcommWork.cpp) returns once the "
-    "Completion is marked done, before Completion::settle() completes the future the caller "
-    "holds; xcomm.torchft waits on the future as well",
-)
 @pytest.mark.parametrize("route", ["shm", "plain"])
 def test_the_future_is_done_when_wait_returns(route: str) -> None:
     """Gloo completes a work's future before its ``wait()`` returns, so a
