@@ -57,10 +57,11 @@ BACKEND_NAME = "torchft-xcomm"
 class _TorchftWork(dist.Work):
     """An xcomm work as torchft's ``Manager`` needs it.
 
-    ``wait()`` returns only once the work's future is done: xcomm's may return
-    a moment before (Gloo completes the future first), and torchft chains its
-    callbacks on the future right after ``wait()``, expecting them to run at
-    once (a later run takes the wrong link of its chain and fails the step).
+    ``wait()`` returns only once the work's future is done (xcomm's own
+    ``wait()`` does so too, as Gloo's does; an older xcomm returned a moment
+    before): torchft chains its callbacks on the future right after
+    ``wait()``, expecting them to run at once (a later run takes the wrong
+    link of its chain and fails the step).
 
     ``wait()`` does not raise: a failed op (a dead peer, an abort) leaves its
     error in its future, where torchft's ``Manager`` catches and reports it,
