@@ -198,7 +198,9 @@ void CheckedCpuBackend::abort() {
   // The worker may be waiting in a check: the checks group's abort ends it.
   checks_->abort();
   inner_->abort();
-  runner_.shutdown();
+  // Not joined: the worker may be blocked in Gloo (whose abort does nothing)
+  // until its op's timeout, and abort()'s caller must not wait for that.
+  runner_.stop();
 }
 
 std::chrono::milliseconds CheckedCpuBackend::limit(std::chrono::milliseconds timeout) const {

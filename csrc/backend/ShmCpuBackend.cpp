@@ -215,7 +215,7 @@ void ShmCpuBackend::shutdown() {
 void ShmCpuBackend::abort() {
   transport_->requestAbort();  // a wait in progress fails within one sleep slice
   transport_->depart();        // and the peers' waits for this rank at once
-  runner_.shutdown();
+  runner_.stop();              // not joined: it may be in a Gloo fallback op
   fallback_->abort();
   if (checkedLeaders_) {
     checkedLeaders_->abort();  // leaders_ too

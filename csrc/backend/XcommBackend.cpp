@@ -160,6 +160,22 @@ void XcommBackend::abort() {
   for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
     if (t) t->abort();
   }
+  // Let go of the CPU transports, on a thread of their own: their sockets
+  // close as they go, so a peer blocked in Gloo waiting for this rank (which
+  // Gloo's abort does not wake) fails at once instead of at its timeout, and
+  // can shrink or reconfigure with the others. (Gloo's destructor may wait
+  // for an op of its own blocked until its timeout: not on this thread.)
+  struct Retired : c10::intrusive_ptr_target {
+    InnerBackends cpu;
+    c10::intrusive_ptr<c10d::Backend> fusionControl;
+  };
+  auto retired = c10::make_intrusive<Retired>();
+  std::swap(retired->cpu.cpu, inner_.cpu);
+  std::swap(retired->cpu.cpuCompressed, inner_.cpuCompressed);
+  std::swap(retired->cpu.shm, inner_.shm);
+  std::swap(retired->cpu.checked, inner_.checked);
+  std::swap(retired->fusionControl, fusionControl_);
+  retiredOnAbort_.push_back(std::make_unique<DeferredRelease>(std::move(retired)));
 }
 
 void XcommBackend::setRegroup(c10::intrusive_ptr<c10d::Store> store, Regroup regroup) {
@@ -306,6 +322,10 @@ void XcommBackend::reconfigureTo(int64_t uuid, std::vector<std::string> handles,
     TORCH_CHECK(claimed == bytesOf(mine), "xcomm reconfigure uuid ", uuid,
                 " was already used; each reconfigure() requires a unique uuid");
   }
+  // A group whose transport failed (a dead peer) is aborted first: its
+  // transports go, so a member still blocked in Gloo waiting for this one
+  // fails at once and comes to this reconfigure, instead of at its timeout.
+  if (getError() != c10d::ErrorType::SUCCESS && !pending_->aborted()) abort();
   // Build the new group beside the old one; take it only once every member
   // built its own, so that all of them change or none does.
   c10::intrusive_ptr<XcommBackend> successor;
@@ -360,13 +380,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reconfigure(const c10d::Reconfigure
 #endif
 
 void XcommBackend::checkNotAborted(const char* op) const {
-  TORCH_CHECK_WITH(DistBackendError, configured(), "xcomm.", op,
-                   ": this process group was created with enable_reconfigure=True and has no "
-                   "communicator yet; call torch.distributed._reconfigure(...) first");
-
   TORCH_CHECK_WITH(DistBackendError, !pending_->aborted(), "xcomm.", op,
                    ": this process group was aborted; create a new one (or shrink/reconfigure "
                    "where supported) to go on");
+  TORCH_CHECK_WITH(DistBackendError, configured(), "xcomm.", op,
+                   ": this process group was created with enable_reconfigure=True and has no "
+                   "communicator yet; call torch.distributed._reconfigure(...) first");
 }
 
 c10d::ErrorType XcommBackend::getError() {

@@ -341,6 +341,8 @@ class XcommBackend : public c10d::Backend {
       std::make_shared<std::atomic<int>>(static_cast<int>(c10d::ErrorType::SUCCESS));
   // The group this one was shrunk from, released off the survivors' path.
   std::unique_ptr<DeferredRelease> predecessor_;
+  // The CPU transports an abort let go of (see abort()).
+  std::vector<std::unique_ptr<DeferredRelease>> retiredOnAbort_;
   // Runs compressed allreduces that need their own group's collectives, in
   // issue order (declared last: stops before the rest goes).
   std::unique_ptr<OrderedRunner> compressRunner_;

@@ -21,12 +21,16 @@ void OpQueue::push(Task task) {
   state_->cv.notify_one();
 }
 
-void OpQueue::shutdown() {
+void OpQueue::stop() {
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->stopping = true;
   }
   state_->cv.notify_all();
+}
+
+void OpQueue::shutdown() {
+  stop();
   if (!worker_.joinable()) {
     return;
   }

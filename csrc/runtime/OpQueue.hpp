@@ -27,6 +27,10 @@ class OpQueue {
 
   // Runs what is queued, then stops the worker. Idempotent.
   void shutdown();
+  // shutdown() without waiting for the worker: for an abort, whose caller
+  // must not wait for a task blocked in a transport (until its timeout).
+  // The worker still runs what is queued; shutdown() or destruction joins it.
+  void stop();
 
  private:
   // What the worker touches, shared with it: the last reference to the

@@ -34,6 +34,11 @@ void OrderedRunner::submit(Step step, bool synchronous) {
   pending_++;
 }
 
+void OrderedRunner::stop() {
+  stopped_ = true;  // as in shutdown()
+  queue_.stop();
+}
+
 void OrderedRunner::shutdown() {
   stopped_ = true;  // not under submitMutex_: a step running inline holds it
   queue_.shutdown();

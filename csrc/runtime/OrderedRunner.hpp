@@ -51,6 +51,8 @@ class OrderedRunner {
   // Runs what is queued, then stops the worker; idempotent. The completion
   // pool finishes what it was handed when the runner is destroyed.
   void shutdown();
+  // shutdown() without waiting for the worker (OpQueue::stop): for abort().
+  void stop();
 
  private:
   const std::string name_;

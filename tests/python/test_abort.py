@@ -59,6 +59,7 @@ def _pending_op_released_by_abort(ctx: RankContext, route: str) -> dict[str, Any
     def abort() -> None:
         aborted_at.append(time.monotonic())
         group.abort()
+        aborted_at.append(time.monotonic())  # abort() itself returned
 
     timer = threading.Timer(ABORT_AFTER_S, abort)
     started = time.monotonic()
@@ -68,6 +69,7 @@ def _pending_op_released_by_abort(ctx: RankContext, route: str) -> dict[str, Any
     timer.join()
     out["waited_s"] = released - started
     out["released_after_abort_s"] = released - aborted_at[0]
+    out["abort_call_s"] = aborted_at[1] - aborted_at[0]
     out["future_error"] = error_of(future.wait)
     out["completed"] = work.is_completed()
     out["after"] = backend.get_error().name
@@ -86,6 +88,9 @@ def test_abort_releases_a_pending_op_within_milliseconds(route: str) -> None:
     # Released by the abort, not by the 8 s timeout.
     assert rank0["waited_s"] < ABORT_AFTER_S + 1.0 < GROUP_TIMEOUT.total_seconds() / 4, rank0
     assert rank0["released_after_abort_s"] < 1.0, rank0
+    # abort() itself returns at once too: it does not wait for a route's
+    # thread still blocked in Gloo (until the 8 s timeout).
+    assert rank0["abort_call_s"] < 1.0, rank0
     assert rank0["waited_s"] >= ABORT_AFTER_S * 0.9, rank0  # it did wait until then
     for key in ("wait_error", "future_error"):
         assert rank0[key] is not None and "aborted" in rank0[key], rank0
