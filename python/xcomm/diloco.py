@@ -71,6 +71,7 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import datetime
 from collections.abc import Callable, Iterable
@@ -320,6 +321,48 @@ class DiLoCo:
     def close(self) -> None:
         """Waits for the background exchanges and stops their thread."""
         self._worker.shutdown(wait=True)
+
+    def use_group(self, group: dist.ProcessGroup) -> None:
+        """Goes on over ``group`` after a membership change: the survivors'
+        group from ``dist.shrink_group``, a group reconfigured in place, or one
+        a replacement rank joined. Every member calls it, at the same inner
+        step, with the same settings. The outer state then, the same on every
+        member:
+
+        * exchanges still in flight on the old group are dropped (wait for
+          them first if they may still succeed: an exchange the old group
+          failed raised from :meth:`step` already);
+        * the error-feedback residuals start afresh: their shards were cut for
+          the old group's size, and a failed exchange had folded part of them
+          into what it never sent;
+        * each outer optimizer keeps its state (momentum), which every
+          survivor holds the same;
+        * the agreed parameters are broadcast from the new group's rank 0 and
+          every member's parameters restart from them (inner steps since the
+          last outer step are dropped): a rank that joined gets the model
+          here, and the outer optimizers' state by :meth:`load_state_dict` of a
+          survivor's :meth:`state_dict` before this call.
+
+        Example::
+
+            >>> try:
+            ...     diloco.step()  # doctest: +SKIP
+            ... except dist.DistBackendError:
+            ...     survivors = dist.shrink_group([dead], group=diloco.group,
+            ...                                   shrink_flags=SHRINK_ABORT)
+            ...     diloco.use_group(survivors)
+        """
+        for f in self.fragments:
+            if f.pending is not None:
+                with contextlib.suppress(Exception):  # the old group's failure, expected
+                    f.pending.future.result()
+                f.pending = None
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.feedback = _C.ErrorFeedback()
+        self._int8_chain = _C.Int8Allreduce()
+        self._check_agreement()
+        self._broadcast_initial()
 
     # ---- outer steps ------------------------------------------------------------------
 

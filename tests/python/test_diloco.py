@@ -436,3 +436,64 @@ def test_sync_leaves_every_rank_on_the_agreed_model() -> None:
     outer step that is not overlapped: no mixing, the same model everywhere."""
     res = run_ranks(_sync_at_the_end, 2, ref_group=False)
     assert torch.equal(res[0], res[1])
+
+
+# -- membership changes ------------------------------------------------------------
+
+
+def _survivors_go_on(ctx: RankContext, method: str) -> dict[str, Any] | None:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import SHRINK_ABORT
+
+    import xcomm
+
+    group = dist.new_group(
+        backend="xcomm", pg_options=xcomm.Options(timeout=datetime.timedelta(seconds=20))
+    )
+    model = _model()
+    opt = _inner_opt(model)
+    diloco = DiLoCo(model, sync_every=2, method=method, group=group)
+    steps, failed_at = 12, None
+    for step in range(1, steps + 1):
+        if step == 5 and ctx.rank == 2:
+            os._exit(0)  # the replica is gone before its next outer step
+        _inner_step(model, opt, ctx.rank, step)
+        try:
+            diloco.step()
+        except Exception:  # noqa: BLE001 - the dead peer's error, expected once
+            failed_at = step
+            survivors = dist.shrink_group([2], group=group, shrink_flags=SHRINK_ABORT)
+            diloco.use_group(survivors)
+    diloco.sync()
+    x, y = _batch(0, 10_000, n=256)
+    with torch.no_grad():
+        loss = nn.functional.mse_loss(model(x), y).item()
+    return {
+        "failed_at": failed_at,
+        "params": _flat(list(model.parameters())),
+        "world": diloco.world,
+        "loss": loss,
+        "calls": diloco.stats.as_dict()["calls"],
+    }
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16"])
+def test_survivors_of_a_lost_replica_go_on_after_a_shrink(method: str) -> None:
+    """A replica dies between two outer steps; the others shrink their group,
+    hand it to DiLoCo (use_group), and their compressed outer steps go on:
+    every survivor holds the same model after each of them, and training
+    still lowers the loss (against the untrained model's)."""
+    res = run_ranks(
+        _survivors_go_on, 3, method, ref_group=False, may_die=[2], destroy=False, timeout=180
+    )
+    assert res[2] is None
+    a, b = res[0], res[1]
+    assert a is not None and b is not None
+    assert a["failed_at"] == b["failed_at"] == 6, (a["failed_at"], b["failed_at"])
+    assert a["world"] == b["world"] == 2
+    assert torch.equal(a["params"], b["params"])  # the same model on every survivor
+    x, y = _batch(0, 10_000, n=256)
+    with torch.no_grad():
+        untrained = nn.functional.mse_loss(_model()(x), y).item()
+    assert a["loss"] < untrained, (a["loss"], untrained)
+    assert a["calls"] >= 6  # outer exchanges ran before and after the shrink
