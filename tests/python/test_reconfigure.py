@@ -60,7 +60,7 @@ def _members_sum(original_rank: int) -> float:
     return t.item()
 
 
-def _scenarios(ctx: RankContext) -> dict[str, Any]:
+def _scenarios(ctx: RankContext, shm: bool) -> dict[str, Any]:
     import xcomm
 
     r = ctx.rank
@@ -72,6 +72,7 @@ def _scenarios(ctx: RankContext) -> dict[str, Any]:
         world_size=WORLD,
         timeout=TIMEOUT,
         enable_reconfigure=True,
+        pg_options=xcomm.Options(shm=shm),
     )
     group = dist.distributed_c10d._get_default_group()
     backend = group._get_backend(torch.device("cpu"))
@@ -166,8 +167,11 @@ def _scenarios(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
-def test_reconfigure_follows_torchs_contract_on_xcomm() -> None:
-    results = run_ranks(_scenarios, WORLD, init=False, ref_group=False, destroy=False, timeout=240)
+@pytest.mark.parametrize("shm", [True, False], ids=["shared-memory", "plain"])
+def test_reconfigure_follows_torchs_contract_on_xcomm(shm: bool) -> None:
+    results = run_ranks(
+        _scenarios, WORLD, shm, init=False, ref_group=False, destroy=False, timeout=240
+    )
     for r, out in enumerate(results):
         assert out["supports"], out
         assert out["before"] is not None and "reconfigure" in out["before"], out
@@ -182,8 +186,8 @@ def test_reconfigure_follows_torchs_contract_on_xcomm() -> None:
         assert out["after_abort"] == ("SUCCESS", 6.0), out
         assert out["kept"] == (r, 3, 6.0), out
     assert results[0]["alone"] == (0, 1, 1.0)
-    # The single-host group reconfigured is a shared-memory one, as any group of its ranks.
-    assert results[0]["plan"] == "single-host shared memory"
+    # The group reconfigured has the shape any group of its ranks has.
+    assert results[0]["plan"] == ("single-host shared memory" if shm else "plain")
     assert [results[r]["without_last"] for r in (0, 1)] == [(0, 2, 3.0, 42.0), (1, 2, 3.0, 42.0)]
     assert "without_last" not in results[2]
     assert [results[r]["without_middle"] for r in (0, 2)] == [(0, 2, 4.0), (1, 2, 4.0)]
