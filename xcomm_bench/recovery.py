@@ -58,6 +58,8 @@ METHODS = (
 )
 # torch 2.14's dist._reconfigure; skipped on earlier torch.
 RECONFIGURE = ("xcomm-reconfigure", "gloo-reconfigure")
+# Those that also let a newcomer in (--join): in place, or by a new group.
+JOIN = ("xcomm-reconfigure", "gloo-reconfigure", "gloo-recreate")
 NUMEL = 1 << 18  # 1 MiB of float32
 SETTLE_S = 0.3  # the ranks loop collectives this long before the kill
 
@@ -66,6 +68,73 @@ def _write(path: str, data: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     Path(tmp).write_text(json.dumps(data))
     os.replace(tmp, path)
+
+
+def _newcomer(args: argparse.Namespace) -> int:
+    """The victim's replacement: joins the survivors' group and reduces once."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    import xcomm  # noqa: F401 - registers the backend
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=args.timeout)
+    backend = "gloo" if args.method.startswith("gloo") else "xcomm"
+    # No communicator yet: the group is made when the survivors let it in.
+    dist.init_process_group(backend, timeout=timeout, enable_reconfigure=True)
+    store = _get_default_store()
+    t_ready = time.monotonic()
+    if args.method in RECONFIGURE:
+        store.set("recovery/join/handle", dist._get_reconfigure_handle())
+        handles = [store.get(f"recovery/join/handle/{r}").decode() for r in range(world - 1)]
+        dist._reconfigure(2, [*handles, dist._get_reconfigure_handle()], timeout=timeout).wait()
+        data = torch.full((NUMEL,), float(rank + 1))
+        dist.all_reduce(data)
+    else:
+        store.set("recovery/join/handle", "gloo")
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore("recovery/regrown", store), rank, world, timeout
+        )
+        data = torch.full((NUMEL,), float(rank + 1))
+        group.allreduce([data]).wait()
+    result = {
+        "t_ready": t_ready,
+        "t_joined": time.monotonic(),
+        "correct": bool((data == float(sum(range(1, world + 1)))).all()),
+    }
+    _write(os.path.join(args.dir, "newcomer.json"), result)
+    os._exit(0)
+
+
+def _let_the_newcomer_in(
+    args: argparse.Namespace, rank: int, world: int, group: Any, store: Any
+) -> bool:
+    """A survivor's side of --join: the whole group again, with the newcomer last.
+    ``store`` is the default group's (still served by rank 0 after gloo-recreate
+    destroyed that group)."""
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=args.timeout)
+    store.set_timeout(datetime.timedelta(seconds=120))  # the newcomer imports torch first
+    if args.method in RECONFIGURE:
+        store.set(f"recovery/join/handle/{rank}", dist._get_reconfigure_handle())
+        handles = [store.get(f"recovery/join/handle/{r}").decode() for r in range(world - 1)]
+        handles.append(store.get("recovery/join/handle").decode())
+        dist._reconfigure(2, handles, timeout=timeout).wait()
+        data = torch.full((NUMEL,), float(rank + 1))
+        dist.all_reduce(data)
+    else:
+        store.get("recovery/join/handle")  # the newcomer is up
+        del group  # as torchft at a quorum change: the old group goes first
+        regrown = dist.ProcessGroupGloo(
+            dist.PrefixStore("recovery/regrown", store), rank, world, timeout
+        )
+        data = torch.full((NUMEL,), float(rank + 1))
+        regrown.allreduce([data]).wait()
+    return bool((data == float(sum(range(1, world + 1)))).all())
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -85,7 +154,7 @@ def _worker(args: argparse.Namespace) -> int:
         shm = args.method != "xcomm-shrink-plain"
         options = xcomm.Options(timeout=timeout, shm=shm)
         dist.init_process_group("xcomm", pg_options=options, timeout=init_timeout)
-    store = _get_default_store()
+    store = base_store = _get_default_store()
     if args.method in RECONFIGURE:  # the survivors' handles, known before the fault
         store.set(f"recovery/handle/{rank}", dist._get_reconfigure_handle())
     data = torch.ones(NUMEL)
@@ -121,11 +190,19 @@ def _worker(args: argparse.Namespace) -> int:
     result["t_recovered"] = time.monotonic()
     result["correct"] = bool((after == float(sum(r + 1 for r in survivors))).all())
     _write(os.path.join(args.dir, f"rank{rank}.json"), result)
+    if args.join:  # the victim's slot is last: the survivors keep their ranks
+        result["join_correct"] = _let_the_newcomer_in(args, rank, world, group, base_store)
+        _write(os.path.join(args.dir, f"rank{rank}.json"), result)
     os._exit(0)  # the old group's peer is dead: skip torch's teardown of it
 
 
-def run_trial(method: str, world: int, *, timeout_s: float, deadline_s: float) -> dict[str, Any]:
-    """One kill and recovery in fresh ranks; the survivors' timings.
+def run_trial(
+    method: str, world: int, *, timeout_s: float, deadline_s: float, join: bool = False
+) -> dict[str, Any]:
+    """One kill and recovery in fresh ranks; the survivors' timings. With
+    ``join`` (methods in :data:`JOIN`), a newcomer then takes the victim's
+    place: the time from its process's start, and from its
+    ``init_process_group`` returning, to its first correct allreduce.
 
     Example::
 
@@ -146,11 +223,12 @@ def run_trial(method: str, world: int, *, timeout_s: float, deadline_s: float) -
             str(victim),
             "--timeout",
             str(timeout_s),
+            *(["--join"] if join else []),
         )
         port = free_port()
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
-        t_fault = None
+        t_fault = t_spawn = None
         deadline = time.monotonic() + deadline_s
         try:
             for r in range(world):
@@ -171,6 +249,23 @@ def run_trial(method: str, world: int, *, timeout_s: float, deadline_s: float) -
                 time.sleep(SETTLE_S)
                 t_fault = time.monotonic()
                 procs[victim].send_signal(signal.SIGKILL)
+            if join and t_fault is not None:
+                recovered = [os.path.join(tmp, f"rank{r}.json") for r in range(world - 1)]
+                while time.monotonic() < deadline and not all(map(os.path.exists, recovered)):
+                    time.sleep(0.01)
+                log = open(os.path.join(tmp, "log_newcomer"), "wb")  # noqa: SIM115 - closed below
+                logs.append(log)
+                env = {**python_env(), **_loopback_env(victim, world, port)}
+                t_spawn = time.monotonic()
+                procs.append(
+                    subprocess.Popen(
+                        [*command, "--newcomer"],
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                    )
+                )
             for r, p in enumerate(procs):
                 if r != victim:
                     try:
@@ -190,8 +285,19 @@ def run_trial(method: str, world: int, *, timeout_s: float, deadline_s: float) -
             if r != victim:
                 results.append(json.loads(Path(path).read_text()) if os.path.exists(path) else None)
         tail = "" if all(results) else Path(os.path.join(tmp, "log0")).read_text()[-1500:]
+        newcomer = None
+        if join and os.path.exists(os.path.join(tmp, "newcomer.json")):
+            newcomer = json.loads(Path(os.path.join(tmp, "newcomer.json")).read_text())
+        if join and not newcomer and os.path.exists(os.path.join(tmp, "log_newcomer")):
+            tail += Path(os.path.join(tmp, "log_newcomer")).read_text()[-1500:]
     ok = t_fault is not None and all(r and r.get("correct") for r in results)
+    if join:
+        ok = ok and bool(newcomer and newcomer["correct"])
+        ok = ok and all(r and r.get("join_correct") for r in results)
     record: dict[str, Any] = {"method": method, "world": world, "ok": ok, "log_tail": tail}
+    if join and ok and newcomer and t_spawn is not None:
+        record["join_ms"] = 1000 * (newcomer["t_joined"] - t_spawn)
+        record["join_after_init_ms"] = 1000 * (newcomer["t_joined"] - newcomer["t_ready"])
     if ok:
         record["detect_ms"] = max(1000 * (r["t_error"] - t_fault) for r in results)
         record["recover_ms"] = max(1000 * (r["t_recovered"] - t_fault) for r in results)
@@ -246,6 +352,31 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_join_table(records: list[dict[str, Any]]) -> str:
+    """--join's results as a Markdown table (medians, worst in parentheses)."""
+    head = (
+        "| ranks | method | trials (failed) | newcomer's start to its first allreduce, ms "
+        "| from its init_process_group, ms |"
+    )
+    lines = [head, "|" + "---|" * 5]
+    for world in sorted({r["world"] for r in records}):
+        for method in JOIN:
+            rs = [r for r in records if (r["world"], r["method"]) == (world, method)]
+            good = [r for r in rs if r["ok"] and "join_ms" in r]
+            if not rs:
+                continue
+            cells = []
+            for key in ("join_ms", "join_after_init_ms"):
+                values = [r[key] for r in good]
+                cells.append(
+                    f"{statistics.median(values):.1f} ({max(values):.1f})" if values else "-"
+                )
+            lines.append(
+                f"| {world} | {method} | {len(rs)} ({len(rs) - len(good)}) | {cells[0]} | {cells[1]} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(path: str, records: list[dict[str, Any]]) -> None:
     """Each trial's death-to-first-correct-allreduce time, per world size and method."""
     import matplotlib
@@ -295,13 +426,15 @@ def main(argv: list[str] | None = None) -> int:
     a("--out", help="the JSON of every trial and the summary")
     a("--plot", help="a PNG of every trial's recovery time")
     a("--no-progress", action="store_true")
+    a("--join", action="store_true", help="then a newcomer takes the victim's place")
     a("--worker", action="store_true", help=argparse.SUPPRESS)
+    a("--newcomer", action="store_true", help=argparse.SUPPRESS)
     a("--dir", help=argparse.SUPPRESS)
     a("--method", help=argparse.SUPPRESS)
     a("--victim", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return _worker(args)
+        return _newcomer(args) if args.newcomer else _worker(args)
 
     from tqdm import tqdm
 
@@ -313,12 +446,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if not hasattr(dist, "_reconfigure"):
         methods = [m for m in methods if m not in RECONFIGURE]
+        if args.join:
+            parser.error("--join needs torch 2.14 (init_process_group(enable_reconfigure=True))")
+    if args.join:
+        methods = [m for m in methods if m in JOIN]
     trials = [(w, m) for _ in range(args.reps) for w in worlds for m in methods]
     records = []
     bar = tqdm(trials, desc="recovery trials", unit="trial", disable=args.no_progress)
     for world, method in bar:
         bar.set_postfix_str(f"{method} {world} ranks")
-        records.append(run_trial(method, world, timeout_s=args.timeout, deadline_s=args.deadline))
+        records.append(
+            run_trial(
+                method, world, timeout_s=args.timeout, deadline_s=args.deadline, join=args.join
+            )
+        )
     rows = summarize(records)
     if args.out:
         Path(args.out).write_text(
@@ -327,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(args.plot, records)
     print(format_table(rows))
+    if args.join:
+        print()
+        print(format_join_table(records))
     bad = [r for r in records if not r["ok"]]
     for r in bad:
         print(f"FAILED {r['method']} at {r['world']} ranks: {r['log_tail'][-600:]}")
