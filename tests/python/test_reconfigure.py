@@ -195,3 +195,41 @@ def test_reconfigure_follows_torchs_contract_on_xcomm(shm: bool) -> None:
     for r in (0, 1):
         assert results[r]["not_joined"] is not None, results[r]
         assert "keeps its group" in results[r]["not_joined"], results[r]
+
+
+def _bad_reconfigures(ctx: RankContext) -> dict[str, Any]:
+    import xcomm
+
+    store = dist.FileStore(ctx.fresh_store_path("bad"), 2)
+    dist.init_process_group(
+        "xcomm",
+        store=store,
+        rank=ctx.rank,
+        world_size=2,
+        timeout=TIMEOUT,
+        enable_reconfigure=True,
+        pg_options=xcomm.Options(shm=False),
+    )
+    m = _Members(store, ctx.rank)
+    mine = dist._get_reconfigure_handle()
+    out = {
+        "foreign": error_of(lambda: m.reconfigure(1, ["gloo:0:-1:0:"])),
+        "twice": error_of(lambda: m.reconfigure(2, [mine, mine])),
+        "absent": error_of(lambda: m.reconfigure(3, ["xcomm:9:-1:9"])),
+        "empty": error_of(lambda: m.reconfigure(4, [])),
+    }
+    # None of them touched the group: a valid reconfigure still works.
+    store.set(f"h/{ctx.rank}", mine)
+    m.reconfigure(5, [store.get(f"h/{r}").decode() for r in range(2)])
+    out["sum"] = _members_sum(ctx.rank)
+    dist.destroy_process_group()
+    return out
+
+
+def test_bad_handles_are_refused_by_name_and_leave_the_group_as_it_was() -> None:
+    for r in run_ranks(_bad_reconfigures, 2, init=False, ref_group=False, destroy=False):
+        assert "ValueError" in r["foreign"] and "not an xcomm reconfigure handle" in r["foreign"]
+        assert "ValueError" in r["twice"] and "is given twice" in r["twice"], r
+        assert "ValueError" in r["absent"] and "not among the new group's handles" in r["absent"]
+        assert r["empty"] is not None and "handle" in r["empty"], r
+        assert r["sum"] == 3.0, r
