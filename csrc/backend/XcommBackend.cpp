@@ -175,7 +175,9 @@ void XcommBackend::abort() {
   std::swap(retired->cpu.shm, inner_.shm);
   std::swap(retired->cpu.checked, inner_.checked);
   std::swap(retired->fusionControl, fusionControl_);
-  retiredOnAbort_.push_back(std::make_unique<DeferredRelease>(std::move(retired)));
+  // No grace when this group goes: Gloo's part may wait for its timeout.
+  retiredOnAbort_.push_back(
+      std::make_unique<DeferredRelease>(std::move(retired), std::chrono::milliseconds(0)));
 }
 
 void XcommBackend::setRegroup(c10::intrusive_ptr<c10d::Store> store, Regroup regroup) {

@@ -4,28 +4,41 @@
 
 namespace xcomm {
 
-DeferredRelease::DeferredRelease(c10::intrusive_ptr<c10::intrusive_ptr_target> object)
-    : object_(std::move(object)), thread_([this] {
-        std::unique_lock<std::mutex> lock(mutex_);
-        while (!stopping_ && object_ && object_.use_count() > 1) cv_.wait_for(lock, kPoll);
-        // The destructor may run for a while (it joins threads): not under the lock.
-        auto last = std::move(object_);
-        lock.unlock();
-        last.reset();
-      }) {}
+DeferredRelease::DeferredRelease(c10::intrusive_ptr<c10::intrusive_ptr_target> object,
+                                 std::chrono::milliseconds grace)
+    : grace_(grace), state_(std::make_shared<State>()) {
+  state_->object = std::move(object);
+  thread_ = std::thread([state = state_] {
+    std::unique_lock<std::mutex> lock(state->mutex);
+    while (!state->stopping && state->object.use_count() > 1) {
+      state->cv.wait_for(lock, kPoll);
+    }
+    // The destructor may run for a while (it joins threads): not under the lock.
+    auto last = std::move(state->object);
+    lock.unlock();
+    last.reset();
+    lock.lock();
+    state->released = true;
+    state->cv.notify_all();
+  });
+}
 
 DeferredRelease::~DeferredRelease() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  state_->stopping = true;
+  state_->cv.notify_all();
+  const bool released = state_->cv.wait_for(lock, grace_, [this] { return state_->released; });
+  lock.unlock();
+  if (released) {
+    thread_.join();
+  } else {
+    thread_.detach();  // it owns what it still touches (State)
   }
-  cv_.notify_all();
-  thread_.join();
 }
 
 bool DeferredRelease::released() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return !object_;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->released;
 }
 
 }  // namespace xcomm

@@ -103,6 +103,7 @@ def _configure_and_abort(ctx: RankContext, route: str) -> dict[str, Any]:
         pg.abort()
         return out
     work = pg.allreduce([torch.ones(1 << 16)], dist.ReduceOp.SUM)
+    current = pg.backend
     aborted_at: list[float] = []
 
     def abort() -> None:
@@ -117,6 +118,13 @@ def _configure_and_abort(ctx: RankContext, route: str) -> dict[str, Any]:
     timer.join()
     out["future_error"] = error_of(work.get_future().wait)
     out["errored_after_abort"] = str(pg.errored())
+    # Dropping the aborted group, once the abort is over, does not wait for
+    # Gloo's op either: the transports the abort let go of finish on their own.
+    del work
+    time.sleep(0.2)
+    dropped_at = time.monotonic()
+    del current
+    out["dropped_after_s"] = time.monotonic() - dropped_at
     ctx.signal("released")
     return out
 
@@ -140,6 +148,7 @@ def test_configure_builds_a_new_group_and_abort_releases_a_pending_op(route: str
     # abort() itself returns at once too (the Manager calls it before each new
     # group), also while Gloo's route still holds the op rank 1 never joins
     assert rank0["abort_returned_after_s"] < 1.0, rank0
+    assert rank0["dropped_after_s"] < 1.0, rank0
     assert rank0["future_error"] is not None and "aborted" in rank0["future_error"], rank0
     assert "aborted" in rank0["errored_after_abort"], rank0
 

@@ -190,3 +190,27 @@ TEST_CASE("a DeferredRelease destroyed first releases at once", "[runtime]") {
   }
   CHECK(diedAt.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
 }
+
+namespace {
+
+// An object whose destructor blocks until it is let go (a transport waiting
+// for an op blocked until its timeout).
+struct SlowToDie : c10::intrusive_ptr_target {
+  explicit SlowToDie(std::shared_future<void> letGo) : letGo_(std::move(letGo)) {}
+  ~SlowToDie() override { letGo_.wait(); }
+  std::shared_future<void> letGo_;
+};
+
+}  // namespace
+
+TEST_CASE("a DeferredRelease destroyed while its release blocks returns after its grace",
+          "[runtime]") {
+  std::promise<void> letGo;
+  const auto start = std::chrono::steady_clock::now();
+  { xcomm::DeferredRelease deferred(c10::make_intrusive<SlowToDie>(letGo.get_future().share())); }
+  const auto waited = std::chrono::steady_clock::now() - start;
+  CHECK(waited >= xcomm::DeferredRelease::kGrace);
+  CHECK(waited < xcomm::DeferredRelease::kGrace + std::chrono::seconds(2));
+  letGo.set_value();  // the detached thread finishes the release on its own
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+}
