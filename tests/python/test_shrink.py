@@ -9,6 +9,11 @@ single-host shared memory and hierarchical, with the survivors' own shape.
 Reference: a group created from scratch for the same survivors
 (``dist.new_group(ranks=survivors)``, same options): the shrunk group must
 have its plan and give its all_reduce results, bit for bit.
+
+Faults: a rank SIGKILLed, or SIGSTOPped past the timeout (frozen, its sockets
+open), while the others are inside an all_reduce, an all_to_all or an int8
+compressed all_reduce, on each route: the survivors' op fails, they shrink
+the lost rank out and their next op is right; no segment is left in /dev/shm.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import datetime
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +33,7 @@ from torch.distributed.distributed_c10d import SHRINK_ABORT
 from dist_harness import BACKEND, RankContext, error_of, run_ranks
 
 # Host tags per shape (XCOMM_SHM_HOST_TAG): what the group builder sees as hosts.
+SINGLE_HOST = "single-host shared memory"
 SHAPES = {
     "plain": {"options": {"shm": False}, "hosts": None},
     "single-host shared memory": {"options": {}, "hosts": None},
@@ -133,45 +140,132 @@ def test_shrink_group_excluding_first_middle_and_last_on_every_shape(world: int)
                 assert r["allreduces"] == 2, (key, r)
 
 
-def _survivors_shrink_after_a_kill(ctx: RankContext, shm: bool) -> dict[str, Any] | None:
+def _segments_of(pids: list[int]) -> list[str]:
+    """Shared-memory segments in /dev/shm created by these processes (the
+    creator's pid is in the name: xcomm-shm-<pid ns>-<pid>-...)."""
+    return sorted(
+        n
+        for n in os.listdir("/dev/shm")
+        for pid in pids
+        if n.startswith("xcomm-shm-") and f"-{pid}-" in n
+    )
+
+
+def _survivors_shrink_after_a_fault(
+    ctx: RankContext, route: str, hosts: str | None, op: str, fault: str
+) -> dict[str, Any] | None:
+    """The last rank is SIGKILLed (or SIGSTOPped: frozen, its sockets open)
+    while the others are inside `op`; they shrink it out and go on."""
     import xcomm
 
-    timeout = datetime.timedelta(seconds=20)
-    group = dist.new_group(backend=BACKEND, pg_options=xcomm.Options(timeout=timeout, shm=shm))
+    timeout = datetime.timedelta(seconds=20 if fault == "kill" else 3)
+    os.environ["XCOMM_SHM_HOST_TAG"] = _host_tag(ctx.rank, ctx.world_size, hosts)
+    options = xcomm.Options(
+        timeout=timeout, shm=route != "plain", compression="int8" if op == "int8" else None
+    )
+    group = dist.new_group(backend=BACKEND, pg_options=options)
+    Path(ctx.tmpdir, f"pid_{ctx.rank}").write_text(str(os.getpid()))
     dist.all_reduce(torch.ones(4), group=group)
-    victim = ctx.world_size - 1
+    world, victim = ctx.world_size, ctx.world_size - 1
+    pids = [int(Path(ctx.tmpdir, f"pid_{r}").read_text()) for r in range(world)]
     if ctx.rank == victim:
-        time.sleep(0.3)  # the survivors are inside the all_reduce by then
-        os.kill(os.getpid(), signal.SIGKILL)
-    data = torch.full((1 << 18,), float(ctx.rank + 1))
-    failed_at = None
-    error = error_of(lambda: dist.all_reduce(data, group=group))
+        time.sleep(0.3)  # the survivors are inside the op by then
+        os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        time.sleep(60)  # SIGSTOP: the survivors SIGKILL it once they went on
+
+    def run_op(g: dist.ProcessGroup, size: int) -> bool:
+        """`op` over `g` of `size` ranks, with each rank's data; whether it came out right."""
+        n = 1 << 18
+        if op == "all_to_all":
+            data = torch.arange(n, dtype=torch.float32) + 1000 * ctx.rank
+            got = torch.empty_like(data)
+            dist.all_to_all_single(got, data, group=g)
+            chunk = n // size
+            me = g.rank()
+            want = torch.cat(
+                [
+                    torch.arange(me * chunk, (me + 1) * chunk, dtype=torch.float32) + 1000 * src
+                    for src in range(size)
+                ]
+            )
+            return torch.equal(got, want)
+        data = torch.full((n,), float(ctx.rank + 1))
+        dist.all_reduce(data, group=g)
+        members = [r for r in range(world) if r != victim] if size < world else range(world)
+        expected = float(sum(r + 1 for r in members))
+        if op == "int8":  # lossy, but a constant block is coded exactly up to rounding
+            return torch.allclose(data, torch.full_like(data, expected), rtol=1e-2)
+        return bool((data == expected).all())
+
+    error = error_of(lambda: run_op(group, world))
     failed_at = time.monotonic()
     shrunk = dist.shrink_group([victim], group=group, shrink_flags=SHRINK_ABORT)
-    after = torch.full((1 << 18,), float(ctx.rank + 1))
-    dist.all_reduce(after, group=shrunk)
+    correct = run_op(shrunk, world - 1)
     recovered_s = time.monotonic() - failed_at
-    expected = float(sum(r + 1 for r in range(ctx.world_size) if r != victim))
+    if fault == "stop" and ctx.rank == 0:
+        os.kill(pids[victim], signal.SIGKILL)
     out = {
         "error": error,
         "recovered_s": recovered_s,
-        "correct": bool((after == expected).all()),
+        "correct": correct,
         "size": shrunk.size(),
+        # Counted by each backend (xcomm.stats() leaves out a hierarchical leader's step).
+        "int8_calls": [
+            g._get_backend(torch.device("cpu")).compression_stats["calls"] for g in (group, shrunk)
+        ],
+        "segments": _segments_of(pids),
+        "shapes": [xcomm.group_plan(g)["shape"] for g in (group, shrunk)],
     }
     dist.destroy_process_group(shrunk)
     return out
 
 
-@pytest.mark.parametrize("shm", [False, True], ids=["plain", "shared-memory"])
-def test_survivors_of_a_sigkilled_rank_shrink_and_go_on(shm: bool) -> None:
-    results = run_ranks(_survivors_shrink_after_a_kill, 3, shm, timeout=120, may_die=[2])
-    assert results[2] is None
-    for r in results[:2]:
+# Each case costs a few seconds: a spread over the routes rather than every pair.
+FAULT_CASES = [
+    ("plain", "all_reduce", "kill"),
+    ("shared-memory", "all_reduce", "kill"),
+    ("shared-memory", "all_to_all", "kill"),
+    ("plain", "all_to_all", "kill"),
+    ("plain", "int8", "kill"),
+    ("shared-memory", "int8", "kill"),
+    ("shared-memory", "all_reduce", "stop"),
+    ("plain", "all_reduce", "stop"),
+    ("hierarchical", "all_reduce", "kill"),
+    ("hierarchical", "int8", "kill"),
+]
+SHAPE_OF = {"plain": "plain", "shared-memory": SINGLE_HOST, "hierarchical": "hierarchical"}
+
+
+@pytest.mark.parametrize(
+    "route,op,fault", FAULT_CASES, ids=["-".join(case) for case in FAULT_CASES]
+)
+def test_survivors_of_a_lost_rank_shrink_and_go_on(route: str, op: str, fault: str) -> None:
+    # Hierarchical: 4 ranks on two hosts of two; the victim leaves one behind.
+    world = 4 if route == "hierarchical" else 3
+    hosts = "halves" if route == "hierarchical" else None
+    results = run_ranks(
+        _survivors_shrink_after_a_fault,
+        world,
+        route,
+        hosts,
+        op,
+        fault,
+        timeout=120,
+        may_die=[world - 1],
+    )
+    assert results[world - 1] is None
+    for r in results[: world - 1]:
         assert r is not None
         assert r["error"] is not None, r  # the op the victim left failed, on every survivor
-        assert r["correct"] and r["size"] == 2, r
-        # Rebuilt at once, not after the 20 s group timeout.
+        assert r["correct"] and r["size"] == world - 1, r
+        assert r["shapes"] == [SHAPE_OF[route]] * 2, r
+        # Rebuilt at once, not after the 20 s group timeout (a frozen rank: the 3 s one).
         assert r["recovered_s"] < 10, r
+        # The survivors' new segment was unlinked as soon as they had mapped it.
+        assert r["segments"] == [], r
+    if op == "int8":  # the compressed path ran (on a hierarchical group: by the hosts' leaders)
+        leaders = [0, 2] if route == "hierarchical" else range(world - 1)
+        assert all(results[rank]["int8_calls"][1] == 1 for rank in leaders), results
 
 
 def _disagreeing_exclusions(ctx: RankContext) -> dict[str, Any]:
