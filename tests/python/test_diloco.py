@@ -497,3 +497,85 @@ def test_survivors_of_a_lost_replica_go_on_after_a_shrink(method: str) -> None:
         untrained = nn.functional.mse_loss(_model()(x), y).item()
     assert a["loss"] < untrained, (a["loss"], untrained)
     assert a["calls"] >= 6  # outer exchanges ran before and after the shrink
+
+
+def _newcomer_joins(ctx: RankContext, method: str) -> dict[str, Any]:
+    """Ranks 0 and 1 train with DiLoCo; rank 2, a replacement with a model of
+    its own, joins at an outer step by the documented path: a survivor's
+    state_dict, then use_group. The reference resumes a fresh 3-rank DiLoCo
+    from the same checkpoint, residuals left out (use_group starts them afresh)."""
+    import copy
+
+    import torch.distributed as dist
+
+    join_at, steps = 6, 12
+    pair = dist.new_group(ranks=[0, 1], backend="xcomm")
+    solo = dist.new_group(ranks=[2], backend="xcomm")
+    joined = dist.new_group(backend="xcomm")  # in a real job: the quorum's new group
+    reference_group = dist.new_group(backend="xcomm")
+    settings = {"sync_every": 2, "method": method}
+    if ctx.rank < 2:
+        model = _model()
+    else:  # the newcomer: another initialisation, which the join replaces
+        torch.manual_seed(7)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = _inner_opt(model)
+    diloco = DiLoCo(model, group=pair if ctx.rank < 2 else solo, **settings)
+    if ctx.rank < 2:
+        for step in range(1, join_at + 1):
+            _inner_step(model, opt, ctx.rank, step)
+            diloco.step()
+    # What a survivor hands the newcomer (a checkpoint, torchft's live transfer...).
+    handed = [
+        {"diloco": diloco.state_dict(), "model": copy.deepcopy(model.state_dict())}
+        if ctx.rank == 0
+        else None
+    ]
+    dist.broadcast_object_list(handed, src=0, group=joined)
+    if ctx.rank == 2:
+        diloco.load_state_dict(handed[0]["diloco"])
+    reference_model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    reference_model.load_state_dict(handed[0]["model"])
+    reference_opt = _inner_opt(reference_model)
+    if ctx.rank < 2:
+        reference_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    diloco.use_group(joined)
+    newcomer_equal_at_join = torch.equal(
+        _flat(list(model.parameters())), _flat(list(reference_model.parameters()))
+    )
+    reference = DiLoCo(reference_model, group=reference_group, **settings)
+    without_residuals = copy.deepcopy(handed[0]["diloco"])
+    for fragment in without_residuals["fragments"]:
+        fragment["residual"] = None
+    reference.load_state_dict(without_residuals)
+    calls_at_join = diloco.stats.as_dict()["calls"]
+    for step in range(join_at + 1, steps + 1):
+        _inner_step(model, opt, ctx.rank, step)
+        diloco.step()
+        _inner_step(reference_model, reference_opt, ctx.rank, step)
+        reference.step()
+    out = {
+        "equal_at_join": newcomer_equal_at_join,
+        "params": _flat(list(model.parameters())),
+        "reference": _flat(list(reference_model.parameters())),
+        "world": diloco.world,
+        "calls_since_join": diloco.stats.as_dict()["calls"] - calls_at_join,
+    }
+    diloco.close()
+    reference.close()
+    return out
+
+
+@pytest.mark.parametrize("method", ["int8", "bf16"])
+def test_a_newcomer_joins_with_a_survivors_state_and_use_group(method: str) -> None:
+    """After a join (a survivor's state_dict loaded by the newcomer, then
+    use_group on the grown group, on every member), the three ranks hold the
+    same model at once and train on bit for bit like a 3-rank DiLoCo resumed
+    from that checkpoint with fresh residuals."""
+    res = run_ranks(_newcomer_joins, 3, method, ref_group=False, timeout=180)
+    for r in res:
+        assert r["equal_at_join"], "use_group gave this rank the survivors' model"
+        assert r["world"] == 3
+        assert r["calls_since_join"] == 3  # outer exchanges at steps 8, 10, 12
+        assert torch.equal(r["params"], r["reference"])
+    assert torch.equal(res[0]["params"], res[2]["params"])
