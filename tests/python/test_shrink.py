@@ -312,3 +312,103 @@ def test_bad_shrink_calls_raise_value_errors_naming_the_problem() -> None:
         assert "ValueError" in r["twice"] and "excluded twice" in r["twice"], r
         assert "ValueError" in r["flags"] and "unknown shrink flags" in r["flags"], r
         assert "ValueError" in r["options"] and "xcomm.Options" in r["options"], r
+
+
+def _ddp_goes_on_after_a_shrink(ctx: RankContext, method: str) -> dict[str, Any] | None:
+    """DDP with a compressed hook over 3 ranks; rank 2 is gone at step 4. The
+    survivors' backward fails, they shrink, and wrap the same module in a new
+    DDP over the survivors' group with a new hook state (the documented
+    semantics: residuals, PowerSGD's P and Q, auto's measurements start
+    afresh). Reference: a DDP over a group created for the survivors from the
+    start, on a copy of the module and optimizer taken at the failure."""
+    import copy
+    import gc
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import xcomm
+    from ddp_helpers import flat_params, small_mlp
+    from xcomm import hooks
+
+    group = dist.new_group(
+        backend=BACKEND, pg_options=xcomm.Options(timeout=datetime.timedelta(seconds=20))
+    )
+    reference_group = dist.new_group(ranks=[0, 1], backend=BACKEND)
+
+    def hooked(module: torch.nn.Module, pg: dist.ProcessGroup) -> tuple[DDP, Any]:
+        ddp = DDP(module, process_group=pg, bucket_cap_mb=0.001)
+        if method == "int8":
+            state: Any = hooks.Int8State(process_group=pg)
+            ddp.register_comm_hook(state, hooks.int8_compress_hook)
+        else:
+            state = hooks.PowerSGDState(pg, matrix_approximation_rank=2, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, hooks.powersgd_hook)
+        return ddp, state
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(100 * ctx.rank + step)
+        return torch.randn(16, 12, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+    def step_of(ddp: DDP, opt: torch.optim.Optimizer, step: int) -> None:
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    torch.manual_seed(0)
+    module = small_mlp()
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    ddp, state = hooked(module, group)
+    failed_at, error, reference = None, None, None
+    for step in range(1, 11):
+        if step == 4 and ctx.rank == 2:
+            os._exit(0)
+        if reference is not None:
+            step_of(*reference, step)
+        try:
+            step_of(ddp, opt, step)
+            continue
+        except Exception as e:  # noqa: BLE001 - the lost rank's error, expected once
+            failed_at, error = step, f"{type(e).__name__}: {e}"
+        # Out of the except block: its traceback holds the old DDP's frames, and
+        # the old DDP must be gone (its autograd hooks leave the parameters
+        # with it) before the module is wrapped again.
+        shrunk = dist.shrink_group([2], group=group, shrink_flags=SHRINK_ABORT)
+        old = weakref.ref(ddp)
+        del ddp
+        gc.collect()
+        assert old() is None, "the failed DDP is still alive"
+        reference_module = small_mlp()
+        reference_module.load_state_dict(module.state_dict())
+        reference_opt = torch.optim.SGD(reference_module.parameters(), lr=0.1, momentum=0.9)
+        # A copy: load_state_dict keeps the momentum buffers it is given.
+        reference_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        ddp, state = hooked(module, shrunk)
+        reference = hooked(reference_module, reference_group)[0], reference_opt
+        step_of(ddp, opt, step)  # the failed step again, now over the survivors
+        step_of(*reference, step)
+    assert reference is not None
+    return {
+        "failed_at": failed_at,
+        "error": error,
+        "params": flat_params(module),
+        "reference": flat_params(reference[0].module),
+        "hook_calls": state.stats.calls,
+        "size": ddp.process_group.size(),
+    }
+
+
+@pytest.mark.parametrize("method", ["int8", "powersgd"])
+def test_ddp_with_a_compressed_hook_goes_on_after_a_shrink(method: str) -> None:
+    results = run_ranks(
+        _ddp_goes_on_after_a_shrink, 3, method, timeout=180, may_die=[2], destroy=False
+    )
+    assert results[2] is None
+    for r in results[:2]:
+        assert r is not None
+        assert r["failed_at"] == 4 and r["error"], r
+        assert r["size"] == 2
+        assert r["hook_calls"] > 0, r  # the new state's hook compressed after the shrink
+        assert torch.equal(r["params"], r["reference"]), method
+    assert torch.equal(results[0]["params"], results[1]["params"])
