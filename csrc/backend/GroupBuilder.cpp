@@ -80,6 +80,15 @@ const AuxGroup* findAux(const std::vector<AuxGroup>& groups, const std::string& 
   return nullptr;
 }
 
+// How a group's successors (after a shrink or reconfigure) are built: as the
+// group itself was, with the same inner backends and the same shm choice.
+XcommBackend::Regroup regroupWith(const InnerBackendFactory& factory, bool allowShm) {
+  return [factory, allowShm](const StorePtr& store, int rank, int size,
+                             c10::intrusive_ptr<XcommOptions> options) {
+    return buildGroup(store, rank, size, std::move(options), factory, allowShm);
+  };
+}
+
 }  // namespace
 
 c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int size,
@@ -173,10 +182,7 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     inner.cuda = factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout);
   }
   auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(inner));
-  backend->setRegroup(store, [factory, allowShm](const StorePtr& successorStore, int r, int n,
-                                                 c10::intrusive_ptr<XcommOptions> o) {
-    return buildGroup(successorStore, r, n, std::move(o), factory, allowShm);
-  });
+  backend->setRegroup(store, regroupWith(factory, allowShm));
   if (plan.fusionThresholdBytes > 0) {
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
   }
@@ -191,10 +197,7 @@ c10::intrusive_ptr<XcommBackend> buildAwaitingReconfigure(const StorePtr& store,
   TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
   options->validate();
   auto backend = XcommBackend::awaitingReconfigure(std::move(options), rank, size);
-  backend->setRegroup(store, [factory, allowShm](const StorePtr& successorStore, int r, int n,
-                                                 c10::intrusive_ptr<XcommOptions> o) {
-    return buildGroup(successorStore, r, n, std::move(o), factory, allowShm);
-  });
+  backend->setRegroup(store, regroupWith(factory, allowShm));
   return backend;
 }
 

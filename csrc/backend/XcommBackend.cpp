@@ -88,7 +88,7 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::awaitingReconfigure(
     c10::intrusive_ptr<XcommOptions> options, int rank, int size) {
   TORCH_CHECK(options, "xcomm: options must not be null");
   auto plan = GroupPlan::plain(rank, size, *options, "no communicator until reconfigure()");
-  return c10::make_intrusive<XcommBackend>(Unconfigured{}, std::move(options), std::move(plan));
+  return c10::make_intrusive<XcommBackend>(Unconfigured(), std::move(options), std::move(plan));
 }
 
 XcommBackend::~XcommBackend() = default;
@@ -218,25 +218,20 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::shrinkTo(const std::vector<int64_
   // different group (ranks waiting for each other until the timeout).
   const std::string space = "xcomm/shrink/" + std::to_string(shrinks_++) + "/";
   const std::string mine = rankListText(sorted);
-  setStoreText(store_, space + "excluded/" + std::to_string(rank_), mine);
   std::vector<int64_t> survivors;
   for (int64_t r = 0; r < size_; ++r) {
     if (!std::binary_search(sorted.begin(), sorted.end(), r)) survivors.push_back(r);
   }
-  std::vector<std::string> keys;
-  for (auto r : survivors) keys.push_back(space + "excluded/" + std::to_string(r));
-  try {
-    store_->wait(keys, options_->timeout);
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError,
-                    c10::str("xcomm.shrink: not every survivor (ranks ", rankListText(survivors),
-                             ") called shrink within the group's timeout (",
-                             options_->timeout.count(), " ms): ", messageOf(e)));
-  }
-  for (auto r : survivors) {
-    const auto theirs = getStoreText(store_, space + "excluded/" + std::to_string(r));
-    TORCH_CHECK_VALUE(theirs == mine, "xcomm.shrink: rank ", r, " excludes ranks [", theirs,
-                      "] but rank ", rank_, " excludes [", mine,
+  const auto theirs = exchangeStoreTexts(
+      store_, space + "excluded/", rank_, mine, survivors, options_->timeout,
+      [&](const std::string& why) {
+        return c10::str("xcomm.shrink: not every survivor (ranks ", rankListText(survivors),
+                        ") called shrink within the group's timeout (", options_->timeout.count(),
+                        " ms): ", why);
+      });
+  for (size_t i = 0; i < survivors.size(); ++i) {
+    TORCH_CHECK_VALUE(theirs[i] == mine, "xcomm.shrink: rank ", survivors[i], " excludes ranks [",
+                      theirs[i], "] but rank ", rank_, " excludes [", mine,
                       "]; every survivor must exclude the same ranks");
   }
   const int newRank =
@@ -339,22 +334,19 @@ void XcommBackend::reconfigureTo(int64_t uuid, std::vector<std::string> handles,
     failure = messageOf(e);
     if (failure.empty()) failure = "failed";
   }
-  const std::string mineBuilt = space + "built/" + std::to_string(newRank);
-  setStoreText(store_, mineBuilt, failure.empty() ? "ok" : failure);
-  std::vector<std::string> keys;
-  for (int r = 0; r < newSize; ++r) keys.push_back(space + "built/" + std::to_string(r));
-  try {
-    store_->wait(keys, timeout);
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError,
-                    c10::str("xcomm.reconfigure: not every member built the new group within ",
-                             timeout.count(), " ms, so this process keeps its group (",
-                             failure.empty() ? messageOf(e) : failure, ")"));
-  }
+  std::vector<int64_t> members(newSize);
+  for (int r = 0; r < newSize; ++r) members[r] = r;
+  const auto built = exchangeStoreTexts(
+      store_, space + "built/", newRank, failure.empty() ? "ok" : failure, members, timeout,
+      [&](const std::string& why) {
+        return c10::str("xcomm.reconfigure: not every member built the new group within ",
+                        timeout.count(), " ms, so this process keeps its group (",
+                        failure.empty() ? why : failure, ")");
+      });
   for (int r = 0; r < newSize; ++r) {
-    const auto said = getStoreText(store_, keys[r]);
-    TORCH_CHECK_WITH(DistBackendError, said == "ok", "xcomm.reconfigure: the new group's rank ", r,
-                     " (", handles[r], ") could not build it, so no member takes it: ", said);
+    TORCH_CHECK_WITH(DistBackendError, built[r] == "ok", "xcomm.reconfigure: the new group's rank ",
+                     r, " (", handles[r],
+                     ") could not build it, so no member takes it: ", built[r]);
   }
   swapGroup(*successor);
   reconfigureUuid_ = uuid;

@@ -100,6 +100,13 @@ class XcommBackend : public c10d::Backend {
   // members. buildAwaitingReconfigure (GroupBuilder) makes it.
   static c10::intrusive_ptr<XcommBackend> awaitingReconfigure(
       c10::intrusive_ptr<XcommOptions> options, int rank, int size);
+  // A key only this class can make: awaitingReconfigure's constructor is
+  // public for make_intrusive alone.
+  class Unconfigured {
+    friend class XcommBackend;
+    explicit Unconfigured() = default;
+  };
+  XcommBackend(Unconfigured, c10::intrusive_ptr<XcommOptions> options, GroupPlan plan);
   bool configured() const {
     return inner_.cpu || inner_.cuda;
   }
@@ -307,13 +314,6 @@ class XcommBackend : public c10d::Backend {
   // pending works, rank and size) and leaves it this one's; what says who
   // this process is and how groups are built (store, regroup, handle) stays.
   void swapGroup(XcommBackend& other);
-  struct Unconfigured {};
-
- public:
-  // (awaitingReconfigure's; make_intrusive needs it public.)
-  XcommBackend(Unconfigured, c10::intrusive_ptr<XcommOptions> options, GroupPlan plan);
-
- private:
   // Keeps the group's error state (getError) from `work`'s outcome.
   void watchForErrors(const c10::intrusive_ptr<c10d::Work>& work);
 
