@@ -34,6 +34,12 @@ GroupPlan GroupPlan::plain(int rank, int size, const XcommOptions& options, std:
   plan.localRank = rank;
   plan.localSize = size;
   plan.settings = settings;
+  // The options give these settings; the environment overrides the sizes and
+  // may turn the switches off (both agreed by every rank, GroupSettings).
+  plan.settings.shmHierarchical = options.shmHierarchical && settings.shmHierarchical;
+  if (settings.shmSlotBytes < 0) plan.settings.shmSlotBytes = options.shmSlotBytes;
+  if (settings.shmSmallBytes < 0) plan.settings.shmSmallBytes = options.shmSmallBytes;
+  plan.settings.directExchange = options.directExchange && settings.directExchange;
   plan.backendCompression = options.compression;
   plan.backendCompression.autoMethods = settings.autoMethods;
   plan.backendCompression.autoLinkLatency = settings.autoLinkLatency;
@@ -69,6 +75,9 @@ GroupPlan GroupPlan::decide(int rank, int size, const std::vector<std::string>& 
   }
   if (static_cast<int>(hosts.size()) == size) {
     return plainBecause("one rank per host: nothing to share within a host");
+  }
+  if (!options.shmHierarchical) {
+    return plainBecause("ranks span hosts; hierarchical off (Options(shm_hierarchical=False))");
   }
   if (!settings.shmHierarchical) {
     return plainBecause("ranks span hosts; hierarchical off (XCOMM_SHM_HIERARCHICAL)");

@@ -215,6 +215,7 @@ std::vector<std::pair<std::string, std::string>> GroupSettings::shared(const Xco
   const auto& c = options.compression;
   const bool compressing = c.method != Compression::kNone;
   const bool shmSettings = shm && size > 1;
+  const bool optionsShm = mayUseShm && options.shm && size > 1;
   const bool checked = options.checkCollectives && size > 1;
   const bool isAuto = c.method == Compression::kAuto;
   const bool fusing = options.fusionThresholdBytes > 0;
@@ -234,8 +235,12 @@ std::vector<std::pair<std::string, std::string>> GroupSettings::shared(const Xco
       {"Options.compression_min_bytes", compressing ? std::to_string(c.minBytes) : na},
       {"Options.int8_chunk_elems", compressing ? std::to_string(c.int8ChunkElems) : na},
       {"Options.shm", yesNo(mayUseShm && options.shm)},
+      {"Options.shm_hierarchical", optionsShm ? yesNo(options.shmHierarchical) : na},
+      {"Options.shm_slot_bytes", optionsShm ? orUnset(options.shmSlotBytes) : na},
+      {"Options.shm_small_bytes", optionsShm ? orUnset(options.shmSmallBytes) : na},
       {"Options.check_collectives", yesNo(options.checkCollectives)},
       {"Options.carry_small_ops", checked ? yesNo(options.carrySmallOps) : na},
+      {"Options.direct_exchange", checked ? yesNo(options.directExchange) : na},
       {"Options.fusion_threshold_bytes", std::to_string(options.fusionThresholdBytes)},
       {"Options.fusion_cycle_ms",
        fusing ? std::to_string(options.fusionCycle().count()) + " us" : na},

@@ -13,8 +13,9 @@
 // same ValueError naming the setting, the ranks and their values.
 //
 // Compared, in their canonical form, only where they matter to the group:
-// - the Options fields that shape a group (compression and its sizes, shm,
-//   check_collectives, carry_small_ops, fusion), so that one rank's
+// - the Options fields that shape a group (compression and its sizes, shm
+//   and its settings, check_collectives, carry_small_ops, direct_exchange,
+//   fusion), so that one rank's
 //   Options(compression="int8") against another's None is an error too;
 // - XCOMM_SHM, XCOMM_SHM_HIERARCHICAL, XCOMM_SHM_SLOT_BYTES,
 //   XCOMM_SHM_SMALL_BYTES (when the group may use shared memory);

@@ -26,6 +26,10 @@ void XcommOptions::validate() const {
                     "xcomm.Options: auto_link must be (latency seconds >= 0, bytes per second > "
                     "0), got (",
                     latency, ", ", bandwidth, ")");
+  TORCH_CHECK_VALUE(shmSlotBytes == -1 || shmSlotBytes > 0,
+                    "xcomm.Options: shm_slot_bytes must be > 0 (or None), got ", shmSlotBytes);
+  TORCH_CHECK_VALUE(shmSmallBytes >= -1,
+                    "xcomm.Options: shm_small_bytes must be >= 0 (or None), got ", shmSmallBytes);
   TORCH_CHECK_VALUE(fusionThresholdBytes >= 0,
                     "xcomm.Options: fusion_threshold_bytes must be >= 0, got ",
                     fusionThresholdBytes);

@@ -23,6 +23,14 @@ struct XcommOptions : c10d::Backend::Options {
   // CPU collectives over shared memory where the group's shape allows it
   // (GroupPlan); the environment's XCOMM_SHM=0 also turns it off.
   bool shm = true;
+  // The shared-memory settings the environment may override or turn off
+  // (XCOMM_SHM_HIERARCHICAL, XCOMM_SHM_SLOT_BYTES, XCOMM_SHM_SMALL_BYTES):
+  // a group spanning hosts reduces hierarchically; the segment's bytes per
+  // rank per buffer, and the largest allreduce taking the one-barrier path
+  // (-1: the transport's defaults).
+  bool shmHierarchical = true;
+  int64_t shmSlotBytes = -1;
+  int64_t shmSmallBytes = -1;
   // Check before each collective Gloo runs (groups without shared memory)
   // that every rank called the same one; a mismatch is a ValueError on
   // every rank instead of Gloo's abort, hang or wrong result.
@@ -30,6 +38,9 @@ struct XcommOptions : c10d::Backend::Options {
   // With the check on, small all_reduce, broadcast, all_gather and barrier
   // travel inside the check's own exchange instead of a Gloo op after it.
   bool carrySmallOps = true;
+  // With the check on, large all-to-alls and all-gathers go as point-to-point
+  // messages (DirectExchange); XCOMM_DIRECT_EXCHANGE=0 also keeps Gloo's.
+  bool directExchange = true;
   // Fusion of small async CPU allreduces up to this many bytes; 0: off.
   int64_t fusionThresholdBytes = 0;
   // With fusion on, a background cycle sends held ops at most this late; 0: on demand.

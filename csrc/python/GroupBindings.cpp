@@ -34,6 +34,14 @@ int64_t intField(const py::handle& value, const char* name) {
   return value.cast<int64_t>();
 }
 
+bool boolField(const py::handle& value, const char* name) {
+  if (!PyBool_Check(value.ptr())) {
+    throw py::type_error(std::string("xcomm.Options: ") + name + " must be a bool, got " +
+                         typeName(value));
+  }
+  return value.cast<bool>();
+}
+
 double numberField(const py::handle& value, const char* name) {
   if (PyBool_Check(value.ptr()) || !(PyLong_Check(value.ptr()) || PyFloat_Check(value.ptr()))) {
     throw py::type_error(std::string("xcomm.Options: ") + name + " must be a number, got " +
@@ -46,7 +54,9 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
     const py::object& timeout, const py::object& compression, const py::object& minBytes,
     const py::object& chunkElems, const py::object& shm, const py::object& fusionBytes,
     const py::object& cycleMs, const py::object& checkCollectives, const py::object& carrySmallOps,
-    const py::object& autoMethods, const py::object& autoLink) {
+    const py::object& autoMethods, const py::object& autoLink, const py::object& shmHierarchical,
+    const py::object& shmSlotBytes, const py::object& shmSmallBytes,
+    const py::object& directExchange) {
   auto options = xcomm::XcommOptions::create();
   if (!timeout.is_none()) {
     auto timedelta = py::module_::import("datetime").attr("timedelta");
@@ -90,6 +100,21 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
                          typeName(carrySmallOps));
   }
   options->carrySmallOps = carrySmallOps.cast<bool>();
+  options->shmHierarchical = boolField(shmHierarchical, "shm_hierarchical");
+  options->directExchange = boolField(directExchange, "direct_exchange");
+  // None: the transport's default (-1 inside); a number given must be one.
+  if (!shmSlotBytes.is_none()) {
+    options->shmSlotBytes = intField(shmSlotBytes, "shm_slot_bytes");
+    TORCH_CHECK_VALUE(options->shmSlotBytes > 0,
+                      "xcomm.Options: shm_slot_bytes must be > 0 (or None), got ",
+                      options->shmSlotBytes);
+  }
+  if (!shmSmallBytes.is_none()) {
+    options->shmSmallBytes = intField(shmSmallBytes, "shm_small_bytes");
+    TORCH_CHECK_VALUE(options->shmSmallBytes >= 0,
+                      "xcomm.Options: shm_small_bytes must be >= 0 (or None), got ",
+                      options->shmSmallBytes);
+  }
   options->fusionThresholdBytes = intField(fusionBytes, "fusion_threshold_bytes");
   options->fusionCycleMs = numberField(cycleMs, "fusion_cycle_ms");
   if (!autoMethods.is_none()) {
@@ -145,7 +170,8 @@ py::dict planDict(const xcomm::GroupPlan& plan) {
   d["carry_bytes"] = plan.carryBytes();
   d["checks_leaders"] = plan.checksLeaders();
   d["leader_carry_bytes"] = plan.leaderCarryBytes();
-  // The environment's settings, as every rank agreed on them.
+  // The settings, as every rank agreed on them (Options, with the
+  // environment's overrides).
   py::dict settings;
   const auto& env = plan.settings;
   settings["shm"] = env.shm;
@@ -212,6 +238,9 @@ void bindGroup(py::module_& m) {
            py::arg("check_collectives") = defaults.checkCollectives,
            py::arg("carry_small_ops") = defaults.carrySmallOps,
            py::arg("auto_methods") = py::none(), py::arg("auto_link") = py::none(),
+           py::arg("shm_hierarchical") = defaults.shmHierarchical,
+           py::arg("shm_slot_bytes") = py::none(), py::arg("shm_small_bytes") = py::none(),
+           py::arg("direct_exchange") = defaults.directExchange,
            "The C++ options of a group, checked (TypeError/ValueError naming the option). "
            "Users pass xcomm.Options, which converts to this.")
       .def_property_readonly("timeout", [](const xcomm::XcommOptions& o) { return o.timeout; })
@@ -229,6 +258,18 @@ void bindGroup(py::module_& m) {
       .def_readonly("fusion_cycle_ms", &xcomm::XcommOptions::fusionCycleMs)
       .def_readonly("check_collectives", &xcomm::XcommOptions::checkCollectives)
       .def_readonly("carry_small_ops", &xcomm::XcommOptions::carrySmallOps)
+      .def_readonly("shm_hierarchical", &xcomm::XcommOptions::shmHierarchical)
+      .def_readonly("direct_exchange", &xcomm::XcommOptions::directExchange)
+      .def_property_readonly("shm_slot_bytes",
+                             [](const xcomm::XcommOptions& o) -> py::object {
+                               if (o.shmSlotBytes < 0) return py::none();
+                               return py::int_(o.shmSlotBytes);
+                             })
+      .def_property_readonly("shm_small_bytes",
+                             [](const xcomm::XcommOptions& o) -> py::object {
+                               if (o.shmSmallBytes < 0) return py::none();
+                               return py::int_(o.shmSmallBytes);
+                             })
       .def_property_readonly("auto_methods",
                              [](const xcomm::XcommOptions& o) -> py::object {
                                if (o.compression.autoMethods.empty()) return py::none();

@@ -76,6 +76,16 @@ class Options:
         shm: Run CPU collectives through shared memory when every rank of
             the group is on one host (see ``xcomm.shm``). ``False``, or the
             environment variable ``XCOMM_SHM=0``, keeps them on Gloo.
+        shm_hierarchical: A group whose ranks span hosts, with several ranks
+            on some host, reduces hierarchically: over shared memory inside
+            each host, between the hosts' leaders over Gloo. ``False``, or
+            ``XCOMM_SHM_HIERARCHICAL=0``, keeps such a group plain.
+        shm_slot_bytes: Bytes per rank per shared-memory buffer (default,
+            ``None``: 1 MiB); larger tensors go through in pieces of this
+            size. ``XCOMM_SHM_SLOT_BYTES`` overrides it.
+        shm_small_bytes: The largest shared-memory ``all_reduce`` taking the
+            one-barrier path (``None``: 256 KiB).
+            ``XCOMM_SHM_SMALL_BYTES`` overrides it.
         fusion_threshold_bytes: When > 0, small async CPU allreduces issued
             back to back are held and sent as one flat allreduce of up to this
             many bytes (Horovod-style tensor fusion; identical results). Which
@@ -123,6 +133,17 @@ class Options:
             every rank can carry them (dense CPU tensors of a dtype Gloo
             takes, shapes Gloo accepts); otherwise Gloo runs them. ``True``
             (default).
+        direct_exchange: With ``check_collectives``, a large
+            ``all_to_all(_single)`` or ``all_gather(_into_tensor)`` goes as one
+            send and one receive per pair of ranks, all posted at once,
+            instead of Gloo's collective (1.1-1.9x its speed on a rate-limited
+            link, docs/benchmarks.md). ``False``, or
+            ``XCOMM_DIRECT_EXCHANGE=0``, keeps Gloo's. ``True`` (default).
+
+        Like every setting that changes a group's collectives, these are
+        agreed by the group's ranks when it is made (ranks that differ get a
+        ``ValueError`` naming the setting), and ``xcomm.group_plan(group)
+        ["settings"]`` shows what the group took.
 
     Example::
 
@@ -147,6 +168,10 @@ class Options:
     carry_small_ops: bool = _DEFAULTS.carry_small_ops
     auto_methods: tuple[str, ...] | None = None
     auto_link: tuple[float, float] | None = None
+    shm_hierarchical: bool = _DEFAULTS.shm_hierarchical
+    shm_slot_bytes: int | None = None
+    shm_small_bytes: int | None = None
+    direct_exchange: bool = _DEFAULTS.direct_exchange
 
     def __post_init__(self) -> None:
         self.to_cpp()  # checks every field (TypeError/ValueError naming it)
@@ -171,4 +196,8 @@ class Options:
             carry_small_ops=self.carry_small_ops,
             auto_methods=self.auto_methods,
             auto_link=self.auto_link,
+            shm_hierarchical=self.shm_hierarchical,
+            shm_slot_bytes=self.shm_slot_bytes,
+            shm_small_bytes=self.shm_small_bytes,
+            direct_exchange=self.direct_exchange,
         )

@@ -26,10 +26,12 @@ hosts shrink 2x (16-bit) or ~4x (int8) more.
 Switches: ``xcomm.Options(shm=False)`` or the environment variable
 ``XCOMM_SHM=0`` turn it off. Tuning (agreed by every rank when the group is
 made: a rank whose value differs gets a ``ValueError`` naming it):
-``XCOMM_SHM_SLOT_BYTES`` (bytes per rank per buffer, default 1 MiB) and
-``XCOMM_SHM_SMALL_BYTES`` (largest allreduce taking the one-barrier path,
-default 256 KiB); ``XCOMM_SHM_SPIN_US`` (per rank) sets how long a waiting
-rank spins before it sleeps on a futex. ``XCOMM_SHM_HIERARCHICAL=0`` keeps
+``Options(shm_slot_bytes=...)`` (bytes per rank per buffer, default 1 MiB)
+and ``Options(shm_small_bytes=...)`` (largest allreduce taking the
+one-barrier path, default 256 KiB), which ``XCOMM_SHM_SLOT_BYTES`` and
+``XCOMM_SHM_SMALL_BYTES`` override; ``XCOMM_SHM_SPIN_US`` (per rank) sets how
+long a waiting rank spins before it sleeps on a futex.
+``Options(shm_hierarchical=False)`` or ``XCOMM_SHM_HIERARCHICAL=0`` keeps
 groups that span hosts on flat Gloo; ``XCOMM_SHM_HOST_TAG`` is mixed into
 the host identity (ranks with different tags count as different hosts).
 

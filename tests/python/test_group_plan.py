@@ -114,6 +114,22 @@ def test_options_defaults_and_checks_come_from_cpp() -> None:
         xcomm.Options(carry_small_ops=1)
     with pytest.raises(ValueError, match="timeout must be positive"):
         xcomm.Options(timeout=datetime.timedelta(0))
+    assert opts.shm_hierarchical is cpp.shm_hierarchical is True
+    assert opts.direct_exchange is cpp.direct_exchange is True
+    assert opts.shm_slot_bytes is cpp.shm_slot_bytes is None
+    assert opts.shm_small_bytes is cpp.shm_small_bytes is None
+    sized = xcomm.Options(shm_slot_bytes=4096, shm_small_bytes=0).to_cpp()
+    assert (sized.shm_slot_bytes, sized.shm_small_bytes) == (4096, 0)
+    with pytest.raises(ValueError, match=r"shm_slot_bytes must be > 0 \(or None\), got 0"):
+        xcomm.Options(shm_slot_bytes=0)
+    with pytest.raises(ValueError, match=r"shm_small_bytes must be >= 0 \(or None\), got -1"):
+        xcomm.Options(shm_small_bytes=-1)
+    with pytest.raises(TypeError, match="shm_slot_bytes must be an int, got bool"):
+        xcomm.Options(shm_slot_bytes=True)
+    with pytest.raises(TypeError, match="shm_hierarchical must be a bool, got int"):
+        xcomm.Options(shm_hierarchical=0)
+    with pytest.raises(TypeError, match="direct_exchange must be a bool, got str"):
+        xcomm.Options(direct_exchange="off")
 
 
 def test_auto_bounds_as_options_are_checked_naming_the_option() -> None:
@@ -246,6 +262,16 @@ _LINK = "1e-4,1.25e8"
             "XCOMM_SHM_SLOT_BYTES (ranks 0, 1 unset; rank 2 '4096')",
         ),
         (
+            [{}, {}],
+            [{"shm_slot_bytes": 4096}, {}],
+            "Options.shm_slot_bytes (rank 0 '4096'; rank 1 unset)",
+        ),
+        (
+            [{}, {}],
+            [{"direct_exchange": False, "shm": False}, {"shm": False}],
+            "Options.direct_exchange (rank 0 'off'; rank 1 'on')",
+        ),
+        (
             [{}, {"XCOMM_SHM_SPIN_US": "-5"}],
             [{}] * 2,
             "XCOMM_SHM_SPIN_US must be >= 0, got -5 (on rank 1)",
@@ -257,6 +283,8 @@ _LINK = "1e-4,1.25e8"
         "shm-env",
         "compression-option",
         "slot-bytes-3-ranks",
+        "slot-bytes-option",
+        "direct-exchange-option",
         "bad-spin-one-rank",
     ],
 )
@@ -314,6 +342,53 @@ def test_settings_alike_on_every_rank_are_in_the_plan_and_used(by: str) -> None:
         assert r["auto"]["inputs"]["bandwidth_bytes_per_s"] == pytest.approx(1.25e8), r["auto"]
         assert r["auto"]["inputs"]["latency_s"] == pytest.approx(1e-4), r["auto"]
         assert r["auto"]["chosen"]["bf16"] == 0, r["auto"]
+
+
+def _rank_shm_options(ctx: RankContext) -> dict[str, Any]:
+    tiny = xcomm.Options(shm_slot_bytes=256, shm_small_bytes=96, direct_exchange=False)
+    by_options = dist.new_group(backend="xcomm", pg_options=tiny)
+    os.environ["XCOMM_SHM_SLOT_BYTES"] = "512"  # overrides the option's 256
+    os.environ["XCOMM_DIRECT_EXCHANGE"] = "1"  # cannot turn on what the option turned off
+    overridden = dist.new_group(backend="xcomm", pg_options=tiny)
+    del os.environ["XCOMM_SHM_SLOT_BYTES"], os.environ["XCOMM_DIRECT_EXCHANGE"]
+    # Two hosts of two ranks: hierarchical unless the option keeps it plain.
+    os.environ["XCOMM_SHM_HOST_TAG"] = "a" if ctx.rank < 2 else "b"
+    spanning = dist.new_group(backend="xcomm", pg_options=xcomm.Options(shm_hierarchical=False))
+    hierarchical = dist.new_group(backend="xcomm")
+    del os.environ["XCOMM_SHM_HOST_TAG"]
+    # 10_000 floats through 256-byte slots: many pieces, the same sum as Gloo's.
+    x = torch.arange(10_000, dtype=torch.float32) * (ctx.rank + 1)
+    ref = x.clone()
+    ops_before = xcomm.shm.ops_run(by_options)
+    dist.all_reduce(x, group=by_options)
+    dist.all_reduce(ref, group=ctx.ref)
+    return {
+        "settings": xcomm.group_plan(by_options)["settings"],
+        "overridden": xcomm.group_plan(overridden)["settings"],
+        "spanning": xcomm.group_plan(spanning),
+        "hierarchical": xcomm.group_plan(hierarchical)["shape"],
+        "equal": torch.equal(x, ref),
+        "shm_ops": xcomm.shm.ops_run(by_options) - ops_before,
+    }
+
+
+def test_shm_and_direct_exchange_options_are_in_the_plan_and_the_environment_overrides_them() -> (
+    None
+):
+    """Options(shm_slot_bytes, shm_small_bytes, shm_hierarchical,
+    direct_exchange) set what XCOMM_SHM_SLOT_BYTES, XCOMM_SHM_SMALL_BYTES,
+    XCOMM_SHM_HIERARCHICAL and XCOMM_DIRECT_EXCHANGE set: the variables
+    override the sizes and may turn the switches off, not on."""
+    for r in run_ranks(_rank_shm_options, 4, timeout=120):
+        settings = r["settings"]
+        assert settings["shm_slot_bytes"] == 256 and settings["shm_small_bytes"] == 96, settings
+        assert settings["direct_exchange"] is False, settings
+        assert r["overridden"]["shm_slot_bytes"] == 512, r["overridden"]
+        assert r["overridden"]["direct_exchange"] is False, r["overridden"]
+        assert r["spanning"]["shape"] == "plain", r["spanning"]
+        assert "Options(shm_hierarchical=False)" in r["spanning"]["why"], r["spanning"]
+        assert r["hierarchical"] == "hierarchical"
+        assert r["equal"] and r["shm_ops"] == 1, r
 
 
 def _rank_own_spin(ctx: RankContext) -> dict[str, Any]:
