@@ -536,6 +536,18 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   flushFused();
   auto result = listValue(tensors);
   const uint64_t bytes = payloadBytes(result);  // before the op is issued
+  // A hierarchical group compresses the step between hosts only (its
+  // leaders, ShmCpuBackend): every rank counts the op under the method, with
+  // what a leader sends, as a group compressing every step does.
+  const CompressedAllreduce* leaders =
+      inner_.shm && tensors[0].device().is_cpu() ? inner_.shm->leaderCompression() : nullptr;
+  if (leaders && leaders->applies(staged, innerOpts)) {
+    const uint64_t wireBytes = leaders->payloadBytes(staged[0]);
+    auto work = inner.allreduce(staged, innerOpts);
+    return wrapCounted(std::move(work), c10d::OpType::ALLREDUCE, std::move(finalize),
+                       std::move(result), issuedUs, leaders->statsName(), bytes, wireBytes,
+                       profilingTitle(op), tensors);
+  }
   auto work = inner.allreduce(staged, innerOpts);
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, std::move(finalize), std::move(result),
               issuedUs, bytes, op, tensors);
