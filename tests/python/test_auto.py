@@ -757,3 +757,53 @@ def test_a_method_never_run_is_predicted_with_the_correction_of_those_that_ran()
     tripped, tripped_calls, _ = run_ranks(_untried, 2, False)[0]
     assert "int8" in tripped[tripped.index("topk") :], tripped
     assert tripped_calls["int8"] > 0, tripped_calls
+
+
+def _calibrated_on_the_bucket(ctx: RankContext) -> dict[str, Any]:
+    """Records every calibration auto makes, and the bucket DDP hands the hook
+    at the last uncompressed step (before the hook averages it in place)."""
+    from xcomm.hooks import auto
+
+    calls: list[dict[str, Any]] = []
+    plain_calibrate = auto.calibrate_codecs
+
+    def recording(*args: Any, **kwargs: Any) -> dict[str, float]:
+        sample = kwargs.get("sample")
+        calls.append(
+            {
+                "numel": args[0] if args else kwargs.get("numel"),
+                "sample": None if sample is None else sample.clone(),
+            }
+        )
+        return plain_calibrate(*args, **kwargs)
+
+    auto.calibrate_codecs = recording
+    model = DDP(make_model(), bucket_cap_mb=0.01)  # several buckets: the largest is taken
+    state = hooks.AutoState(model=model, interval=2)
+    seen: dict[int, torch.Tensor] = {}
+
+    def hook(s, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations
+        if s.iter == s.start_iter - 1:
+            seen[bucket.index()] = bucket.buffer().clone()
+        return hooks.auto_hook(s, bucket)
+
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train(model, opt, batch, ctx.rank, range(5))
+    largest = max(seen.values(), key=lambda t: t.numel())
+    return {"calls": calls, "largest": largest, "buckets": len(seen), "explain": state.explain()}
+
+
+def test_codecs_are_timed_on_the_models_own_largest_bucket() -> None:
+    """A codec's cost depends on its input (top-k's on a bucket of zeros, as
+    an embedding's gradient is): auto times the codecs on a small stand-in
+    before anything is compressed, then, at the round that starts
+    compression, on a copy of this rank's largest bucket of the last
+    uncompressed step, and says so in explain()."""
+    for r in run_ranks(_calibrated_on_the_bucket, 2):
+        assert r["buckets"] > 1, r["buckets"]
+        calls = r["calls"]
+        assert len(calls) == 2, [c["numel"] for c in calls]
+        assert calls[0]["sample"] is None and calls[0]["numel"] == 1 << 16
+        assert torch.equal(calls[1]["sample"], r["largest"])
+        assert f"this model's largest bucket, {r['largest'].numel()} elements" in r["explain"]

@@ -37,8 +37,11 @@ method was not tried.
 
 Inputs, measured, never guessed:
 
-* the codecs' ``c_m``: timed once on this machine on a synthetic bucket on
-  the buckets' device (CPU, or a GPU with xcomm's CUDA kernels);
+* the codecs' ``c_m``: timed on this machine on the buckets' device (CPU,
+  or a GPU with xcomm's CUDA kernels), on the model's own gradients: the
+  largest bucket of the last uncompressed step (``start_iter - 1``), with
+  its zeros, ties and magnitudes, at the round that starts compression
+  (a small synthetic bucket stands in before, when nothing is compressed);
 * the link's latency and bandwidth as the collectives see them (the
   backend's own reduction cost included): every ``interval`` steps (later
   where a round would cost more than ``probe_fraction`` of the steps
@@ -132,6 +135,8 @@ _INT8_CHUNK = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
 # Codecs that cost nothing: the model's prediction of the wire alone.
 _FREE_CODECS = dict.fromkeys(_CODEC_KEYS, 0.0)
+# Codec timings before any bucket is compressed: cheap, replaced at start_iter.
+_STAND_IN_NUMEL = 1 << 16
 
 
 def _allreduce_wire(nbytes: float, world: int) -> float:
@@ -202,13 +207,19 @@ def predict_seconds(
 
 
 def calibrate_codecs(
-    numel: int = 1 << 22, world: int = 2, rank: int = 4, device: torch.device | None = None
+    numel: int = 1 << 22,
+    world: int = 2,
+    rank: int = 4,
+    device: torch.device | None = None,
+    sample: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Measures each codec's seconds per element on this machine (float32,
     encode + reduce + decode with error feedback, best of 3), on a bucket of
     ``numel`` elements on ``device`` (default the CPU; a CUDA device times
     xcomm's kernels there, to completion): 16 MiB by default, out of cache
-    as DDP's are.
+    as DDP's are. ``sample``: time them on these values instead (a real
+    gradient bucket: a codec's cost depends on its input, e.g. top-k's on
+    a bucket of mostly zeros); ``numel`` is then its size.
 
     Example::
 
@@ -218,8 +229,12 @@ def calibrate_codecs(
         True
     """
     device = torch.device("cpu") if device is None else torch.device(device)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(numel, generator=g).to(device)
+    if sample is not None:
+        x = sample.detach().reshape(-1).to(device=device, dtype=torch.float32).clone()
+        numel = x.numel()
+    else:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(numel, generator=g).to(device)
     out = torch.empty_like(x)
     costs: dict[str, float] = {}
 
@@ -368,6 +383,11 @@ class AutoState(PicklableState):
         # Each bucket's (numel, parameter shapes, itemsize, device type), to ask
         # whether a new reading of the link would change its method.
         self._bucket_inputs: dict[int, tuple[int, list[tuple[int, ...]], int, str]] = {}
+        # The largest bucket of the last uncompressed step (a copy), which the
+        # codecs are timed on at the round that starts compression; then None.
+        self._sample: torch.Tensor | None = None
+        #: What the codecs were last timed on (``explain()`` says it).
+        self.calibrated_on = "nothing yet" if self.codec_costs is None else "given (codec_costs)"
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -448,6 +468,7 @@ class AutoState(PicklableState):
             link_line = (
                 f"link: latency {link.latency_s * 1e3:.3f} ms, "
                 f"bandwidth {link.bandwidth_bytes_per_s * 8 / 1e9:.3f} Gbit/s (agreed by all ranks)"
+                f"\ncodecs timed on: {self.calibrated_on}"
             )
             if self.observe:
                 link_line += "\n" + self._observed.explain()
@@ -491,13 +512,27 @@ class AutoState(PicklableState):
                 torch.cuda.synchronize(device)  # NCCL's sync op returns once enqueued
             return _allreduce_wire(t.numel() * 4.0, world)
 
+        def calibrate() -> dict[str, float]:
+            if self.codec_costs is not None:
+                return self.codec_costs
+            sample, self._sample = self._sample, None
+            if sample is None:
+                # Nothing compressed yet: a small stand-in, replaced at
+                # start_iter; after it (a resumed run) a full synthetic bucket.
+                numel = _STAND_IN_NUMEL if self.iter < self.start_iter else 1 << 22
+                self.calibrated_on = f"randn, {numel} elements"
+                return calibrate_codecs(numel, world=world, rank=self.powersgd_rank, device=device)
+            self.calibrated_on = f"this model's largest bucket, {sample.numel()} elements"
+            return calibrate_codecs(
+                world=world, rank=self.powersgd_rank, device=device, sample=sample
+            )
+
+        if self._sample is not None and self.iter >= self.start_iter:
+            self._measure.local_costs = None  # time the codecs again, on the sample
         links, costs = self._measure.agree(
             group,
             {"allreduce": probe},
-            lambda: (
-                self.codec_costs
-                or calibrate_codecs(world=world, rank=self.powersgd_rank, device=device)
-            ),
+            calibrate,
             step=self.iter,
             fixed=None if self.link is None else {"allreduce": self.link},
             device=device,
@@ -684,6 +719,9 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state.iter += 1
         state._in_step = False
     if step < state.start_iter:
+        keep = state.codec_costs is None and step == state.start_iter - 1
+        if keep and (state._sample is None or buffer.numel() > state._sample.numel()):
+            state._sample = buffer.detach().clone()  # before the allreduce averages it
         issued_at = time.perf_counter()
         fut = allreduce_mean(state, bucket, state.stats)
         state._watch(fut, bucket, "none", step, issued_at)
