@@ -404,8 +404,10 @@ def test_auto_leaves_a_method_observed_slower_than_predicted_on_every_rank_alike
         "ALLREDUCE_AUTO_NONE": 3 * _ROUND,
     }, first["rows"]
     observed = first["auto"]["observed"]
-    # 20 ms against a predicted fraction of a millisecond: well above none's
-    assert observed["int8"]["from"] == "int8" and observed["int8"]["factor"] > 10, observed
+    # 20 ms more than a prediction of a few ms at most (the probed link's
+    # wire time on a busy machine); that it is above none's is shown above
+    # (none ran from the next round on).
+    assert observed["int8"]["from"] == "int8" and observed["int8"]["factor"] > 2, observed
     assert observed["bf16"] == {"factor": observed["int8"]["factor"], "from": "int8"}, observed
     assert observed["link"]["from"] == "link", observed  # none's runs correct the link
     assert first["auto"]["last"].endswith("-> none"), first["auto"]["last"]
