@@ -178,6 +178,11 @@ TEST_CASE("a DeferredRelease lets go once the other owners did, on its own threa
   object.reset();                    // the last other owner: no destruction on this thread
   REQUIRE(diedAt.wait_for(std::chrono::seconds(5)) == std::future_status::ready);
   CHECK(diedAt.get() != std::this_thread::get_id());
+  // released() says so once the destructor has returned: just after the promise.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!deferred.released() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   CHECK(deferred.released());
 }
 
