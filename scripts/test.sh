@@ -52,6 +52,7 @@ ONCE_ONLY=(
   xcomm_bench/tests/test_gpu_bench.py
   xcomm_bench/tests/test_hook_bench.py
   xcomm_bench/tests/test_launch.py
+  xcomm_bench/tests/test_time_to_accuracy.py
 )
 
 # Each phase is logged with the time since the start, so a slow CI run shows

@@ -28,6 +28,9 @@ Subcommands:
 ``diloco``
     DiLoCo against DDP on digits: accuracy, bytes per sample and wall-clock
     time at emulated link rates (:mod:`xcomm_bench.diloco`).
+``time-to-accuracy``
+    steps to a target loss times step time, per reduction and link rate, on a
+    language model and an embedding model (:mod:`xcomm_bench.time_to_accuracy`).
 ``gpu``
     one GPU: codec GB/s beside the GPU's copy bandwidth, DDP step time and
     hook cost per step at world size 1 (:mod:`xcomm_bench.gpu`).
@@ -388,6 +391,10 @@ _DELEGATED = {
     "fsdp": ("fsdp", "FSDP2 step time and bytes, compressed reduce-scatter vs not"),
     "diloco": ("diloco", "DiLoCo vs DDP on digits: accuracy, bytes/sample, wall-clock"),
     "gpu": ("gpu", "one GPU: codec GB/s against copy, DDP step time per hook (world size 1)"),
+    "time-to-accuracy": (
+        "time_to_accuracy",
+        "time to a target loss per reduction and link rate (LM, embedding model)",
+    ),
 }
 
 

@@ -1,0 +1,89 @@
+"""The time-to-accuracy benchmark: its arithmetic, and one small run end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from xcomm_bench.launch import module_command, python_env
+from xcomm_bench.time_to_accuracy import combine, steps_to_target, target_loss
+
+
+def _run(history: list[tuple[int, float]], step_s: list[float], **extra: object) -> dict:
+    return {"history": history, "step_s": step_s, "hook_calls": 1, **extra}
+
+
+def test_time_to_target_is_steps_to_the_target_times_the_rates_step_time() -> None:
+    none = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5), (40, 2.6)]
+    slow_learner = [(0, 5.0), (10, 4.5), (20, 4.0), (30, 3.5), (40, 3.2)]
+    fast_learner = [(0, 5.0), (10, 2.9), (20, 2.0), (30, 1.9), (40, 1.8)]
+    # The target is none's best so far nearest 3/4 of its run: 2.5 at step 30.
+    assert target_loss(none, 0.75) == 2.5
+    assert steps_to_target(none, 2.5) == 30
+    trained = {
+        "none": _run(none, []),
+        "topk": _run(slow_learner, []),
+        "int8": _run(fast_learner, []),
+    }
+    timed = {
+        "1gbit": {
+            "none": {"step_s": [0.1, 0.3], "hook_calls": 0},
+            "topk": {"step_s": [0.01], "hook_calls": 5},
+            "int8": {"step_s": [0.05, 0.05], "hook_calls": 5},
+        }
+    }
+    # auto at 1 Gbit/s reaches the target at step 20; its first 20 steps took 1 s each.
+    auto = _run(fast_learner, [1.0] * 20 + [9.0] * 20, chosen="int8")
+    rows = combine(trained, timed, {"1gbit": {"auto": auto}}, 0.75, 40)
+    by = {r["method"]: r for r in rows}
+    assert by["none"]["time_s"] == pytest.approx(30 * 0.2)
+    assert by["int8"]["steps"] == 20 and by["int8"]["time_s"] == pytest.approx(20 * 0.05)
+    # top-k never reaches it: its bound is all its steps, flagged as not reached.
+    assert not by["topk"]["reached"] and by["topk"]["time_s"] == pytest.approx(40 * 0.01)
+    assert by["auto"]["time_s"] == pytest.approx(20.0) and by["auto"]["step_ms"] == 5000
+    # top-k's 0.4 s is a bound, not a time to target: int8 is the best static method.
+    assert by["auto"]["best_static"] == "int8" and by["auto"]["vs_best_static"] == 20.0
+    assert by["int8"]["vs_none"] == pytest.approx(1.0 / 6.0)
+
+
+def test_a_small_run_trains_every_method_and_writes_its_report(tmp_path: Path) -> None:
+    """Loopback, tiny models: each method trained (its hook called), rows for each."""
+    out = tmp_path / "tta"
+    cmd = module_command(
+        "xcomm_bench",
+        "time-to-accuracy",
+        "--smoke",
+        "--tasks",
+        "embedding",
+        "--optimizers",
+        "adamw",
+        "--methods",
+        "none,int8,auto",
+        "--no-progress",
+        "--out",
+        str(out),
+    )
+    subprocess.run(cmd, check=True, env=python_env(), timeout=600)
+    results = json.loads((out / "time_to_accuracy.json").read_text())
+    case = results["cases"]["embedding/adamw"]
+    # Both static methods trained 20 steps; the loss fell.
+    for method in ("none", "int8"):
+        history = case["trained"][method]["history"]
+        assert history[0][0] == 0 and history[-1][0] == 20
+        assert history[-1][1] < history[0][1]
+    # int8's hook ran on every step past its uncompressed start; auto's too.
+    assert case["trained"]["int8"]["hook_calls"] >= 20
+    auto = case["adaptive"]["loopback"]["auto"]
+    assert auto["hook_calls"] >= 20 and auto["chosen"]
+    rows = {r["method"]: r for r in case["rows"]}
+    assert set(rows) == {"none", "int8", "auto"}
+    assert rows["none"]["reached"] and rows["none"]["steps"] <= 20
+    step_s = case["timed"]["loopback"]["int8"]["step_s"]
+    assert rows["int8"]["time_s"] == pytest.approx(
+        rows["int8"]["steps"] * sum(step_s) / len(step_s)
+    )
+    assert "| embedding | adamw | loopback | auto (" in (out / "time_to_accuracy.md").read_text()
+    assert (out / "time_to_accuracy.png").stat().st_size > 0

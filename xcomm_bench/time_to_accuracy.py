@@ -1,0 +1,682 @@
+"""Time to accuracy: which reduction reaches a target loss first, per link rate?
+
+Step time alone rewards a method that sends few bytes even when it needs
+many more steps to reach a loss. This benchmark measures both factors on
+tasks with real learning signal and reports their product.
+
+Tasks (2 ranks, DDP, real text that ships with every CPython,
+``pydoc_data.topics``: the Python language reference, 79 topics, 465 kB):
+
+* ``lm``: a byte-level causal transformer language model (d_model 256, 2
+  layers, 4 heads, context 64, batch 8 sequences per rank; 1.7M parameters).
+  The loss is the validation cross-entropy in nats per byte, on text held out
+  (every 10th 4 KiB block).
+* ``embedding``: which of the 79 topics a window of 16 words comes from, by
+  ``EmbeddingBag(50_000, 64)`` over hashed words (mean), then 64 -> 256 ->
+  79; 3.2M parameters, batch 32 windows per rank. A step touches at most 512
+  rows of the table, so DDP's dense gradient is mostly exact zeros (the
+  sparse-row case). The loss is the cross-entropy on the last 15% of every
+  topic's words, held out.
+
+Optimizers: ``adamw`` (weight decay 0.01; lr 1e-3 for ``lm``, 3e-3 for
+``embedding``) and ``sgd`` (momentum
+0.9; lr 0.3 for ``lm``, 0.5 for ``embedding``).
+
+Methods: ``none`` (DDP's allreduce), xcomm's hooks ``bf16``, ``int8``,
+``topk`` (1%, error feedback), ``powersgd`` (rank 4, error feedback),
+``auto`` (the hook's default choice among none, bf16 and int8), ``auto-any``
+(the hook choosing among every method by time per step: what the default
+guards against) and ``backend-auto`` (``xcomm.Options(compression="auto")``).
+
+Measured in two phases, then combined:
+
+1. **Steps to target**, once per task, optimizer and static method, on
+   loopback (a static method's arithmetic does not depend on the link): the
+   validation loss every ``--eval-every`` steps. The target is the loss the
+   uncompressed run reached (its best so far) at ``--target-at`` of its
+   steps; a method's steps to target is the first evaluation at which its
+   best-so-far loss is at or below it.
+2. **Step time** per link rate on 2 emulated nodes (``nodes=2``, root): every
+   static method's model in one process pair, interleaved in rounds so a
+   burst of load hits them alike; the mean over the timed steps.
+   The autos choose by the link, so each runs its whole training at each
+   rate: its steps to target and its wall time to reach it come from that run.
+
+Time to target = steps to target x mean step time (the autos: the sum of
+their step times up to that step). Evaluation is not timed. A method that
+does not reach the target in ``--steps`` steps shows ``>`` its bound.
+Writes ``time_to_accuracy.{json,md,png}``.
+
+Example (root; 2 emulated nodes)::
+
+    python -m xcomm_bench time-to-accuracy --tasks lm,embedding --optimizers adamw \\
+        --rates 0.1gbit,1gbit,10gbit --out bench-results/tta
+    python -m xcomm_bench time-to-accuracy --smoke   # loopback, tiny models, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .launch import module_command, run_ranks
+
+__all__ = [
+    "METHODS",
+    "STATIC_METHODS",
+    "TASKS",
+    "TaskSpec",
+    "build_task",
+    "main",
+    "steps_to_target",
+]
+
+TASKS: tuple[str, ...] = ("lm", "embedding")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
+#: Methods whose arithmetic does not depend on the link: steps measured once.
+STATIC_METHODS: tuple[str, ...] = ("none", "bf16", "int8", "topk", "powersgd")
+#: Methods that choose by the link: trained at every rate.
+ADAPTIVE_METHODS: tuple[str, ...] = ("auto", "auto-any", "backend-auto")
+METHODS: tuple[str, ...] = STATIC_METHODS + ADAPTIVE_METHODS
+_START_ITER = 2  # compressed methods reduce the first steps uncompressed
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def _topics() -> list[str]:
+    """The Python language reference's topics, in a fixed order."""
+    from pydoc_data.topics import topics
+
+    return [topics[k] for k in sorted(topics)]
+
+
+@dataclasses.dataclass
+class TaskSpec:
+    """A model, its training batches and its validation loss.
+
+    Attributes:
+        name: One of :data:`TASKS`.
+        build: A fresh module (seed it first).
+        batch: ``batch(generator) -> (inputs, targets)`` for one rank's step.
+        loss: ``loss(module(inputs), targets)``.
+        validation: The held-out ``(inputs, targets)``, the same on every rank.
+    """
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    validation: tuple[torch.Tensor, torch.Tensor]
+
+
+class _ByteLM(torch.nn.Module):
+    """Byte embedding + causal transformer encoder + byte head."""
+
+    def __init__(self, d_model: int, heads: int, layers: int, context: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, d_model)
+        self.pos = torch.nn.Parameter(torch.zeros(context, d_model))
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model, heads, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
+        )
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(d_model, 256)
+        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:n]
+        return self.head(self.encoder(h, mask=self.mask[:n, :n], is_causal=True))
+
+
+def _lm_task(smoke: bool) -> TaskSpec:
+    d, heads, layers, context, bs = (32, 2, 1, 16, 4) if smoke else (256, 4, 2, 64, 8)
+    text = "\n\n".join(_topics()).encode("utf-8", "replace")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    block = 4096
+    blocks = data[: len(data) // block * block].view(-1, block)
+    held_out = torch.arange(len(blocks)) % 10 == 9
+    train, held = blocks[~held_out].reshape(-1), blocks[held_out].reshape(-1)
+    g = torch.Generator().manual_seed(7)
+    windows = 8 if smoke else 48
+    starts = torch.randint(len(held) - context - 1, (windows,), generator=g)
+    val_x = torch.stack([held[s : s + context] for s in starts.tolist()])
+    val_y = torch.stack([held[s + 1 : s + context + 1] for s in starts.tolist()])
+
+    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.randint(len(train) - context - 1, (bs,), generator=gen).tolist()
+        x = torch.stack([train[i : i + context] for i in s])
+        y = torch.stack([train[i + 1 : i + context + 1] for i in s])
+        return x, y
+
+    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+
+    return TaskSpec("lm", lambda: _ByteLM(d, heads, layers, context), batch, loss, (val_x, val_y))
+
+
+def _embedding_task(smoke: bool) -> TaskSpec:
+    rows, dim, hidden, window, bs = (2000, 8, 16, 8, 8) if smoke else (50_000, 64, 256, 16, 32)
+    words = [
+        torch.tensor([zlib.crc32(w.encode()) % rows for w in re.findall(r"\w+", t.lower())])
+        for t in _topics()
+    ]
+    words = [w for w in words if len(w) >= 2 * window]
+    classes = len(words)
+    cut = [int(len(w) * 0.85) for w in words]
+    train = [w[:c] for w, c in zip(words, cut, strict=True)]
+    held = [w[c - window :] for w, c in zip(words, cut, strict=True)]  # at least one window
+    # Topics drawn in proportion to their length, as a window of the text would be.
+    train_weight = torch.tensor([float(len(w) - window) for w in train])
+    held_weight = torch.tensor([float(len(w) - window + 1) for w in held])
+
+    def draw(parts: list[torch.Tensor], weight: torch.Tensor, n: int, gen: torch.Generator):
+        topic = torch.multinomial(weight, n, replacement=True, generator=gen)
+        xs = []
+        for t in topic.tolist():
+            s = int(torch.randint(len(parts[t]) - window + 1, (1,), generator=gen))
+            xs.append(parts[t][s : s + window])
+        return torch.stack(xs), topic
+
+    val = draw(held, held_weight, 64 if smoke else 1024, torch.Generator().manual_seed(7))
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.EmbeddingBag(rows, dim, mode="mean"),
+            torch.nn.Linear(dim, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, classes),
+        )
+
+    return TaskSpec(
+        "embedding",
+        build,
+        lambda gen: draw(train, train_weight, bs, gen),
+        torch.nn.functional.cross_entropy,
+        val,
+    )
+
+
+def build_task(name: str, *, smoke: bool = False) -> TaskSpec:
+    """The benchmark's tasks; ``smoke`` shrinks the models to seconds of training.
+
+    Example::
+
+        >>> task = build_task("embedding", smoke=True)
+        >>> x, y = task.batch(torch.Generator().manual_seed(0))
+        >>> task.loss(task.build()(x), y).ndim
+        0
+    """
+    if name == "lm":
+        return _lm_task(smoke)
+    if name == "embedding":
+        return _embedding_task(smoke)
+    raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
+
+
+def _optimizer(name: str, task: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3 if task == "lm" else 3e-3, weight_decay=0.01)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.3 if task == "lm" else 0.5, momentum=0.9)
+    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _counted(hook):  # type: ignore[no-untyped-def]
+    """``hook`` with a call count (``_counted.calls``): proof that it ran."""
+
+    def wrapper(state, bucket):  # type: ignore[no-untyped-def]
+        wrapper.calls += 1
+        return hook(state, bucket)
+
+    wrapper.calls = 0
+    return wrapper
+
+
+class _Trainer:
+    """One DDP model with one method registered, its optimizer and its batches."""
+
+    def __init__(self, spec: TaskSpec, optimizer: str, method: str, rank: int) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import xcomm
+        from xcomm import hooks
+        from xcomm.hooks import auto as auto_methods
+
+        group = dist.group.WORLD
+        if method == "backend-auto":
+            ranks = list(range(dist.get_world_size()))
+            group = dist.new_group(
+                ranks, backend="xcomm", pg_options=xcomm.Options(compression="auto")
+            )
+        torch.manual_seed(1234)  # the same initial weights for every method and rank
+        self.method, self.spec = method, spec
+        self.model = DDP(spec.build(), process_group=group, gradient_as_bucket_view=True)
+        self.state: Any = None
+        self.hook: Any = None
+        if method == "backend-auto":
+            self.state = group._get_backend(torch.device("cpu"))
+        elif method != "none":
+            hook_of = {
+                "bf16": (lambda: hooks.CastState(process_group=group), hooks.bf16_cast_hook),
+                "int8": (
+                    lambda: hooks.Int8State(process_group=group, start_iter=_START_ITER),
+                    hooks.int8_compress_hook,
+                ),
+                "topk": (
+                    lambda: hooks.TopKState(
+                        process_group=group, density=0.01, start_iter=_START_ITER
+                    ),
+                    hooks.topk_hook,
+                ),
+                "powersgd": (
+                    lambda: hooks.PowerSGDState(
+                        process_group=group,
+                        matrix_approximation_rank=4,
+                        start_powerSGD_iter=_START_ITER,
+                    ),
+                    hooks.powersgd_hook,
+                ),
+                "auto": (
+                    lambda: hooks.AutoState(process_group=group, start_iter=_START_ITER),
+                    hooks.auto_hook,
+                ),
+                "auto-any": (
+                    lambda: hooks.AutoState(
+                        process_group=group,
+                        methods=auto_methods.METHODS,
+                        min_density=0.01,
+                        start_iter=_START_ITER,
+                    ),
+                    hooks.auto_hook,
+                ),
+            }
+            make_state, hook = hook_of[method]
+            self.state, self.hook = make_state(), _counted(hook)
+            self.model.register_comm_hook(self.state, self.hook)
+        self.optimizer = _optimizer(optimizer, spec.name, self.model.parameters())
+        self.gen = torch.Generator().manual_seed(100 + rank)
+        self.steps = 0
+
+    def step(self) -> float:
+        """One training step; returns its wall seconds."""
+        x, y = self.spec.batch(self.gen)
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=False)
+        self.spec.loss(self.model(x), y).backward()
+        self.optimizer.step()
+        self.steps += 1
+        return time.perf_counter() - start
+
+    def validation_loss(self) -> float:
+        with torch.no_grad():
+            x, y = self.spec.validation
+            return float(self.spec.loss(self.model.module(x), y))
+
+    def proof(self) -> dict[str, Any]:
+        """What shows the method ran: hook calls, auto's choices, the backend's counts."""
+        out: dict[str, Any] = {"hook_calls": getattr(self.hook, "calls", 0)}
+        if self.method in ("auto", "auto-any"):
+            out["chosen"] = ",".join(self.state.methods_by_bucket())
+        if self.method == "backend-auto":
+            chosen = self.state.compression_stats.get("auto", {}).get("chosen", {})
+            out["chosen"] = ",".join(f"{m}*{n}" for m, n in chosen.items() if n)
+        return out
+
+
+@dataclasses.dataclass
+class WorkerJob:
+    """What one process pair does (its command line, as JSON).
+
+    ``kind="train"``: train ``methods[0]`` for ``steps`` steps, evaluating
+    every ``eval_every``. ``kind="time"``: every method of ``methods``
+    side by side, ``rounds`` rounds of ``block`` timed steps each after
+    ``warmup`` untimed ones.
+    """
+
+    kind: str
+    task: str
+    optimizer: str
+    methods: list[str]
+    steps: int = 0
+    eval_every: int = 10
+    warmup: int = 4
+    rounds: int = 4
+    block: int = 5
+    smoke: bool = False
+
+
+def _worker(job: WorkerJob, out: str) -> int:
+    import xcomm
+
+    torch.set_num_threads(1)
+    opts = xcomm.Options(timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group("xcomm", init_method="env://", pg_options=opts)
+    try:
+        rank = dist.get_rank()
+        spec = build_task(job.task, smoke=job.smoke)
+        trainers = [_Trainer(spec, job.optimizer, m, rank) for m in job.methods]
+        result: dict[str, Any] = {}
+        if job.kind == "train":
+            (t,) = trainers
+            history, times = [], []
+            for step in range(job.steps + 1):
+                if step % job.eval_every == 0 or step == job.steps:
+                    history.append((step, t.validation_loss()))
+                if step < job.steps:
+                    times.append(t.step())
+            result = {"history": history, "step_s": times, **t.proof()}
+        else:
+            for t in trainers:
+                for _ in range(job.warmup):
+                    t.step()
+            times: dict[str, list[float]] = {t.method: [] for t in trainers}
+            for _ in range(job.rounds):
+                for t in trainers:
+                    times[t.method] += [t.step() for _ in range(job.block)]
+            result = {t.method: {"step_s": times[t.method], **t.proof()} for t in trainers}
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _launch(job: WorkerJob, rate: str | None, timeout: float) -> dict[str, Any]:
+    """Runs ``job`` on 2 ranks: loopback (``rate=None``) or 2 emulated nodes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        argv = ["--worker", out, "--job", json.dumps(dataclasses.asdict(job))]
+        command = module_command("xcomm_bench.time_to_accuracy", *argv)
+        # On loopback, both ranks share a host, where xcomm would reduce through
+        # shared memory: this benchmark is about the network, as the emulated
+        # nodes are separate hosts.
+        env = {"XCOMM_SHM": "0"}
+        rc = run_ranks(command, 2, nodes=2 if rate else 0, rate=rate, env=env, timeout=timeout)
+        if rc != 0:
+            raise RuntimeError(
+                f"{job.kind} {job.task}/{job.optimizer} {job.methods} at {rate}: ranks failed ({rc})"
+            )
+        return json.loads(Path(out).read_text())
+
+
+# ----------------------------------------------------------------------------- combining
+
+
+def best_so_far(history: Sequence[Sequence[float]]) -> list[tuple[int, float]]:
+    """``(step, least loss up to that step)`` for each evaluation."""
+    out, best = [], math.inf
+    for step, loss in history:
+        best = min(best, loss)
+        out.append((int(step), best))
+    return out
+
+
+def target_loss(history: Sequence[Sequence[float]], at_fraction: float) -> float:
+    """The best-so-far loss at the evaluation nearest ``at_fraction`` of the run."""
+    curve = best_so_far(history)
+    last = curve[-1][0]
+    return min(curve, key=lambda c: abs(c[0] - at_fraction * last))[1]
+
+
+def steps_to_target(history: Sequence[Sequence[float]], target: float) -> int | None:
+    """The first evaluated step whose best-so-far loss is at or below ``target``.
+
+    Example::
+
+        >>> steps_to_target([(0, 5.0), (10, 3.0), (20, 3.5), (30, 2.0)], 2.5)
+        30
+        >>> steps_to_target([(0, 5.0), (10, 3.0)], 2.5) is None
+        True
+    """
+    return next((s for s, loss in best_so_far(history) if loss <= target), None)
+
+
+def combine(
+    trained: dict[str, dict[str, Any]],
+    timed: dict[str, dict[str, Any]],
+    adaptive: dict[str, dict[str, dict[str, Any]]],
+    target_at: float,
+    steps: int,
+) -> list[dict[str, Any]]:
+    """Rows ``{rate, method, steps, step_ms, time_s, reached, ...}`` of one task and optimizer.
+
+    ``trained``: static method -> its training run; ``timed``: rate -> that
+    rate's side-by-side timing (method -> times); ``adaptive``: rate ->
+    method -> its training run at that rate.
+    """
+    target = target_loss(trained["none"]["history"], target_at)
+    rows = []
+    for rate in timed:
+        for method, run in trained.items():
+            step_s = timed[rate][method]["step_s"]
+            mean = sum(step_s) / len(step_s)
+            n = steps_to_target(run["history"], target)
+            rows.append(
+                {
+                    "rate": rate,
+                    "method": method,
+                    "target": target,
+                    "steps": n if n is not None else steps,
+                    "reached": n is not None,
+                    "step_ms": 1e3 * mean,
+                    "time_s": (n if n is not None else steps) * mean,
+                    "hook_calls": timed[rate][method]["hook_calls"],
+                }
+            )
+        for method, run in adaptive.get(rate, {}).items():
+            n = steps_to_target(run["history"], target)
+            upto = n if n is not None else steps
+            rows.append(
+                {
+                    "rate": rate,
+                    "method": method,
+                    "target": target,
+                    "steps": upto,
+                    "reached": n is not None,
+                    "step_ms": 1e3 * sum(run["step_s"]) / len(run["step_s"]),
+                    "time_s": sum(run["step_s"][:upto]),
+                    "hook_calls": run["hook_calls"],
+                    "chosen": run.get("chosen", ""),
+                }
+            )
+    for r in rows:
+        same = [o for o in rows if o["rate"] == r["rate"]]
+        none = next(o for o in same if o["method"] == "none")
+        # A method that did not reach the target has a bound, not a time: not a contender.
+        reached = [o for o in same if o["method"] in STATIC_METHODS and o["reached"]]
+        best = min(reached, key=lambda o: o["time_s"])
+        r["vs_none"] = r["time_s"] / none["time_s"]
+        r["vs_best_static"] = r["time_s"] / best["time_s"]
+        r["best_static"] = best["method"]
+    return rows
+
+
+def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    lines = [
+        (
+            "| task | optimizer | rate | method | steps to target | ms/step | time to target s "
+            "| / none | / best static |"
+        ),
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        bound = "" if r["reached"] else ">"
+        method = r["method"] + (f" ({r['chosen']})" if r.get("chosen") else "")
+        lines.append(
+            f"| {r['task']} | {r['optimizer']} | {r['rate']} | {method} | {bound}{r['steps']} "
+            f"| {r['step_ms']:.1f} | {bound}{r['time_s']:.2f} | {bound}{r['vs_none']:.2f} "
+            f"| {bound}{r['vs_best_static']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results["cases"])
+    fig, axes = plt.subplots(len(keys), 2, figsize=(11, 3.6 * len(keys)), dpi=100, squeeze=False)
+    for (curves_ax, time_ax), key in zip(axes, keys, strict=True):
+        case = results["cases"][key]
+        for method, run in case["trained"].items():
+            s, loss = zip(*best_so_far(run["history"]), strict=True)
+            curves_ax.plot(s, loss, label=method, linewidth=1.2)
+        curves_ax.axhline(case["rows"][0]["target"], color="grey", linestyle=":", label="target")
+        curves_ax.set_xlabel("step")
+        curves_ax.set_ylabel("validation loss (best so far)")
+        curves_ax.set_title(f"{key}: loss per step (loopback)")
+        curves_ax.legend(fontsize=7)
+        curves_ax.grid(alpha=0.3)
+        rates = list(dict.fromkeys(r["rate"] for r in case["rows"]))
+        x = [_rate_gbit(r) for r in rates]
+        for method in dict.fromkeys(r["method"] for r in case["rows"]):
+            y = [
+                next(
+                    o["time_s"] for o in case["rows"] if o["rate"] == rate and o["method"] == method
+                )
+                for rate in rates
+            ]
+            style = "o-" if method in STATIC_METHODS else "s--"
+            time_ax.plot(x, y, style, label=method, linewidth=1.2, markersize=4)
+        time_ax.set_xscale("log")
+        time_ax.set_yscale("log")
+        time_ax.set_xlabel("link rate (Gbit/s)")
+        time_ax.set_ylabel("time to target (s)")
+        time_ax.set_title(f"{key}: time to target loss")
+        time_ax.legend(fontsize=7)
+        time_ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _rate_gbit(rate: str) -> float:
+    if rate == "loopback":
+        return 100.0
+    from .cluster import parse_rate
+
+    return parse_rate(rate) / 1e9
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every phase of every task and optimizer, with a progress bar."""
+    from tqdm import tqdm
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or "none" not in methods:
+        raise SystemExit(f"--methods: {unknown} unknown, or 'none' missing; known: {METHODS}")
+    static = [m for m in methods if m in STATIC_METHODS]
+    adaptive = [m for m in methods if m in ADAPTIVE_METHODS]
+    rates: list[str | None] = [r for r in args.rates.split(",") if r] if not args.smoke else [None]
+    tasks, optimizers = args.tasks.split(","), args.optimizers.split(",")
+    cases = [(t, o) for t in tasks for o in optimizers]
+    jobs = len(cases) * (len(static) + len(rates) * (1 + len(adaptive)))
+    bar = tqdm(total=jobs, desc="time to accuracy", unit="run", disable=args.no_progress)
+    common = {"smoke": args.smoke, "eval_every": args.eval_every}
+    results: dict[str, Any] = {"config": vars(args), "cases": {}}
+    for task, optimizer in cases:
+        trained, timed, adaptive_runs = {}, {}, {}
+        for method in static:
+            bar.set_postfix_str(f"{task}/{optimizer} {method} steps")
+            job = WorkerJob("train", task, optimizer, [method], steps=args.steps, **common)
+            trained[method] = _launch(job, None, args.timeout)
+            bar.update()
+        for rate in rates:
+            name = rate or "loopback"
+            bar.set_postfix_str(f"{task}/{optimizer} step times at {name}")
+            job = WorkerJob(
+                "time", task, optimizer, static, rounds=args.rounds, block=args.block, **common
+            )
+            timed[name] = _launch(job, rate, args.timeout)
+            bar.update()
+            adaptive_runs[name] = {}
+            for method in adaptive:
+                bar.set_postfix_str(f"{task}/{optimizer} {method} at {name}")
+                job = WorkerJob("train", task, optimizer, [method], steps=args.steps, **common)
+                adaptive_runs[name][method] = _launch(job, rate, args.timeout)
+                bar.update()
+        rows = combine(trained, timed, adaptive_runs, args.target_at, args.steps)
+        for r in rows:
+            r.update(task=task, optimizer=optimizer)
+        results["cases"][f"{task}/{optimizer}"] = {
+            "trained": trained,
+            "timed": timed,
+            "adaptive": adaptive_runs,
+            "rows": rows,
+        }
+    bar.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m xcomm_bench time-to-accuracy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--rates", default="0.1gbit,0.5gbit,1gbit,5gbit,10gbit")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument(
+        "--target-at",
+        type=float,
+        default=0.75,
+        help="the target: uncompressed's loss at this fraction of its steps",
+    )
+    p.add_argument("--rounds", type=int, default=4, help="timing rounds per rate")
+    p.add_argument("--block", type=int, default=5, help="timed steps per method per round")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--smoke", action="store_true", help="tiny models on loopback, 20 steps")
+    p.add_argument("--out", default="bench-results/time-to-accuracy")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        return _worker(WorkerJob(**json.loads(args.job)), args.worker)
+    if args.smoke:
+        args.steps, args.eval_every, args.rounds, args.block = 20, 5, 2, 2
+    results = run(args)
+    rows = [r for case in results["cases"].values() for r in case["rows"]]
+    table = format_markdown(rows)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "time_to_accuracy.json").write_text(json.dumps(results, indent=1))
+    (out / "time_to_accuracy.md").write_text(table + "\n")
+    plot(results, out / "time_to_accuracy.png")
+    print(f"wrote {out}/time_to_accuracy.{{json,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
