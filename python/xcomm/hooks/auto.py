@@ -137,6 +137,8 @@ _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
 _FREE_CODECS = dict.fromkeys(_CODEC_KEYS, 0.0)
 # Codec timings before any bucket is compressed: cheap, replaced at start_iter.
 _STAND_IN_NUMEL = 1 << 16
+# A synthetic bucket's size where there is no sample: 16 MiB, out of cache as DDP's are.
+_CALIBRATION_NUMEL = 1 << 22
 
 
 def _allreduce_wire(nbytes: float, world: int) -> float:
@@ -207,7 +209,7 @@ def predict_seconds(
 
 
 def calibrate_codecs(
-    numel: int = 1 << 22,
+    numel: int = _CALIBRATION_NUMEL,
     world: int = 2,
     rank: int = 4,
     device: torch.device | None = None,
@@ -519,7 +521,7 @@ class AutoState(PicklableState):
             if sample is None:
                 # Nothing compressed yet: a small stand-in, replaced at
                 # start_iter; after it (a resumed run) a full synthetic bucket.
-                numel = _STAND_IN_NUMEL if self.iter < self.start_iter else 1 << 22
+                numel = _STAND_IN_NUMEL if self.iter < self.start_iter else _CALIBRATION_NUMEL
                 self.calibrated_on = f"randn, {numel} elements"
                 return calibrate_codecs(numel, world=world, rank=self.powersgd_rank, device=device)
             self.calibrated_on = f"this model's largest bucket, {sample.numel()} elements"
