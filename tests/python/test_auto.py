@@ -634,6 +634,7 @@ def _misjudged(ctx: RankContext, observe: bool) -> tuple[list[tuple[str, int]], 
     costs["topk"] /= 10  # real cost = 10x the calibrated one
     state = hooks.AutoState(
         methods=("none", "topk"),
+        objective="step_time",  # the closed loop on time per step alone
         codec_costs=costs,
         model=model,
         interval=2,
@@ -715,6 +716,7 @@ def _untried(ctx: RankContext, inherit: bool) -> tuple[list[str], dict[str, int]
     costs["int8"] = 6e-3 / numel  # 6 ms predicted; it takes 80 ms more
     state = hooks.AutoState(
         methods=("int8", "topk"),
+        objective="step_time",  # the closed loop on time per step alone
         codec_costs=costs,
         model=model,
         interval=2,
@@ -807,3 +809,76 @@ def test_codecs_are_timed_on_the_models_own_largest_bucket() -> None:
         assert calls[0]["sample"] is None and calls[0]["numel"] == 1 << 16
         assert torch.equal(calls[1]["sample"], r["largest"])
         assert f"this model's largest bucket, {r['largest'].numel()} elements" in r["explain"]
+
+
+def _embedding_and_dense() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.EmbeddingBag(20_000, 16, mode="mean"),
+        torch.nn.Linear(16, 4096),
+        torch.nn.ReLU(),
+        torch.nn.Linear(4096, 64),
+    )
+
+
+def _bag_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    # 16 bags of 8 ids: at most 128 of the table's 20,000 rows get a gradient.
+    return torch.randint(20_000, (16, 8), generator=g), torch.randint(64, (16,), generator=g)
+
+
+def _by_objective(ctx: RankContext, objective: str) -> dict[str, Any]:
+    model = DDP(_embedding_and_dense(), bucket_cap_mb=1)
+    state = hooks.AutoState(
+        methods=("none", "int8", "topk"),
+        link=SLOW,
+        codec_costs=COSTS,
+        observe=False,
+        objective=objective,
+    )
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    train(model, opt, _bag_batch, ctx.rank, range(6))
+    table = model.module[0].weight.numel()
+
+    def name(index: int) -> str:  # the bucket with the embedding table (and the first Linear)
+        numel = state.decisions[index]["numel"]
+        return "table" if numel >= table else f"dense {numel}"
+
+    return {
+        "methods": {name(k): d["method"] for k, d in state.decisions.items()},
+        "lost_share": {name(k): v for k, v in state.lost_share.items()},
+        "charged_s": state.charged_step_seconds,
+        "explain": state.explain(),
+        "params": flat_params(model),
+    }
+
+
+def test_time_to_accuracy_charges_what_a_method_loses_so_top_k_keeps_only_a_sparse_bucket() -> None:
+    """On a link so slow that top-k at 1% is the fastest reduction of every
+    bucket, time per step picks it everywhere; time to accuracy charges each
+    method the share of the gradient it drops times the step time, so the
+    dense bucket takes int8 and only the bucket of the embedding table, whose
+    gradient top-k keeps almost whole (the table's 128 rows x 16 of 320,000
+    entries, beside a small Linear's), stays on top-k. Both ranks measure,
+    agree and choose alike."""
+    by_step = run_ranks(_by_objective, 2, "step_time")
+    assert set(by_step[0]["methods"].values()) == {"topk"}, by_step[0]["methods"]
+    assert by_step[0]["lost_share"] == {}  # nothing measured without the charge
+    assert "objective: time per step" in by_step[0]["explain"]
+
+    got = run_ranks(_by_objective, 2, "time_to_accuracy")
+    r0, r1 = got
+    assert r0["methods"] == r1["methods"] and r0["lost_share"] == r1["lost_share"]
+    assert torch.equal(r0["params"], r1["params"])
+    methods = r0["methods"]
+    assert methods.pop("table") == "topk", r0["explain"]
+    assert methods and set(methods.values()) == {"int8"}, r0["explain"]
+    share = r0["lost_share"]
+    assert share["table"]["topk"] < 0.01  # (the small Linear's small entries dropped)
+    dense_topk = sum(v["topk"] for k, v in share.items() if k != "table")
+    assert 0.3 < dense_topk < 1.0  # most of the dense gradient dropped
+    assert all(v["int8"] < 1e-3 for v in share.values())
+    # Charged by at least the buckets' predicted uncompressed time on SLOW (seconds).
+    assert r0["charged_s"] > 1.0
+    assert "accuracy charge" in r0["explain"] and "objective: time to accuracy" in r0["explain"]

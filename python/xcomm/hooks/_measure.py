@@ -151,6 +151,8 @@ class MeasuredLink:
         self.next_round = 0
         #: The ``extra`` values every rank agreed on last.
         self.agreed_extra: list[float] = []
+        #: The median recent step time, the slowest rank's, as the last round agreed it.
+        self.agreed_step_seconds = 0.0
         self._readings: list[list[float]] = []  # agreed seconds/byte per kind, last 3 rounds
         #: What the last rounds took beyond what their bytes and latency
         #: explain (agreed: the slowest rank's), seconds; the newest last.
@@ -231,6 +233,7 @@ class MeasuredLink:
         self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
         values = agreed.tolist()
         latency, step_seconds, n = -values[0], values[1], len(self.kinds)
+        self.agreed_step_seconds = step_seconds
         ncodecs = len(self.codec_keys)
         costs = dict(zip(self.codec_keys, values[3 + n : 3 + n + ncodecs]))
         self.agreed_extra = values[3 + n + ncodecs :]

@@ -35,6 +35,33 @@ observed method for one that only its ``randn`` calibration favours;
 :meth:`AutoState.explain` says which predictions are corrected and why a
 method was not tried.
 
+The objective is time to accuracy, not time per step (``objective``,
+default ``"time_to_accuracy"``). A lossy method that sends few bytes but
+drops most of each step's gradient saves time per step and costs steps: a
+compression error of squared norm ``delta^2`` per step acts like that much
+more gradient noise, and the steps to reach a loss grow by about
+``1 + delta^2 / |g|^2`` (McCandlish et al., 2018, "An Empirical Model of
+Large-Batch Training": the steps scale with the noise to signal ratio of
+the update). So each lossy method is charged, per bucket, the share of the
+step's gradient it loses times the step time:
+
+    ``T'(m) = T(m) + (|g_b - C_m(g_b)|^2 / |g|^2) * S``
+
+where ``g_b`` is the bucket's gradient, ``|g|^2`` the whole step's, ``C_m``
+the method's round trip without error feedback (PowerSGD: the best rank-r
+approximation, which its warm-started power iteration approaches) and
+``S`` the step time: measured (the median of recent steps, the slowest
+rank's) and at least the predicted time of the buckets' reductions. Summed
+over buckets this is, to first order, the product of the step time and the
+steps factor. The shares are measured on the model's own gradients at step
+``start_iter - 1`` and agreed (MAX over ranks). A cast or int8 loses about
+1e-5 of a gradient and is charged microseconds; top-k at 1% of a dense
+gradient loses most of it and is chosen only where the link is so slow that
+its steps are worth that many more; on a bucket whose gradient is mostly
+exact zeros (an embedding table) top-k loses almost nothing and competes
+on its step time alone. Error feedback resends what was lost later, so the
+charge is an upper bound. ``objective="step_time"`` drops the charge.
+
 Inputs, measured, never guessed:
 
 * the codecs' ``c_m``: timed on this machine on the buckets' device (CPU,
@@ -116,7 +143,16 @@ from .powersgd import PowerSGDState, powersgd_hook
 from .sparse import TopKState, topk_hook
 from .stats import CompressionStats
 
-__all__ = ["DEFAULT_METHODS", "METHODS", "AutoState", "LinkModel", "auto_hook", "predict_seconds"]
+__all__ = [
+    "DEFAULT_METHODS",
+    "METHODS",
+    "OBJECTIVES",
+    "AutoState",
+    "LinkModel",
+    "auto_hook",
+    "compression_errors",
+    "predict_seconds",
+]
 
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = method_names("ddp")
@@ -280,6 +316,77 @@ def calibrate_codecs(
     return costs
 
 
+def compression_errors(
+    buffer: torch.Tensor,
+    gradients: list[torch.Tensor],
+    methods: tuple[str, ...],
+    *,
+    density: float,
+    rank: int,
+) -> dict[str, float]:
+    """The squared norm each lossy method's round trip loses on one bucket
+    (``buffer``, flat; ``gradients``, its parameters' gradients, shaped),
+    without error feedback: casts and xcomm's int8 and top-k codecs as they
+    run; PowerSGD as the best rank-``rank`` approximation of each matrix it
+    compresses (its warm-started power iteration approaches it; vectors and
+    matrices too small to pay are sent whole).
+
+    Example::
+
+        >>> g = torch.zeros(1000)
+        >>> g[:5] = 1.0  # five non-zeros: top-k at 1% (10 entries) keeps them all
+        >>> lost = compression_errors(g, [g], ("none", "topk", "bf16"), density=0.01, rank=4)
+        >>> lost["topk"], lost["bf16"]
+        (0.0, 0.0)
+    """
+    x = buffer.detach().reshape(-1).to(torch.float32)
+    numel = x.numel()
+    lost: dict[str, float] = {}
+    for method in methods:
+        if method == "none":
+            continue
+        if method in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if method == "bf16" else torch.float16
+            lost[method] = float((x.to(dtype).to(torch.float32) - x).square().sum())
+            continue
+        if method == "powersgd":
+            total = 0.0
+            # svd_lowrank draws its starting vectors: keep the caller's RNG as it was.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                for g in gradients:
+                    if g.dim() < 2:
+                        continue
+                    mat = g.detach().reshape(g.shape[0], -1).to(torch.float32)
+                    m, k = mat.shape
+                    r = min(rank, m, k)
+                    if (m + k) * r * 2 >= m * k:  # sent whole (_powersgd_sizes' rule)
+                        continue
+                    top = torch.svd_lowrank(mat, q=min(r + 4, m, k), niter=2)[1][:r]
+                    total += max(float(mat.square().sum() - top.square().sum()), 0.0)
+            lost[method] = total
+            continue
+        decoded = torch.empty_like(x)
+        if method == "int8":
+            codec = _C.Int8Codec(_INT8_CHUNK)
+            shard = codec.shard_elems(numel, 1)
+            packed = codec.pack_shards_with_feedback(x.clone(), 1, _C.ErrorFeedback(), 0)
+            codec.unpack_all(codec.reduce_and_pack(packed, shard, 1.0), shard, decoded)
+        elif method == "topk":
+            codec = _C.TopKCodec(False, False)
+            k = _C.TopKCodec.k_for(numel, density)
+            packed = codec.encode_with_feedback(0, x.clone(), k, _C.ErrorFeedback())
+            codec.decode(packed.reshape(1, -1), k, decoded, 1.0)
+        else:
+            raise ValueError(f"xcomm.hooks.auto: unknown method {method!r}; choose from {METHODS}")
+        lost[method] = float((decoded - x).square().sum())
+    return lost
+
+
+#: What ``AutoState(objective=...)`` accepts.
+OBJECTIVES = ("time_to_accuracy", "step_time")
+
+
 @dataclass
 class AutoState(PicklableState):
     """State of :func:`auto_hook` (see the module docstring for the model).
@@ -308,6 +415,9 @@ class AutoState(PicklableState):
             (with a fixed ``link`` and ``codec_costs``: a hypothetical
             machine, as tests use).
         model: the DDP model, so residuals are checkpointed by parameter.
+        objective: ``"time_to_accuracy"`` (default) charges each lossy method
+            the share of the gradient it loses times the step time (see the
+            module docstring); ``"step_time"`` chooses by time per step alone.
 
     Example::
 
@@ -329,6 +439,7 @@ class AutoState(PicklableState):
     observe: bool = True
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
+    objective: str = "time_to_accuracy"
 
     def __post_init__(self) -> None:
         self.methods = tuple(self.methods)
@@ -345,6 +456,11 @@ class AutoState(PicklableState):
             )
         if self.interval < 1:
             raise ValueError(f"xcomm.hooks.AutoState: interval must be >= 1, got {self.interval}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"xcomm.hooks.AutoState: objective must be one of {OBJECTIVES}, "
+                f"got {self.objective!r}"
+            )
         if not (0.0 < self.min_density <= 1.0):
             raise ValueError(
                 f"xcomm.hooks.AutoState: min_density must be in (0, 1], got {self.min_density}"
@@ -390,6 +506,18 @@ class AutoState(PicklableState):
         self._sample: torch.Tensor | None = None
         #: What the codecs were last timed on (``explain()`` says it).
         self.calibrated_on = "nothing yet" if self.codec_costs is None else "given (codec_costs)"
+        # The accuracy term (objective "time_to_accuracy"): at step
+        # _errors_step each bucket's squared norm and what each lossy method
+        # loses of it, on this rank; from the next round, agreed as each
+        # bucket's lost share of the step's gradient (``lost_share``).
+        self._errors_step = self.start_iter - 1
+        self._errors: dict[int, dict[str, float]] = {}
+        self._energy: dict[int, float] = {}
+        #: Each bucket's share of the step's squared gradient norm each lossy
+        #: method loses (agreed by all ranks; empty before it is measured).
+        self.lost_share: dict[int, dict[str, float]] = {}
+        #: The step time the accuracy term charges by (agreed at the last round).
+        self.charged_step_seconds = 0.0
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -421,6 +549,8 @@ class AutoState(PicklableState):
             "powersgd": self._powersgd.state_dict(),
             "stats": self.stats.as_dict(),
             "observed": self._observed.state_dict(),
+            "lost_share": {str(k): dict(v) for k, v in self.lost_share.items()},
+            "charged_step_seconds": self.charged_step_seconds,
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -441,6 +571,11 @@ class AutoState(PicklableState):
         self._powersgd.load_state_dict(d["powersgd"])
         self.stats.load_dict(d["stats"])
         self._observed.load_state_dict(d.get("observed", {}))  # none before the closed loop
+        self.lost_share = {int(k): dict(v) for k, v in d.get("lost_share", {}).items()}
+        self.charged_step_seconds = float(d.get("charged_step_seconds", 0.0))
+        if not self.lost_share and self.iter >= self._errors_step:
+            # A checkpoint from before the accuracy term: measure it on the next step.
+            self._errors_step = self.iter
 
     # -- explanation --
 
@@ -474,7 +609,21 @@ class AutoState(PicklableState):
             )
             if self.observe:
                 link_line += "\n" + self._observed.explain()
+            link_line += "\n" + self._objective_line()
         return self._choices.explain("bucket", link_line)
+
+    def _objective_line(self) -> str:
+        if self.objective == "step_time":
+            return "objective: time per step (lossy methods are not charged for steps)"
+        if not self.lost_share:
+            return (
+                "objective: time to accuracy; the gradient each method loses is not measured "
+                f"yet (at step {self._errors_step}): no method is charged before"
+            )
+        return (
+            "objective: time to accuracy; a lossy method's time adds the share of the step's "
+            f"gradient it loses x the step time, {self.charged_step_seconds * 1e3:.2f} ms"
+        )
 
     # -- measurement and agreement --
 
@@ -531,6 +680,8 @@ class AutoState(PicklableState):
 
         if self._sample is not None and self.iter >= self.start_iter:
             self._measure.local_costs = None  # time the codecs again, on the sample
+        observed = self._observed.local() if self.observe else []
+        errors = self._local_lost_share()
         links, costs = self._measure.agree(
             group,
             {"allreduce": probe},
@@ -540,18 +691,91 @@ class AutoState(PicklableState):
             device=device,
             matters=lambda links, costs: any(
                 self._choices.would_switch(
-                    index, self._predict(*inputs, world, links["allreduce"], costs)
+                    index,
+                    self._charged(index, self._predict(*inputs, world, links["allreduce"], costs)),
                 )
                 for index, inputs in self._bucket_inputs.items()
             ),
-            extra=self._observed.local() if self.observe else (),
+            extra=[*observed, *errors],
         )
+        agreed_extra = self._measure.agreed_extra
         if self.observe:
-            self._observed.update(self._measure.agreed_extra)
+            self._observed.update(agreed_extra[: len(observed)])
+        if errors:
+            self._agree_lost_share(agreed_extra[len(observed) :])
         if self.iter < self.start_iter:  # one round to start with, the next at start_iter
             self._measure.next_round = self.start_iter
         self._agreed = (links["allreduce"], costs)
         self._fresh_round = True
+        if self.lost_share:
+            self.charged_step_seconds = self._step_seconds(world)
+
+    # -- the accuracy term (objective "time_to_accuracy") --
+
+    def _measure_errors(self, bucket: dist.GradBucket, world: int) -> None:
+        """What each lossy candidate would lose of this bucket (before it is
+        reduced or its residual added), and the bucket's inputs."""
+        buffer = bucket.buffer()
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        index = bucket.index()
+        self._bucket_inputs[index] = (
+            buffer.numel(),
+            shapes,
+            buffer.element_size(),
+            buffer.device.type,
+        )
+        lossy = tuple(m for m in self.candidates(buffer.device.type) if m != "none")
+        self._energy[index] = float(buffer.detach().float().square().sum())
+        self._errors[index] = compression_errors(
+            buffer, bucket.gradients(), lossy, density=self.min_density, rank=self.powersgd_rank
+        )
+
+    def _local_lost_share(self) -> list[float]:
+        """This rank's lost shares, bucket by bucket and method by method in a
+        fixed order, to agree at the round after they were measured (every
+        rank measures at the same step, so every rank sends them or none)."""
+        if not self._errors or self.iter <= self._errors_step:
+            return []
+        total = max(sum(self._energy.values()), 1e-30)
+        return [
+            self._errors[index][m] / total
+            for index in sorted(self._errors)
+            for m in sorted(self._errors[index])
+        ]
+
+    def _agree_lost_share(self, agreed: list[float]) -> None:
+        values = iter(agreed)
+        self.lost_share = {
+            index: {m: next(values) for m in sorted(self._errors[index])}
+            for index in sorted(self._errors)
+        }
+        self._errors, self._energy = {}, {}
+
+    def _step_seconds(self, world: int) -> float:
+        """The step time the accuracy term charges by: the agreed median of
+        recent steps, and at least what the model predicts the buckets'
+        reductions take with their current methods (on a fixed ``link`` the
+        measured steps do not see that link)."""
+        assert self._agreed is not None
+        link, costs = self._agreed
+        reductions = 0.0
+        for index, (numel, shapes, itemsize, device_type) in self._bucket_inputs.items():
+            # Before the first choice the bucket went uncompressed ("none", allowed or not).
+            current = self.decisions.get(index, {}).get("method", "none")
+            predicted = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+            if current not in predicted:
+                predicted[current] = sum(
+                    self._parts(current, numel, shapes, itemsize, world, link, costs)
+                )
+            reductions += predicted[current]
+        return max(self._measure.agreed_step_seconds, reductions)
+
+    def _charged(self, index: int, predicted: dict[str, float]) -> dict[str, float]:
+        """``predicted`` plus each lossy method's accuracy charge for the bucket."""
+        if self.objective == "step_time" or index not in self.lost_share:
+            return predicted
+        share = self.lost_share[index]
+        return {m: t + share.get(m, 0.0) * self.charged_step_seconds for m, t in predicted.items()}
 
     def _choose(self, bucket: dist.GradBucket, world: int) -> str:
         index, numel = bucket.index(), bucket.buffer().numel()
@@ -564,12 +788,22 @@ class AutoState(PicklableState):
         itemsize = bucket.buffer().element_size()
         device_type = bucket.buffer().device.type
         self._bucket_inputs[index] = (numel, shapes, itemsize, device_type)
-        predicted = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+        raw = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+        predicted = self._charged(index, raw)
         method = self._choices.choose(index, numel, self.iter, predicted)
+        notes = []
         if self.observe:
-            self.decisions[index]["notes"] = self._never_run_notes(
+            notes = self._never_run_notes(
                 method, predicted, numel, shapes, itemsize, world, link, costs
             )
+        if predicted is not raw:
+            lost = ", ".join(
+                f"{m} {100 * share:.3g}% (+{(predicted[m] - raw[m]) * 1e3:.2f} ms)"
+                for m, share in self.lost_share[index].items()
+                if m in predicted
+            )
+            notes.append(f"accuracy charge: share of the step's gradient lost: {lost}")
+        self.decisions[index]["notes"] = notes
         return method
 
     def _never_run_notes(
@@ -717,6 +951,8 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         # resumed run, whichever bucket it compresses first.
         state._powersgd._observe(bucket.index(), bucket, buffer)
     step = state.iter
+    if step == state._errors_step and state.objective == "time_to_accuracy":
+        state._measure_errors(bucket, world)
     if bucket.is_last():
         state.iter += 1
         state._in_step = False
