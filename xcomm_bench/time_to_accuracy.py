@@ -25,8 +25,10 @@ Optimizers: ``adamw`` (weight decay 0.01; lr 1e-3 for ``lm``, 3e-3 for
 Methods: ``none`` (DDP's allreduce), xcomm's hooks ``bf16``, ``int8``,
 ``topk`` (1%, error feedback), ``powersgd`` (rank 4, error feedback),
 ``auto`` (the hook's default choice among none, bf16 and int8), ``auto-any``
-(the hook choosing among every method by time per step: what the default
-guards against) and ``backend-auto`` (``xcomm.Options(compression="auto")``).
+(the hook choosing among every method by its default objective, time to
+accuracy), ``auto-any-step`` (the same choosing by time per step, the rule
+before: what the objective guards against) and ``backend-auto``
+(``xcomm.Options(compression="auto")``).
 
 Measured in two phases, then combined:
 
@@ -45,7 +47,9 @@ Measured in two phases, then combined:
 Time to target = steps to target x mean step time (the autos: the sum of
 their step times up to that step). Evaluation is not timed. A method that
 does not reach the target in ``--steps`` steps shows ``>`` its bound.
-Writes ``time_to_accuracy.{json,md,png}``.
+Writes ``time_to_accuracy.{json,md,png}``, and each job's result under
+``runs/``, which a later run with the same settings reuses (``--fresh`` runs
+everything again).
 
 Example (root; 2 emulated nodes)::
 
@@ -91,7 +95,7 @@ OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
 #: Methods whose arithmetic does not depend on the link: steps measured once.
 STATIC_METHODS: tuple[str, ...] = ("none", "bf16", "int8", "topk", "powersgd")
 #: Methods that choose by the link: trained at every rate.
-ADAPTIVE_METHODS: tuple[str, ...] = ("auto", "auto-any", "backend-auto")
+ADAPTIVE_METHODS: tuple[str, ...] = ("auto", "auto-any", "auto-any-step", "backend-auto")
 METHODS: tuple[str, ...] = STATIC_METHODS + ADAPTIVE_METHODS
 _START_ITER = 2  # compressed methods reduce the first steps uncompressed
 
@@ -309,6 +313,16 @@ class _Trainer:
                     ),
                     hooks.auto_hook,
                 ),
+                "auto-any-step": (
+                    lambda: hooks.AutoState(
+                        process_group=group,
+                        methods=auto_methods.METHODS,
+                        min_density=0.01,
+                        start_iter=_START_ITER,
+                        objective="step_time",
+                    ),
+                    hooks.auto_hook,
+                ),
             }
             make_state, hook = hook_of[method]
             self.state, self.hook = make_state(), _counted(hook)
@@ -335,7 +349,7 @@ class _Trainer:
     def proof(self) -> dict[str, Any]:
         """What shows the method ran: hook calls, auto's choices, the backend's counts."""
         out: dict[str, Any] = {"hook_calls": getattr(self.hook, "calls", 0)}
-        if self.method in ("auto", "auto-any"):
+        if self.method.startswith("auto"):
             out["chosen"] = ",".join(self.state.methods_by_bucket())
         if self.method == "backend-auto":
             chosen = self.state.compression_stats.get("auto", {}).get("chosen", {})
@@ -401,8 +415,25 @@ def _worker(job: WorkerJob, out: str) -> int:
     return 0
 
 
-def _launch(job: WorkerJob, rate: str | None, timeout: float) -> dict[str, Any]:
-    """Runs ``job`` on 2 ranks: loopback (``rate=None``) or 2 emulated nodes."""
+def _launch(
+    job: WorkerJob, rate: str | None, timeout: float, cache: Path | None = None
+) -> dict[str, Any]:
+    """Runs ``job`` on 2 ranks: loopback (``rate=None``) or 2 emulated nodes.
+    With ``cache``, a result kept there by an earlier run of the same job is
+    reused, and a new one kept (a long sweep can be resumed or extended)."""
+    name = f"{job.kind}-{job.task}-{job.optimizer}-{'+'.join(job.methods)}-{rate or 'loopback'}"
+    name += f"-{job.steps}x{job.eval_every}-{job.warmup}+{job.rounds}x{job.block}"
+    kept = None if cache is None else cache / f"{name}{'-smoke' if job.smoke else ''}.json"
+    if kept is not None and kept.exists():
+        return json.loads(kept.read_text())
+    result = _run_job(job, rate, timeout)
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(result))
+    return result
+
+
+def _run_job(job: WorkerJob, rate: str | None, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         argv = ["--worker", out, "--job", json.dumps(dataclasses.asdict(job))]
@@ -599,13 +630,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     jobs = len(cases) * (len(static) + len(rates) * (1 + len(adaptive)))
     bar = tqdm(total=jobs, desc="time to accuracy", unit="run", disable=args.no_progress)
     common = {"smoke": args.smoke, "eval_every": args.eval_every}
+    cache = None if args.fresh else Path(args.out) / "runs"
     results: dict[str, Any] = {"config": vars(args), "cases": {}}
     for task, optimizer in cases:
         trained, timed, adaptive_runs = {}, {}, {}
         for method in static:
             bar.set_postfix_str(f"{task}/{optimizer} {method} steps")
             job = WorkerJob("train", task, optimizer, [method], steps=args.steps, **common)
-            trained[method] = _launch(job, None, args.timeout)
+            trained[method] = _launch(job, None, args.timeout, cache)
             bar.update()
         for rate in rates:
             name = rate or "loopback"
@@ -613,13 +645,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             job = WorkerJob(
                 "time", task, optimizer, static, rounds=args.rounds, block=args.block, **common
             )
-            timed[name] = _launch(job, rate, args.timeout)
+            timed[name] = _launch(job, rate, args.timeout, cache)
             bar.update()
             adaptive_runs[name] = {}
             for method in adaptive:
                 bar.set_postfix_str(f"{task}/{optimizer} {method} at {name}")
                 job = WorkerJob("train", task, optimizer, [method], steps=args.steps, **common)
-                adaptive_runs[name][method] = _launch(job, rate, args.timeout)
+                adaptive_runs[name][method] = _launch(job, rate, args.timeout, cache)
                 bar.update()
         rows = combine(trained, timed, adaptive_runs, args.target_at, args.steps)
         for r in rows:
@@ -658,6 +690,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny models on loopback, 20 steps")
     p.add_argument("--out", default="bench-results/time-to-accuracy")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run every job again (default: reuse the results kept in OUT/runs)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--job", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

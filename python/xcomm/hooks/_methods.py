@@ -46,8 +46,11 @@ class Method:
             Top-k and PowerSGD send far fewer bytes but hold back most of
             each step's gradient in the residual, so they need more steps to
             reach a loss: docs/quickstart.md's run reached loss 0.90 after 30
-            steps on top-k against 0.26 on int8. Name them in ``methods``
-            after checking time to your target loss on your model.
+            steps on top-k against 0.26 on int8. ``auto`` charges a lossy
+            method for the share of the gradient it drops (its default
+            objective, time to accuracy), a first-order estimate; name them
+            in ``methods`` after checking time to your target loss on your
+            model (``python -m xcomm_bench time-to-accuracy`` measures it).
         host_only: Whether, where xcomm was built without its CUDA codec
             kernels, its codec would run on the host for a GPU bucket (a
             cast runs on the device with torch's own ops).

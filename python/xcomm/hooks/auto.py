@@ -159,9 +159,10 @@ METHODS = method_names("ddp")
 _LOSSLESS = method_names("ddp", lossless_only=True)
 #: What ``auto`` chooses from unless told otherwise: the methods whose error
 #: per step is small (a cast; int8 with a scale per chunk and error
-#: feedback). ``auto`` optimises time per step, so it would pick top-k or
-#: PowerSGD whenever their steps are cheaper although they need more steps
-#: to reach a loss (``_methods.Method.in_default`` says by how much).
+#: feedback). Top-k and PowerSGD, which drop most of a dense gradient, are
+#: charged for the steps they cost (``objective``), but that charge is a
+#: first-order estimate: they are left out until named in ``methods``
+#: (``_methods.Method.in_default`` says why).
 DEFAULT_METHODS = method_names("ddp", default_only=True)
 #: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
 #: kernels (its int8, top-k and PowerSGD codecs would run on the host).
