@@ -34,10 +34,14 @@ Measured in two phases, then combined:
 
 1. **Steps to target**, once per task, optimizer and static method, on
    loopback (a static method's arithmetic does not depend on the link): the
-   validation loss every ``--eval-every`` steps. The target is the loss the
-   uncompressed run reached (its best so far) at ``--target-at`` of its
-   steps; a method's steps to target is the first evaluation at which its
-   best-so-far loss is at or below it.
+   validation loss every ``--eval-every`` steps (each rank evaluates half
+   the held-out set; the losses are all-reduced), averaged over the last
+   ``--smooth`` evaluations so one lucky evaluation does not decide. The
+   uncompressed run trains ``--steps`` steps; the target is its smoothed
+   loss at ``--target-at`` of them. Every other run trains until its
+   smoothed loss reaches the target, for at most ``--max-steps`` (default
+   3x ``--steps``: a method may need several times the steps and still win
+   on time).
 2. **Step time** per link rate on 2 emulated nodes (``nodes=2``, root): every
    static method's model in one process pair, interleaved in rounds so a
    burst of load hits them alike; the mean over the timed steps.
@@ -64,7 +68,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import re
 import sys
@@ -342,9 +345,15 @@ class _Trainer:
         return time.perf_counter() - start
 
     def validation_loss(self) -> float:
+        """The mean loss over the held-out set, each rank evaluating its share."""
+        rank, world = dist.get_rank(), dist.get_world_size()
         with torch.no_grad():
-            x, y = self.spec.validation
-            return float(self.spec.loss(self.model.module(x), y))
+            x, y = (t[rank::world] for t in self.spec.validation)
+            logits = self.model.module(x)
+            total = self.spec.loss(logits, y) * y.numel()
+        summed = torch.tensor([float(total), float(y.numel())], dtype=torch.float64)
+        dist.all_reduce(summed)
+        return float(summed[0] / summed[1])
 
     def proof(self) -> dict[str, Any]:
         """What shows the method ran: hook calls, auto's choices, the backend's counts."""
@@ -361,8 +370,9 @@ class _Trainer:
 class WorkerJob:
     """What one process pair does (its command line, as JSON).
 
-    ``kind="train"``: train ``methods[0]`` for ``steps`` steps, evaluating
-    every ``eval_every``. ``kind="time"``: every method of ``methods``
+    ``kind="train"``: train ``methods[0]`` for at most ``steps`` steps,
+    evaluating every ``eval_every``, and stop once the mean of the last
+    ``smooth`` evaluations is at or below ``target`` (if given). ``kind="time"``: every method of ``methods``
     side by side, ``rounds`` rounds of ``block`` timed steps each after
     ``warmup`` untimed ones.
     """
@@ -372,7 +382,9 @@ class WorkerJob:
     optimizer: str
     methods: list[str]
     steps: int = 0
-    eval_every: int = 10
+    eval_every: int = 20
+    smooth: int = 3
+    target: float | None = None
     warmup: int = 4
     rounds: int = 4
     block: int = 5
@@ -396,6 +408,11 @@ def _worker(job: WorkerJob, out: str) -> int:
             for step in range(job.steps + 1):
                 if step % job.eval_every == 0 or step == job.steps:
                     history.append((step, t.validation_loss()))
+                    if (
+                        job.target is not None
+                        and smoothed(history, job.smooth)[-1][1] <= job.target
+                    ):
+                        break  # every rank sees the same (all-reduced) losses
                 if step < job.steps:
                     times.append(t.step())
             result = {"history": history, "step_s": times, **t.proof()}
@@ -422,7 +439,11 @@ def _launch(
     With ``cache``, a result kept there by an earlier run of the same job is
     reused, and a new one kept (a long sweep can be resumed or extended)."""
     name = f"{job.kind}-{job.task}-{job.optimizer}-{'+'.join(job.methods)}-{rate or 'loopback'}"
-    name += f"-{job.steps}x{job.eval_every}-{job.warmup}+{job.rounds}x{job.block}"
+    if job.kind == "train":
+        name += f"-{job.steps}x{job.eval_every}-smooth{job.smooth}"
+        name += "" if job.target is None else f"-to{job.target:.6f}"
+    else:
+        name += f"-{job.warmup}+{job.rounds}x{job.block}"
     kept = None if cache is None else cache / f"{name}{'-smoke' if job.smoke else ''}.json"
     if kept is not None and kept.exists():
         return json.loads(kept.read_text())
@@ -453,33 +474,39 @@ def _run_job(job: WorkerJob, rate: str | None, timeout: float) -> dict[str, Any]
 # ----------------------------------------------------------------------------- combining
 
 
-def best_so_far(history: Sequence[Sequence[float]]) -> list[tuple[int, float]]:
-    """``(step, least loss up to that step)`` for each evaluation."""
-    out, best = [], math.inf
-    for step, loss in history:
-        best = min(best, loss)
-        out.append((int(step), best))
+def smoothed(history: Sequence[Sequence[float]], window: int) -> list[tuple[int, float]]:
+    """``(step, mean of the last window evaluations' losses)`` for each
+    evaluation: the crossing of a target is then not decided by one lucky
+    evaluation (every method's curve lags alike)."""
+    out = []
+    for i, (step, _) in enumerate(history):
+        recent = [loss for _, loss in history[max(0, i - window + 1) : i + 1]]
+        out.append((int(step), sum(recent) / len(recent)))
     return out
 
 
-def target_loss(history: Sequence[Sequence[float]], at_fraction: float) -> float:
-    """The best-so-far loss at the evaluation nearest ``at_fraction`` of the run."""
-    curve = best_so_far(history)
+def target_loss(history: Sequence[Sequence[float]], at_fraction: float, window: int = 1) -> float:
+    """The smoothed loss at the evaluation nearest ``at_fraction`` of the run."""
+    curve = smoothed(history, window)
     last = curve[-1][0]
     return min(curve, key=lambda c: abs(c[0] - at_fraction * last))[1]
 
 
-def steps_to_target(history: Sequence[Sequence[float]], target: float) -> int | None:
-    """The first evaluated step whose best-so-far loss is at or below ``target``.
+def steps_to_target(
+    history: Sequence[Sequence[float]], target: float, window: int = 1
+) -> int | None:
+    """The first evaluated step whose smoothed loss is at or below ``target``.
 
     Example::
 
         >>> steps_to_target([(0, 5.0), (10, 3.0), (20, 3.5), (30, 2.0)], 2.5)
         30
+        >>> steps_to_target([(0, 5.0), (10, 3.0), (20, 2.0)], 2.6, window=2)
+        20
         >>> steps_to_target([(0, 5.0), (10, 3.0)], 2.5) is None
         True
     """
-    return next((s for s, loss in best_so_far(history) if loss <= target), None)
+    return next((s for s, loss in smoothed(history, window) if loss <= target), None)
 
 
 def combine(
@@ -488,20 +515,22 @@ def combine(
     adaptive: dict[str, dict[str, dict[str, Any]]],
     target_at: float,
     steps: int,
+    window: int = 1,
 ) -> list[dict[str, Any]]:
     """Rows ``{rate, method, steps, step_ms, time_s, reached, ...}`` of one task and optimizer.
 
     ``trained``: static method -> its training run; ``timed``: rate -> that
     rate's side-by-side timing (method -> times); ``adaptive``: rate ->
-    method -> its training run at that rate.
+    method -> its training run at that rate. ``steps``: the bound of a
+    method that did not reach the target; ``window``: evaluations averaged.
     """
-    target = target_loss(trained["none"]["history"], target_at)
+    target = target_loss(trained["none"]["history"], target_at, window)
     rows = []
     for rate in timed:
         for method, run in trained.items():
             step_s = timed[rate][method]["step_s"]
             mean = sum(step_s) / len(step_s)
-            n = steps_to_target(run["history"], target)
+            n = steps_to_target(run["history"], target, window)
             rows.append(
                 {
                     "rate": rate,
@@ -515,7 +544,7 @@ def combine(
                 }
             )
         for method, run in adaptive.get(rate, {}).items():
-            n = steps_to_target(run["history"], target)
+            n = steps_to_target(run["history"], target, window)
             upto = n if n is not None else steps
             rows.append(
                 {
@@ -572,11 +601,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for (curves_ax, time_ax), key in zip(axes, keys, strict=True):
         case = results["cases"][key]
         for method, run in case["trained"].items():
-            s, loss = zip(*best_so_far(run["history"]), strict=True)
+            s, loss = zip(*smoothed(run["history"], results["config"]["smooth"]), strict=True)
             curves_ax.plot(s, loss, label=method, linewidth=1.2)
         curves_ax.axhline(case["rows"][0]["target"], color="grey", linestyle=":", label="target")
         curves_ax.set_xlabel("step")
-        curves_ax.set_ylabel("validation loss (best so far)")
+        curves_ax.set_ylabel("validation loss (smoothed)")
         curves_ax.set_title(f"{key}: loss per step (loopback)")
         curves_ax.legend(fontsize=7)
         curves_ax.grid(alpha=0.3)
@@ -629,15 +658,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cases = [(t, o) for t in tasks for o in optimizers]
     jobs = len(cases) * (len(static) + len(rates) * (1 + len(adaptive)))
     bar = tqdm(total=jobs, desc="time to accuracy", unit="run", disable=args.no_progress)
-    common = {"smoke": args.smoke, "eval_every": args.eval_every}
+    common = {"smoke": args.smoke}
+    train = {"eval_every": args.eval_every, "smooth": args.smooth, **common}
     cache = None if args.fresh else Path(args.out) / "runs"
     results: dict[str, Any] = {"config": vars(args), "cases": {}}
     for task, optimizer in cases:
         trained, timed, adaptive_runs = {}, {}, {}
-        for method in static:
+        # Uncompressed first: its curve sets the target; the others train
+        # until they reach it, for at most --max-steps.
+        target = None
+        for method in ["none", *(m for m in static if m != "none")]:
             bar.set_postfix_str(f"{task}/{optimizer} {method} steps")
-            job = WorkerJob("train", task, optimizer, [method], steps=args.steps, **common)
+            steps = args.steps if target is None else args.max_steps
+            job = WorkerJob("train", task, optimizer, [method], steps=steps, target=target, **train)
             trained[method] = _launch(job, None, args.timeout, cache)
+            if target is None:
+                target = target_loss(trained[method]["history"], args.target_at, args.smooth)
             bar.update()
         for rate in rates:
             name = rate or "loopback"
@@ -650,10 +686,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             adaptive_runs[name] = {}
             for method in adaptive:
                 bar.set_postfix_str(f"{task}/{optimizer} {method} at {name}")
-                job = WorkerJob("train", task, optimizer, [method], steps=args.steps, **common)
+                job = WorkerJob(
+                    "train",
+                    task,
+                    optimizer,
+                    [method],
+                    steps=args.max_steps,
+                    target=target,
+                    **train,
+                )
                 adaptive_runs[name][method] = _launch(job, rate, args.timeout, cache)
                 bar.update()
-        rows = combine(trained, timed, adaptive_runs, args.target_at, args.steps)
+        rows = combine(trained, timed, adaptive_runs, args.target_at, args.max_steps, args.smooth)
         for r in rows:
             r.update(task=task, optimizer=optimizer)
         results["cases"][f"{task}/{optimizer}"] = {
@@ -676,8 +720,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--rates", default="0.1gbit,0.5gbit,1gbit,5gbit,10gbit")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--steps", type=int, default=400, help="uncompressed training's steps")
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="the most steps any other run takes to reach the target (default 3 x --steps)",
+    )
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--smooth", type=int, default=3, help="evaluations averaged into the curve")
     p.add_argument(
         "--target-at",
         type=float,
@@ -702,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(WorkerJob(**json.loads(args.job)), args.worker)
     if args.smoke:
         args.steps, args.eval_every, args.rounds, args.block = 20, 5, 2, 2
+    if args.max_steps is None:
+        args.max_steps = 3 * args.steps
     results = run(args)
     rows = [r for case in results["cases"].values() for r in case["rows"]]
     table = format_markdown(rows)

@@ -54,7 +54,9 @@ approximation, which its warm-started power iteration approaches) and
 rank's) and at least the predicted time of the buckets' reductions. Summed
 over buckets this is, to first order, the product of the step time and the
 steps factor. The shares are measured on the model's own gradients at step
-``start_iter - 1`` and agreed (MAX over ranks). A cast or int8 loses about
+``start_iter - 1``, again before every round where top-k or PowerSGD may be
+chosen (what they drop changes as training spreads the gradient), and
+agreed (MAX over ranks). A cast or int8 loses about
 1e-5 of a gradient and is charged microseconds; top-k at 1% of a dense
 gradient loses most of it and is chosen only where the link is so slow that
 its steps are worth that many more; on a bucket whose gradient is mostly
@@ -710,6 +712,14 @@ class AutoState(PicklableState):
         self._fresh_round = True
         if self.lost_share:
             self.charged_step_seconds = self._step_seconds(world)
+        reshaped = ("topk", "powersgd")
+        if self.iter >= self.start_iter and any(m in self.allowed for m in reshaped):
+            # What top-k and PowerSGD drop depends on the gradient's shape,
+            # which training changes: early gradients sit in a few large
+            # entries and a low rank (top-k 1% dropped 19% of a byte-level
+            # LM's at step 2), later ones spread. Measure again on the step
+            # before the next round (the same step on every rank: agreed).
+            self._errors_step = self._measure.next_round - 1
 
     # -- the accuracy term (objective "time_to_accuracy") --
 
