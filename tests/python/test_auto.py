@@ -17,7 +17,7 @@ from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
 from xcomm import hooks
-from xcomm.hooks.auto import predict_seconds
+from xcomm.hooks.auto import compression_errors, predict_seconds
 
 # Fixed codec costs (seconds per element, or per m*n*r for PowerSGD's products).
 COSTS = {
@@ -882,3 +882,27 @@ def test_time_to_accuracy_charges_what_a_method_loses_so_top_k_keeps_only_a_spar
     # Charged by at least the buckets' predicted uncompressed time on SLOW (seconds).
     assert r0["charged_s"] > 1.0
     assert "accuracy charge" in r0["explain"] and "objective: time to accuracy" in r0["explain"]
+
+
+def test_what_each_method_drops_is_measured_without_touching_the_callers_random_stream() -> None:
+    g = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)
+    want = torch.rand(4)
+    torch.manual_seed(5)
+    methods = ("none", "bf16", "int8", "topk", "powersgd")
+    lost = compression_errors(g.reshape(-1), [g], methods, density=0.01, rank=4)
+    assert torch.equal(torch.rand(4), want)  # svd_lowrank's draws did not reach it
+    share = {m: v / float(g.square().sum()) for m, v in lost.items()}
+    assert "none" not in share
+    assert share["bf16"] < 1e-4 and share["int8"] < 1e-3
+    # A random matrix: 1% of its entries and a rank-4 approximation keep little.
+    assert 0.8 < share["topk"] < 1.0 and 0.8 < share["powersgd"] < 1.0
+    # A rank-2 matrix loses nothing to rank 4; a bucket of a few non-zeros nothing to top-k.
+    low = torch.randn(256, 2) @ torch.randn(2, 128)
+    rank2 = compression_errors(low.reshape(-1), [low], ("powersgd",), density=0.01, rank=4)
+    assert rank2["powersgd"] < 1e-6 * float(low.square().sum())
+    sparse = torch.zeros(256, 128)
+    sparse[3, :100] = 1.0  # 100 non-zeros; top-k sends ceil(1% of 32,768) = 328
+    assert compression_errors(sparse.reshape(-1), [sparse], ("topk",), density=0.01, rank=4) == {
+        "topk": 0.0
+    }

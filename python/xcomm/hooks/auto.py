@@ -358,8 +358,10 @@ def compression_errors(
             continue
         if method == "powersgd":
             total = 0.0
-            # svd_lowrank draws its starting vectors: keep the caller's RNG as it was.
-            with torch.random.fork_rng(devices=[]):
+            # svd_lowrank draws its starting vectors: keep the caller's RNG
+            # (the CPU's, and the bucket's GPU's) as it was.
+            devices = [buffer.device] if buffer.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(0)
                 for g in gradients:
                     if g.dim() < 2:
