@@ -50,7 +50,7 @@ Measured in two phases, then combined:
 
 Time to target = steps to target x mean step time (the autos: the sum of
 their step times up to that step). Evaluation is not timed. A method that
-does not reach the target in ``--steps`` steps shows ``>`` its bound.
+does not reach the target in ``--max-steps`` steps shows ``>`` its bound.
 Writes ``time_to_accuracy.{json,md,png}``, and each job's result under
 ``runs/``, which a later run with the same settings reuses (``--fresh`` runs
 everything again).
