@@ -147,13 +147,30 @@ def save_rank_result(out: str, rank: int, params: dict[str, torch.Tensor], **fie
     torch.save(result, f"{out}.rank{rank}.pt")
 
 
+#: What plain torch + Gloo sometimes prints as a rank aborts (SIGABRT).
+_GLOO_SHUTDOWN_ABORT = "terminate called without an active exception"
+
+
 def run_client_program(
     args: list[str], out: str, backend: str, tmp: str, timeout: float, label: str
 ) -> list[dict[str, Any]]:
     """Runs a client program (``python ARGS``) and returns both ranks'
     ``save_rank_result`` records, each checked to come from a 2-rank group
-    on ``backend``."""
-    text = run_program(args, tmp, timeout, label)
+    on ``backend``.
+
+    The reference only (``backend="gloo"``: plain torch + Gloo, xcomm not
+    loaded) gets up to three launches when a rank aborts with "terminate
+    called without an active exception", as test_client_torchrun's does: it
+    did so once in accelerate's PowerSGD case on torch 2.13.0, in a CI run
+    whose other 802 tests passed. xcomm's own run gets no second chance."""
+    launches = 3 if backend == "gloo" else 1
+    for launch in range(launches):
+        try:
+            text = run_program(args, tmp, timeout, label)
+            break
+        except AssertionError as failure:
+            if launch + 1 == launches or _GLOO_SHUTDOWN_ABORT not in str(failure):
+                raise
     results = [torch.load(f"{out}.rank{r}.pt") for r in range(2)]
     for r in results:
         assert r["backend"] == backend and r["world_size"] == 2, (label, r, text[-2000:])
