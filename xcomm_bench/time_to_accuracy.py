@@ -283,6 +283,16 @@ class _Trainer:
         if method == "backend-auto":
             self.state = group._get_backend(torch.device("cpu"))
         elif method != "none":
+
+            def any_method(objective: str) -> Any:  # auto among every method
+                return hooks.AutoState(
+                    process_group=group,
+                    methods=auto_methods.METHODS,
+                    min_density=0.01,
+                    start_iter=_START_ITER,
+                    objective=objective,
+                )
+
             hook_of = {
                 "bf16": (lambda: hooks.CastState(process_group=group), hooks.bf16_cast_hook),
                 "int8": (
@@ -307,25 +317,8 @@ class _Trainer:
                     lambda: hooks.AutoState(process_group=group, start_iter=_START_ITER),
                     hooks.auto_hook,
                 ),
-                "auto-any": (
-                    lambda: hooks.AutoState(
-                        process_group=group,
-                        methods=auto_methods.METHODS,
-                        min_density=0.01,
-                        start_iter=_START_ITER,
-                    ),
-                    hooks.auto_hook,
-                ),
-                "auto-any-step": (
-                    lambda: hooks.AutoState(
-                        process_group=group,
-                        methods=auto_methods.METHODS,
-                        min_density=0.01,
-                        start_iter=_START_ITER,
-                        objective="step_time",
-                    ),
-                    hooks.auto_hook,
-                ),
+                "auto-any": (lambda: any_method("time_to_accuracy"), hooks.auto_hook),
+                "auto-any-step": (lambda: any_method("step_time"), hooks.auto_hook),
             }
             make_state, hook = hook_of[method]
             self.state, self.hook = make_state(), _counted(hook)
