@@ -78,6 +78,7 @@ def test_the_cost_model_is_the_documented_formula() -> None:
         ({"methods": ("int8",), "lossless_only": True}, "lossless_only"),
         ({"start_iter": 1}, "start_iter"),
         ({"interval": 0}, "interval"),
+        ({"objective": "loss"}, "objective must be one of"),
         ({"min_density": 0.0}, "min_density"),
         ({"powersgd_rank": 0}, "powersgd_rank"),
     ],
