@@ -5,6 +5,7 @@ switches that keep the error feedback, and checkpoint-resume (bitwise)."""
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -907,3 +908,37 @@ def test_what_each_method_drops_is_measured_without_touching_the_callers_random_
     assert compression_errors(sparse.reshape(-1), [sparse], ("topk",), density=0.01, rank=4) == {
         "topk": 0.0
     }
+
+
+def _charged_with_pauses(ctx: RankContext, pause_s: float) -> dict[str, Any]:
+    model = DDP(make_model())
+    state = hooks.AutoState(link=FAST, codec_costs=COSTS, observe=False, interval=2)
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def paused(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(pause_s)  # a slower machine: longer measured steps
+        return batch(rank, step)
+
+    train(model, opt, paused, ctx.rank, range(8))
+    return {
+        "charged_s": state.charged_step_seconds,
+        "lost_share": state.lost_share,
+        "decisions": {k: d["method"] for k, d in state.decisions.items()},
+        "params": flat_params(model),
+    }
+
+
+def test_with_observe_off_no_measured_step_time_decides() -> None:
+    """``observe=False`` promises that no timing decides anything (a copy of
+    the state in a spawned process computes bit for bit what the original
+    does): the accuracy charge then uses the predicted reduction time, not
+    the measured steps, which a slower machine (steps paused 0.2 s here)
+    makes longer."""
+    quick = run_ranks(_charged_with_pauses, 2, 0.0)[0]
+    slow = run_ranks(_charged_with_pauses, 2, 0.2)[0]
+    assert quick["lost_share"], "the charge was never measured: the test would prove nothing"
+    assert 0 < quick["charged_s"] < 0.05, quick["charged_s"]
+    assert slow["charged_s"] == quick["charged_s"]
+    assert slow["decisions"] == quick["decisions"]
+    assert torch.equal(slow["params"], quick["params"])

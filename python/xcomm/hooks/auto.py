@@ -422,7 +422,8 @@ class AutoState(PicklableState):
         observe: correct the model by what each method is seen to take
             (see the module docstring); ``False`` trusts the model alone
             (with a fixed ``link`` and ``codec_costs``: a hypothetical
-            machine, as tests use).
+            machine, as tests use), and the accuracy charge uses the
+            predicted reduction time, not measured steps.
         model: the DDP model, so residuals are checkpointed by parameter.
         objective: ``"time_to_accuracy"`` (default) charges each lossy method
             the share of the gradient it loses times the step time (see the
@@ -791,7 +792,10 @@ class AutoState(PicklableState):
                     self._parts(current, numel, shapes, itemsize, world, link, costs)
                 )
             reductions += predicted[current]
-        return max(self._measure.agreed_step_seconds, reductions)
+        # observe=False: no timing decides anything (a rerun, or a copy of the
+        # state in a spawned process, chooses bit for bit what this one does).
+        measured = self._measure.agreed_step_seconds if self.observe else 0.0
+        return max(measured, reductions)
 
     def _charged(self, index: int, predicted: dict[str, float]) -> dict[str, float]:
         """``predicted`` plus each lossy method's accuracy charge for the bucket."""
