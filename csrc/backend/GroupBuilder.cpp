@@ -9,10 +9,11 @@
 #include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "backend/CheckedCpuBackend.hpp"
+#include "backend/CheckedRoute.hpp"
 #include "backend/GroupPlan.hpp"
 #include "backend/GroupSettings.hpp"
-#include "backend/ShmCpuBackend.hpp"
+#include "backend/HierarchicalRoute.hpp"
+#include "backend/ShmRoute.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/StoreText.hpp"
 
@@ -28,8 +29,8 @@ StorePtr prefixed(const std::string& prefix, const StorePtr& store) {
 
 // The segment's sizes, as every rank agreed on them; the spin time is per
 // rank (it changes when a rank sleeps, not what it sends).
-ShmCpuBackend::Config shmConfig(const GroupSettings& settings) {
-  ShmCpuBackend::Config config;
+ShmRoute::Config shmConfig(const GroupSettings& settings) {
+  ShmRoute::Config config;
   if (settings.shmSlotBytes >= 0) config.transport.slotBytes = settings.shmSlotBytes;
   if (settings.shmSmallBytes >= 0) config.smallAllreduceBytes = settings.shmSmallBytes;
   config.transport.spinMicros = static_cast<int>(settings.shmSpinMicros);
@@ -116,72 +117,83 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     return factory.cpu(prefixed(name, groupStore), g->rank, g->size, timeout);
   };
 
-  ShmCpuBackend::Config config;
-  if (plan.usesShm()) {
-    config = shmConfig(plan.settings);
-    config.leaderCompression = plan.leaderCompression;
-    config.leaderCarryBytes = plan.leaderCarryBytes();
-    config.leaderDirectExchange = plan.settings.directExchange;
-  }
-  XcommBackend::InnerBackends inner;
+  const ShmRoute::Config config = shmConfig(plan.settings);
+  XcommBackend::Routes routes;
   BackendPtr gloo = make("xcomm/gloo");
   // Checked before the shared-memory attempt in a hierarchical group (its
   // Gloo ops span hosts), after it otherwise (a failed single-host attempt
   // leaves a plain group, which needs it): every rank builds it at the same point.
   auto checked = [&] {
     if (auto checks = make("xcomm/gloo-check")) {
-      inner.checked = c10::make_intrusive<CheckedCpuBackend>(
-          gloo, checks, timeout, plan.carryBytes(), "rank", plan.settings.directExchange);
-      gloo = inner.checked;
+      routes.checked = std::make_shared<CheckedRoute>(gloo, checks, timeout, plan.carryBytes(),
+                                                      "rank", plan.settings.directExchange);
     }
+  };
+  // Gloo over the whole group, checked where the plan checks it.
+  auto glooRoute = [&]() -> std::shared_ptr<Route> {
+    if (routes.checked) return routes.checked;
+    return gloo ? std::make_shared<RawRoute>(gloo) : nullptr;
   };
   const bool checkFirst = plan.shape == GroupShape::kHierarchical;
   if (checkFirst) checked();
   if (plan.usesShm()) {
     std::string whyNot;
-    c10::intrusive_ptr<ShmCpuBackend> shm;
     if (plan.shape == GroupShape::kSingleHostShm) {
       // Collective: null on every rank when any rank failed.
-      shm = ShmCpuBackend::tryCreate(shmStore, rank, size, timeout, gloo, config, &whyNot);
+      routes.shm = ShmRoute::tryCreate(shmStore, rank, size, timeout,
+                                       std::make_shared<RawRoute>(gloo), config, &whyNot);
     } else {
-      shm = ShmCpuBackend::tryCreateHierarchical(
-          prefixed("shm/host" + std::to_string(plan.host), groupStore), plan.localRank,
-          plan.localSize, rank, size, plan.hosts, timeout, gloo, make("xcomm/leaders"),
-          make("xcomm/leaders-check"), config, &whyNot);
+      HierarchicalRoute::Leaders leaders;
+      leaders.gloo = make("xcomm/leaders");
+      leaders.checks = make("xcomm/leaders-check");
+      leaders.carryBytes = plan.leaderCarryBytes();
+      leaders.directExchange = plan.settings.directExchange;
+      leaders.compression = plan.leaderCompression;
+      routes.hierarchical =
+          HierarchicalRoute::tryCreate(prefixed("shm/host" + std::to_string(plan.host), groupStore),
+                                       plan.localRank, plan.localSize, rank, size, plan.hosts,
+                                       timeout, glooRoute(), std::move(leaders), config, &whyNot);
       // Every host must take the same path, or allreduce would deadlock.
-      if (!allSucceeded(shmStore, rank, size, static_cast<bool>(shm))) shm.reset();
+      if (!allSucceeded(shmStore, rank, size, static_cast<bool>(routes.hierarchical))) {
+        routes.hierarchical.reset();
+      }
+      routes.shm = routes.hierarchical;
     }
-    if (shm) {
-      inner.shm = shm;
-    } else {
+    if (!routes.shm) {
       if (whyNot.empty()) whyNot = "setup failed on another rank";
       LOG(WARNING) << "xcomm: shared memory unavailable (" << whyNot << "); this group uses gloo";
       plan = plan.fallbackToPlain(whyNot);
     }
   }
   if (!checkFirst && plan.shape == GroupShape::kPlain) checked();
-  inner.cpu = inner.shm ? BackendPtr(inner.shm) : gloo;
-  inner.cpuCompressed = make("xcomm/gloo-int8");
-  BackendPtr fusionControl = make("xcomm/gloo-fusion");
-  if (fusionControl && inner.shm && plan.shape == GroupShape::kSingleHostShm) {
-    // The rounds' agreement (an 8-byte allreduce) over a small segment of its
-    // own: ~10 us where Gloo's costs ~1 ms on busy cores, more than the small
-    // transfers it fuses. Its own segment and thread, so its order never mixes
-    // with the group's ops; Gloo stays underneath for abort and as fallback.
-    ShmCpuBackend::Config control = inner.shm->config();  // its spin time
-    control.transport.slotBytes = 4096;
-    std::string whyNot;
-    if (auto shm = ShmCpuBackend::tryCreate(prefixed("shm-fusion", groupStore), rank, size, timeout,
-                                            fusionControl, control, &whyNot)) {
-      fusionControl = shm;
-    } else {
-      LOG(WARNING) << "xcomm: fusion rounds agree over gloo (" << whyNot << ")";
+  routes.cpu = routes.shm ? std::shared_ptr<Route>(routes.shm) : glooRoute();
+  routes.cpuGloo = gloo;
+  if (auto own = make("xcomm/gloo-int8")) routes.cpuCompressed = std::make_shared<RawRoute>(own);
+  std::shared_ptr<Route> fusionControl;
+  if (BackendPtr fusionGloo = make("xcomm/gloo-fusion")) {
+    fusionControl = std::make_shared<RawRoute>(fusionGloo);
+    if (routes.shm && plan.shape == GroupShape::kSingleHostShm) {
+      // The rounds' agreement (an 8-byte allreduce) over a small segment of
+      // its own: ~10 us where Gloo's costs ~1 ms on busy cores, more than the
+      // small transfers it fuses. Its own segment and thread, so its order
+      // never mixes with the group's ops; Gloo stays underneath for abort and
+      // as fallback.
+      ShmRoute::Config control = config;  // its spin time
+      control.transport.slotBytes = 4096;
+      std::string whyNot;
+      if (auto shm = ShmRoute::tryCreate(prefixed("shm-fusion", groupStore), rank, size, timeout,
+                                         fusionControl, control, &whyNot)) {
+        fusionControl = shm;
+      } else {
+        LOG(WARNING) << "xcomm: fusion rounds agree over gloo (" << whyNot << ")";
+      }
     }
   }
   if (factory.cuda) {
-    inner.cuda = factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout);
+    routes.cuda = std::make_shared<RawRoute>(
+        factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout));
   }
-  auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(inner));
+  auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(routes));
   backend->setRegroup(store, regroupWith(factory, allowShm));
   if (plan.fusionThresholdBytes > 0) {
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);

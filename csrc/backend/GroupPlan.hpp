@@ -50,7 +50,7 @@ struct GroupPlan {
   CompressionConfig backendCompression;
   CompressionConfig leaderCompression;
   // Options(check_collectives): every collective Gloo runs for this group
-  // first checks that all ranks called the same one (CheckedCpuBackend).
+  // first checks that all ranks called the same one (CheckedRoute).
   bool checkCollectives = true;
   // Options(carry_small_ops): small ops ride in the check's exchange.
   bool carrySmallOps = true;
@@ -78,7 +78,7 @@ struct GroupPlan {
         backendCompression.method == Compression::kAuto && shape == GroupShape::kSingleHostShm;
     return autoOnOneHost ? Compression::kNone : backendCompression.method;
   }
-  // Whether Gloo's ops are checked by CheckedCpuBackend: groups of two or
+  // Whether Gloo's ops are checked by CheckedRoute: groups of two or
   // more ranks whose ops do not all pass shared memory's own agreement.
   bool checksCollectives() const {
     return checkCollectives && size > 1 && shape != GroupShape::kSingleHostShm;

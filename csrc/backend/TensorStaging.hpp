@@ -1,7 +1,7 @@
 #pragma once
 // Contiguous stand-ins for the caller's tensors.
 //
-// InnerBackends read and write tensors as flat memory: handed a strided view,
+// Inner backends read and write tensors as flat memory: handed a strided view,
 // Gloo silently reduces the wrong elements. Staging gives them contiguous
 // buffers and remembers which results must be copied back afterwards.
 #include <functional>

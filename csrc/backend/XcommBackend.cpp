@@ -38,24 +38,24 @@ c10::IValue listOfListsValue(const std::vector<std::vector<at::Tensor>>& lists) 
 
 }  // namespace
 
-XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan,
-                           InnerBackends inner)
+XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan, Routes routes)
     : Backend(plan.rank, plan.size),
       options_(std::move(options)),
       plan_(std::move(plan)),
-      inner_(std::move(inner)) {
+      routes_(std::move(routes)) {
   TORCH_CHECK(options_, "xcomm: options must not be null");
-  TORCH_CHECK(inner_.cpu || inner_.cuda,
-              "xcomm: a process group needs a CPU or a CUDA inner backend");
-  TORCH_CHECK(!inner_.shm || inner_.cpu == inner_.shm,
-              "xcomm: the shared-memory backend must be the CPU backend");
-  TORCH_CHECK(plan_.usesShm() == static_cast<bool>(inner_.shm), "xcomm: a ",
+  TORCH_CHECK(routes_.cpu || routes_.cuda, "xcomm: a process group needs a CPU or a CUDA route");
+  TORCH_CHECK(!routes_.cpu || routes_.cpuGloo,
+              "xcomm: a CPU route needs the Gloo backend under it (point-to-point ops)");
+  TORCH_CHECK(!routes_.shm || routes_.cpu == routes_.shm,
+              "xcomm: the shared-memory route must be the CPU route");
+  TORCH_CHECK(plan_.usesShm() == static_cast<bool>(routes_.shm), "xcomm: a ",
               groupShapeName(plan_.shape), " group ", plan_.usesShm() ? "needs" : "has no use for",
-              " a shared-memory backend");
-  for (const auto& t : {inner_.cpu, inner_.cuda}) {
-    TORCH_CHECK(!t || (t->getRank() == rank_ && t->getSize() == size_),
-                "xcomm: the inner backend's rank/size (", t ? t->getRank() : -1, "/",
-                t ? t->getSize() : -1, ") differ from the group's (", rank_, "/", size_, ")");
+              " a shared-memory route");
+  for (const std::shared_ptr<Route>& t : {routes_.cpu, std::shared_ptr<Route>(routes_.cuda)}) {
+    TORCH_CHECK(!t || (t->rank() == rank_ && t->size() == size_), "xcomm: the route's rank/size (",
+                t ? t->rank() : -1, "/", t ? t->size() : -1, ") differ from the group's (", rank_,
+                "/", size_, ")");
   }
   const auto& compression = plan_.backendCompression;
   if (plan_.backendMethod() != Compression::kNone) {
@@ -63,14 +63,14 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
     compressedReduceScatter_ = std::make_unique<CompressedReduceScatter>(
         compression, size_, compressed_->sharedCounters());
     if (compressed_->needsOwnTransport()) {
-      TORCH_CHECK_VALUE(inner_.cpuCompressed, "xcomm: ", compressionName(compression.method),
+      TORCH_CHECK_VALUE(routes_.cpuCompressed, "xcomm: ", compressionName(compression.method),
                         " allreduce compression needs a second CPU backend for its own "
                         "collectives; build the group through init_process_group/new_group");
       compressRunner_ = std::make_unique<OrderedRunner>("xcomm compressed allreduce",
                                                         OrderedRunner::CallerThread::kNever);
     }
   }
-  if (inner_.cpu && !(inner_.shm && !inner_.shm->hierarchical())) {
+  if (routes_.cpu && !(routes_.shm && !routes_.hierarchical)) {
     alltoallReduceScatter_ = std::make_unique<AlltoallReduceScatter>(size_);
   }
   stableRank_ = rank_;
@@ -97,7 +97,9 @@ void XcommBackend::swapGroup(XcommBackend& other) {
   using std::swap;
   swap(options_, other.options_);
   swap(plan_, other.plan_);
-  swap(inner_, other.inner_);
+  swap(routes_, other.routes_);
+  const uint64_t seq = seq_.exchange(other.seq_.load());
+  other.seq_ = seq;
   swap(fusion_, other.fusion_);
   swap(fusionControl_, other.fusionControl_);
   swap(compressed_, other.compressed_);
@@ -115,14 +117,12 @@ void XcommBackend::swapGroup(XcommBackend& other) {
 
 void XcommBackend::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
-  for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
-    if (t) t->setTimeout(timeout);
-  }
+  for (const auto& t : allRoutes()) t->setTimeout(timeout);
   if (fusion_) fusion_->setTimeout(timeout);  // its agreement rounds' control group
 }
 
 void XcommBackend::setFusionThreshold(size_t bytes, std::chrono::microseconds cycle,
-                                      c10::intrusive_ptr<c10d::Backend> control) {
+                                      std::shared_ptr<Route> control) {
   TORCH_CHECK_VALUE(cycle.count() >= 0, "xcomm: the fusion cycle time must be >= 0");
   TORCH_CHECK_VALUE(cycle.count() == 0 || bytes > 0,
                     "xcomm: a fusion cycle time needs fusion_threshold_bytes > 0");
@@ -141,9 +141,7 @@ void XcommBackend::shutdown() {
   if (fusion_) fusion_->stop();
   if (fusionControl_) fusionControl_->shutdown();
   if (compressRunner_) compressRunner_->shutdown();
-  for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
-    if (t) t->shutdown();
-  }
+  for (const auto& t : allRoutes()) t->shutdown();
 }
 
 void XcommBackend::abort() {
@@ -157,23 +155,23 @@ void XcommBackend::abort() {
   }
   pending_->failAll(error);  // first: no caller waits on what follows
   if (fusion_) fusion_->abort();
-  for (const auto& t : {inner_.cpu, inner_.cuda, inner_.cpuCompressed}) {
-    if (t) t->abort();
-  }
+  for (const auto& t : allRoutes()) t->abort();
   // Let go of the CPU transports, on a thread of their own: their sockets
   // close as they go, so a peer blocked in Gloo waiting for this rank (which
   // Gloo's abort does not wake) fails at once instead of at its timeout, and
   // can shrink or reconfigure with the others. (Gloo's destructor may wait
   // for an op of its own blocked until its timeout: not on this thread.)
   struct Retired : c10::intrusive_ptr_target {
-    InnerBackends cpu;
-    c10::intrusive_ptr<c10d::Backend> fusionControl;
+    Routes cpu;
+    std::shared_ptr<Route> fusionControl;
   };
   auto retired = c10::make_intrusive<Retired>();
-  std::swap(retired->cpu.cpu, inner_.cpu);
-  std::swap(retired->cpu.cpuCompressed, inner_.cpuCompressed);
-  std::swap(retired->cpu.shm, inner_.shm);
-  std::swap(retired->cpu.checked, inner_.checked);
+  std::swap(retired->cpu.cpu, routes_.cpu);
+  std::swap(retired->cpu.cpuGloo, routes_.cpuGloo);
+  std::swap(retired->cpu.cpuCompressed, routes_.cpuCompressed);
+  std::swap(retired->cpu.shm, routes_.shm);
+  std::swap(retired->cpu.hierarchical, routes_.hierarchical);
+  std::swap(retired->cpu.checked, routes_.checked);
   std::swap(retired->fusionControl, fusionControl_);
   // No grace when this group goes: Gloo's part may wait for its timeout.
   retiredOnAbort_.push_back(
@@ -419,15 +417,28 @@ void XcommBackend::watchForErrors(const c10::intrusive_ptr<c10d::Work>& work) {
   });
 }
 
-c10d::Backend& XcommBackend::backendFor(const at::Tensor& t, const char* op, bool flushFused) {
+std::vector<std::shared_ptr<Route>> XcommBackend::allRoutes() const {
+  std::vector<std::shared_ptr<Route>> all;
+  if (routes_.cpu) all.push_back(routes_.cpu);
+  if (routes_.cuda) all.push_back(routes_.cuda);
+  if (routes_.cpuCompressed) all.push_back(routes_.cpuCompressed);
+  return all;
+}
+
+Route& XcommBackend::routeFor(const at::Tensor& t, const char* op, bool flushFused) {
   checkNotAborted(op);
   if (flushFused) this->flushFused();
   const bool cuda = t.device().is_cuda();
-  const auto& backend = cuda ? inner_.cuda : inner_.cpu;
-  TORCH_CHECK_VALUE(backend, "xcomm.", op, ": this process group has no ",
+  Route* route = cuda ? static_cast<Route*>(routes_.cuda.get()) : routes_.cpu.get();
+  TORCH_CHECK_VALUE(route, "xcomm.", op, ": this process group has no ",
                     cuda ? "CUDA (NCCL)" : "CPU", " backend for a tensor on ", t.device().str(),
                     cuda ? "; CUDA needs torch with CUDA, NCCL and a visible GPU" : "");
-  return *backend;
+  return *route;
+}
+
+c10d::Backend& XcommBackend::pointToPoint(const at::Tensor& t, const char* op) {
+  routeFor(t, op);  // the same checks, and held fused ops go first
+  return t.device().is_cuda() ? *routes_.cuda->backend() : *routes_.cpuGloo;
 }
 
 bool XcommBackend::backendHasPremul(const at::Tensor& t) const {
@@ -469,17 +480,17 @@ c10::intrusive_ptr<DelegatedWork> XcommBackend::wrapCounted(
   return work;
 }
 
-template <typename Call>
-c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, const at::Tensor& first,
+template <typename Target, typename Call>
+c10::intrusive_ptr<c10d::Work> XcommBackend::delegate(const char* op, Target& target,
                                                       c10d::OpType type, c10::IValue result,
                                                       const std::vector<at::Tensor>& inputs,
                                                       Call&& call) {
-  auto& inner = backendFor(first, op);
+  seq_++;
   // Counted before the op is issued: nothing may fail once it is.
   const uint64_t bytes = payloadBytes(result);
   const int64_t issuedUs = Timeline::nowUs();
   TensorStaging staging;
-  auto work = call(inner, staging);
+  auto work = call(target, staging);
   return wrap(std::move(work), type, staging.copyBack(), std::move(result), issuedUs, bytes, op,
               inputs);
 }
@@ -489,16 +500,16 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::broadcast(std::vector<at::Tensor>& 
   constexpr const char* op = "broadcast";
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
-  return delegate(op, tensors[0], c10d::OpType::BROADCAST, listValue(tensors), tensors,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(tensors[0], op), c10d::OpType::BROADCAST, listValue(tensors),
+                  tensors, [&](Route& route, TensorStaging& staging) {
                     auto staged = staging.inOut(tensors);
-                    return inner.broadcast(staged, opts);
+                    return route.run(Op::broadcast(staged, opts));
                   });
 }
 
 const CompressedAllreduce* XcommBackend::compression() const {
   if (compressed_) return compressed_.get();
-  return inner_.shm ? inner_.shm->leaderCompression() : nullptr;
+  return routes_.hierarchical ? routes_.hierarchical->leaderCompression() : nullptr;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& tensors,
@@ -510,7 +521,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
   const bool integerAvg = opts.reduceOp.op_ == c10d::ReduceOp::AVG &&
                           at::isIntegralType(tensors[0].scalar_type(), /*includeBool=*/false);
   if (!integerAvg) checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  auto& inner = backendFor(tensors[0], op, /*flushFused=*/false);
+  auto& route = routeFor(tensors[0], op, /*flushFused=*/false);
+  seq_++;
   const int64_t issuedUs = Timeline::nowUs();
   if (compressed_ && compressed_->applies(tensors, opts)) {
     flushFused();  // held ops go first: every rank issues in program order
@@ -530,25 +542,26 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce(std::vector<at::Tensor>& 
     };
   }
   if (fusion_ && staged.size() == 1 && fusion_->accepts(staged[0], innerOpts)) {
-    return fusion_->enqueue(inner_.cpu, rank_, staged[0], innerOpts, std::move(finalize),
+    return fusion_->enqueue(routes_.cpu, rank_, staged[0], innerOpts, std::move(finalize),
                             listValue(tensors), profilingTitle("all_reduce:fused"));
   }
   flushFused();
   auto result = listValue(tensors);
   const uint64_t bytes = payloadBytes(result);  // before the op is issued
   // A hierarchical group compresses the step between hosts only (its
-  // leaders, ShmCpuBackend): every rank counts the op under the method, with
+  // leaders, HierarchicalRoute): every rank counts the op under the method, with
   // what a leader sends, as a group compressing every step does.
-  const CompressedAllreduce* leaders =
-      inner_.shm && tensors[0].device().is_cpu() ? inner_.shm->leaderCompression() : nullptr;
+  const CompressedAllreduce* leaders = routes_.hierarchical && tensors[0].device().is_cpu()
+                                           ? routes_.hierarchical->leaderCompression()
+                                           : nullptr;
   if (leaders && leaders->applies(staged, innerOpts)) {
     const uint64_t wireBytes = leaders->payloadBytes(staged[0]);
-    auto work = inner.allreduce(staged, innerOpts);
+    auto work = route.run(Op::allreduce(staged, innerOpts));
     return wrapCounted(std::move(work), c10d::OpType::ALLREDUCE, std::move(finalize),
                        std::move(result), issuedUs, leaders->statsName(), bytes, wireBytes,
                        profilingTitle(op), tensors);
   }
-  auto work = inner.allreduce(staged, innerOpts);
+  auto work = route.run(Op::allreduce(staged, innerOpts));
   return wrap(std::move(work), c10d::OpType::ALLREDUCE, std::move(finalize), std::move(result),
               issuedUs, bytes, op, tensors);
 }
@@ -563,7 +576,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
       profilingTitle(std::string("all_reduce:") + compressionName(compressed_->config().method));
   if (compressed_->issuesOnCaller(tensor)) {
     std::function<void()> finalize;
-    auto inner = compressed_->start(backendFor(tensor, "all_reduce"), tensor, opts, finalize);
+    auto inner = compressed_->start(routeFor(tensor, "all_reduce"), tensor, opts, finalize);
     return wrapCounted(std::move(inner), c10d::OpType::ALLREDUCE, std::move(finalize),
                        listValue({tensor}), startUs, statsName, bytesIn, bytesOnWire, title,
                        {tensor});
@@ -574,25 +587,20 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::compressedAllreduce(
   pending_->add(work);
   watchForErrors(work);
   auto* algorithm = compressed_.get();
-  auto compressedBackend = inner_.cpuCompressed;
+  auto compressedRoute = routes_.cpuCompressed;
   // Its collectives run on a group of their own: first every rank agrees,
   // in the group's order, that this is the call (else an allreduce here
   // against another op there would wait for each other until the timeout).
-  c10::intrusive_ptr<c10d::Work> agreed;
-  if (inner_.checked) {
-    agreed = inner_.checked->agreeOnAllreduce({tensor}, opts);
-  } else if (inner_.shm && !inner_.shm->hierarchical()) {
-    agreed = inner_.shm->agreeOnAllreduce({tensor}, opts);
-  }
+  c10::intrusive_ptr<c10d::Work> agreed = routes_.cpu->agree(Op::allreduce({tensor}, opts));
   // auto's ops are counted once it chose: ALLREDUCE_AUTO_NONE/_BF16/_INT8.
   const bool chooses = algorithm->autoCompression() != nullptr;
-  compressRunner_->submit(finishing(work, [algorithm, compressedBackend, tensor, opts, chooses,
+  compressRunner_->submit(finishing(work, [algorithm, compressedRoute, tensor, opts, chooses,
                                            statsName, bytesIn, startUs, agreed]() mutable {
     std::exception_ptr error;
     Compression ran = Compression::kAuto;
     try {
       if (agreed) agreed->wait();
-      ran = algorithm->run(*compressedBackend, tensor, opts);
+      ran = algorithm->run(*compressedRoute, tensor, opts);
     } catch (...) {
       error = std::current_exception();
     }
@@ -619,14 +627,15 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allreduce_coalesced(
   constexpr const char* op = "all_reduce_coalesced";
   checks::tensorList(op, tensors);
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  return delegate(op, tensors[0], c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors), tensors,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
-                    const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
-                    const MinMaxLowering minmax(opts.reduceOp, tensors[0]);
-                    auto staged = minmax.lowers() ? minmax.inOut(staging, tensors)
-                                                  : premul.inOut(staging, tensors);
-                    return inner.allreduce_coalesced(staged, minmax.options(premul.options(opts)));
-                  });
+  return delegate(
+      op, routeFor(tensors[0], op), c10d::OpType::ALLREDUCE_COALESCED, listValue(tensors), tensors,
+      [&](Route& route, TensorStaging& staging) {
+        const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
+        const MinMaxLowering minmax(opts.reduceOp, tensors[0]);
+        auto staged =
+            minmax.lowers() ? minmax.inOut(staging, tensors) : premul.inOut(staging, tensors);
+        return route.run(Op::allreduceCoalesced(staged, minmax.options(premul.options(opts))));
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -635,8 +644,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
   checks::tensorList(op, tensors);
   checks::rank(op, opts.rootRank, size_, "root");
   checks::reduceOp(op, opts.reduceOp, tensors[0].scalar_type());
-  return delegate(op, tensors[0], c10d::OpType::REDUCE, listValue(tensors), tensors,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(tensors[0], op), c10d::OpType::REDUCE, listValue(tensors), tensors,
+                  [&](Route& route, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(tensors[0]));
                     const MinMaxLowering minmax(opts.reduceOp, tensors[0]);
                     // Lowered to a scaled SUM, a non-root rank sends a scaled copy,
@@ -648,7 +657,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce(std::vector<at::Tensor>& ten
                                   : premul.lowers() && rank_ != opts.rootRank
                                       ? premul.in(staging, tensors)
                                       : premul.inOut(staging, tensors);
-                    return inner.reduce(staged, minmax.options(premul.options(opts)));
+                    return route.run(Op::reduce(staged, minmax.options(premul.options(opts))));
                   });
 }
 
@@ -665,11 +674,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather(
       checks::sameDeviceAndDtype(op, out, inputs[i], "output", "input");
     }
   }
-  return delegate(op, inputs[0], c10d::OpType::ALLGATHER, listOfListsValue(outputs), inputs,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(inputs[0], op), c10d::OpType::ALLGATHER, listOfListsValue(outputs),
+                  inputs, [&](Route& route, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return inner.allgather(stagedOut, stagedIn, opts);
+                    return route.run(Op::allgather(stagedOut, stagedIn, opts));
                   });
 }
 
@@ -680,11 +689,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_allgather_base(at::Tensor& output,
   checks::tensorList(op, {output}, "output");
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::allgatherBase(output, input, size_);
-  return delegate(op, input, c10d::OpType::_ALLGATHER_BASE, listValue({output}), {input},
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(input, op), c10d::OpType::_ALLGATHER_BASE, listValue({output}),
+                  {input}, [&](Route& route, TensorStaging& staging) {
                     auto stagedIn = staging.in(input);
                     auto stagedOut = staging.out(output);
-                    return inner._allgather_base(stagedOut, stagedIn, opts);
+                    return route.run(Op::allgatherBase(stagedOut, stagedIn, opts));
                   });
 }
 
@@ -700,11 +709,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_into_tensor_coalesced(
     checks::sameDeviceAndDtype(op, outputs[i], inputs[i], "output", "input");
     checks::allgatherBase(outputs[i], inputs[i], size_);
   }
-  return delegate(op, inputs[0], c10d::OpType::COALESCED, listValue(outputs), inputs,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(inputs[0], op), c10d::OpType::COALESCED, listValue(outputs), inputs,
+                  [&](Route& route, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return inner.allgather_into_tensor_coalesced(stagedOut, stagedIn, opts);
+                    return route.run(Op::allgatherIntoTensorCoalesced(stagedOut, stagedIn, opts));
                   });
 }
 
@@ -727,11 +736,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::gather(std::vector<std::vector<at::
     TORCH_CHECK_VALUE(outputs.empty(), "xcomm.gather: only the root (rank ", opts.rootRank,
                       ") passes a gather list");
   }
-  return delegate(op, inputs[0], c10d::OpType::GATHER, listOfListsValue(outputs), inputs,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(inputs[0], op), c10d::OpType::GATHER, listOfListsValue(outputs),
+                  inputs, [&](Route& route, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return inner.gather(stagedOut, stagedIn, opts);
+                    return route.run(Op::gather(stagedOut, stagedIn, opts));
                   });
 }
 
@@ -784,12 +793,12 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::scatter(std::vector<at::Tensor>& ou
                       ") passes a scatter list");
   }
   const auto sent = inputs.empty() ? std::vector<at::Tensor>{} : inputs[0];  // the root's
-  return delegate(op, outputs[0], c10d::OpType::SCATTER, listValue(outputs), sent,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(outputs[0], op), c10d::OpType::SCATTER, listValue(outputs), sent,
+                  [&](Route& route, TensorStaging& staging) {
                     std::vector<std::vector<at::Tensor>> stagedIn;
                     for (const auto& list : inputs) stagedIn.push_back(staging.in(list));
                     auto stagedOut = staging.out(outputs);
-                    return inner.scatter(stagedOut, stagedIn, opts);
+                    return route.run(Op::scatter(stagedOut, stagedIn, opts));
                   });
 }
 
@@ -810,8 +819,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
   std::vector<at::Tensor> flatInputs;
   for (const auto& list : inputs) flatInputs.insert(flatInputs.end(), list.begin(), list.end());
   return delegate(
-      op, outputs[0], c10d::OpType::REDUCE_SCATTER, listValue(outputs), flatInputs,
-      [&](c10d::Backend& inner, TensorStaging& staging) {
+      op, routeFor(outputs[0], op), c10d::OpType::REDUCE_SCATTER, listValue(outputs), flatInputs,
+      [&](Route& route, TensorStaging& staging) {
         const PremulLowering premul(opts.reduceOp, backendHasPremul(outputs[0]));
         const MinMaxLowering minmax(opts.reduceOp, outputs[0]);
         std::vector<std::vector<at::Tensor>> stagedIn;
@@ -819,7 +828,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter(
           stagedIn.push_back(minmax.lowers() ? minmax.in(list) : premul.in(staging, list));
         }
         auto stagedOut = minmax.lowers() ? minmax.out(staging, outputs) : staging.out(outputs);
-        return inner.reduce_scatter(stagedOut, stagedIn, minmax.options(premul.options(opts)));
+        return route.run(
+            Op::reduceScatter(stagedOut, stagedIn, minmax.options(premul.options(opts))));
       });
 }
 
@@ -832,10 +842,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   checks::reduceOp(op, opts.reduceOp, input.scalar_type());
   checks::reduceScatterBase(output, input, size_);
   if (compressedReduceScatter_ && compressedReduceScatter_->applies(input, opts)) {
-    auto& inner = backendFor(input, op);  // flushes held ops: every rank issues in program order
+    auto& route = routeFor(input, op);  // flushes held ops: every rank issues in program order
+    seq_++;
     const int64_t startUs = Timeline::nowUs();
     std::function<void()> finalize;
-    auto innerWork = compressedReduceScatter_->start(inner, output, input, opts, finalize);
+    auto innerWork = compressedReduceScatter_->start(route, output, input, opts, finalize);
     return wrapCounted(
         std::move(innerWork), c10d::OpType::_REDUCE_SCATTER_BASE, std::move(finalize),
         listValue({output}), startUs, compressedReduceScatter_->statsName(),
@@ -847,35 +858,29 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::_reduce_scatter_base(
   const bool minmaxKeys = MinMaxLowering(opts.reduceOp, input).lowers();
   if (!minmaxKeys && alltoallReduceScatter_ &&
       alltoallReduceScatter_->applies(output, input, opts)) {
-    auto& inner = backendFor(input, op);  // flushes held ops first
+    auto& route = routeFor(input, op);  // flushes held ops first
+    seq_++;
     auto result = listValue({output});
     const uint64_t bytes = payloadBytes(result);
     const int64_t issuedUs = Timeline::nowUs();
     std::function<void()> finalize;
-    AlltoallReduceScatter::Issue checkedAsReduceScatter;
-    if (inner_.checked) {  // the checks see a reduce_scatter_tensor, not an all_to_all_single
-      checkedAsReduceScatter = [checked = inner_.checked, redOp = opts.reduceOp.op_](
-                                   at::Tensor& received, at::Tensor& rows,
-                                   const c10d::AllToAllOptions& a2a) {
-        return checked->alltoallForReduceScatter(received, rows, redOp, a2a);
-      };
-    }
-    auto transfer =
-        alltoallReduceScatter_->start(inner, output, input, opts, finalize, checkedAsReduceScatter);
+    // A route that checks the ranks' calls sees a reduce_scatter_tensor, not
+    // an all_to_all_single (Op::asReduceScatter).
+    auto transfer = alltoallReduceScatter_->start(route, output, input, opts, finalize);
     auto work = wrap(std::move(transfer), c10d::OpType::_REDUCE_SCATTER_BASE, std::move(finalize),
                      std::move(result), issuedUs, bytes, op, {input});
     if (work) work->hideFuture();  // as Gloo's reduce-scatter: no future
     return work;
   }
-  return delegate(op, input, c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}), {input},
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(input, op), c10d::OpType::_REDUCE_SCATTER_BASE, listValue({output}),
+                  {input}, [&](Route& route, TensorStaging& staging) {
                     const PremulLowering premul(opts.reduceOp, backendHasPremul(input));
                     const MinMaxLowering minmax(opts.reduceOp, input);
                     auto stagedIn = minmax.lowers() ? minmax.in(input) : premul.in(staging, input);
                     auto stagedOut =
                         minmax.lowers() ? minmax.out(staging, output) : staging.out(output);
-                    return inner._reduce_scatter_base(stagedOut, stagedIn,
-                                                      minmax.options(premul.options(opts)));
+                    return route.run(Op::reduceScatterBase(stagedOut, stagedIn,
+                                                           minmax.options(premul.options(opts))));
                   });
 }
 
@@ -893,14 +898,14 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::reduce_scatter_tensor_coalesced(
     checks::reduceScatterBase(outputs[i], inputs[i], size_);
   }
   return delegate(
-      op, inputs[0], c10d::OpType::COALESCED, listValue(outputs), inputs,
-      [&](c10d::Backend& inner, TensorStaging& staging) {
+      op, routeFor(inputs[0], op), c10d::OpType::COALESCED, listValue(outputs), inputs,
+      [&](Route& route, TensorStaging& staging) {
         const PremulLowering premul(opts.reduceOp, backendHasPremul(inputs[0]));
         const MinMaxLowering minmax(opts.reduceOp, inputs[0]);
         auto stagedIn = minmax.lowers() ? minmax.in(inputs) : premul.in(staging, inputs);
         auto stagedOut = minmax.lowers() ? minmax.out(staging, outputs) : staging.out(outputs);
-        return inner.reduce_scatter_tensor_coalesced(stagedOut, stagedIn,
-                                                     minmax.options(premul.options(opts)));
+        return route.run(Op::reduceScatterTensorCoalesced(stagedOut, stagedIn,
+                                                          minmax.options(premul.options(opts))));
       });
 }
 
@@ -914,13 +919,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall_base(at::Tensor& output, a
   checks::sameDeviceAndDtype(op, output, input, "output", "input");
   checks::splits(op, inputSplits, input, size_, "input");
   checks::splits(op, outputSplits, output, size_, "output");
-  return delegate(op, input, c10d::OpType::ALLTOALL_BASE, listValue({output}), {input},
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
-                    auto stagedIn = staging.in(input);
-                    auto stagedOut = staging.out(output);
-                    return inner.alltoall_base(stagedOut, stagedIn, outputSplits, inputSplits,
-                                               opts);
-                  });
+  return delegate(
+      op, routeFor(input, op), c10d::OpType::ALLTOALL_BASE, listValue({output}), {input},
+      [&](Route& route, TensorStaging& staging) {
+        auto stagedIn = staging.in(input);
+        auto stagedOut = staging.out(output);
+        return route.run(Op::alltoallBase(stagedOut, stagedIn, outputSplits, inputSplits, opts));
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -934,11 +939,11 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::alltoall(std::vector<at::Tensor>& o
       "xcomm.all_to_all: needs one input and one output tensor per rank (", size_, "), got ",
       inputs.size(), " inputs and ", outputs.size(), " outputs");
   checks::sameDeviceAndDtype(op, outputs[0], inputs[0], "output", "input");
-  return delegate(op, inputs[0], c10d::OpType::ALLTOALL, listValue(outputs), inputs,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, routeFor(inputs[0], op), c10d::OpType::ALLTOALL, listValue(outputs), inputs,
+                  [&](Route& route, TensorStaging& staging) {
                     auto stagedIn = staging.in(inputs);
                     auto stagedOut = staging.out(outputs);
-                    return inner.alltoall(stagedOut, stagedIn, opts);
+                    return route.run(Op::alltoall(stagedOut, stagedIn, opts));
                   });
 }
 
@@ -948,7 +953,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
-  return delegate(op, tensors[0], c10d::OpType::SEND, listValue(tensors), tensors,
+  return delegate(op, pointToPoint(tensors[0], op), c10d::OpType::SEND, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.in(tensors);
                     return inner.send(staged, dstRank, tag);
@@ -961,7 +966,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  return delegate(op, tensors[0], c10d::OpType::RECV, listValue(tensors), tensors,
+  return delegate(op, pointToPoint(tensors[0], op), c10d::OpType::RECV, listValue(tensors), tensors,
                   [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recv(staged, srcRank, tag);
@@ -974,8 +979,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   // Named as Gloo names it under torch.profiler: "xcomm:recvAnySource".
-  return delegate("recvAnySource", tensors[0], c10d::OpType::RECVANYSOURCE, listValue(tensors),
-                  tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate("recvAnySource", pointToPoint(tensors[0], op), c10d::OpType::RECVANYSOURCE,
+                  listValue(tensors), tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recvAnysource(staged, tag);
                   });
@@ -984,17 +989,13 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> XcommBackend::barrier(const c10d::BarrierOptions& opts) {
   checkNotAborted("barrier");
   flushFused();
-  const bool useCuda = !inner_.cpu || (opts.device && opts.device->is_cuda() && inner_.cuda);
-  auto& inner = useCuda ? *inner_.cuda : *inner_.cpu;
+  const bool useCuda = !routes_.cpu || (opts.device && opts.device->is_cuda() && routes_.cuda);
+  Route& route = useCuda ? static_cast<Route&>(*routes_.cuda) : *routes_.cpu;
+  seq_++;
   const int64_t issuedUs = Timeline::nowUs();
-  auto work = inner.barrier(opts);
+  auto work = route.run(Op::barrier(opts));
   return wrap(std::move(work), c10d::OpType::BARRIER, {}, listValue({}), issuedUs, 0, "barrier",
               {});
-}
-
-c10d::Backend& XcommBackend::cpuGloo() {
-  TORCH_CHECK(inner_.cpu, "xcomm: this group has no CPU backend");
-  return inner_.shm ? *inner_.shm->fallback() : *inner_.cpu;
 }
 
 c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_coalesced(
@@ -1009,25 +1010,19 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::allgather_coalesced(
                       ": every output list needs one tensor per input (", inputs.size(), "), got ",
                       list.size());
   }
-  return delegate(op, inputs[0], c10d::OpType::ALLGATHER_COALESCED, listOfListsValue(outputs),
-                  inputs, [&](c10d::Backend& inner, TensorStaging&) {
-                    return inner.allgather_coalesced(outputs, inputs, opts);
+  return delegate(op, routeFor(inputs[0], op), c10d::OpType::ALLGATHER_COALESCED,
+                  listOfListsValue(outputs), inputs, [&](Route& route, TensorStaging&) {
+                    return route.run(Op::allgatherCoalesced(outputs, inputs, opts));
                   });
 }
 
 void XcommBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   checkNotAborted("monitored_barrier");
   flushFused();
-  cpuGloo().monitoredBarrier(opts, waitAllRanks);
-}
-
-void XcommBackend::setSequenceNumberForGroup() {
-  // torch calls it as it creates a group, one awaiting reconfigure() too.
-  if (inner_.cpu) cpuGloo().setSequenceNumberForGroup();
-}
-
-uint64_t XcommBackend::getSequenceNumberForGroup() {
-  return inner_.cpu ? cpuGloo().getSequenceNumberForGroup() : 0;
+  TORCH_CHECK_VALUE(routes_.cpu,
+                    "xcomm.monitored_barrier: this process group has no CPU backend "
+                    "(monitored_barrier is Gloo's)");
+  routes_.cpu->monitoredBarrier(opts, waitAllRanks);
 }
 
 }  // namespace xcomm

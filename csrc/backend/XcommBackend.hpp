@@ -1,13 +1,15 @@
 #pragma once
-// XcommBackend: the c10d::Backend behind init_process_group(backend="xcomm").
+// XcommBackend: the c10d::Backend behind init_process_group(backend="xcomm"),
+// and xcomm's only one above a transport.
 //
-// Every call is checked and staged here, then handed to the inner backend
-// for the tensors' device: Gloo (or the shared-memory ShmCpuBackend wrapping
-// it) for CPU tensors and NCCL for CUDA tensors when created from Python, or
-// xcomm's own StoreCpuBackend in a C++-only program. What the group is (its
-// GroupPlan) and its inner backends come from GroupBuilder. ("Inner backend": a
-// whole c10d backend xcomm delegates to; "transport": a byte mover under
-// csrc/transport/.)
+// Every call is checked and staged here, converted once into an Op
+// (runtime/Op.hpp), and handed to the route of the tensors' device
+// (runtime/Route.hpp): for CPU tensors the route the group's plan names
+// (CheckedRoute over Gloo, ShmRoute, HierarchicalRoute, or Gloo as it is),
+// for CUDA tensors NCCL. What the group is (its GroupPlan) and its routes come
+// from GroupBuilder. ("Inner backend": a whole c10d backend under a route,
+// Gloo, NCCL, or xcomm's own StoreCpuBackend in a C++-only program;
+// "transport": a byte mover under csrc/transport/.)
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -18,9 +20,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "backend/CheckedCpuBackend.hpp"
+#include "backend/CheckedRoute.hpp"
 #include "backend/GroupPlan.hpp"
-#include "backend/ShmCpuBackend.hpp"
+#include "backend/HierarchicalRoute.hpp"
+#include "backend/ShmRoute.hpp"
 #include "backend/TensorStaging.hpp"
 #include "backend/XcommOptions.hpp"
 #include "backend/XcommWork.hpp"
@@ -30,28 +33,33 @@
 #include "common/TorchCompat.hpp"
 #include "runtime/DeferredRelease.hpp"
 #include "runtime/OrderedRunner.hpp"
+#include "runtime/Route.hpp"
 #include "schedule/FusionBuffer.hpp"
 
 namespace xcomm {
 
 class XcommBackend : public c10d::Backend {
  public:
-  // The inner backends, one per device type; either may be null.
-  struct InnerBackends {
-    c10::intrusive_ptr<c10d::Backend> cpu;
-    c10::intrusive_ptr<c10d::Backend> cuda;
+  // The routes, one per device type; either may be null.
+  struct Routes {
+    std::shared_ptr<Route> cpu;
+    // The whole Gloo (or store) backend under the CPU route: point-to-point
+    // ops, which match by tag rather than by order, go to it directly.
+    c10::intrusive_ptr<c10d::Backend> cpuGloo;
+    std::shared_ptr<RawRoute> cuda;  // NCCL
     // A second CPU backend, only for int8-compressed allreduces: their two
     // collectives run on a worker thread and must not mix with other ops.
-    c10::intrusive_ptr<c10d::Backend> cpuCompressed;
-    // The shared-memory backend when the plan's shape uses one (then also `cpu`).
-    c10::intrusive_ptr<ShmCpuBackend> shm;
-    // The checks around Gloo (`cpu`, or the shared-memory backend's Gloo route).
-    c10::intrusive_ptr<CheckedCpuBackend> checked;
+    std::shared_ptr<RawRoute> cpuCompressed;
+    // Where the CPU route is one of these (also `cpu`), its counters.
+    std::shared_ptr<ShmRouteBase> shm;
+    std::shared_ptr<HierarchicalRoute> hierarchical;
+    // The checks around Gloo (`cpu`, or a hierarchical group's fallback).
+    std::shared_ptr<CheckedRoute> checked;
   };
 
   // Groups are built by buildGroup (backend/GroupBuilder.hpp), which makes
-  // the inner backends `plan` names.
-  XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan, InnerBackends inner);
+  // the routes `plan` names.
+  XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan plan, Routes routes);
   ~XcommBackend() override;
 
   // The C++-only entry point: CPU collectives over xcomm's store transport,
@@ -108,7 +116,7 @@ class XcommBackend : public c10d::Backend {
   };
   XcommBackend(Unconfigured, c10::intrusive_ptr<XcommOptions> options, GroupPlan plan);
   bool configured() const {
-    return inner_.cpu || inner_.cuda;
+    return routes_.cpu || routes_.cuda;
   }
 
   // This process's handle for reconfigure: "xcomm:<rank>:<uuid>:<stable
@@ -147,32 +155,32 @@ class XcommBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
     return options_;
   }
-  const InnerBackends& innerBackends() const {
-    return inner_;
+  const Routes& routes() const {
+    return routes_;
   }
   const GroupPlan& plan() const {
     return plan_;
   }
   // Null when the group compresses nothing. A hierarchical group compresses
-  // only its leaders' step (in its ShmCpuBackend), and reports it here.
+  // only its leaders' step (in its HierarchicalRoute), and reports it here.
   const CompressedAllreduce* compression() const;
   // Collectives run over shared memory; -1 when the group uses none.
   int64_t shmOps() const {
-    return inner_.shm ? static_cast<int64_t>(inner_.shm->shmOps()) : -1;
+    return routes_.shm ? static_cast<int64_t>(routes_.shm->shmOps()) : -1;
   }
   // Ops carried by the rank-agreement check alone; -1 when Gloo is not checked.
   int64_t carriedOps() const {
-    return inner_.checked ? static_cast<int64_t>(inner_.checked->carriedOps()) : -1;
+    return routes_.checked ? static_cast<int64_t>(routes_.checked->carriedOps()) : -1;
   }
   // Ops sent as point-to-point messages instead of Gloo's collectives; -1
   // when Gloo is not checked.
   int64_t directOps() const {
-    return inner_.checked ? static_cast<int64_t>(inner_.checked->directOps()) : -1;
+    return routes_.checked ? static_cast<int64_t>(routes_.checked->directOps()) : -1;
   }
   // Steps between hosts carried by the leaders' check (a hierarchical
   // group's leader); -1 elsewhere.
   int64_t leaderCarriedOps() const {
-    return inner_.shm ? inner_.shm->leaderCarriedOps() : -1;
+    return routes_.hierarchical ? routes_.hierarchical->leaderCarriedOps() : -1;
   }
   void setTimeout(std::chrono::milliseconds timeout) override;
   // Fuses small async CPU allreduces into one transfer up to this many bytes
@@ -181,7 +189,7 @@ class XcommBackend : public c10d::Backend {
   // over `control`, a backend no other op uses: every cycle, or on demand
   // when `cycle` is 0. All ranks must call this together.
   void setFusionThreshold(size_t bytes, std::chrono::microseconds cycle = {},
-                          c10::intrusive_ptr<c10d::Backend> control = {});
+                          std::shared_ptr<Route> control = {});
   size_t fusionThreshold() const {
     return fusion_ ? fusion_->thresholdBytes() : 0;
   }
@@ -264,30 +272,38 @@ class XcommBackend : public c10d::Backend {
   // Gloo's, on the group's Gloo backend: a barrier that names the ranks that
   // did not arrive in time (dist.monitored_barrier).
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
-  // The group's Gloo (CPU) backend's sequence numbers, which the debug
-  // wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) and desync reports read.
-  void setSequenceNumberForGroup() override;
-  uint64_t getSequenceNumberForGroup() override;
+  // Ops called on this group, counted as they are called (not as a route
+  // issues them): the debug wrapper (TORCH_DISTRIBUTED_DEBUG=DETAIL) compares
+  // the ranks' numbers right after each call.
+  void setSequenceNumberForGroup() override {
+    seq_ = 0;
+  }
+  uint64_t getSequenceNumberForGroup() override {
+    return seq_.load();
+  }
 
  private:
-  // Every op but a fusable allreduce first sends what fusion holds, so
-  // collectives keep their issue order.
-  c10d::Backend& backendFor(const at::Tensor& t, const char* op, bool flushFused = true);
+  // The route for `t`'s device; every op but a fusable allreduce first
+  // sends what fusion holds, so collectives keep their issue order.
+  Route& routeFor(const at::Tensor& t, const char* op, bool flushFused = true);
   void flushFused();
-  // The Gloo backend under the CPU path (the shared-memory backend's fallback).
-  c10d::Backend& cpuGloo();
+  // The group's routes that exist (CPU, CUDA, the compressed allreduce's own).
+  std::vector<std::shared_ptr<Route>> allRoutes() const;
+  // A point-to-point op's backend: the Gloo (or NCCL) under the route.
+  c10d::Backend& pointToPoint(const at::Tensor& t, const char* op);
   // Whether the inner backend for `t` implements PREMUL_SUM itself (NCCL does).
   bool backendHasPremul(const at::Tensor& t) const;
-  // What every tensor op but all_reduce does after its checks: take the
-  // inner backend for `first` (sending what fusion holds), note the issue time,
-  // let `call(inner, staging)` stage the tensors and start the
-  // inner backend's op, and wrap its work with `result` as the op's result.
+  // What every tensor op but all_reduce does after its checks, given the
+  // route for its tensors (routeFor) or a point-to-point op's backend: count
+  // the op, note the issue time, let `call(target, staging)` stage the
+  // tensors and start the op there, and wrap its work with `result` as the
+  // op's result.
   // `inputs` are what the profiler shows as the op's input shapes (Gloo's choice:
   // what this rank contributes).
-  template <typename Call>
-  c10::intrusive_ptr<c10d::Work> delegate(const char* op, const at::Tensor& first,
-                                          c10d::OpType type, c10::IValue result,
-                                          const std::vector<at::Tensor>& inputs, Call&& call);
+  template <typename Target, typename Call>
+  c10::intrusive_ptr<c10d::Work> delegate(const char* op, Target& target, c10d::OpType type,
+                                          c10::IValue result, const std::vector<at::Tensor>& inputs,
+                                          Call&& call);
   // The work the caller gets: `inner` plus `finalize`, run once the inner work
   // succeeded (after any copy-back); counted in xcomm.stats() and the
   // timeline, and one "xcomm:<op>" event under torch.profiler. Null when
@@ -310,7 +326,7 @@ class XcommBackend : public c10d::Backend {
   // DistBackendError naming `op` once the group was aborted, or while it
   // awaits its first reconfigure().
   void checkNotAborted(const char* op) const;
-  // Takes `other`'s group (plan, inner backends, fusion, compression,
+  // Takes `other`'s group (plan, routes, fusion, compression,
   // pending works, rank and size) and leaves it this one's; what says who
   // this process is and how groups are built (store, regroup, handle) stays.
   void swapGroup(XcommBackend& other);
@@ -324,11 +340,12 @@ class XcommBackend : public c10d::Backend {
   int shrinks_ = 0;               // successors built: each takes a fresh store namespace
   int64_t stableRank_ = 0;        // the rank this process had when the group was created
   int64_t reconfigureUuid_ = -1;  // of the last reconfigure that succeeded here
-  InnerBackends inner_;
+  Routes routes_;
   std::shared_ptr<FusionBuffer> fusion_;  // null: fusion off
   // The fusion rounds' own transport: shut down with the group, so that
   // peers in a round fail at once (shared memory marks this rank departed).
-  c10::intrusive_ptr<c10d::Backend> fusionControl_;
+  std::shared_ptr<Route> fusionControl_;
+  std::atomic<uint64_t> seq_{0};  // ops called (getSequenceNumberForGroup)
   std::unique_ptr<CompressedAllreduce> compressed_;
   std::unique_ptr<CompressedReduceScatter> compressedReduceScatter_;
   // Uncompressed reduce-scatter on a CPU group whose data does not move over

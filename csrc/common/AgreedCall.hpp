@@ -3,7 +3,7 @@
 // bytes, also where the op travels as other tensors.
 //
 // MinMaxLowering (backend/) runs MIN/MAX of floats as MIN/MAX of integer
-// keys. The agreement between ranks (CheckedCpuBackend's descriptor rows,
+// keys. The agreement between ranks (CheckedRoute's descriptor rows,
 // shared memory's descriptors, fusion's groups) must still compare, and name
 // in its errors, the caller's call: described by its keys, a float32 MIN on
 // one rank and an int32 MIN of the same size on another would agree. So the

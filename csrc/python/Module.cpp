@@ -150,13 +150,13 @@ PYBIND11_MODULE(_C, m) {
                              "the leaders' check; -1 except on a leader whose check is on.")
       .def_property_readonly("cpu_backend_name",
                              [](const xcomm::XcommBackend& b) {
-                               const auto& t = b.innerBackends().cpu;
-                               return t ? t->getBackendName() : std::string();
+                               const auto& t = b.routes().cpu;
+                               return t ? t->name() : std::string();
                              })
       .def_property_readonly("cuda_backend_name",
                              [](const xcomm::XcommBackend& b) {
-                               const auto& t = b.innerBackends().cuda;
-                               return t ? t->getBackendName() : std::string();
+                               const auto& t = b.routes().cuda;
+                               return t ? t->name() : std::string();
                              })
       // As ProcessGroupGloo/NCCL bind it (torch binds it on those two only):
       // changes the timeout of every later op of the group, inner backends

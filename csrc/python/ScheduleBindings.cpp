@@ -128,7 +128,8 @@ void bindSchedule(py::module_& m) {
         // setFusionThreshold refuses a negative one.
         const auto us = static_cast<int64_t>(cycleMs * 1000.0);
         backend.setFusionThreshold(
-            bytes, std::chrono::microseconds(cycleMs > 0 ? std::max<int64_t>(us, 1) : us), control);
+            bytes, std::chrono::microseconds(cycleMs > 0 ? std::max<int64_t>(us, 1) : us),
+            control ? std::make_shared<xcomm::RawRoute>(control) : nullptr);
       },
       py::arg("backend"), py::arg("bytes"), py::arg("cycle_ms") = 0.0,
       py::arg("control") = c10::intrusive_ptr<c10d::Backend>(),

@@ -49,8 +49,7 @@ std::vector<std::pair<size_t, size_t>> FusionPlan::groups(
 // ---------------------------------------------------------------- CycleFusion
 
 CycleFusion::CycleFusion(size_t thresholdBytes, std::chrono::microseconds cycle,
-                         c10::intrusive_ptr<c10d::Backend> control,
-                         std::chrono::milliseconds timeout)
+                         std::shared_ptr<Route> control, std::chrono::milliseconds timeout)
     : FusionBuffer(thresholdBytes),
       onDemand_(cycle.count() == 0),
       cycle_(onDemand_ ? kOnDemandJoin : cycle),
@@ -150,13 +149,13 @@ void CycleFusion::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 int64_t CycleFusion::negotiate(int64_t issued) {
-  if (control_->getSize() == 1) return issued;  // nobody to agree with
+  if (control_->size() == 1) return issued;  // nobody to agree with
   const int64_t startUs = Timeline::nowUs();
   std::vector<at::Tensor> counter{at::full({1}, issued, at::kLong)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::MIN);
   opts.timeout = std::chrono::milliseconds(timeoutMs_.load());
-  auto work = control_->allreduce(counter, opts);
+  auto work = control_->allreduce(counter[0], opts);
   work->wait(opts.timeout);
   const int64_t agreed = counter[0].item<int64_t>();
   Timeline::global().add(
@@ -246,7 +245,7 @@ void CycleFusion::cycleLoop() {
 
 std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
                                                std::chrono::microseconds cycle,
-                                               c10::intrusive_ptr<c10d::Backend> control,
+                                               std::shared_ptr<Route> control,
                                                std::chrono::milliseconds timeout) {
   if (thresholdBytes == 0) return nullptr;
   return std::make_shared<CycleFusion>(thresholdBytes, cycle, std::move(control), timeout);

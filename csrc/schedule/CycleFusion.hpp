@@ -47,7 +47,7 @@ class CycleFusion final : public FusionBuffer {
   // uses, so its order never mixes with theirs).
   // `cycle` 0: on demand (see above).
   CycleFusion(size_t thresholdBytes, std::chrono::microseconds cycle,
-              c10::intrusive_ptr<c10d::Backend> control, std::chrono::milliseconds timeout);
+              std::shared_ptr<Route> control, std::chrono::milliseconds timeout);
   ~CycleFusion() override;
 
   std::chrono::microseconds cycle() const override {
@@ -78,7 +78,7 @@ class CycleFusion final : public FusionBuffer {
 
   const bool onDemand_;
   const std::chrono::microseconds cycle_;  // the join bound when on demand
-  c10::intrusive_ptr<c10d::Backend> control_;
+  std::shared_ptr<Route> control_;
   std::atomic<int64_t> timeoutMs_;  // set by the user's thread, read by the rounds'
   std::condition_variable wake_;    // the thread: something to send
   std::condition_variable sent_;    // flush(): a round sent ops
@@ -95,7 +95,7 @@ class CycleFusion final : public FusionBuffer {
 // that wait up to `timeout`, on demand when `cycle` is 0.
 std::shared_ptr<FusionBuffer> makeFusionBuffer(size_t thresholdBytes,
                                                std::chrono::microseconds cycle,
-                                               c10::intrusive_ptr<c10d::Backend> control,
+                                               std::shared_ptr<Route> control,
                                                std::chrono::milliseconds timeout);
 
 }  // namespace xcomm

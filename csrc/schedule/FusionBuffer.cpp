@@ -120,10 +120,12 @@ bool FusionBuffer::accepts(const at::Tensor& tensor, const c10d::AllreduceOption
          elementwise(opts.reduceOp) && !opts.sparseIndices.has_value();
 }
 
-c10::intrusive_ptr<c10d::Work> FusionBuffer::enqueue(
-    const c10::intrusive_ptr<c10d::Backend>& transport, int rank, at::Tensor tensor,
-    const c10d::AllreduceOptions& opts, std::function<void()> finalize, c10::IValue result,
-    const char* profilingTitle) {
+c10::intrusive_ptr<c10d::Work> FusionBuffer::enqueue(const std::shared_ptr<Route>& transport,
+                                                     int rank, at::Tensor tensor,
+                                                     const c10d::AllreduceOptions& opts,
+                                                     std::function<void()> finalize,
+                                                     c10::IValue result,
+                                                     const char* profilingTitle) {
   TORCH_CHECK(accepts(tensor, opts), "xcomm: internal error: a tensor fusion cannot hold");
   auto work =
       c10::make_intrusive<FusedWork>(rank, weak_from_this(), std::move(result), std::move(finalize),
@@ -159,7 +161,7 @@ std::function<void()> FusionBuffer::issue(std::shared_ptr<std::vector<Held>> hel
   }
   c10::intrusive_ptr<c10::ivalue::Future> future;
   try {
-    future = (*held)[0].transport->allreduce(flat, (*held)[0].opts)->getFuture();
+    future = (*held)[0].transport->allreduce(flat[0], (*held)[0].opts)->getFuture();
   } catch (...) {
     const auto error = std::current_exception();
     return [held, error] {

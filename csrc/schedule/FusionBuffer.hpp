@@ -19,7 +19,9 @@
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include "runtime/Route.hpp"
 
 namespace xcomm {
 
@@ -76,9 +78,8 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
   // Holds the op (flushing first what it cannot join); `finalize` runs after
   // its result is in `tensor` (the caller's copy-back), then its future
   // completes with `result`.
-  c10::intrusive_ptr<c10d::Work> enqueue(const c10::intrusive_ptr<c10d::Backend>& transport,
-                                         int rank, at::Tensor tensor,
-                                         const c10d::AllreduceOptions& opts,
+  c10::intrusive_ptr<c10d::Work> enqueue(const std::shared_ptr<Route>& transport, int rank,
+                                         at::Tensor tensor, const c10d::AllreduceOptions& opts,
                                          std::function<void()> finalize, c10::IValue result,
                                          const char* profilingTitle = nullptr);
 
@@ -102,7 +103,7 @@ class FusionBuffer : public std::enable_shared_from_this<FusionBuffer> {
   struct Held {
     at::Tensor tensor;
     c10::intrusive_ptr<FusedWork> work;
-    c10::intrusive_ptr<c10d::Backend> transport;
+    std::shared_ptr<Route> transport;
     c10d::AllreduceOptions opts;
     std::chrono::steady_clock::time_point heldAt;
   };

@@ -11,7 +11,7 @@ hosts, and ranks must share the ``/dev/shm`` filesystem and see each other's
 pids (PID namespace, used to detect a dead peer).
 
 When every member has the same identity, the group's CPU transport becomes a
-``ShmCpuBackend`` over one shared segment: allreduce, broadcast, allgather,
+``ShmRoute`` over one shared segment: allreduce, broadcast, allgather,
 reduce_scatter and barrier run through shared memory; every other op (and any
 dtype without a kernel) still goes to the Gloo backend it wraps. If any rank
 cannot set up the segment, every rank keeps Gloo alone.

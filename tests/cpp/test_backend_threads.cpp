@@ -254,7 +254,7 @@ TEST_CASE("over a TCPStore, a receive waiting on one thread does not hold up a s
 TEST_CASE("a missing peer is an error within the timeout, not a hang", "[backend]") {
   const auto start = std::chrono::steady_clock::now();
   // Rank 1 shuts its backend down without joining: it announces that it
-  // left (CheckedCpuBackend::announceDeparture), or, if rank 0's check began
+  // left (CheckedRoute::announceDeparture), or, if rank 0's check began
   // after its connections closed, rank 0 times out. Either names rank 1.
   CHECK_THROWS_WITH(runRanks(
                         2,
@@ -293,9 +293,9 @@ TEST_CASE("fused small allreduces equal the arithmetic and travel together", "[f
   constexpr int kSize = 2;
   auto controlStore = c10::make_intrusive<c10d::HashStore>();
   runRanks(kSize, [&](XcommBackend& b, int rank, int size) {
-    auto control = c10::make_intrusive<xcomm::StoreCpuBackend>(
+    auto control = std::make_shared<xcomm::RawRoute>(c10::make_intrusive<xcomm::StoreCpuBackend>(
         c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
-        std::chrono::seconds(20));
+        std::chrono::seconds(20)));
     b.setFusionThreshold(1024, {}, control);
     std::vector<std::vector<at::Tensor>> held;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -336,9 +336,9 @@ TEST_CASE("a fusion cycle sends held ops unasked, the same groups on every rank"
   constexpr int kSize = 2;
   auto controlStore = c10::make_intrusive<c10d::HashStore>();
   runRanks(kSize, [&](XcommBackend& b, int rank, int size) {
-    auto control = c10::make_intrusive<xcomm::StoreCpuBackend>(
+    auto control = std::make_shared<xcomm::RawRoute>(c10::make_intrusive<xcomm::StoreCpuBackend>(
         c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
-        std::chrono::seconds(20));
+        std::chrono::seconds(20)));
     b.setFusionThreshold(1024, std::chrono::milliseconds(5), control);
     // Rank 1 starts late: rank 0's first round waits for it to catch up.
     if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
@@ -375,9 +375,9 @@ TEST_CASE("bad fusion-cycle and bucket-launcher settings are refused with a mess
           "[fusion][schedule]") {
   auto controlStore = c10::make_intrusive<c10d::HashStore>();
   runRanks(1, [&](XcommBackend& b, int rank, int size) {
-    auto control = c10::make_intrusive<xcomm::StoreCpuBackend>(
+    auto control = std::make_shared<xcomm::RawRoute>(c10::make_intrusive<xcomm::StoreCpuBackend>(
         c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
-        std::chrono::seconds(20));
+        std::chrono::seconds(20)));
     const std::chrono::milliseconds cycle(5);
     CHECK_THROWS_WITH(b.setFusionThreshold(0, cycle, control),
                       Contains("needs fusion_threshold_bytes > 0"));
@@ -538,7 +538,7 @@ TEST_CASE("a synchronous compressed allreduce whose inner backend returns no wor
     auto options = xcomm::XcommOptions::create(std::chrono::seconds(20));
     options->compression.method = xcomm::Compression::kFp16;
     options->compression.minBytes = 0;
-    // As on NCCL, which CheckedCpuBackend does not wrap (it always returns a work).
+    // As on NCCL, which CheckedRoute does not wrap (it always returns a work).
     options->checkCollectives = false;
     auto b = xcomm::buildGroup(store, r, 2, options, factory, /*allowShm=*/false);
     // 1/3 is not a half: the result shows the cast happened.

@@ -2,7 +2,7 @@
 
 Ranks on different hosts, or ``Options(shm=False)``: every collective first
 exchanges a descriptor (op, dtype, reduce op, root, bytes; an all-to-all's
-per-pair sizes) over a Gloo group of its own (``CheckedCpuBackend``). The
+per-pair sizes) over a Gloo group of its own (``CheckedRoute``). The
 reference is what plain gloo does with the same calls, seen with a 2-rank
 script: different sizes or dtypes abort the receiving process
 (``gloo::EnforceNotMet``), different reduce ops return a wrong sum on both

@@ -131,3 +131,27 @@ def test_no_include_loops_between_modules() -> None:
         for m in loop:
             detail += [f"  {where}: {m} -> {t}" for t, where in graph[m] if t in members]
     assert not loops, f"include loops: {loops}\n" + "\n".join(sorted(detail))
+
+
+def _subclasses(base: str) -> set[str]:
+    """Classes under csrc/ declared as deriving publicly from ``base``."""
+    pattern = re.compile(r"class\s+(\w+)\s*(?:final\s*)?:\s*public\s+" + re.escape(base) + r"\b")
+    found: set[str] = set()
+    for path in CSRC.rglob("*.hpp"):
+        found.update(pattern.findall(path.read_text()))
+    return found
+
+
+def test_one_c10d_face_and_every_cpu_route_behind_the_route_interface() -> None:
+    """``XcommBackend`` is the one c10d backend above a transport (the
+    C++-only program's ``StoreCpuBackend`` plays Gloo's part under the
+    routes); every way a group's ops run is a ``Route``."""
+    assert _subclasses("c10d::Backend") == {"XcommBackend", "StoreCpuBackend"}
+    routes = _subclasses("Route") | _subclasses("ShmRouteBase")
+    assert routes == {
+        "RawRoute",
+        "CheckedRoute",
+        "ShmRouteBase",
+        "ShmRoute",
+        "HierarchicalRoute",
+    }, routes

@@ -278,7 +278,7 @@ def test_a_float_min_against_an_int32_min_of_the_same_size_raises(route: str) ->
             "reduce_scatter_tensor": "reduce_scatter(MIN, Float, 24 bytes)",
             "all_reduce bfloat16": "all_reduce(MIN, BFloat16, 24 bytes)",
         }
-    else:  # the checks' rows (backend/CheckedCpuBackend.cpp)
+    else:  # the checks' rows (backend/CheckedRoute.cpp)
         calls = {
             "all_reduce": "all_reduce(MIN, Float, 48 bytes)",
             "reduce": "reduce(MIN, root=1, Float, 48 bytes)",

@@ -33,13 +33,12 @@ double bestOfThree(Fn&& fn) {
   return best;
 }
 
-void allreduceAndWait(c10d::Backend& transport, at::Tensor t, c10d::ReduceOp::RedOpType op,
+void allreduceAndWait(Route& transport, at::Tensor t, c10d::ReduceOp::RedOpType op,
                       std::chrono::milliseconds timeout) {
-  std::vector<at::Tensor> one{std::move(t)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp(op);
   opts.timeout = timeout;
-  transport.allreduce(one, opts)->wait();
+  transport.allreduce(t, opts)->wait();
 }
 
 size_t index(Compression m) {
@@ -199,7 +198,7 @@ void AutoCompression::calibrate() {
   calibrated_ = true;
 }
 
-void AutoCompression::round(c10d::Backend& transport, std::chrono::milliseconds timeout) {
+void AutoCompression::round(Route& transport, std::chrono::milliseconds timeout) {
   if (!calibrated_) calibrate();
   const double sinceLast = calls_ == 0 ? 0.0 : seconds(lastRound_);
   if (fixedBandwidth_ > 0) {  // XCOMM_AUTO_LINK: agree the codec costs only
@@ -277,7 +276,7 @@ void AutoCompression::publish() {
   }
 }
 
-Compression AutoCompression::choose(c10d::Backend& transport, int64_t numel, int64_t elementSize,
+Compression AutoCompression::choose(Route& transport, int64_t numel, int64_t elementSize,
                                     std::chrono::milliseconds timeout) {
   if (calls_ % interval_ == 0) round(transport, timeout);
   ++calls_;

@@ -52,6 +52,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "common/Compression.hpp"
+#include "runtime/Route.hpp"
 
 namespace xcomm {
 
@@ -133,7 +134,7 @@ class AutoCompression {
   // The method for one allreduce of `numel` elements. Every `interval`-th
   // call (the first included) first runs a round on `transport`: probe,
   // agree. Blocking; call it on the thread that issues the op's collectives.
-  Compression choose(c10d::Backend& transport, int64_t numel, int64_t elementSize,
+  Compression choose(Route& transport, int64_t numel, int64_t elementSize,
                      std::chrono::milliseconds timeout);
 
   // The allreduce choose() returned took `seconds` on this rank (from its
@@ -143,7 +144,7 @@ class AutoCompression {
   AutoReport report() const;
 
  private:
-  void round(c10d::Backend& transport, std::chrono::milliseconds timeout);
+  void round(Route& transport, std::chrono::milliseconds timeout);
   void calibrate();
   // The prediction `method`'s observations are compared with: corrected by
   // the link factor, not by its own.

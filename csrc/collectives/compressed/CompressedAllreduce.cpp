@@ -82,7 +82,7 @@ int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor, Compression 
   }
 }
 
-c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(c10d::Backend& transport,
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(Route& transport,
                                                           const at::Tensor& tensor,
                                                           const c10d::AllreduceOptions& opts,
                                                           std::function<void()>& finalize) {
@@ -98,7 +98,7 @@ void CompressedAllreduce::count(const at::Tensor& tensor, int64_t sentBytes) {
   counters_->linkBytesSent += sentBytes;
 }
 
-c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& transport,
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(Route& transport,
                                                               const at::Tensor& tensor,
                                                               const c10d::AllreduceOptions& opts,
                                                               std::function<void()>& finalize,
@@ -108,7 +108,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   std::vector<at::Tensor> wire{scaled.to(low).contiguous()};
   c10d::AllreduceOptions sumOpts = opts;
   sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-  auto work = transport.allreduce(wire, sumOpts);
+  auto work = transport.allreduce(wire[0], sumOpts);
   count(tensor, ringBytes(wire[0].numel() * wire[0].element_size(), size_));
   finalize = [tensor, low = wire[0]]() mutable {
     tensor.copy_(low);
@@ -117,7 +117,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(c10d::Backend& tra
   return work;
 }
 
-Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor& tensor,
+Compression CompressedAllreduce::run(RawRoute& transport, const at::Tensor& tensor,
                                      const c10d::AllreduceOptions& opts) {
   const Compression method =
       auto_ ? auto_->choose(transport, tensor.numel(), tensor.element_size(), opts.timeout)
@@ -136,10 +136,9 @@ Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor&
     }
     default: {  // none: Gloo has no AVG, so a SUM, then the division
       at::Tensor flat = tensor.is_contiguous() ? tensor : tensor.contiguous();
-      std::vector<at::Tensor> one{flat};
       c10d::AllreduceOptions sum = opts;
       sum.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-      transport.allreduce(one, sum)->wait();
+      transport.allreduce(flat, sum)->wait();
       if (isMean(opts)) flat.div_(size_);
       if (!tensor.is_contiguous()) tensor.copy_(flat);
       count(tensor, ringBytes(tensor.numel() * tensor.element_size(), size_));
@@ -152,7 +151,7 @@ Compression CompressedAllreduce::run(c10d::Backend& transport, const at::Tensor&
   return method;
 }
 
-c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& transport,
+c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(Route& transport,
                                                               const at::Tensor& tensor,
                                                               const c10d::AllreduceOptions& opts,
                                                               std::function<void()>& finalize) {
@@ -160,19 +159,18 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& tra
   const int64_t shard = int8_.shardElems(flat.numel(), size_);
   at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
   at::Tensor received = at::empty_like(packed);
-  std::vector<int64_t> even;  // equal splits
   c10d::AllToAllOptions a2a;
   a2a.timeout = opts.timeout;
   // For CUDA tensors this makes the current stream wait for NCCL's, and
   // returns at once (CPU tensors take runInt8's messages instead).
-  transport.alltoall_base(received, packed, even, even, a2a)->wait();
+  transport.alltoall(received, packed, a2a)->wait();
 
   // float32 sum in rank order, the mean's division, quantization: one pass.
   at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
   at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
   c10d::AllgatherOptions ag;
   ag.timeout = opts.timeout;
-  auto work = transport._allgather_base(gathered, mine, ag);
+  auto work = transport.allgather(gathered, mine, ag);
   count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
   finalize = [codec = int8_, gathered, mine, shard, flat, tensor]() mutable {
     codec.unpackAll(gathered, shard, flat);
@@ -182,22 +180,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(c10d::Backend& tra
   return work;
 }
 
-namespace {
-
-// The limit of an op on `transport`: the op's own, else the backend's.
-std::chrono::milliseconds limitOf(c10d::Backend& transport, std::chrono::milliseconds requested) {
-  if (requested != c10d::kUnsetTimeout) return requested;
-  try {
-    if (auto options = transport.getBackendOptions()) return options->timeout;
-  } catch (const c10::Error&) {
-    // a backend without options: c10d's default below
-  }
-  return std::chrono::minutes(30);
-}
-
-}  // namespace
-
-void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& tensor,
+void CompressedAllreduce::runInt8(RawRoute& transport, const at::Tensor& tensor,
                                   const c10d::AllreduceOptions& opts) {
   // On the CPU the all-to-all and all-gather go as point-to-point messages
   // on the transport (a group of this algorithm's own, so its tags are
@@ -209,11 +192,8 @@ void CompressedAllreduce::runInt8(c10d::Backend& transport, const at::Tensor& te
     finalize();
     return;
   }
-  const int rank = transport.getRank();
-  DirectExchange direct(
-      c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&transport),
-      /*tag=*/3, rank, size_);
-  const auto limit = limitOf(transport, opts.timeout);
+  DirectExchange direct(transport.backend(), /*tag=*/3, transport.rank(), size_);
+  const auto limit = opts.timeout != c10d::kUnsetTimeout ? opts.timeout : transport.timeout();
   const auto deadline = std::chrono::steady_clock::now() + limit;
   at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
   const int64_t shard = int8_.shardElems(flat.numel(), size_);

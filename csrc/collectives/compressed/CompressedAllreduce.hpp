@@ -27,6 +27,7 @@
 
 #include "common/Compression.hpp"
 #include "compress/Int8Codec.hpp"
+#include "runtime/Route.hpp"
 
 namespace xcomm {
 
@@ -85,15 +86,16 @@ class CompressedAllreduce {
   // one low-precision SUM. int8 on a GPU is an all-to-all of the packed
   // shards, waited for on the current stream (not the host), the reduction
   // and requantization of this rank's shard, and the allgather returned.
-  c10::intrusive_ptr<c10d::Work> start(c10d::Backend& transport, const at::Tensor& tensor,
+  c10::intrusive_ptr<c10d::Work> start(Route& transport, const at::Tensor& tensor,
                                        const c10d::AllreduceOptions& opts,
                                        std::function<void()>& finalize);
 
-  // The whole allreduce on `transport`, waited for: the group's method, or
-  // for auto the one it chooses now (which may first measure the link on
-  // `transport`). Returns the method that ran. Call it on one thread, in
-  // issue order. SUM or AVG of one float tensor (applies()).
-  Compression run(c10d::Backend& transport, const at::Tensor& tensor,
+  // The whole allreduce on `transport` (a whole backend of this algorithm's
+  // own), waited for: the group's method, or for auto the one it chooses now
+  // (which may first measure the link on `transport`). Returns the method
+  // that ran. Call it on one thread, in issue order. SUM or AVG of one float
+  // tensor (applies()).
+  Compression run(RawRoute& transport, const at::Tensor& tensor,
                   const c10d::AllreduceOptions& opts);
   // Null unless the group's method is auto.
   const AutoCompression* autoCompression() const { return auto_.get(); }
@@ -102,20 +104,19 @@ class CompressedAllreduce {
   // One call counted: `tensor` is what a ring allreduce would have sent,
   // `sentBytes` what this rank's link carried instead.
   void count(const at::Tensor& tensor, int64_t sentBytes);
-  c10::intrusive_ptr<c10d::Work> startCast(c10d::Backend& transport, const at::Tensor& tensor,
+  c10::intrusive_ptr<c10d::Work> startCast(Route& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize, Compression method);
   // int8 as start() describes it, on the transport's own all-to-all and
   // all-gather: the route of CUDA tensors (NCCL).
-  c10::intrusive_ptr<c10d::Work> startInt8(c10d::Backend& transport, const at::Tensor& tensor,
+  c10::intrusive_ptr<c10d::Work> startInt8(Route& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize);
   // int8 waited for on the calling thread. CPU tensors: the all-to-all and
   // all-gather as DirectExchange messages on `transport` (tag 3, which
   // nothing else on that group uses), until the op's timeout, else the
   // transport's; other devices: startInt8.
-  void runInt8(c10d::Backend& transport, const at::Tensor& tensor,
-               const c10d::AllreduceOptions& opts);
+  void runInt8(RawRoute& transport, const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
   CompressionConfig config_;
   std::string statsName_;

@@ -59,7 +59,7 @@ int64_t CompressedReduceScatter::payloadBytes(const at::Tensor& input) const {
 }
 
 c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
-    c10d::Backend& transport, const at::Tensor& output, const at::Tensor& input,
+    Route& transport, const at::Tensor& output, const at::Tensor& input,
     const c10d::ReduceScatterOptions& opts, std::function<void()>& finalize) {
   const int64_t n = input.numel();
   const int64_t rowElems = n / size_;
@@ -72,10 +72,9 @@ c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
     wire = input.reshape({size_, rowElems}).to(low).contiguous();
   }
   at::Tensor received = at::empty_like(wire);
-  std::vector<int64_t> even;  // equal splits along dim 0: row j to rank j
-  c10d::AllToAllOptions a2a;
+  c10d::AllToAllOptions a2a;  // equal splits along dim 0: row j to rank j
   a2a.timeout = opts.timeout;
-  auto work = transport.alltoall_base(received, wire, even, even, a2a);
+  auto work = transport.alltoall(received, wire, a2a);
   counters_->calls++;
   counters_->linkBytesBefore += alltoallBytes(n * input.element_size(), size_);
   counters_->linkBytesSent += alltoallBytes(wire.numel() * wire.element_size(), size_);

@@ -20,6 +20,7 @@
 
 #include "collectives/compressed/CompressedAllreduce.hpp"
 #include "compress/Int8Codec.hpp"
+#include "runtime/Route.hpp"
 
 namespace xcomm {
 
@@ -40,7 +41,7 @@ class CompressedReduceScatter {
 
   // Encodes the rows and issues the all-to-all on `transport`; `finalize`
   // (run once it succeeded) reduces the received rows into `output`.
-  c10::intrusive_ptr<c10d::Work> start(c10d::Backend& transport, const at::Tensor& output,
+  c10::intrusive_ptr<c10d::Work> start(Route& transport, const at::Tensor& output,
                                        const at::Tensor& input,
                                        const c10d::ReduceScatterOptions& opts,
                                        std::function<void()>& finalize);

@@ -24,21 +24,20 @@ bool AlltoallReduceScatter::applies(const at::Tensor& output, const at::Tensor& 
          reduceOpSupports(op, input.scalar_type());
 }
 
-c10::intrusive_ptr<c10d::Work> AlltoallReduceScatter::start(c10d::Backend& transport,
+c10::intrusive_ptr<c10d::Work> AlltoallReduceScatter::start(Route& transport,
                                                             const at::Tensor& output,
                                                             const at::Tensor& input,
                                                             const c10d::ReduceScatterOptions& opts,
-                                                            std::function<void()>& finalize,
-                                                            const Issue& issue) const {
+                                                            std::function<void()>& finalize) const {
   const int64_t rowElems = input.numel() / size_;
   at::Tensor rows = input.view({size_, rowElems});
   at::Tensor received = at::empty_like(rows);
-  std::vector<int64_t> even;  // equal splits along dim 0: row j to rank j
-  c10d::AllToAllOptions a2a;
+  c10d::AllToAllOptions a2a;  // equal splits along dim 0: row j to rank j
   a2a.timeout = opts.timeout;
-  auto work =
-      issue ? issue(received, rows, a2a) : transport.alltoall_base(received, rows, even, even, a2a);
   const auto op = opts.reduceOp.op_;
+  Op alltoall = Op::alltoallBase(received, rows, {}, {}, a2a);
+  alltoall.asReduceScatter = op;
+  auto work = transport.run(std::move(alltoall));
   finalize = [output = at::Tensor(output), received, rows, rowElems, op, size = size_]() mutable {
     std::vector<const void*> srcs;
     srcs.reserve(size);

@@ -14,6 +14,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "runtime/Route.hpp"
+
 namespace xcomm {
 
 class AlltoallReduceScatter {
@@ -26,18 +28,14 @@ class AlltoallReduceScatter {
   bool applies(const at::Tensor& output, const at::Tensor& input,
                const c10d::ReduceScatterOptions& opts) const;
 
-  // Issues the all-to-all (`received` gets row j of every rank's `rows`).
-  using Issue = std::function<c10::intrusive_ptr<c10d::Work>(at::Tensor& received, at::Tensor& rows,
-                                                             const c10d::AllToAllOptions& opts)>;
-
-  // Issues the all-to-all on `transport`, or through `issue` when given (a
-  // transport that checks it as a reduce-scatter), and returns its work;
-  // `finalize` (run once it succeeded) reduces the received rows into `output`.
-  c10::intrusive_ptr<c10d::Work> start(c10d::Backend& transport, const at::Tensor& output,
+  // Issues the all-to-all on `transport` as this reduce-scatter (Op::
+  // asReduceScatter: a route that checks the ranks' calls checks it as the
+  // reduce-scatter it is) and returns its work; `finalize` (run once it
+  // succeeded) reduces the received rows into `output`.
+  c10::intrusive_ptr<c10d::Work> start(Route& transport, const at::Tensor& output,
                                        const at::Tensor& input,
                                        const c10d::ReduceScatterOptions& opts,
-                                       std::function<void()>& finalize,
-                                       const Issue& issue = {}) const;
+                                       std::function<void()>& finalize) const;
 
  private:
   int size_;

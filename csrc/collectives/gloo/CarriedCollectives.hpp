@@ -3,7 +3,7 @@
 //
 // On a group whose CPU ops run on Gloo, every collective first sends a
 // descriptor to every other rank and receives theirs (backend/
-// CheckedCpuBackend). A small op can put its data in that same message: an
+// CheckedRoute). A small op can put its data in that same message: an
 // all_reduce is then one exchange plus a local reduction, in rank order, so
 // every rank computes the same bits; a broadcast or an all_gather is one
 // exchange plus copies; an all_to_all sends each peer its own piece, a

@@ -12,7 +12,7 @@
 // all-gather.
 //
 // The caller must have agreed with every rank on the op and its sizes first
-// (CheckedCpuBackend's check): a receive takes the matching send whatever its
+// (CheckedRoute's check): a receive takes the matching send whatever its
 // length, and ranks that disagreed would trade the wrong bytes.
 #include <chrono>
 #include <cstdint>

@@ -1,4 +1,4 @@
-#include "backend/CheckedCpuBackend.hpp"
+#include "backend/CheckedRoute.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -51,7 +51,7 @@ int64_t descriptorCapacity(int size, int64_t carryBytes) {
   return payloadOffset(size) + carryBytes / 8;
 }
 
-void putCall(int64_t* row, const CheckedCpuBackend::Call& c) {
+void putCall(int64_t* row, const CheckedRoute::Call& c) {
   row[0] = static_cast<int64_t>(c.type);
   row[1] = static_cast<int64_t>(c.dtype);
   row[2] = c.redOp;
@@ -75,15 +75,14 @@ std::string render(const int64_t* r) {
   if (dtype != at::ScalarType::Undefined) out << c10::toString(dtype) << ", ";
   if (r[5] > 1) out << r[5] << " tensors, ";
   out << r[4] << " bytes";
-  // CheckedCpuBackend::alltoallForReduceScatter's route.
+  // An all_to_all_single that runs a reduce_scatter_tensor (Op::asReduceScatter).
   if (type == c10d::OpType::_REDUCE_SCATTER_BASE && r[5] == 0) out << ", as an all_to_all";
   out << ")";
   return out.str();
 }
 
-CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
-                               int64_t root = -1) {
-  CheckedCpuBackend::Call c;
+CheckedRoute::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts, int64_t root = -1) {
+  CheckedRoute::Call c;
   c.type = type;
   c.dtype = dtypeOf(ts);
   c.root = root;
@@ -94,8 +93,8 @@ CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>&
 
 // A reduction as its caller made it: the caller's dtype and bytes, also
 // where the tensors travel as MinMaxLowering's keys.
-CheckedCpuBackend::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
-                               const c10d::ReduceOp& op, int64_t root = -1) {
+CheckedRoute::Call callOf(c10d::OpType type, const std::vector<at::Tensor>& ts,
+                          const c10d::ReduceOp& op, int64_t root = -1) {
   auto c = callOf(type, ts, root);
   c.dtype = dtypeOf(ts, op);
   c.redOp = op.op_;
@@ -137,11 +136,11 @@ std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
-                                     c10::intrusive_ptr<c10d::Backend> checks,
-                                     std::chrono::milliseconds timeout, int64_t carryBytes,
-                                     std::string memberName, bool directExchange)
-    : Backend(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
+CheckedRoute::CheckedRoute(c10::intrusive_ptr<c10d::Backend> inner,
+                           c10::intrusive_ptr<c10d::Backend> checks,
+                           std::chrono::milliseconds timeout, int64_t carryBytes,
+                           std::string memberName, bool directExchange)
+    : Route(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
       inner_(std::move(inner)),
       checks_(std::move(checks)),
       carryBytes_(carryBytes / 8 * 8),
@@ -149,29 +148,28 @@ CheckedCpuBackend::CheckedCpuBackend(c10::intrusive_ptr<c10d::Backend> inner,
       direct_(checks_, kTransferTag, rank_, size_),
       directEnabled_(directExchange),
       timeoutMs_(timeout.count()) {
-  TORCH_CHECK(inner_ && checks_,
-              "xcomm: the checked CPU backend needs an inner and a checks backend");
+  TORCH_CHECK(inner_ && checks_, "xcomm: the checked route needs an inner and a checks backend");
   TORCH_CHECK(checks_->getRank() == rank_ && checks_->getSize() == size_,
               "xcomm: the checks backend's rank/size differ from the group's");
   TORCH_CHECK(carryBytes_ >= 0, "xcomm: carryBytes must be >= 0, got ", carryBytes);
 }
 
-CheckedCpuBackend::~CheckedCpuBackend() = default;
+CheckedRoute::~CheckedRoute() = default;
 
-void CheckedCpuBackend::setTimeout(std::chrono::milliseconds timeout) {
+void CheckedRoute::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_ = timeout.count();
   inner_->setTimeout(timeout);
   checks_->setTimeout(timeout);
 }
 
-void CheckedCpuBackend::shutdown() {
+void CheckedRoute::shutdown() {
   runner_.shutdown();
   announceDeparture();
   inner_->shutdown();
   checks_->shutdown();
 }
 
-void CheckedCpuBackend::announceDeparture() {
+void CheckedRoute::announceDeparture() {
   // A peer waiting in a check for this rank's row gets this one instead and
   // raises at once, naming this rank; without it, it learns only when this
   // process's connections close, late in its teardown (120-190 ms on a busy
@@ -194,7 +192,7 @@ void CheckedCpuBackend::announceDeparture() {
   }
 }
 
-void CheckedCpuBackend::abort() {
+void CheckedRoute::abort() {
   // The worker may be waiting in a check: the checks group's abort ends it.
   checks_->abort();
   inner_->abort();
@@ -203,14 +201,14 @@ void CheckedCpuBackend::abort() {
   runner_.stop();
 }
 
-std::chrono::milliseconds CheckedCpuBackend::limit(std::chrono::milliseconds timeout) const {
+std::chrono::milliseconds CheckedRoute::limit(std::chrono::milliseconds timeout) const {
   return timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : timeout;
 }
 
-std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
-                                                    const std::vector<at::Tensor>& outgoing,
-                                                    int64_t capacity, int tag,
-                                                    std::chrono::milliseconds timeout) {
+std::vector<at::Tensor> CheckedRoute::exchange(const char* title,
+                                               const std::vector<at::Tensor>& outgoing,
+                                               int64_t capacity, int tag,
+                                               std::chrono::milliseconds timeout) {
   // Point-to-point, every rank to every rank: Gloo posts sends and receives
   // on the calling thread, where its collectives hop through its worker
   // threads and cost several times more for a few bytes. Only one thread at
@@ -274,7 +272,7 @@ std::vector<at::Tensor> CheckedCpuBackend::exchange(const char* title,
   return rows;
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::issueDirect(
+c10::intrusive_ptr<c10d::Work> CheckedRoute::issueDirect(
     const char* title, c10d::OpType type, std::vector<at::Tensor> outputs,
     std::chrono::milliseconds timeout, const std::function<DirectExchange::Posted()>& post) {
   const auto limit = this->limit(timeout);
@@ -297,7 +295,7 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::issueDirect(
   return work;
 }
 
-void CheckedCpuBackend::drain(std::chrono::milliseconds timeout) {
+void CheckedRoute::drain(std::chrono::milliseconds timeout) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   {
     std::lock_guard<std::mutex> lock(inflightMutex_);
@@ -314,12 +312,11 @@ void CheckedCpuBackend::drain(std::chrono::milliseconds timeout) {
   }
 }
 
-CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call& call,
-                                                  const std::vector<int64_t>& pairs,
-                                                  const CarriedOp& carry,
-                                                  std::chrono::milliseconds wait,
-                                                  const Issue& issue,
-                                                  const c10::intrusive_ptr<FutureWork>& work) {
+CheckedRoute::Outcome CheckedRoute::runTurn(const char* title, const Call& call,
+                                            const std::vector<int64_t>& pairs,
+                                            const CarriedOp& carry, std::chrono::milliseconds wait,
+                                            const Issue& issue,
+                                            const c10::intrusive_ptr<FutureWork>& work) {
   try {
     if (carry.capable && carry.drainFirst) drain(backstop(wait));
     // In a small group every row has room for an all-to-all's sizes, so one
@@ -439,7 +436,7 @@ CheckedCpuBackend::Outcome CheckedCpuBackend::run(const char* title, const Call&
   }
 }
 
-void CheckedCpuBackend::Outcome::mark(FutureWork& work) const {
+void CheckedRoute::Outcome::mark(FutureWork& work) const {
   if (error) {
     work.markFailed(error);
   } else {
@@ -447,9 +444,11 @@ void CheckedCpuBackend::Outcome::mark(FutureWork& work) const {
   }
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(
-    const char* title, Call call, std::vector<int64_t> pairs, std::vector<at::Tensor> outputs,
-    std::chrono::milliseconds timeout, bool withFuture, Issue issue, CarriedOp carry) {
+c10::intrusive_ptr<c10d::Work> CheckedRoute::submit(const char* title, Call call,
+                                                    std::vector<int64_t> pairs,
+                                                    std::vector<at::Tensor> outputs,
+                                                    std::chrono::milliseconds timeout,
+                                                    bool withFuture, Issue issue, CarriedOp carry) {
   c10::intrusive_ptr<FutureWork> work;
   c10::IValue result(std::move(outputs));
   if (withFuture) {
@@ -462,274 +461,154 @@ c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::submit(
   if (carryBytes_ == 0) carry = CarriedOp{};
   const auto wait = limit(timeout);
   std::lock_guard<std::mutex> lock(submitMutex_);
-  seq_++;
   runner_.submit([this, work, title, call, pairs = std::move(pairs), carry = std::move(carry), wait,
                   issue = std::move(issue)]() -> OrderedRunner::Completion {
-    const auto outcome = run(title, call, pairs, carry, wait, issue, work);
+    const auto outcome = runTurn(title, call, pairs, carry, wait, issue, work);
     if (!outcome.done) return {};
     return [work, outcome] { outcome.mark(*work); };
   });
   return work;
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::broadcast(std::vector<at::Tensor>& tensors,
-                                                            const c10d::BroadcastOptions& opts) {
-  const auto call = callOf(c10d::OpType::BROADCAST, tensors,
-                           opts.rootRank * static_cast<int64_t>(tensors.size()) + opts.rootTensor);
-  return submit(
-      "broadcast", call, {}, tensors, opts.timeout, true,
-      [this, tensors, opts]() mutable { return inner_->broadcast(tensors, opts); },
-      opts.rootTensor == 0
-          ? carriedBroadcast(tensors, static_cast<int>(opts.rootRank), rank_, carryBytes_)
-          : CarriedOp{});
+CheckedRoute::Checked CheckedRoute::describe(const Op& op) const {
+  Checked c;
+  const auto& in = op.inputs;
+  const auto& out = op.outputs;
+  const int root = static_cast<int>(op.root);
+  switch (op.kind) {
+    case OpKind::kBroadcast:
+      c.call = callOf(op.type, in, op.root * static_cast<int64_t>(in.size()) + op.rootTensor);
+      if (op.rootTensor == 0) c.carry = carriedBroadcast(in, root, rank_, carryBytes_);
+      break;
+    case OpKind::kAllreduce:
+      c.call = callOf(op.type, in, op.reduceOp);
+      c.carry = carriedAllreduce(in, op.reduceOp, size_, carryBytes_);
+      break;
+    case OpKind::kAllreduceCoalesced:
+      c.call = callOf(op.type, in, op.reduceOp);
+      break;
+    case OpKind::kReduce:
+      c.call = callOf(op.type, in, op.reduceOp, op.root);
+      break;
+    case OpKind::kAllgather:
+      c.call = callOf(op.type, in);
+      c.carry = carriedAllgather(op.outputLists, in, size_, carryBytes_);
+      if (carriedAllgather(op.outputLists, in, size_, kAnyBytes).capable && direct(in) &&
+          direct(op.outputLists[0])) {
+        c.direct = [this, output = op.outputLists[0], input = in[0]] {
+          return direct_.postAllgather(output, input);
+        };
+      }
+      break;
+    case OpKind::kAllgatherBase:
+      c.call = callOf(op.type, in);
+      c.carry = carriedAllgatherBase(out[0], in[0], size_, carryBytes_);
+      if (carriedAllgatherBase(out[0], in[0], size_, kAnyBytes).capable &&
+          direct({out[0], in[0]})) {
+        c.direct = [this, output = out[0], input = in[0]] {
+          return direct_.postAllgather(output, input);
+        };
+      }
+      break;
+    case OpKind::kAllgatherIntoTensorCoalesced:
+    case OpKind::kAllgatherCoalesced:
+      c.call = callOf(op.type, in);
+      break;
+    case OpKind::kGather:
+      c.call = callOf(op.type, in, op.root);
+      c.carry = carriedGather(op.outputLists, in, root, rank_, size_, carryBytes_);
+      break;
+    case OpKind::kScatter:
+      c.call = callOf(op.type, out, op.root);
+      c.carry = carriedScatter(out, op.inputLists, root, rank_, size_, carryBytes_);
+      break;
+    case OpKind::kReduceScatter:
+      c.call = callOf(op.type, out, op.reduceOp);
+      c.carry = carriedReduceScatter(out, op.inputLists, op.reduceOp, size_, carryBytes_);
+      break;
+    case OpKind::kReduceScatterBase:
+      c.call = callOf(op.type, {out[0]}, op.reduceOp);
+      break;
+    case OpKind::kReduceScatterTensorCoalesced:
+      c.call = callOf(op.type, out, op.reduceOp);
+      break;
+    case OpKind::kAlltoallBase: {
+      const auto& output = out[0];
+      const auto& input = in[0];
+      if (op.asReduceScatter) {
+        // Every rank's output has the same size; tensors = 0 tells this
+        // route from Gloo's reduce-scatter (callOf: 1), which a rank could
+        // take for the same call.
+        c.call.type = c10d::OpType::_REDUCE_SCATTER_BASE;
+        c.call.redOp = *op.asReduceScatter;
+        c.call.bytes = static_cast<int64_t>(output.numel() / size_ * output.element_size());
+      } else {
+        // Sizes may differ between ranks: only op and dtype in the
+        // descriptor, then every pair's sizes.
+        c.call.type = op.type;
+      }
+      c.call.dtype = input.scalar_type();
+      auto sendBytes = pieceBytes(input, op.inputSplits, size_);
+      auto recvBytes = pieceBytes(output, op.outputSplits, size_);
+      c.pairs = sendBytes;
+      c.pairs.insert(c.pairs.end(), recvBytes.begin(), recvBytes.end());
+      c.carry =
+          carriedAlltoallBase(output, input, op.outputSplits, op.inputSplits, size_, carryBytes_);
+      if (carriedAlltoallBase(output, input, op.outputSplits, op.inputSplits, size_, kAnyBytes)
+              .capable &&
+          direct({output, input})) {
+        c.direct = [this, output, input, sendBytes, recvBytes] {
+          return direct_.postAlltoall(output, input, sendBytes, recvBytes);
+        };
+      }
+      break;
+    }
+    case OpKind::kAlltoall:
+      c.call.type = op.type;
+      c.call.dtype = dtypeOf(in);
+      if (static_cast<int>(in.size()) == size_ && static_cast<int>(out.size()) == size_) {
+        for (const auto& t : in) c.pairs.push_back(static_cast<int64_t>(denseBytes({t})));
+        for (const auto& t : out) c.pairs.push_back(static_cast<int64_t>(denseBytes({t})));
+      } else {
+        c.call.tensors = static_cast<int64_t>(in.size());  // Gloo raises on the list's length
+      }
+      c.carry = carriedAlltoall(out, in, size_, carryBytes_);
+      if (carriedAlltoall(out, in, size_, kAnyBytes).capable && direct(in) && direct(out)) {
+        c.direct = [this, out, in] { return direct_.postAlltoall(out, in); };
+      }
+      break;
+    case OpKind::kBarrier:
+      c.call.type = op.type;
+      c.carry = carriedBarrier();
+      break;
+  }
+  return c;
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce(std::vector<at::Tensor>& tensors,
-                                                            const c10d::AllreduceOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp);
-  return submit(
-      "all_reduce", call, {}, tensors, opts.timeout, true,
-      [this, tensors, opts]() mutable { return inner_->allreduce(tensors, opts); },
-      carriedAllreduce(tensors, opts.reduceOp, size_, carryBytes_));
+c10::intrusive_ptr<c10d::Work> CheckedRoute::run(Op op) {
+  auto checked = describe(op);
+  const char* title = op.title;
+  const c10d::OpType type = op.type;
+  const auto timeout = op.timeout;
+  const bool withFuture = op.withFuture;
+  auto result = op.result;
+  Issue issue = [this, op = std::move(op), direct = std::move(checked.direct), title, type,
+                 timeout]() mutable -> c10::intrusive_ptr<c10d::Work> {
+    if (directAgreed_ && direct) return issueDirect(title, type, op.result, timeout, direct);
+    return op.issue(*inner_);
+  };
+  return submit(title, checked.call, std::move(checked.pairs), std::move(result), timeout,
+                withFuture, std::move(issue), std::move(checked.carry));
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::agreeOnAllreduce(
-    const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLREDUCE, tensors, opts.reduceOp);
+c10::intrusive_ptr<c10d::Work> CheckedRoute::agree(const Op& op) {
   // Never carried (no CarriedOp): the rows hold the call alone, and issue()
   // has nothing to run.
-  return submit("all_reduce", call, {}, tensors, opts.timeout, true,
+  return submit(op.title, describe(op).call, {}, op.result, op.timeout, true,
                 []() { return c10::intrusive_ptr<c10d::Work>(); });
 }
 
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allreduce_coalesced(
-    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.reduceOp);
-  return submit(
-      "all_reduce_coalesced", call, {}, tensors, opts.timeout, true,
-      [this, tensors, opts]() mutable { return inner_->allreduce_coalesced(tensors, opts); });
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce(std::vector<at::Tensor>& tensors,
-                                                         const c10d::ReduceOptions& opts) {
-  const auto call = callOf(c10d::OpType::REDUCE, tensors, opts.reduceOp, opts.rootRank);
-  return submit("reduce", call, {}, tensors, opts.timeout, true,
-                [this, tensors, opts]() mutable { return inner_->reduce(tensors, opts); });
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLGATHER, inputs);
-  return submit(
-      "all_gather", call, {}, flatten(outputs), opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable {
-        if (directAgreed_ && carriedAllgather(outputs, inputs, size_, kAnyBytes).capable &&
-            direct(inputs) && direct(outputs[0])) {
-          return issueDirect("all_gather", c10d::OpType::ALLGATHER, outputs[0], opts.timeout,
-                             [&] { return direct_.postAllgather(outputs[0], inputs[0]); });
-        }
-        return inner_->allgather(outputs, inputs, opts);
-      },
-      carriedAllgather(outputs, inputs, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_allgather_base(
-    at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
-  const auto call = callOf(c10d::OpType::_ALLGATHER_BASE, {input});
-  // The future holds each rank's piece, as Gloo's does.
-  auto value = concatOf(output, input, size_) ? piecesPerRank(output, input, size_)
-                                              : std::vector<at::Tensor>{output};
-  return submit(
-      "all_gather_into_tensor", call, {}, std::move(value), opts.timeout, true,
-      [this, output, input, opts]() mutable {
-        if (directAgreed_ && carriedAllgatherBase(output, input, size_, kAnyBytes).capable &&
-            direct({output, input})) {
-          return issueDirect("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output},
-                             opts.timeout, [&] { return direct_.postAllgather(output, input); });
-        }
-        return inner_->_allgather_base(output, input, opts);
-      },
-      carriedAllgatherBase(output, input, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_into_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
-  const auto call = callOf(c10d::OpType::COALESCED, inputs);
-  return submit("all_gather_into_tensor_coalesced", call, {}, outputs, opts.timeout, true,
-                [this, outputs, inputs, opts]() mutable {
-                  return inner_->allgather_into_tensor_coalesced(outputs, inputs, opts);
-                });
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::allgather_coalesced(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
-  const auto call = callOf(c10d::OpType::ALLGATHER_COALESCED, inputs);
-  return submit("all_gather_coalesced", call, {}, flatten(outputs), opts.timeout, true,
-                [this, outputs, inputs, opts]() mutable {
-                  return inner_->allgather_coalesced(outputs, inputs, opts);
-                });
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::gather(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::GatherOptions& opts) {
-  const auto call = callOf(c10d::OpType::GATHER, inputs, opts.rootRank);
-  return submit(
-      "gather", call, {}, flatten(outputs), opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->gather(outputs, inputs, opts); },
-      carriedGather(outputs, inputs, static_cast<int>(opts.rootRank), rank_, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::scatter(
-    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::SCATTER, outputs, opts.rootRank);
-  return submit(
-      "scatter", call, {}, outputs, opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable { return inner_->scatter(outputs, inputs, opts); },
-      carriedScatter(outputs, inputs, static_cast<int>(opts.rootRank), rank_, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter(
-    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::REDUCE_SCATTER, outputs, opts.reduceOp);
-  return submit(
-      "reduce_scatter", call, {}, outputs, opts.timeout, false,
-      [this, outputs, inputs, opts]() mutable {
-        return inner_->reduce_scatter(outputs, inputs, opts);
-      },
-      carriedReduceScatter(outputs, inputs, opts.reduceOp, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::_reduce_scatter_base(
-    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.reduceOp);
-  return submit("reduce_scatter_tensor", call, {}, {output}, opts.timeout, false,
-                [this, output, input, opts]() mutable {
-                  return inner_->_reduce_scatter_base(output, input, opts);
-                });
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::ReduceScatterOptions& opts) {
-  const auto call = callOf(c10d::OpType::COALESCED, outputs, opts.reduceOp);
-  return submit("reduce_scatter_tensor_coalesced", call, {}, outputs, opts.timeout, false,
-                [this, outputs, inputs, opts]() mutable {
-                  return inner_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
-                });
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall_base(at::Tensor& output,
-                                                                at::Tensor& input,
-                                                                std::vector<int64_t>& outputSplits,
-                                                                std::vector<int64_t>& inputSplits,
-                                                                const c10d::AllToAllOptions& opts) {
-  // Sizes may differ between ranks: only op and dtype in the descriptor,
-  // then every pair's sizes.
-  Call call;
-  call.type = c10d::OpType::ALLTOALL_BASE;
-  call.dtype = input.scalar_type();
-  return alltoallBase("all_to_all_single", call, output, input, outputSplits, inputSplits, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoallForReduceScatter(
-    at::Tensor& output, at::Tensor& input, int64_t redOp, const c10d::AllToAllOptions& opts) {
-  // Every rank's output has the same size; tensors = 0 tells this route from
-  // Gloo's reduce-scatter (callOf: 1), which a rank could take for the same call.
-  Call call;
-  call.type = c10d::OpType::_REDUCE_SCATTER_BASE;
-  call.dtype = input.scalar_type();
-  call.redOp = redOp;
-  call.bytes = static_cast<int64_t>(output.numel() / size_ * output.element_size());
-  std::vector<int64_t> even;
-  return alltoallBase("reduce_scatter_tensor", call, output, input, even, even, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoallBase(const char* title, Call call,
-                                                               at::Tensor& output,
-                                                               at::Tensor& input,
-                                                               std::vector<int64_t>& outputSplits,
-                                                               std::vector<int64_t>& inputSplits,
-                                                               const c10d::AllToAllOptions& opts) {
-  auto pairs = pieceBytes(input, inputSplits, size_);
-  const auto sendBytes = pairs;
-  const auto recvBytes = pieceBytes(output, outputSplits, size_);
-  pairs.insert(pairs.end(), recvBytes.begin(), recvBytes.end());
-  return submit(
-      title, call, std::move(pairs), {output}, opts.timeout, true,
-      [this, title, type = call.type, output, input, outputSplits, inputSplits, sendBytes,
-       recvBytes, opts]() mutable {
-        if (directAgreed_ &&
-            carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, kAnyBytes)
-                .capable &&
-            direct({output, input})) {
-          return issueDirect(title, type, {output}, opts.timeout, [&] {
-            return direct_.postAlltoall(output, input, sendBytes, recvBytes);
-          });
-        }
-        return inner_->alltoall_base(output, input, outputSplits, inputSplits, opts);
-      },
-      carriedAlltoallBase(output, input, outputSplits, inputSplits, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::alltoall(std::vector<at::Tensor>& outputs,
-                                                           std::vector<at::Tensor>& inputs,
-                                                           const c10d::AllToAllOptions& opts) {
-  Call call;
-  call.type = c10d::OpType::ALLTOALL;
-  call.dtype = dtypeOf(inputs);
-  std::vector<int64_t> pairs;
-  if (static_cast<int>(inputs.size()) == size_ && static_cast<int>(outputs.size()) == size_) {
-    for (const auto& t : inputs) pairs.push_back(static_cast<int64_t>(denseBytes({t})));
-    for (const auto& t : outputs) pairs.push_back(static_cast<int64_t>(denseBytes({t})));
-  } else {
-    call.tensors = static_cast<int64_t>(inputs.size());  // Gloo raises on the list's length
-  }
-  return submit(
-      "all_to_all", call, std::move(pairs), outputs, opts.timeout, true,
-      [this, outputs, inputs, opts]() mutable {
-        if (directAgreed_ && carriedAlltoall(outputs, inputs, size_, kAnyBytes).capable &&
-            direct(inputs) && direct(outputs)) {
-          return issueDirect("all_to_all", c10d::OpType::ALLTOALL, outputs, opts.timeout,
-                             [&] { return direct_.postAlltoall(outputs, inputs); });
-        }
-        return inner_->alltoall(outputs, inputs, opts);
-      },
-      carriedAlltoall(outputs, inputs, size_, carryBytes_));
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::barrier(const c10d::BarrierOptions& opts) {
-  Call call;
-  call.type = c10d::OpType::BARRIER;
-  return submit(
-      "barrier", call, {}, {}, opts.timeout, true,
-      [this, opts]() mutable { return inner_->barrier(opts); }, carriedBarrier());
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::send(std::vector<at::Tensor>& tensors,
-                                                       int dstRank, int tag) {
-  seq_++;
-  return inner_->send(tensors, dstRank, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::recv(std::vector<at::Tensor>& tensors,
-                                                       int srcRank, int tag) {
-  seq_++;
-  return inner_->recv(tensors, srcRank, tag);
-}
-
-c10::intrusive_ptr<c10d::Work> CheckedCpuBackend::recvAnysource(std::vector<at::Tensor>& tensors,
-                                                                int tag) {
-  seq_++;
-  return inner_->recvAnysource(tensors, tag);
-}
-
-void CheckedCpuBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+void CheckedRoute::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   // Runs on the worker, after every op queued before it was issued; its
   // error (the ranks that did not arrive) is rethrown here.
   auto work =
@@ -743,15 +622,6 @@ void CheckedCpuBackend::monitoredBarrier(const c10d::BarrierOptions& opts, bool 
     }));
   }
   work->wait();
-}
-
-void CheckedCpuBackend::setSequenceNumberForGroup() {
-  inner_->setSequenceNumberForGroup();
-  seq_ = 0;
-}
-
-uint64_t CheckedCpuBackend::getSequenceNumberForGroup() {
-  return seq_.load();
 }
 
 }  // namespace xcomm

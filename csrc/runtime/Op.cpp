@@ -1,0 +1,230 @@
+#include "runtime/Op.hpp"
+
+#include <utility>
+
+namespace xcomm {
+namespace {
+
+std::vector<at::Tensor> flat(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> all;
+  for (const auto& list : lists) all.insert(all.end(), list.begin(), list.end());
+  return all;
+}
+
+Op made(OpKind kind, c10d::OpType type, const char* title, std::chrono::milliseconds timeout,
+        bool asyncOp) {
+  Op op;
+  op.kind = kind;
+  op.type = type;
+  op.title = title;
+  op.timeout = timeout;
+  op.asyncOp = asyncOp;
+  return op;
+}
+
+}  // namespace
+
+// Each issue() owns copies of the tensor lists (c10d's calls take them by
+// non-const reference) and runs the call its factory describes.
+
+Op Op::broadcast(std::vector<at::Tensor> tensors, const c10d::BroadcastOptions& opts) {
+  Op op =
+      made(OpKind::kBroadcast, c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp);
+  op.inputs = tensors;
+  op.result = tensors;
+  op.root = opts.rootRank;
+  op.rootTensor = opts.rootTensor;
+  op.issue = [tensors, opts](c10d::Backend& b) mutable { return b.broadcast(tensors, opts); };
+  return op;
+}
+
+Op Op::allreduce(std::vector<at::Tensor> tensors, const c10d::AllreduceOptions& opts) {
+  Op op =
+      made(OpKind::kAllreduce, c10d::OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp);
+  op.inputs = tensors;
+  op.result = tensors;
+  op.reduceOp = opts.reduceOp;
+  op.issue = [tensors, opts](c10d::Backend& b) mutable { return b.allreduce(tensors, opts); };
+  return op;
+}
+
+Op Op::allreduceCoalesced(std::vector<at::Tensor> tensors,
+                          const c10d::AllreduceCoalescedOptions& opts) {
+  Op op = made(OpKind::kAllreduceCoalesced, c10d::OpType::ALLREDUCE_COALESCED,
+               "all_reduce_coalesced", opts.timeout, opts.asyncOp);
+  op.inputs = tensors;
+  op.result = tensors;
+  op.reduceOp = opts.reduceOp;
+  op.issue = [tensors, opts](c10d::Backend& b) mutable {
+    return b.allreduce_coalesced(tensors, opts);
+  };
+  return op;
+}
+
+Op Op::reduce(std::vector<at::Tensor> tensors, const c10d::ReduceOptions& opts) {
+  Op op = made(OpKind::kReduce, c10d::OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp);
+  op.inputs = tensors;
+  op.result = tensors;
+  op.reduceOp = opts.reduceOp;
+  op.root = opts.rootRank;
+  op.rootTensor = opts.rootTensor;
+  op.issue = [tensors, opts](c10d::Backend& b) mutable { return b.reduce(tensors, opts); };
+  return op;
+}
+
+Op Op::allgather(std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
+                 const c10d::AllgatherOptions& opts) {
+  Op op =
+      made(OpKind::kAllgather, c10d::OpType::ALLGATHER, "all_gather", opts.timeout, opts.asyncOp);
+  op.inputs = inputs;
+  op.outputLists = outputs;
+  op.result = flat(outputs);
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.allgather(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::allgatherBase(at::Tensor output, at::Tensor input, const c10d::AllgatherOptions& opts) {
+  Op op = made(OpKind::kAllgatherBase, c10d::OpType::_ALLGATHER_BASE, "all_gather_into_tensor",
+               opts.timeout, opts.asyncOp);
+  op.inputs = {input};
+  op.outputs = {output};
+  op.result = {output};
+  op.issue = [output, input, opts](c10d::Backend& b) mutable {
+    return b._allgather_base(output, input, opts);
+  };
+  return op;
+}
+
+Op Op::allgatherIntoTensorCoalesced(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                    const c10d::AllgatherOptions& opts) {
+  Op op = made(OpKind::kAllgatherIntoTensorCoalesced, c10d::OpType::COALESCED,
+               "all_gather_into_tensor_coalesced", opts.timeout, opts.asyncOp);
+  op.inputs = inputs;
+  op.outputs = outputs;
+  op.result = outputs;
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::allgatherCoalesced(std::vector<std::vector<at::Tensor>> outputs,
+                          std::vector<at::Tensor> inputs, const c10d::AllgatherOptions& opts) {
+  Op op = made(OpKind::kAllgatherCoalesced, c10d::OpType::ALLGATHER_COALESCED,
+               "all_gather_coalesced", opts.timeout, opts.asyncOp);
+  op.inputs = inputs;
+  op.outputLists = outputs;
+  op.result = flat(outputs);
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.allgather_coalesced(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::gather(std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
+              const c10d::GatherOptions& opts) {
+  Op op = made(OpKind::kGather, c10d::OpType::GATHER, "gather", opts.timeout, opts.asyncOp);
+  op.inputs = inputs;
+  op.outputLists = outputs;
+  op.result = flat(outputs);
+  op.root = opts.rootRank;
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.gather(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::scatter(std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
+               const c10d::ScatterOptions& opts) {
+  Op op = made(OpKind::kScatter, c10d::OpType::SCATTER, "scatter", opts.timeout, opts.asyncOp);
+  op.inputLists = inputs;
+  op.outputs = outputs;
+  op.result = outputs;
+  op.root = opts.rootRank;
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.scatter(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::reduceScatter(std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
+                     const c10d::ReduceScatterOptions& opts) {
+  Op op = made(OpKind::kReduceScatter, c10d::OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout,
+               opts.asyncOp);
+  op.inputLists = inputs;
+  op.outputs = outputs;
+  op.result = outputs;
+  op.reduceOp = opts.reduceOp;
+  op.withFuture = false;
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.reduce_scatter(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::reduceScatterBase(at::Tensor output, at::Tensor input,
+                         const c10d::ReduceScatterOptions& opts) {
+  Op op = made(OpKind::kReduceScatterBase, c10d::OpType::_REDUCE_SCATTER_BASE,
+               "reduce_scatter_tensor", opts.timeout, opts.asyncOp);
+  op.inputs = {input};
+  op.outputs = {output};
+  op.result = {output};
+  op.reduceOp = opts.reduceOp;
+  op.withFuture = false;
+  op.issue = [output, input, opts](c10d::Backend& b) mutable {
+    return b._reduce_scatter_base(output, input, opts);
+  };
+  return op;
+}
+
+Op Op::reduceScatterTensorCoalesced(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                                    const c10d::ReduceScatterOptions& opts) {
+  Op op = made(OpKind::kReduceScatterTensorCoalesced, c10d::OpType::COALESCED,
+               "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
+  op.inputs = inputs;
+  op.outputs = outputs;
+  op.result = outputs;
+  op.reduceOp = opts.reduceOp;
+  op.withFuture = false;
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::alltoallBase(at::Tensor output, at::Tensor input, std::vector<int64_t> outputSplits,
+                    std::vector<int64_t> inputSplits, const c10d::AllToAllOptions& opts) {
+  Op op = made(OpKind::kAlltoallBase, c10d::OpType::ALLTOALL_BASE, "all_to_all_single",
+               opts.timeout, opts.asyncOp);
+  op.inputs = {input};
+  op.outputs = {output};
+  op.result = {output};
+  op.inputSplits = inputSplits;
+  op.outputSplits = outputSplits;
+  op.issue = [output, input, outputSplits, inputSplits, opts](c10d::Backend& b) mutable {
+    return b.alltoall_base(output, input, outputSplits, inputSplits, opts);
+  };
+  return op;
+}
+
+Op Op::alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                const c10d::AllToAllOptions& opts) {
+  Op op = made(OpKind::kAlltoall, c10d::OpType::ALLTOALL, "all_to_all", opts.timeout, opts.asyncOp);
+  op.inputs = inputs;
+  op.outputs = outputs;
+  op.result = outputs;
+  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
+    return b.alltoall(outputs, inputs, opts);
+  };
+  return op;
+}
+
+Op Op::barrier(const c10d::BarrierOptions& opts) {
+  Op op = made(OpKind::kBarrier, c10d::OpType::BARRIER, "barrier", opts.timeout, opts.asyncOp);
+  op.issue = [opts](c10d::Backend& b) { return b.barrier(opts); };
+  return op;
+}
+
+}  // namespace xcomm
