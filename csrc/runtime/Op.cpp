@@ -11,6 +11,21 @@ std::vector<at::Tensor> flat(const std::vector<std::vector<at::Tensor>>& lists) 
   return all;
 }
 
+// The flat allgather's result as Gloo's future holds it: each rank's piece
+// of `output` (rows shaped like `input`), or `output` itself where it is not
+// such a concatenation (Gloo then raises its own error).
+std::vector<at::Tensor> piecesOf(const at::Tensor& output, const at::Tensor& input) {
+  if (output.dim() == 0 || input.dim() == 0 || input.size(0) == 0 ||
+      output.size(0) % input.size(0) != 0 || output.sizes().slice(1) != input.sizes().slice(1)) {
+    return {output};
+  }
+  std::vector<at::Tensor> pieces;
+  const int64_t rows = input.size(0);
+  for (int64_t at = 0; at < output.size(0); at += rows)
+    pieces.push_back(output.narrow(0, at, rows));
+  return pieces;
+}
+
 Op made(OpKind kind, c10d::OpType type, const char* title, std::chrono::milliseconds timeout,
         bool asyncOp) {
   Op op;
@@ -90,7 +105,7 @@ Op Op::allgatherBase(at::Tensor output, at::Tensor input, const c10d::AllgatherO
                opts.timeout, opts.asyncOp);
   op.inputs = {input};
   op.outputs = {output};
-  op.result = {output};
+  op.result = piecesOf(output, input);
   op.issue = [output, input, opts](c10d::Backend& b) mutable {
     return b._allgather_base(output, input, opts);
   };
