@@ -1,8 +1,5 @@
 #include "backend/ShmRoute.hpp"
 
-#include <mutex>
-#include <unordered_set>
-
 #include <c10/util/Exception.h>
 
 #include "backend/TensorLists.hpp"
@@ -15,12 +12,46 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using RedOp = c10d::ReduceOp::RedOpType;
 
-// "shm:<op>" and the like, for the profiler: kept for the process's life.
-const char* title(const char* prefix, const char* op) {
-  static std::mutex mutex;
-  static std::unordered_set<std::string> titles;  // node-based: c_str() stays put
-  std::lock_guard<std::mutex> lock(mutex);
-  return titles.insert(std::string(prefix) + op).first->c_str();
+// The profiler's name of the route's part of an op: "shm:<op>" for what
+// shared memory runs, "shm:gloo:<op>" for the agreement plus Gloo's op.
+const char* routeTitle(OpKind kind, bool viaGloo) {
+#define XCOMM_SHM_TITLE(name) return viaGloo ? "shm:gloo:" name : "shm:" name
+  switch (kind) {
+    case OpKind::kBroadcast:
+      XCOMM_SHM_TITLE("broadcast");
+    case OpKind::kAllreduce:
+      XCOMM_SHM_TITLE("all_reduce");
+    case OpKind::kAllreduceCoalesced:
+      XCOMM_SHM_TITLE("all_reduce_coalesced");
+    case OpKind::kReduce:
+      XCOMM_SHM_TITLE("reduce");
+    case OpKind::kAllgather:
+      XCOMM_SHM_TITLE("all_gather");
+    case OpKind::kAllgatherBase:
+      XCOMM_SHM_TITLE("all_gather_into_tensor");
+    case OpKind::kAllgatherIntoTensorCoalesced:
+      XCOMM_SHM_TITLE("all_gather_into_tensor_coalesced");
+    case OpKind::kAllgatherCoalesced:
+      XCOMM_SHM_TITLE("all_gather_coalesced");
+    case OpKind::kGather:
+      XCOMM_SHM_TITLE("gather");
+    case OpKind::kScatter:
+      XCOMM_SHM_TITLE("scatter");
+    case OpKind::kReduceScatter:
+      XCOMM_SHM_TITLE("reduce_scatter");
+    case OpKind::kReduceScatterBase:
+      XCOMM_SHM_TITLE("reduce_scatter_tensor");
+    case OpKind::kReduceScatterTensorCoalesced:
+      XCOMM_SHM_TITLE("reduce_scatter_tensor_coalesced");
+    case OpKind::kAlltoallBase:
+      XCOMM_SHM_TITLE("all_to_all_single");
+    case OpKind::kAlltoall:
+      XCOMM_SHM_TITLE("all_to_all");
+    case OpKind::kBarrier:
+      XCOMM_SHM_TITLE("barrier");
+  }
+#undef XCOMM_SHM_TITLE
+  return viaGloo ? "shm:gloo:op" : "shm:op";
 }
 
 // The rows of `t` (dim 0) that go to or come from each rank, as views:
@@ -141,7 +172,7 @@ c10::intrusive_ptr<c10d::Work> ShmRouteBase::submit(const Op& op,
                                                     bool countAsShm) {
   const auto limit =
       op.timeout == c10d::kUnsetTimeout ? std::chrono::milliseconds(timeoutMs_.load()) : op.timeout;
-  const char* name = title(countAsShm ? "shm:" : "shm:gloo:", op.title);
+  const char* name = routeTitle(op.kind, /*viaGloo=*/!countAsShm);
   c10::IValue result(op.result);
   c10::intrusive_ptr<FutureWork> work;
   if (op.withFuture) {
