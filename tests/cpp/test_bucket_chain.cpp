@@ -75,8 +75,8 @@ class TwoCollectives : public xcomm::BucketStep {
   void abort() override { ++*aborts_; }
 
   FuturePtr collective(int64_t which) {
-    std::vector<at::Tensor> tag{at::full({1}, 10 * id_ + which, at::kLong)};
-    return group().allreduce(tag)->getFuture();
+    at::Tensor tag = at::full({1}, 10 * id_ + which, at::kLong);
+    return collectives().allreduce(tag);
   }
 
   int64_t id_;

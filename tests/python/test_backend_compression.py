@@ -5,8 +5,10 @@ References:
   arithmetic), so results must be bitwise equal at 2 ranks, and within one
   rounding of the low precision at 3 (the order of the sum may differ);
 - int8: the same codec (``xcomm._C.Int8Codec``) driven from Python over the
-  Gloo reference group (alltoall, reduce, allgather): bitwise equal; and the
-  exact mean (math), within the documented quantization bound;
+  Gloo reference group (alltoall, reduce, allgather): bitwise equal; for AVG
+  also the DDP int8 hook's chain (``xcomm._C.Int8Allreduce``, the one int8
+  body) over that group; and the exact mean (math), within the documented
+  quantization bound;
 - everything that is not compressed (small, integer, MAX, lists): Gloo, bitwise.
 """
 
@@ -81,6 +83,12 @@ def _rank_compressed(ctx: RankContext, method: str) -> dict[str, Any]:
                     ref = wire.to(dtype)
                 else:
                     ref = _int8_reference(x, ctx.ref, op == dist.ReduceOp.AVG)
+                    if op == dist.ReduceOp.AVG:  # what the DDP int8 hook computes
+                        codec, flat = xcomm._C.Int8Codec(CHUNK), x.reshape(-1).clone()
+                        packed = codec.pack_shards(flat, ctx.world_size)
+                        chain = xcomm._C.Int8Allreduce()
+                        hooked = chain.start(codec, ctx.ref, flat, flat, None, packed)[0].wait()
+                        assert torch.equal(got, hooked.view_as(x)), "not the hook's int8"
                 # sum of |terms|: bounds the rounding error of any summation order
                 absum = (x / ctx.world_size if op == dist.ReduceOp.AVG else x).abs()
                 dist.all_reduce(absum, group=ctx.ref)

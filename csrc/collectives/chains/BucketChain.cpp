@@ -6,14 +6,46 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "common/CurrentStream.hpp"
+#include "common/TorchCompat.hpp"
 
 namespace xcomm {
+namespace {
 
-BucketStep::BucketStep(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer,
+class GroupCollectives : public ChainCollectives {
+ public:
+  explicit GroupCollectives(c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : group_(std::move(group)) {}
+
+  int64_t size() const override { return group_->getSize(); }
+  FuturePtr allreduce(at::Tensor& tensor) override {
+    std::vector<at::Tensor> tensors{tensor};
+    return group_->allreduce(tensors, c10d::AllreduceOptions())->getFuture();
+  }
+  FuturePtr allgather(at::Tensor& output, at::Tensor& input) override {
+    return compat::allGatherSingle(*group_, output, input)->getFuture();
+  }
+  FuturePtr alltoall(at::Tensor& output, at::Tensor& input) override {
+    std::vector<int64_t> even;
+    return compat::allToAllSingle(*group_, output, input, even, even)->getFuture();
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+}  // namespace
+
+std::shared_ptr<ChainCollectives> ChainCollectives::of(
+    c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  TORCH_CHECK(group, "xcomm: a bucket's chain needs a process group");
+  return std::make_shared<GroupCollectives>(std::move(group));
+}
+
+BucketStep::BucketStep(std::shared_ptr<ChainCollectives> collectives, at::Tensor buffer,
                        const ChainResult& how)
-    : group_(std::move(group)), buffer_(std::move(buffer)), wrap_(how.wrap) {
-  TORCH_CHECK(group_, "xcomm: a bucket's chain needs a process group");
-  worldSize_ = group_->getSize();
+    : collectives_(std::move(collectives)), buffer_(std::move(buffer)), wrap_(how.wrap) {
+  TORCH_CHECK(collectives_, "xcomm: a bucket's chain needs its collectives");
+  worldSize_ = collectives_->size();
   std::vector<c10::Device> devices;
   if (buffer_.is_cuda()) {
     devices.push_back(buffer_.device());
@@ -24,7 +56,7 @@ BucketStep::BucketStep(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor 
 }
 
 void BucketStep::markIssued() {
-  group_.reset();
+  collectives_.reset();
   if (!issued_->completed()) issued_->markCompleted(c10::IValue());
 }
 
@@ -41,7 +73,7 @@ void BucketStep::completeFrom(const at::Tensor& flat, const at::Tensor& index) {
 }
 
 void BucketStep::fail(const std::exception_ptr& error) {
-  group_.reset();
+  collectives_.reset();
   issued_->setErrorIfNeeded(error);
   try {
     abort();

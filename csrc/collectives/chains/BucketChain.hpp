@@ -1,7 +1,13 @@
 #pragma once
-// What the compressed allreduces of a DDP bucket that run as a chain of
-// collectives and codec phases (PowerSgdAllreduce, Int8Allreduce) share:
+// What the compressed allreduces of a bucket that run as a chain of
+// collectives and codec phases (PowerSgdAllreduce, Int8Allreduce,
+// SparseAllreduce) share:
 //
+// - ChainCollectives: the three collectives a chain issues, on whatever
+//   carries them. The DDP hooks chain over their process group; the
+//   backend's compression= route chains the same steps over its own
+//   transport (collectives/compressed/CompressedAllreduce), so each
+//   compressed allreduce has one body;
 // - a BucketStep: one bucket's chain, kept alive by the future callbacks that
 //   continue it; each phase starts from the previous collective's callback,
 //   so nothing blocks and no Python runs between collectives;
@@ -47,14 +53,35 @@ struct StartedBucket {
   FuturePtr issued;
 };
 
+// The collectives of a chain. Each returns the future of its completion. One
+// that waits on its caller's thread returns a completed future (or throws),
+// and the chain then runs on inline, on that thread.
+class ChainCollectives {
+ public:
+  virtual ~ChainCollectives() = default;
+  virtual int64_t size() const = 0;
+  // SUM, in place.
+  virtual FuturePtr allreduce(at::Tensor& tensor) = 0;
+  // `input` of every rank, in rank order, into the flat `output`.
+  virtual FuturePtr allgather(at::Tensor& output, at::Tensor& input) = 0;
+  // Row j of `input` to rank j; row i of `output` from rank i (even rows).
+  virtual FuturePtr alltoall(at::Tensor& output, at::Tensor& input) = 0;
+
+  // Over a process group (the DDP hooks').
+  static std::shared_ptr<ChainCollectives> of(c10::intrusive_ptr<c10d::ProcessGroup> group);
+};
+
 class BucketStep : public std::enable_shared_from_this<BucketStep> {
  public:
   // On a GPU the result carries the buffer's device (its callbacks and
   // waiters order their streams after the last phase's kernels), and the
   // first collective goes to the stream current now, where the caller's
   // encode ran.
-  BucketStep(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer,
+  BucketStep(std::shared_ptr<ChainCollectives> collectives, at::Tensor buffer,
              const ChainResult& how);
+  BucketStep(c10::intrusive_ptr<c10d::ProcessGroup> group, at::Tensor buffer,
+             const ChainResult& how)
+      : BucketStep(ChainCollectives::of(std::move(group)), std::move(buffer), how) {}
   virtual ~BucketStep() = default;
   BucketStep(const BucketStep&) = delete;
   BucketStep& operator=(const BucketStep&) = delete;
@@ -72,15 +99,16 @@ class BucketStep : public std::enable_shared_from_this<BucketStep> {
   // on failure. The bucket's own error is the one reported.
   virtual void abort() {}
 
-  c10d::ProcessGroup& group() { return *group_; }
+  ChainCollectives& collectives() { return *collectives_; }
   int64_t worldSize() const { return worldSize_; }
   const at::Tensor& buffer() const { return buffer_; }
   const std::optional<c10::Stream>& issueStream() const { return issueStream_; }
 
-  // The group is let go once the last collective is out: a step may end on
-  // one of the group's own threads (a Gloo worker runs the last callback),
-  // and if it held the last reference there (the caller destroyed the group
-  // meanwhile), the group's destructor would join the thread it runs on.
+  // The collectives (and the group under them) are let go once the last
+  // collective is out: a step may end on one of the group's own threads (a
+  // Gloo worker runs the last callback), and if it held the last reference
+  // there (the caller destroyed the group meanwhile), the group's destructor
+  // would join the thread it runs on.
   void markIssued();
   // Completes the result with the buffer.
   void complete();
@@ -107,7 +135,7 @@ class BucketStep : public std::enable_shared_from_this<BucketStep> {
   }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::shared_ptr<ChainCollectives> collectives_;
   int64_t worldSize_ = 1;
   at::Tensor buffer_;
   std::optional<c10::Stream> issueStream_;  // GPU only

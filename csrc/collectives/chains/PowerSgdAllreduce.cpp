@@ -29,10 +29,7 @@ class PowerSgdStep : public BucketStep {
  private:
   void abort() override { codec_->abortStep(bucket_); }
 
-  FuturePtr allreduce(const at::Tensor& tensor) {
-    std::vector<at::Tensor> tensors{tensor};
-    return group().allreduce(tensors, c10d::AllreduceOptions())->getFuture();
-  }
+  FuturePtr allreduce(at::Tensor tensor) { return collectives().allreduce(tensor); }
 
   void onWire() {
     at::Tensor q = codec_->reduceP(bucket_, wire_, worldSize());

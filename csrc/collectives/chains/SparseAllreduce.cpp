@@ -7,7 +7,6 @@
 #include <c10/core/StreamGuard.h>
 
 #include "common/CurrentStream.hpp"
-#include "common/TorchCompat.hpp"
 
 namespace xcomm {
 namespace {
@@ -28,7 +27,7 @@ class TopKStep : public BucketStep {
 
   void issueFirst() override {
     c10::OptionalStreamGuard guard(issueStream());  // maybe another thread than the encode's
-    auto done = compat::allGatherSingle(group(), gathered_, packed_)->getFuture();
+    auto done = collectives().allgather(gathered_, packed_);
     markIssued();
     then<TopKStep>(done, [](TopKStep& s) { s.onGathered(); });
   }
@@ -62,8 +61,7 @@ class RandomKStep : public BucketStep {
 
   void issueFirst() override {
     c10::OptionalStreamGuard guard(issueStream());
-    std::vector<at::Tensor> tensors{values_};
-    auto done = group().allreduce(tensors)->getFuture();
+    auto done = collectives().allreduce(values_);
     markIssued();
     then<RandomKStep>(done, [](RandomKStep& s) { s.onReduced(); });
   }

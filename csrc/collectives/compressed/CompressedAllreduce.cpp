@@ -21,13 +21,60 @@ int64_t ringBytes(int64_t bytes, int size) {
   return size > 1 ? 2 * (size - 1) * bytes / size : 0;
 }
 
+// The int8 chain's collectives on the CPU: point-to-point messages on the
+// compressed route's own Gloo group, because Gloo's own collectives fill a
+// rate-limited link only about half (collectives/gloo/DirectExchange.hpp).
+// Each waits on the calling thread (the compression worker) until one
+// deadline for the whole allreduce.
+class DirectCollectives : public ChainCollectives {
+ public:
+  DirectCollectives(RawRoute& route, int size, std::chrono::milliseconds limit)
+      : route_(route),
+        direct_(route.backend(), /*tag=*/3, route.rank(), size),
+        size_(size),
+        limit_(limit),
+        deadline_(std::chrono::steady_clock::now() + limit) {}
+
+  int64_t size() const override { return size_; }
+  FuturePtr allreduce(at::Tensor& tensor) override {
+    c10d::AllreduceOptions sum;
+    sum.timeout = limit_;
+    route_.allreduce(tensor, sum)->wait();
+    return completed();
+  }
+  FuturePtr alltoall(at::Tensor& output, at::Tensor& input) override {
+    const std::vector<int64_t> rowBytes(size_, input.size(1));
+    DirectExchange::waitAll(direct_.postAlltoall(output, input, rowBytes, rowBytes),
+                            "all_reduce (int8, all-to-all)", "rank", deadline_, limit_);
+    return completed();
+  }
+  FuturePtr allgather(at::Tensor& output, at::Tensor& input) override {
+    DirectExchange::waitAll(direct_.postAllgather(output, input), "all_reduce (int8, all-gather)",
+                            "rank", deadline_, limit_);
+    return completed();
+  }
+
+ private:
+  static FuturePtr completed() {
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+    done->markCompleted(c10::IValue());
+    return done;
+  }
+
+  RawRoute& route_;
+  DirectExchange direct_;
+  int size_;
+  std::chrono::milliseconds limit_;
+  std::chrono::steady_clock::time_point deadline_;
+};
+
 }  // namespace
 
 static_assert(CompressionConfig::kDefaultInt8ChunkElems == Int8Codec::kDefaultChunkElems,
               "the int8 chunk default is one number");
 
 CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
-    : config_(config), size_(size), int8_(config.int8ChunkElems) {
+    : config_(config), size_(size), int8_(std::make_shared<Int8Codec>(config.int8ChunkElems)) {
   config_.validate();
   statsName_ = "ALLREDUCE_";
   for (const char* c = compressionName(config_.method); *c; ++c) {
@@ -73,7 +120,7 @@ int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor) const {
 int64_t CompressedAllreduce::payloadBytes(const at::Tensor& tensor, Compression method) const {
   switch (method) {
     case Compression::kInt8:
-      return size_ * int8_.packedBytes(int8_.shardElems(tensor.numel(), size_));
+      return size_ * int8_->packedBytes(int8_->shardElems(tensor.numel(), size_));
     case Compression::kFp16:
     case Compression::kBf16:
       return tensor.numel() * 2;
@@ -156,8 +203,8 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(Route& transport,
                                                               const c10d::AllreduceOptions& opts,
                                                               std::function<void()>& finalize) {
   at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
-  const int64_t shard = int8_.shardElems(flat.numel(), size_);
-  at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
+  const int64_t shard = int8_->shardElems(flat.numel(), size_);
+  at::Tensor packed = int8_->packShards(flat, size_);  // [size, bytes per shard]
   at::Tensor received = at::empty_like(packed);
   c10d::AllToAllOptions a2a;
   a2a.timeout = opts.timeout;
@@ -166,14 +213,14 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(Route& transport,
   transport.alltoall(received, packed, a2a)->wait();
 
   // float32 sum in rank order, the mean's division, quantization: one pass.
-  at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
+  at::Tensor mine = int8_->reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
   at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
   c10d::AllgatherOptions ag;
   ag.timeout = opts.timeout;
   auto work = transport.allgather(gathered, mine, ag);
   count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
   finalize = [codec = int8_, gathered, mine, shard, flat, tensor]() mutable {
-    codec.unpackAll(gathered, shard, flat);
+    codec->unpackAll(gathered, shard, flat);
     if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
     usedOnCurrentStream({gathered, mine, flat});
   };
@@ -182,32 +229,23 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(Route& transport,
 
 void CompressedAllreduce::runInt8(RawRoute& transport, const at::Tensor& tensor,
                                   const c10d::AllreduceOptions& opts) {
-  // On the CPU the all-to-all and all-gather go as point-to-point messages
-  // on the transport (a group of this algorithm's own, so its tags are
-  // free): Gloo's own collectives fill a rate-limited link only about half
-  // (collectives/gloo/DirectExchange.hpp).
   if (!tensor.device().is_cpu()) {
     std::function<void()> finalize;
     startInt8(transport, tensor, opts, finalize)->wait();
     finalize();
     return;
   }
-  DirectExchange direct(transport.backend(), /*tag=*/3, transport.rank(), size_);
   const auto limit = opts.timeout != c10d::kUnsetTimeout ? opts.timeout : transport.timeout();
-  const auto deadline = std::chrono::steady_clock::now() + limit;
   at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
-  const int64_t shard = int8_.shardElems(flat.numel(), size_);
-  at::Tensor packed = int8_.packShards(flat, size_);  // [size, bytes per shard]
-  at::Tensor received = at::empty_like(packed);
-  const std::vector<int64_t> rowBytes(size_, packed.size(1));
-  DirectExchange::waitAll(direct.postAlltoall(received, packed, rowBytes, rowBytes),
-                          "all_reduce (int8, all-to-all)", "rank", deadline, limit);
-  at::Tensor mine = int8_.reduceAndPack(received, shard, isMean(opts) ? size_ : 1);
-  at::Tensor gathered = at::empty({size_ * mine.numel()}, mine.options());
-  DirectExchange::waitAll(direct.postAllgather(gathered, mine), "all_reduce (int8, all-gather)",
-                          "rank", deadline, limit);
-  count(tensor, (size_ - 1) * (packed.size(1) + mine.numel()));
-  int8_.unpackAll(gathered, shard, flat);
+  at::Tensor packed = int8_->packShards(flat, size_);  // [size, bytes per shard]
+  // The collectives wait here, so the chain has run to its end on return.
+  auto done = int8Chain_
+                  .start(int8_, std::make_shared<DirectCollectives>(transport, size_, limit), flat,
+                         flat, /*index=*/{}, packed, isMean(opts) ? size_ : 1)
+                  .result;
+  TORCH_INTERNAL_ASSERT(done->completed(), "xcomm: the int8 chain returned before its end");
+  if (done->hasError()) std::rethrow_exception(done->exception_ptr());
+  count(tensor, 2 * (size_ - 1) * packed.size(1));  // the all-to-all and the all-gather
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }
 

@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "collectives/chains/Int8Allreduce.hpp"
 #include "common/Compression.hpp"
 #include "compress/Int8Codec.hpp"
 #include "runtime/Route.hpp"
@@ -112,16 +113,17 @@ class CompressedAllreduce {
   c10::intrusive_ptr<c10d::Work> startInt8(Route& transport, const at::Tensor& tensor,
                                            const c10d::AllreduceOptions& opts,
                                            std::function<void()>& finalize);
-  // int8 waited for on the calling thread. CPU tensors: the all-to-all and
-  // all-gather as DirectExchange messages on `transport` (tag 3, which
-  // nothing else on that group uses), until the op's timeout, else the
-  // transport's; other devices: startInt8.
+  // int8 waited for on the calling thread. CPU tensors: the int8 chain (the
+  // DDP hook's one body, chains/Int8Allreduce) over DirectExchange messages
+  // on `transport` (tag 3, which nothing else on that group uses), until the
+  // op's timeout, else the transport's; other devices: startInt8.
   void runInt8(RawRoute& transport, const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
   CompressionConfig config_;
   std::string statsName_;
   int size_;
-  Int8Codec int8_;
+  std::shared_ptr<const Int8Codec> int8_;
+  Int8Allreduce int8Chain_;
   std::unique_ptr<AutoCompression> auto_;
   std::shared_ptr<CompressionCounters> counters_ = std::make_shared<CompressionCounters>();
 };
