@@ -39,27 +39,28 @@ Op made(OpKind kind, c10d::OpType type, const char* title, std::chrono::millisec
 
 }  // namespace
 
-// Each issue() owns copies of the tensor lists (c10d's calls take them by
-// non-const reference) and runs the call its factory describes.
+// Each factory moves the caller's lists into the Op; its `call` keeps the
+// options only and hands the Op's own lists to the c10d call (which takes
+// them by non-const reference), so a list is held once.
 
 Op Op::broadcast(std::vector<at::Tensor> tensors, const c10d::BroadcastOptions& opts) {
   Op op =
       made(OpKind::kBroadcast, c10d::OpType::BROADCAST, "broadcast", opts.timeout, opts.asyncOp);
-  op.inputs = tensors;
   op.result = tensors;
+  op.inputs = std::move(tensors);
   op.root = opts.rootRank;
   op.rootTensor = opts.rootTensor;
-  op.issue = [tensors, opts](c10d::Backend& b) mutable { return b.broadcast(tensors, opts); };
+  op.call = [opts](c10d::Backend& b, Op& self) { return b.broadcast(self.inputs, opts); };
   return op;
 }
 
 Op Op::allreduce(std::vector<at::Tensor> tensors, const c10d::AllreduceOptions& opts) {
   Op op =
       made(OpKind::kAllreduce, c10d::OpType::ALLREDUCE, "all_reduce", opts.timeout, opts.asyncOp);
-  op.inputs = tensors;
   op.result = tensors;
+  op.inputs = std::move(tensors);
   op.reduceOp = opts.reduceOp;
-  op.issue = [tensors, opts](c10d::Backend& b) mutable { return b.allreduce(tensors, opts); };
+  op.call = [opts](c10d::Backend& b, Op& self) { return b.allreduce(self.inputs, opts); };
   return op;
 }
 
@@ -67,23 +68,21 @@ Op Op::allreduceCoalesced(std::vector<at::Tensor> tensors,
                           const c10d::AllreduceCoalescedOptions& opts) {
   Op op = made(OpKind::kAllreduceCoalesced, c10d::OpType::ALLREDUCE_COALESCED,
                "all_reduce_coalesced", opts.timeout, opts.asyncOp);
-  op.inputs = tensors;
   op.result = tensors;
+  op.inputs = std::move(tensors);
   op.reduceOp = opts.reduceOp;
-  op.issue = [tensors, opts](c10d::Backend& b) mutable {
-    return b.allreduce_coalesced(tensors, opts);
-  };
+  op.call = [opts](c10d::Backend& b, Op& self) { return b.allreduce_coalesced(self.inputs, opts); };
   return op;
 }
 
 Op Op::reduce(std::vector<at::Tensor> tensors, const c10d::ReduceOptions& opts) {
   Op op = made(OpKind::kReduce, c10d::OpType::REDUCE, "reduce", opts.timeout, opts.asyncOp);
-  op.inputs = tensors;
   op.result = tensors;
+  op.inputs = std::move(tensors);
   op.reduceOp = opts.reduceOp;
   op.root = opts.rootRank;
   op.rootTensor = opts.rootTensor;
-  op.issue = [tensors, opts](c10d::Backend& b) mutable { return b.reduce(tensors, opts); };
+  op.call = [opts](c10d::Backend& b, Op& self) { return b.reduce(self.inputs, opts); };
   return op;
 }
 
@@ -91,11 +90,11 @@ Op Op::allgather(std::vector<std::vector<at::Tensor>> outputs, std::vector<at::T
                  const c10d::AllgatherOptions& opts) {
   Op op =
       made(OpKind::kAllgather, c10d::OpType::ALLGATHER, "all_gather", opts.timeout, opts.asyncOp);
-  op.inputs = inputs;
-  op.outputLists = outputs;
   op.result = flat(outputs);
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.allgather(outputs, inputs, opts);
+  op.inputs = std::move(inputs);
+  op.outputLists = std::move(outputs);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.allgather(self.outputLists, self.inputs, opts);
   };
   return op;
 }
@@ -106,8 +105,8 @@ Op Op::allgatherBase(at::Tensor output, at::Tensor input, const c10d::AllgatherO
   op.inputs = {input};
   op.outputs = {output};
   op.result = piecesOf(output, input);
-  op.issue = [output, input, opts](c10d::Backend& b) mutable {
-    return b._allgather_base(output, input, opts);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b._allgather_base(self.outputs[0], self.inputs[0], opts);
   };
   return op;
 }
@@ -116,11 +115,11 @@ Op Op::allgatherIntoTensorCoalesced(std::vector<at::Tensor> outputs, std::vector
                                     const c10d::AllgatherOptions& opts) {
   Op op = made(OpKind::kAllgatherIntoTensorCoalesced, c10d::OpType::COALESCED,
                "all_gather_into_tensor_coalesced", opts.timeout, opts.asyncOp);
-  op.inputs = inputs;
-  op.outputs = outputs;
   op.result = outputs;
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.allgather_into_tensor_coalesced(outputs, inputs, opts);
+  op.inputs = std::move(inputs);
+  op.outputs = std::move(outputs);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.allgather_into_tensor_coalesced(self.outputs, self.inputs, opts);
   };
   return op;
 }
@@ -129,11 +128,11 @@ Op Op::allgatherCoalesced(std::vector<std::vector<at::Tensor>> outputs,
                           std::vector<at::Tensor> inputs, const c10d::AllgatherOptions& opts) {
   Op op = made(OpKind::kAllgatherCoalesced, c10d::OpType::ALLGATHER_COALESCED,
                "all_gather_coalesced", opts.timeout, opts.asyncOp);
-  op.inputs = inputs;
-  op.outputLists = outputs;
   op.result = flat(outputs);
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.allgather_coalesced(outputs, inputs, opts);
+  op.inputs = std::move(inputs);
+  op.outputLists = std::move(outputs);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.allgather_coalesced(self.outputLists, self.inputs, opts);
   };
   return op;
 }
@@ -141,12 +140,12 @@ Op Op::allgatherCoalesced(std::vector<std::vector<at::Tensor>> outputs,
 Op Op::gather(std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tensor> inputs,
               const c10d::GatherOptions& opts) {
   Op op = made(OpKind::kGather, c10d::OpType::GATHER, "gather", opts.timeout, opts.asyncOp);
-  op.inputs = inputs;
-  op.outputLists = outputs;
   op.result = flat(outputs);
+  op.inputs = std::move(inputs);
+  op.outputLists = std::move(outputs);
   op.root = opts.rootRank;
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.gather(outputs, inputs, opts);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.gather(self.outputLists, self.inputs, opts);
   };
   return op;
 }
@@ -154,12 +153,12 @@ Op Op::gather(std::vector<std::vector<at::Tensor>> outputs, std::vector<at::Tens
 Op Op::scatter(std::vector<at::Tensor> outputs, std::vector<std::vector<at::Tensor>> inputs,
                const c10d::ScatterOptions& opts) {
   Op op = made(OpKind::kScatter, c10d::OpType::SCATTER, "scatter", opts.timeout, opts.asyncOp);
-  op.inputLists = inputs;
-  op.outputs = outputs;
   op.result = outputs;
+  op.inputLists = std::move(inputs);
+  op.outputs = std::move(outputs);
   op.root = opts.rootRank;
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.scatter(outputs, inputs, opts);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.scatter(self.outputs, self.inputLists, opts);
   };
   return op;
 }
@@ -168,13 +167,13 @@ Op Op::reduceScatter(std::vector<at::Tensor> outputs, std::vector<std::vector<at
                      const c10d::ReduceScatterOptions& opts) {
   Op op = made(OpKind::kReduceScatter, c10d::OpType::REDUCE_SCATTER, "reduce_scatter", opts.timeout,
                opts.asyncOp);
-  op.inputLists = inputs;
-  op.outputs = outputs;
   op.result = outputs;
+  op.inputLists = std::move(inputs);
+  op.outputs = std::move(outputs);
   op.reduceOp = opts.reduceOp;
   op.withFuture = false;
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.reduce_scatter(outputs, inputs, opts);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.reduce_scatter(self.outputs, self.inputLists, opts);
   };
   return op;
 }
@@ -188,8 +187,8 @@ Op Op::reduceScatterBase(at::Tensor output, at::Tensor input,
   op.result = {output};
   op.reduceOp = opts.reduceOp;
   op.withFuture = false;
-  op.issue = [output, input, opts](c10d::Backend& b) mutable {
-    return b._reduce_scatter_base(output, input, opts);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b._reduce_scatter_base(self.outputs[0], self.inputs[0], opts);
   };
   return op;
 }
@@ -198,13 +197,13 @@ Op Op::reduceScatterTensorCoalesced(std::vector<at::Tensor> outputs, std::vector
                                     const c10d::ReduceScatterOptions& opts) {
   Op op = made(OpKind::kReduceScatterTensorCoalesced, c10d::OpType::COALESCED,
                "reduce_scatter_tensor_coalesced", opts.timeout, opts.asyncOp);
-  op.inputs = inputs;
-  op.outputs = outputs;
   op.result = outputs;
+  op.inputs = std::move(inputs);
+  op.outputs = std::move(outputs);
   op.reduceOp = opts.reduceOp;
   op.withFuture = false;
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.reduce_scatter_tensor_coalesced(self.outputs, self.inputs, opts);
   };
   return op;
 }
@@ -216,10 +215,11 @@ Op Op::alltoallBase(at::Tensor output, at::Tensor input, std::vector<int64_t> ou
   op.inputs = {input};
   op.outputs = {output};
   op.result = {output};
-  op.inputSplits = inputSplits;
-  op.outputSplits = outputSplits;
-  op.issue = [output, input, outputSplits, inputSplits, opts](c10d::Backend& b) mutable {
-    return b.alltoall_base(output, input, outputSplits, inputSplits, opts);
+  op.inputSplits = std::move(inputSplits);
+  op.outputSplits = std::move(outputSplits);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.alltoall_base(self.outputs[0], self.inputs[0], self.outputSplits, self.inputSplits,
+                           opts);
   };
   return op;
 }
@@ -227,18 +227,18 @@ Op Op::alltoallBase(at::Tensor output, at::Tensor input, std::vector<int64_t> ou
 Op Op::alltoall(std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
                 const c10d::AllToAllOptions& opts) {
   Op op = made(OpKind::kAlltoall, c10d::OpType::ALLTOALL, "all_to_all", opts.timeout, opts.asyncOp);
-  op.inputs = inputs;
-  op.outputs = outputs;
   op.result = outputs;
-  op.issue = [outputs, inputs, opts](c10d::Backend& b) mutable {
-    return b.alltoall(outputs, inputs, opts);
+  op.inputs = std::move(inputs);
+  op.outputs = std::move(outputs);
+  op.call = [opts](c10d::Backend& b, Op& self) {
+    return b.alltoall(self.outputs, self.inputs, opts);
   };
   return op;
 }
 
 Op Op::barrier(const c10d::BarrierOptions& opts) {
   Op op = made(OpKind::kBarrier, c10d::OpType::BARRIER, "barrier", opts.timeout, opts.asyncOp);
-  op.issue = [opts](c10d::Backend& b) { return b.barrier(opts); };
+  op.call = [opts](c10d::Backend& b, Op&) { return b.barrier(opts); };
   return op;
 }
 

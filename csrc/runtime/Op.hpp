@@ -41,7 +41,7 @@ enum class OpKind {
 };
 
 struct Op {
-  using Issue = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>;
+  using Call = std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&, Op&)>;
 
   OpKind kind = OpKind::kBarrier;
   c10d::OpType type = c10d::OpType::UNKNOWN;  // what works and the profiler report
@@ -72,8 +72,12 @@ struct Op {
   // checks the ranks' calls checks it as that reduce-scatter, so it and a
   // real all_to_all_single disagree instead of trading rows.
   std::optional<c10d::ReduceOp::RedOpType> asReduceScatter;
+  // The c10d call the factory describes, with the caller's options, on this
+  // Op's own lists (issue() passes them).
+  Call call;
+
   // The op on a whole c10d backend, in the caller's shape.
-  Issue issue;
+  c10::intrusive_ptr<c10d::Work> issue(c10d::Backend& backend) { return call(backend, *this); }
 
   static Op broadcast(std::vector<at::Tensor> tensors, const c10d::BroadcastOptions& opts);
   static Op allreduce(std::vector<at::Tensor> tensors, const c10d::AllreduceOptions& opts);
