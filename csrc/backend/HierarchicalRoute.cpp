@@ -52,31 +52,24 @@ HierarchicalRoute::HierarchicalRoute(std::unique_ptr<ShmTransport> transport, in
 
 HierarchicalRoute::~HierarchicalRoute() = default;
 
+Route* HierarchicalRoute::leadersRoute() const {
+  if (checkedLeaders_) return checkedLeaders_.get();  // over leaders_
+  return leaders_.get();
+}
+
 void HierarchicalRoute::setTimeout(std::chrono::milliseconds timeout) {
   ShmRouteBase::setTimeout(timeout);
-  if (checkedLeaders_) {
-    checkedLeaders_->setTimeout(timeout);  // leaders_ too
-  } else if (leaders_) {
-    leaders_->setTimeout(timeout);
-  }
+  if (Route* leaders = leadersRoute()) leaders->setTimeout(timeout);
 }
 
 void HierarchicalRoute::shutdown() {
   ShmRouteBase::shutdown();
-  if (checkedLeaders_) {
-    checkedLeaders_->shutdown();  // leaders_ too
-  } else if (leaders_) {
-    leaders_->shutdown();
-  }
+  if (Route* leaders = leadersRoute()) leaders->shutdown();
 }
 
 void HierarchicalRoute::abort() {
   ShmRouteBase::abort();
-  if (checkedLeaders_) {
-    checkedLeaders_->abort();  // leaders_ too
-  } else if (leaders_) {
-    leaders_->abort();
-  }
+  if (Route* leaders = leadersRoute()) leaders->abort();
 }
 
 c10::intrusive_ptr<c10d::Work> HierarchicalRoute::run(Op op) {
@@ -133,8 +126,7 @@ void HierarchicalRoute::leaderStep(at::Tensor& tensor, RedOp op, bool compress,
       std::max(left - reserve, Clock::duration(std::chrono::milliseconds(1))));
   if (!compress) {
     // Checked (and carried, when small) where the leaders check each other.
-    Route& route = checkedLeaders_ ? static_cast<Route&>(*checkedLeaders_) : *leaders_;
-    route.allreduce(tensor, leaderOpts)->wait();
+    leadersRoute()->allreduce(tensor, leaderOpts)->wait();
     return;
   }
   // The compressed step's own collectives run unchecked on the leaders'

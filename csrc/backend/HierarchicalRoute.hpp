@@ -74,6 +74,10 @@ class HierarchicalRoute final : public ShmRouteBase {
   // an error to the host.
   void leaderStep(at::Tensor& tensor, c10d::ReduceOp::RedOpType op, bool compress,
                   c10d::AllreduceOptions leaderOpts, Clock::time_point deadline);
+  // How a leader's ops reach the other leaders: checked where they check
+  // each other (the check owns the raw route and passes timeouts, shutdown
+  // and abort down to it), else raw; null off the leaders.
+  Route* leadersRoute() const;
   // What the host's ranks raise when this leader's step failed with `e`.
   std::string leaderError(const std::exception& e) const;
 

@@ -436,7 +436,7 @@ Route& XcommBackend::routeFor(const at::Tensor& t, const char* op, bool flushFus
   return *route;
 }
 
-c10d::Backend& XcommBackend::pointToPoint(const at::Tensor& t, const char* op) {
+c10d::Backend& XcommBackend::pointToPointBackend(const at::Tensor& t, const char* op) {
   routeFor(t, op);  // the same checks, and held fused ops go first
   return t.device().is_cuda() ? *routes_.cuda->backend() : *routes_.cpuGloo;
 }
@@ -953,8 +953,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
-  return delegate(op, pointToPoint(tensors[0], op), c10d::OpType::SEND, listValue(tensors), tensors,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, pointToPointBackend(tensors[0], op), c10d::OpType::SEND, listValue(tensors),
+                  tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.in(tensors);
                     return inner.send(staged, dstRank, tag);
                   });
@@ -966,8 +966,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  return delegate(op, pointToPoint(tensors[0], op), c10d::OpType::RECV, listValue(tensors), tensors,
-                  [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, pointToPointBackend(tensors[0], op), c10d::OpType::RECV, listValue(tensors),
+                  tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recv(staged, srcRank, tag);
                   });
@@ -979,7 +979,7 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   // Named as Gloo names it under torch.profiler: "xcomm:recvAnySource".
-  return delegate("recvAnySource", pointToPoint(tensors[0], op), c10d::OpType::RECVANYSOURCE,
+  return delegate("recvAnySource", pointToPointBackend(tensors[0], op), c10d::OpType::RECVANYSOURCE,
                   listValue(tensors), tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recvAnysource(staged, tag);

@@ -289,8 +289,10 @@ class XcommBackend : public c10d::Backend {
   void flushFused();
   // The group's routes that exist (CPU, CUDA, the compressed allreduce's own).
   std::vector<std::shared_ptr<Route>> allRoutes() const;
-  // A point-to-point op's backend: the Gloo (or NCCL) under the route.
-  c10d::Backend& pointToPoint(const at::Tensor& t, const char* op);
+  // The raw backend that carries `t`'s point-to-point messages: Gloo (or
+  // NCCL) itself, since routes order collectives only. It first makes the
+  // checks and the fused-ops flush a collective on `t` would make.
+  c10d::Backend& pointToPointBackend(const at::Tensor& t, const char* op);
   // Whether the inner backend for `t` implements PREMUL_SUM itself (NCCL does).
   bool backendHasPremul(const at::Tensor& t) const;
   // What every tensor op but all_reduce does after its checks, given the
