@@ -491,8 +491,8 @@ def _supervise(
     result_time: dict[int, float] = {}
     deadline = start + timeout
     timed_out = False
-    while True:
-        now = time.monotonic()
+    def read_results(now: float) -> None:
+        nonlocal deadline
         for r in range(n):
             if r not in results and os.path.exists(_result_path(spec.tmpdir, r)):
                 with open(_result_path(spec.tmpdir, r), "rb") as f:
@@ -500,6 +500,10 @@ def _supervise(
                 result_time[r] = now
                 if not results[r]["ok"]:
                     deadline = min(deadline, now + FAILURE_GRACE)
+
+    while True:
+        now = time.monotonic()
+        read_results(now)
         exited = [p.exitcode() is not None for p in procs]
         for r in range(n):
             code = procs[r].exitcode()
@@ -517,6 +521,9 @@ def _supervise(
             timed_out = True
             break
         time.sleep(0.02)
+    # A rank may write its result and exit between the read above and the
+    # exit check: read once more, or it would count as dead without one.
+    read_results(time.monotonic())
 
     # Let faulthandler-less ranks die; capture stacks of the stuck ones first.
     stuck = [r for r in range(n) if procs[r].exitcode() is None and r not in may_die]
