@@ -1,13 +1,17 @@
-// Python bindings of the compressed allreduces chained in C++
-// (csrc/collectives/chains/BucketChain.hpp): xcomm._C.PowerSgdAllreduce,
-// Int8Allreduce, TopKAllreduce and RandomKAllreduce, one per hook state,
-// started by the hooks in python/xcomm/hooks/.
+// Python bindings of the compressed collectives the Python surfaces call:
+// the allreduces chained in C++ (csrc/collectives/chains/BucketChain.hpp),
+// xcomm._C.PowerSgdAllreduce, Int8Allreduce, TopKAllreduce and
+// RandomKAllreduce, one per hook state, started by the hooks in
+// python/xcomm/hooks/; and CompressedRows, the compressed reduce-scatter's
+// arithmetic (collectives/compressed/CompressedReduceScatter.hpp) that
+// FSDP2's state shares with the backend.
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "collectives/chains/Int8Allreduce.hpp"
 #include "collectives/chains/PowerSgdAllreduce.hpp"
 #include "collectives/chains/SparseAllreduce.hpp"
+#include "collectives/compressed/CompressedReduceScatter.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -140,6 +144,26 @@ chained in C++ (see csrc/collectives/chains/SparseAllreduce.hpp). One per hook s
                        "given.") +
            kTurnDoc)
               .c_str());
+
+  py::class_<xcomm::CompressedRows>(m, "CompressedRows", R"(The compressed reduce-scatter's
+arithmetic, as the backend's compression= route runs it (see
+csrc/collectives/compressed/CompressedReduceScatter.hpp): encode the input's rows, all-to-all
+them (the caller's collective), reduce_into the output.)")
+      .def(py::init([](const std::string& method, int size,
+                       std::shared_ptr<xcomm::Int8Codec> codec) {
+             return xcomm::CompressedRows(xcomm::parseCompression(method), size, std::move(codec));
+           }),
+           py::arg("method"), py::arg("size"), py::arg("codec") = nullptr,
+           "method: 'fp16', 'bf16' or 'int8' (which needs codec); size: the group's.")
+      .def("encode", &xcomm::CompressedRows::encode, py::arg("input"),
+           py::arg("feedback") = nullptr, py::arg("key") = 0,
+           py::call_guard<py::gil_scoped_release>(),
+           "Row j of input encoded for rank j; with feedback, the key's residual is added "
+           "first and keeps what the encoding lost.")
+      .def("reduce_into", &xcomm::CompressedRows::reduceInto, py::arg("received"),
+           py::arg("output"), py::arg("mean"), py::call_guard<py::gil_scoped_release>(),
+           "The received rows decoded and summed in rank order (float32, float64 for a "
+           "float64 output), divided by the group size under mean, into output.");
 }
 
 }  // namespace

@@ -491,6 +491,13 @@ def _rank_reduce_scatter(ctx: RankContext, method: str) -> dict[str, Any]:
                 compressed = x.numel() * x.element_size() >= 1024 and op != dist.ReduceOp.MAX
                 if compressed:
                     ref = _reduce_scatter_reference(x, method, ctx.ref, op == dist.ReduceOp.AVG)
+                    # FSDP2's compressed reduce-scatter without error feedback: the same one
+                    fsdp = torch.empty(n, dtype=dtype)
+                    state = xcomm.hooks.FsdpCompressionState(
+                        method=method, chunk_elems=CHUNK, min_bytes=0, error_feedback=False
+                    )
+                    xcomm.hooks.CompressedReduceScatter(state, "m")(fsdp, x, ctx.ref, op)
+                    assert torch.equal(got, fsdp), f"{method} {dtype}: not FSDP2's reduce-scatter"
                 else:  # what the group does without compression
                     ref = torch.empty(n, dtype=dtype)
                     dist.reduce_scatter_tensor(ref, x, op=op)
@@ -505,7 +512,8 @@ def _rank_reduce_scatter(ctx: RankContext, method: str) -> dict[str, Any]:
 @pytest.mark.parametrize("method", ["bf16", "int8"])
 def test_compressed_reduce_scatter_matches_reference(method: str, world_size: int) -> None:
     """reduce_scatter_tensor on a compressing group: bitwise the codec's
-    all-to-all reduce-scatter, within the codec's bound of the exact result;
+    all-to-all reduce-scatter and FSDP2's compressed reduce-scatter (the
+    same ``CompressedRows``), within the codec's bound of the exact result;
     small inputs and MAX take the uncompressed route (bitwise an uncompressed
     group's)."""
     per_rank = run_ranks(_rank_reduce_scatter, world_size, method)

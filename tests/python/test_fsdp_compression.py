@@ -462,18 +462,16 @@ def _misjudged(ctx: RankContext, observe: bool) -> dict[str, Any]:
 
     calls: dict[str, list[int]] = {"int8": [], "cast": []}
     step_calls = {"int8": 0, "cast": 0}
-    plain_int8, plain_cast = CompressedReduceScatter._int8, CompressedReduceScatter._cast
+    plain = CompressedReduceScatter._compressed
 
-    def slow_int8(self: Any, *args: Any) -> torch.Tensor:
-        step_calls["int8"] += 1
-        _time.sleep(0.02)
-        return plain_int8(self, *args)
+    def slow_int8(self: Any, *args: Any) -> None:
+        method = args[4]  # output, input, group, world, method, mean
+        step_calls["int8" if method == "int8" else "cast"] += 1
+        if method == "int8":
+            _time.sleep(0.02)
+        plain(self, *args)
 
-    def cast(self: Any, *args: Any) -> torch.Tensor:
-        step_calls["cast"] += 1
-        return plain_cast(self, *args)
-
-    CompressedReduceScatter._int8, CompressedReduceScatter._cast = slow_int8, cast  # type: ignore[method-assign]
+    CompressedReduceScatter._compressed = slow_int8  # type: ignore[method-assign]
     model, state = _fsdp2(
         "auto", link=MISJUDGED_LINK, codec_costs=COSTS, interval=2, observe=observe
     )

@@ -17,9 +17,61 @@ int64_t alltoallBytes(int64_t bytes, int size) {
 
 }  // namespace
 
+CompressedRows::CompressedRows(Compression method, int size, std::shared_ptr<const Int8Codec> int8)
+    : method_(method), size_(size), int8_(std::move(int8)) {
+  TORCH_CHECK_VALUE(method_ == Compression::kInt8 || isCast(method_),
+                    "xcomm: a compressed reduce-scatter is fp16, bf16 or int8, not ",
+                    compressionName(method_));
+  TORCH_CHECK_VALUE(size_ >= 1, "xcomm: a compressed reduce-scatter needs a group size >= 1");
+  TORCH_CHECK(method_ != Compression::kInt8 || int8_, "xcomm: int8 rows need an Int8Codec");
+}
+
+at::Tensor CompressedRows::encode(const at::Tensor& input, ErrorFeedback* feedback,
+                                  int64_t key) const {
+  TORCH_CHECK_VALUE(input.numel() % size_ == 0, "xcomm: a reduce-scatter's input of ",
+                    input.numel(), " elements does not cut into ", size_, " equal rows");
+  if (method_ == Compression::kInt8) return int8_->packRows(input, size_, feedback, key);
+  const auto low = method_ == Compression::kFp16 ? at::kHalf : at::kBFloat16;
+  at::Tensor rows = input.reshape({size_, input.numel() / size_});
+  if (!feedback) return rows.to(low).contiguous();
+  // The residual is kept in float32 (float64 for a float64 input).
+  const auto wide = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor wanted = feedback->compensate(key, rows.to(wide));
+  at::Tensor wire = wanted.to(low).contiguous();
+  feedback->store(key, (wanted - wire.to(wide)).reshape({-1}));  // flat, as int8's
+  return wire;
+}
+
+void CompressedRows::reduceInto(const at::Tensor& received, const at::Tensor& output,
+                                bool mean) const {
+  at::Tensor total;
+  if (method_ == Compression::kInt8) {
+    const int64_t rowElems = output.numel();
+    total = int8_->reduceShards(received, int8_->rowElems(rowElems * size_, size_))
+                .narrow(0, 0, rowElems);
+  } else {
+    const auto wide = output.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    total = received[0].to(wide);
+    for (int j = 1; j < size_; ++j) total.add_(received[j]);
+  }
+  if (mean) total.div_(size_);
+  output.copy_(total.view(output.sizes()));
+}
+
+int64_t CompressedRows::sentBytes(const at::Tensor& wire) const {
+  return alltoallBytes(wire.numel() * wire.element_size(), size_);
+}
+
 CompressedReduceScatter::CompressedReduceScatter(CompressionConfig config, int size,
                                                  std::shared_ptr<CompressionCounters> counters)
-    : config_(config), size_(size), int8_(config.int8ChunkElems), counters_(std::move(counters)) {
+    : config_(config),
+      size_(size),
+      int8_(std::make_shared<Int8Codec>(config.int8ChunkElems)),
+      rows_(config.method == Compression::kNone || config.method == Compression::kAuto
+                ? Compression::kBf16  // never used: applies() is false
+                : config.method,
+            size, int8_),
+      counters_(std::move(counters)) {
   config_.validate();
   TORCH_CHECK(counters_, "xcomm: CompressedReduceScatter needs its group's counters");
   statsName_ = "REDUCE_SCATTER_";
@@ -53,7 +105,7 @@ bool CompressedReduceScatter::applies(const at::Tensor& input,
 
 int64_t CompressedReduceScatter::payloadBytes(const at::Tensor& input) const {
   if (config_.method == Compression::kInt8) {
-    return size_ * int8_.packedBytes(int8_.rowElems(input.numel(), size_));
+    return size_ * int8_->packedBytes(int8_->rowElems(input.numel(), size_));
   }
   return input.numel() * 2;  // fp16 / bf16
 }
@@ -61,43 +113,19 @@ int64_t CompressedReduceScatter::payloadBytes(const at::Tensor& input) const {
 c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
     Route& transport, const at::Tensor& output, const at::Tensor& input,
     const c10d::ReduceScatterOptions& opts, std::function<void()>& finalize) {
-  const int64_t n = input.numel();
-  const int64_t rowElems = n / size_;
   const bool mean = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
-  at::Tensor wire;
-  if (config_.method == Compression::kInt8) {
-    wire = int8_.packRows(input, size_, nullptr, 0);  // [size, bytes per row]
-  } else {
-    const auto low = config_.method == Compression::kFp16 ? at::kHalf : at::kBFloat16;
-    wire = input.reshape({size_, rowElems}).to(low).contiguous();
-  }
+  at::Tensor wire = rows_.encode(input);
   at::Tensor received = at::empty_like(wire);
   c10d::AllToAllOptions a2a;  // equal splits along dim 0: row j to rank j
   a2a.timeout = opts.timeout;
   auto work = transport.alltoall(received, wire, a2a);
   counters_->calls++;
-  counters_->linkBytesBefore += alltoallBytes(n * input.element_size(), size_);
-  counters_->linkBytesSent += alltoallBytes(wire.numel() * wire.element_size(), size_);
-
-  if (config_.method == Compression::kInt8) {
-    const int64_t padded = int8_.rowElems(n, size_);
-    finalize = [codec = int8_, output, received, wire, padded, rowElems, mean,
-                size = size_]() mutable {
-      at::Tensor total = codec.reduceShards(received, padded).narrow(0, 0, rowElems);
-      if (mean) total.div_(size);
-      output.copy_(total.view(output.sizes()));
-      usedOnCurrentStream({received, wire});
-    };
-  } else {
-    finalize = [output, received, wire, mean, size = size_]() mutable {
-      // In the output's precision, rank order: the same bits on every run.
-      at::Tensor total = received[0].to(output.scalar_type());
-      for (int j = 1; j < size; ++j) total.add_(received[j]);
-      if (mean) total.div_(size);
-      output.copy_(total.view(output.sizes()));
-      usedOnCurrentStream({received, wire});
-    };
-  }
+  counters_->linkBytesBefore += alltoallBytes(input.numel() * input.element_size(), size_);
+  counters_->linkBytesSent += rows_.sentBytes(wire);
+  finalize = [rows = rows_, output, received, wire, mean]() mutable {
+    rows.reduceInto(received, output, mean);
+    usedOnCurrentStream({received, wire});
+  };
   return work;
 }
 

@@ -117,7 +117,6 @@ FSDP_STATE_VERSION = 2
 #: the all-to-all every compressed method uses.
 _PROBES = ("reduce_scatter", "all_to_all")
 
-_CAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 #: Codec costs of nothing: the model's link part alone.
 _FREE_CODECS = dict.fromkeys(("bf16", "fp16", "int8"), 0.0)
@@ -169,24 +168,18 @@ def calibrate_reduce_scatter_codecs(
     cache, as gradients are)."""
     numel -= numel % world
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    costs: dict[str, float] = {}
-    for name, dtype in _CAST_DTYPES.items():
-
-        def cast(dtype: torch.dtype = dtype) -> None:
-            rows = x.to(dtype).view(world, -1)
-            total = rows[0].float()
-            for j in range(1, world):
-                total += rows[j]
-
-        costs[name] = best_seconds(cast) / numel
+    out = torch.empty(numel // world)
     codec, feedback = _C.Int8Codec(chunk_elems), _C.ErrorFeedback()
-    padded = codec.row_elems(numel, world)
+    costs: dict[str, float] = {}
+    for name in ("bf16", "fp16", "int8"):
+        rows = _C.CompressedRows(name, world, codec)
 
-    def int8() -> None:
-        rows = codec.pack_rows(x, world, feedback, 0)
-        codec.reduce_shards(rows, padded)
+        # What reduces: the encode, and (as if every rank sent the same rows)
+        # the decode and sum of what arrives.
+        def run(rows: Any = rows, fb: Any = feedback if name == "int8" else None) -> None:
+            rows.reduce_into(rows.encode(x, fb, 0), out, False)
 
-    costs["int8"] = best_seconds(int8) / numel
+        costs[name] = best_seconds(run) / numel
     return costs
 
 
@@ -597,49 +590,26 @@ class CompressedReduceScatter:
         method: str,
         mean: bool,
     ) -> None:
+        # The arithmetic is the backend's own compressed reduce-scatter
+        # (_C.CompressedRows); this state adds error feedback and the group.
+        state = self.state
         if method == "int8":
-            total = self._int8(input_tensor, group, world)
+            if input_tensor.device.type != "cpu":
+                raise TypeError(
+                    "xcomm.hooks.CompressedReduceScatter: int8 runs on CPU tensors; "
+                    f"got a {input_tensor.device.type} gradient (use method='bf16' or 'fp16' there)"
+                )
+            with_feedback = bool(state.error_feedback)
         else:
-            total = self._cast(input_tensor, group, world, _CAST_DTYPES[method])
-        if mean:
-            total.div_(world)
-        output_tensor.copy_(total)
-
-    def _int8(self, flat: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
-        state = self.state
-        if flat.device.type != "cpu":
-            raise TypeError(
-                "xcomm.hooks.CompressedReduceScatter: int8 runs on CPU tensors; "
-                f"got a {flat.device.type} gradient (use method='bf16' or 'fp16' there)"
-            )
-        feedback = state.feedback if state.error_feedback else None
-        rows = state.codec.pack_rows(flat, world, feedback, self.key)  # uint8 [world, bytes]
-        received = torch.empty_like(rows)
-        dist.all_to_all_single(received, rows, group=group)
-        state.stats.record(alltoall_bytes(flat.nbytes, world), alltoall_bytes(rows.numel(), world))
-        padded = state.codec.row_elems(flat.numel(), world)
-        return state.codec.reduce_shards(received, padded)[: flat.numel() // world]
-
-    def _cast(
-        self, flat: torch.Tensor, group: dist.ProcessGroup, world: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        state = self.state
-        a = flat.float()
-        if state._cast_feedback:
-            r = state.feedback.get(self.key)
-            if r is not None:
-                a = a + r.view_as(a)
-        low = a.to(dtype)
-        if state._cast_feedback:
-            state.feedback.store(self.key, a - low.float())
-        received = torch.empty_like(low)
-        dist.all_to_all_single(received, low, group=group)
-        state.stats.record(alltoall_bytes(flat.nbytes, world), alltoall_bytes(low.nbytes, world))
-        rows = received.view(world, -1)
-        total = rows[0].float()
-        for j in range(1, world):  # rank order: the same bits every run
-            total += rows[j]
-        return total
+            with_feedback = state._cast_feedback
+        rows = _C.CompressedRows(method, world, state.codec)
+        wire = rows.encode(input_tensor, state.feedback if with_feedback else None, self.key)
+        received = torch.empty_like(wire)
+        dist.all_to_all_single(received, wire, group=group)
+        state.stats.record(
+            alltoall_bytes(input_tensor.nbytes, world), alltoall_bytes(wire.nbytes, world)
+        )
+        rows.reduce_into(received, output_tensor, mean)
 
 
 def compress_reduce_scatter(
