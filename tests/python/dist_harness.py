@@ -491,6 +491,7 @@ def _supervise(
     result_time: dict[int, float] = {}
     deadline = start + timeout
     timed_out = False
+
     def read_results(now: float) -> None:
         nonlocal deadline
         for r in range(n):
