@@ -310,13 +310,13 @@ def calibrate_codecs(
     ps = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
     m = 1 << (max(numel.bit_length() - 1, 0) // 2)  # a square matrix
     buf = x[: m * (numel // m)].clone()
-    ps._codec.set_layout(0, buf, [buf.view(m, -1)], [0])
+    ps.codec.set_layout(0, buf, [buf.view(m, -1)], [0])
 
     def powersgd() -> None:
-        seed = 1 if ps._codec.needs_seed(0) else None
-        wire, _q, _b, _a = ps._codec.prepare(0, buf, seed)
-        summed_q = ps._codec.reduce_p(0, wire, world)
-        ps._codec.finish(0, summed_q, world)
+        seed = 1 if ps.codec.needs_seed(0) else None
+        wire, _q, _b, _a = ps.codec.prepare(0, buf, seed)
+        summed_q = ps.codec.reduce_p(0, wire, world)
+        ps.codec.finish(0, summed_q, world)
 
     costs["powersgd_mnr"] = timed(powersgd) / (buf.numel() * min(rank, m))
     costs["powersgd_pass"] = timed(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
@@ -976,7 +976,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         # PowerSGD numbers parameters in the order it first sees them; seeing
         # every bucket from the first step keeps that order the same in a
         # resumed run, whichever bucket it compresses first.
-        state._powersgd._observe(bucket.index(), bucket, buffer)
+        state._powersgd.observe_layout(bucket.index(), bucket, buffer)
     step = state.iter
     if step == state._errors_step and state.objective == "time_to_accuracy":
         state._measure_errors(bucket, world)

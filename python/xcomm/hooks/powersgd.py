@@ -417,8 +417,18 @@ class PowerSGDState:
         self._key_shapes.append(shape)
         return key
 
-    def _observe(self, index: int, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
-        """Tells the codec the bucket's layout when it is new or changed."""
+    @property
+    def codec(self) -> Any:
+        """The C++ codec (``_C.PowerSgdCodec``) this state drives, with its
+        settings: ``auto`` times it, on a layout of its own, as this state's
+        cost."""
+        return self._codec
+
+    def observe_layout(self, index: int, bucket: dist.GradBucket, buffer: torch.Tensor) -> None:
+        """Tells the codec bucket ``index``'s layout (its parameters'
+        gradients in ``buffer``) when it is new or changed; a hook that runs
+        this state's codec outside :func:`powersgd_hook` (``auto_hook``)
+        calls it first."""
         params = bucket.parameters()
         known = self._bucket_params.get(index)
         if (
@@ -463,7 +473,7 @@ def powersgd_hook(
             f"bfloat16; this bucket is {buffer.dtype}"
         )
     index = bucket.index()
-    state._observe(index, bucket, buffer)
+    state.observe_layout(index, bucket, buffer)
     # Link traffic as every xcomm hook counts it (see stats.py).
     link_bytes_before = allreduce_bytes(buffer.numel() * buffer.element_size(), world_size)
 
