@@ -90,10 +90,12 @@ TEST_CASE("the int8 allreduce on the CPU equals its codec's arithmetic, every ra
   }
 }
 
-TEST_CASE("an int8 allreduce whose peer never sends fails at the op's timeout, named",
-          "[compressed]") {
-  std::string error;
-  auto took = std::chrono::milliseconds(0);
+TEST_CASE(
+    "an int8 allreduce whose peer never sends fails at the op's timeout, named, and so do later "
+    "ones",
+    "[compressed]") {
+  std::string error, nextError;
+  auto took = std::chrono::milliseconds(0), nextTook = std::chrono::milliseconds(0);
   xcomm::testing::onRankThreads(2, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
     // The transport's own limit is longer: only the op's timeout can end the
     // wait in time. (Its receive thread waits out that limit at shutdown.)
@@ -112,8 +114,21 @@ TEST_CASE("an int8 allreduce whose peer never sends fails at the op's timeout, n
     }
     took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
                                                                  start);
+    // Its messages are half-exchanged: the next int8 allreduce fails at once,
+    // naming the first failure, instead of pairing with stale messages.
+    const auto again = std::chrono::steady_clock::now();
+    try {
+      algorithm.run(*transport, t, opts);
+    } catch (const c10::DistBackendError& e) {
+      nextError = e.what_without_backtrace();
+    }
+    nextTook = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - again);
     transport->shutdown();
   });
+  CHECK_THAT(nextError, Contains("an earlier int8 all_reduce of this group failed") &&
+                            Contains("rank 1") && Contains("abort or shrink"));
+  CHECK(nextTook < std::chrono::milliseconds(100));
   CHECK_THAT(error,
              Contains("all_reduce (int8, all-to-all)") && Contains("rank 1") && Contains("300 ms"));
   // the op's 300 ms, not the transport's 3 s

@@ -7,6 +7,7 @@
 #include "collectives/compressed/AutoCompression.hpp"
 #include "collectives/gloo/DirectExchange.hpp"
 #include "common/CurrentStream.hpp"
+#include "common/ErrorText.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
@@ -238,13 +239,29 @@ void CompressedAllreduce::runInt8(RawRoute& transport, const at::Tensor& tensor,
   const auto limit = opts.timeout != c10d::kUnsetTimeout ? opts.timeout : transport.timeout();
   at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
   at::Tensor packed = int8_->packShards(flat, size_);  // [size, bytes per shard]
+  if (!int8Failed_.empty()) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c10::str("xcomm: an earlier int8 all_reduce of this group failed (", int8Failed_,
+                 "); its messages may be left half-exchanged, so the group's later "
+                 "int8 all_reduces cannot go on: abort or shrink the group, or "
+                 "create a new one"));
+  }
   // The collectives wait here, so the chain has run to its end on return.
-  auto done = int8Chain_
+  // Each call is a chain of its own (no turns: this thread orders them).
+  auto done = Int8Allreduce()
                   .start(int8_, std::make_shared<DirectCollectives>(transport, size_, limit), flat,
                          flat, /*index=*/{}, packed, isMean(opts) ? size_ : 1)
                   .result;
   TORCH_INTERNAL_ASSERT(done->completed(), "xcomm: the int8 chain returned before its end");
-  if (done->hasError()) std::rethrow_exception(done->exception_ptr());
+  if (done->hasError()) {
+    try {
+      std::rethrow_exception(done->exception_ptr());
+    } catch (const std::exception& e) {
+      int8Failed_ = messageOf(e);
+      throw;
+    }
+  }
   count(tensor, 2 * (size_ - 1) * packed.size(1));  // the all-to-all and the all-gather
   if (!tensor.is_contiguous()) tensor.copy_(flat.view(tensor.sizes()));
 }

@@ -116,14 +116,18 @@ class CompressedAllreduce {
   // int8 waited for on the calling thread. CPU tensors: the int8 chain (the
   // DDP hook's one body, chains/Int8Allreduce) over DirectExchange messages
   // on `transport` (tag 3, which nothing else on that group uses), until the
-  // op's timeout, else the transport's; other devices: startInt8.
+  // op's timeout, else the transport's; other devices: startInt8. Once one
+  // failed, every later call raises at once, naming that failure.
   void runInt8(RawRoute& transport, const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
   CompressionConfig config_;
   std::string statsName_;
   int size_;
   std::shared_ptr<const Int8Codec> int8_;
-  Int8Allreduce int8Chain_;
+  // What the first failed CPU int8 exchange raised (empty: none failed). Its
+  // messages may be left half-exchanged on the transport, so later int8
+  // allreduces fail at once rather than pair with stale messages.
+  std::string int8Failed_;
   std::unique_ptr<AutoCompression> auto_;
   std::shared_ptr<CompressionCounters> counters_ = std::make_shared<CompressionCounters>();
 };
