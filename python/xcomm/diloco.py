@@ -418,25 +418,22 @@ class DiLoCo:
     def _mean_cast(
         self, key: int, delta: torch.Tensor, before: int, dtype: torch.dtype
     ) -> torch.Tensor:
+        # The reduce-scatter half is the backend's and FSDP2's own
+        # (_C.CompressedRows: rows cast with the residual, an all-to-all, the
+        # sum in float32 in rank order); the mean shard then goes to every
+        # rank in the low precision.
         world, n = self.world, delta.numel()
         rows = -(-n // world)
         a = torch.zeros(rows * world, dtype=torch.float32, device=delta.device)
         a[:n] = delta
-        if self.error_feedback:
-            r = self.feedback.get(key)
-            if r is not None:
-                a += r
-        low = a.to(dtype)
-        if self.error_feedback:
-            self.feedback.store(key, a - low.float())
+        codec = _C.CompressedRows(self.method, world)
+        low = codec.encode(a, self.feedback if self.error_feedback else None, key)
         received = torch.empty_like(low)
         dist.all_to_all_single(received, low, group=self.group)
-        parts = received.view(world, rows)
-        total = parts[0].float()
-        for j in range(1, world):  # rank order: the same bits every run
-            total += parts[j]
-        mean_low = total.div_(world).to(dtype)
-        gathered = torch.empty_like(low)
+        mean = torch.empty(rows, dtype=torch.float32, device=delta.device)
+        codec.reduce_into(received, mean, True)
+        mean_low = mean.to(dtype)
+        gathered = torch.empty(rows * world, dtype=dtype, device=delta.device)
         all_gather_single(gathered, mean_low, group=self.group)
         self.stats.record(
             before, alltoall_bytes(low.nbytes, world) + allgather_bytes(mean_low.nbytes, world)
