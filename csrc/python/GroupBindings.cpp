@@ -331,6 +331,29 @@ group's first reconfigure().)");
       "The backend's compression methods by name (Options(compression=) takes them, None "
       "for \"none\"), in the order of the C++ enum.");
 
+  m.def(
+      "predict_allreduce_seconds",
+      [](const std::string& method, int64_t numel, int64_t elementSize, int size,
+         int64_t int8ChunkElems, double latencySeconds, double bandwidthBytesPerSecond,
+         double codecSecondsPerElem) {
+        TORCH_CHECK_VALUE(bandwidthBytesPerSecond > 0,
+                          "xcomm: a link's bandwidth must be > 0 bytes per second, got ",
+                          bandwidthBytesPerSecond);
+        xcomm::AutoInputs in;
+        in.latencySeconds = latencySeconds;
+        in.secondsPerByte = 1.0 / bandwidthBytesPerSecond;
+        in.bf16SecondsPerElem = in.int8SecondsPerElem = codecSecondsPerElem;
+        return xcomm::AutoCompression::predict(xcomm::parseCompression(method), numel, elementSize,
+                                               size, int8ChunkElems, in);
+      },
+      py::arg("method"), py::arg("numel"), py::arg("element_size"), py::arg("size"),
+      py::arg("int8_chunk_elems"), py::arg("latency_s"), py::arg("bandwidth_bytes_per_s"),
+      py::arg("codec_seconds_per_elem"),
+      "auto's cost model of one allreduce (csrc/collectives/compressed/AutoCompression): "
+      "seconds for `method` ('none', 'bf16', 'fp16', 'int8') on `numel` elements, the codec "
+      "at `codec_seconds_per_elem` plus the link. The backend's auto and the DDP hook's "
+      "share it.");
+
   m.def("host_identity", &xcomm::hostIdentity,
         "This process's host identity: equal strings mean shared memory works between two "
         "processes.");

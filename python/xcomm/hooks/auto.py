@@ -229,15 +229,20 @@ def predict_seconds(
         ...                 density=0.01, rank=4)  # doctest: +ELLIPSIS
         0.0336...
     """
-    nbytes = float(numel * itemsize)
-    if method == "none":
-        return link.seconds(1, _allreduce_wire(nbytes, world))
-    if method in ("bf16", "fp16"):
-        return costs[method] * numel + link.seconds(1, _allreduce_wire(numel * 2.0, world))
-    if method == "int8":
-        packed = numel * (1.0 + 4.0 / _INT8_CHUNK)
-        wire = (world - 1) / world * packed * 2.0  # alltoall, then allgather
-        return costs["int8"] * numel + link.seconds(2, wire)
+    if method in ("none", "bf16", "fp16", "int8"):
+        # The backend's auto model (csrc/collectives/compressed/AutoCompression),
+        # one for both: a ring allreduce of the payload (none, the casts), or
+        # int8's all-to-all and all-gather of the packed shards.
+        return _C.predict_allreduce_seconds(
+            method,
+            numel,
+            itemsize,
+            world,
+            _INT8_CHUNK,
+            link.latency_s,
+            link.bandwidth_bytes_per_s,
+            costs[method] if method != "none" else 0.0,
+        )
     if method == "topk":
         k = max(1, math.ceil(density * numel))
         return costs["topk"] * numel + link.seconds(1, (world - 1) * k * (4.0 + itemsize))
