@@ -1,6 +1,8 @@
 #include "collectives/compressed/CompressedAllreduce.hpp"
 
+#include <algorithm>
 #include <cctype>
+#include <chrono>
 
 #include <c10/util/Exception.h>
 
@@ -38,8 +40,12 @@ class DirectCollectives : public ChainCollectives {
 
   int64_t size() const override { return size_; }
   FuturePtr allreduce(at::Tensor& tensor) override {
+    // The allreduce's own wait gets what is left of the deadline, so the
+    // whole chain fails at one timeout, not at one per collective.
     c10d::AllreduceOptions sum;
-    sum.timeout = limit_;
+    sum.timeout = std::max(std::chrono::milliseconds(1),
+                           std::chrono::duration_cast<std::chrono::milliseconds>(
+                               deadline_ - std::chrono::steady_clock::now()));
     route_.allreduce(tensor, sum)->wait();
     return completed();
   }
@@ -236,9 +242,6 @@ void CompressedAllreduce::runInt8(RawRoute& transport, const at::Tensor& tensor,
     finalize();
     return;
   }
-  const auto limit = opts.timeout != c10d::kUnsetTimeout ? opts.timeout : transport.timeout();
-  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
-  at::Tensor packed = int8_->packShards(flat, size_);  // [size, bytes per shard]
   if (!int8Failed_.empty()) {
     C10_THROW_ERROR(
         DistBackendError,
@@ -247,6 +250,9 @@ void CompressedAllreduce::runInt8(RawRoute& transport, const at::Tensor& tensor,
                  "int8 all_reduces cannot go on: abort or shrink the group, or "
                  "create a new one"));
   }
+  const auto limit = opts.timeout != c10d::kUnsetTimeout ? opts.timeout : transport.timeout();
+  at::Tensor flat = tensor.is_contiguous() ? tensor.view({-1}) : tensor.contiguous().view({-1});
+  at::Tensor packed = int8_->packShards(flat, size_);  // [size, bytes per shard]
   // The collectives wait here, so the chain has run to its end on return.
   // Each call is a chain of its own (no turns: this thread orders them).
   auto done = Int8Allreduce()

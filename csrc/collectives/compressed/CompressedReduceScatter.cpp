@@ -67,13 +67,14 @@ CompressedReduceScatter::CompressedReduceScatter(CompressionConfig config, int s
     : config_(config),
       size_(size),
       int8_(std::make_shared<Int8Codec>(config.int8ChunkElems)),
-      rows_(config.method == Compression::kNone || config.method == Compression::kAuto
-                ? Compression::kBf16  // never used: applies() is false
-                : config.method,
-            size, int8_),
       counters_(std::move(counters)) {
   config_.validate();
   TORCH_CHECK(counters_, "xcomm: CompressedReduceScatter needs its group's counters");
+  // none and auto never compress a reduce-scatter (applies() is false), so
+  // they have no rows.
+  if (config_.method != Compression::kNone && config_.method != Compression::kAuto) {
+    rows_.emplace(config_.method, size, int8_);
+  }
   statsName_ = "REDUCE_SCATTER_";
   for (const char* c = compressionName(config_.method); *c; ++c) {
     statsName_ += static_cast<char>(std::toupper(static_cast<unsigned char>(*c)));
@@ -113,16 +114,17 @@ int64_t CompressedReduceScatter::payloadBytes(const at::Tensor& input) const {
 c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
     Route& transport, const at::Tensor& output, const at::Tensor& input,
     const c10d::ReduceScatterOptions& opts, std::function<void()>& finalize) {
+  TORCH_INTERNAL_ASSERT(rows_, "xcomm: a reduce-scatter started that applies() turns away");
   const bool mean = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
-  at::Tensor wire = rows_.encode(input);
+  at::Tensor wire = rows_->encode(input);
   at::Tensor received = at::empty_like(wire);
   c10d::AllToAllOptions a2a;  // equal splits along dim 0: row j to rank j
   a2a.timeout = opts.timeout;
   auto work = transport.alltoall(received, wire, a2a);
   counters_->calls++;
   counters_->linkBytesBefore += alltoallBytes(input.numel() * input.element_size(), size_);
-  counters_->linkBytesSent += rows_.sentBytes(wire);
-  finalize = [rows = rows_, output, received, wire, mean]() mutable {
+  counters_->linkBytesSent += rows_->sentBytes(wire);
+  finalize = [rows = *rows_, output, received, wire, mean]() mutable {
     rows.reduceInto(received, output, mean);
     usedOnCurrentStream({received, wire});
   };

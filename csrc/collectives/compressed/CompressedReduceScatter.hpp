@@ -17,6 +17,7 @@
 // error feedback and auto's per-call method).
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <ATen/ATen.h>
@@ -80,7 +81,7 @@ class CompressedReduceScatter {
   std::string statsName_;
   int size_;
   std::shared_ptr<const Int8Codec> int8_;
-  CompressedRows rows_;
+  std::optional<CompressedRows> rows_;  // absent for none and auto
   std::shared_ptr<CompressionCounters> counters_;
 };
 
