@@ -26,7 +26,9 @@ std::shared_ptr<HierarchicalRoute> HierarchicalRoute::tryCreate(
   TORCH_CHECK(!leaders.checks || leaders.gloo,
               "xcomm shm: leader checks need the leaders' backend");
   leaders.compression.validate();
-  auto transport = ShmTransport::create(localStore, localRank, localSize, config.transport, whyNot);
+  auto transportConfig = config.transport;
+  transportConfig.groupRank = rank;  // errors name peers by their rank in the group
+  auto transport = ShmTransport::create(localStore, localRank, localSize, transportConfig, whyNot);
   if (!transport) return {};
   return std::make_shared<HierarchicalRoute>(std::move(transport), rank, size, hosts,
                                              std::move(fallback), std::move(leaders), timeout,

@@ -29,6 +29,7 @@ struct alignas(64) ShmTransport::RankControl {
   std::atomic<uint32_t> sleepers;  // peers asleep on `arrived`: wake only if any
   std::atomic<uint32_t> departed;  // 1 once the rank left the group (ShmTransport::depart)
   int32_t pid;
+  int32_t groupRank;   // the rank's number in its user's group (Config::groupRank)
   uint64_t startTime;  // with pid: tells a reused pid from the original process
   // Descriptor of the op, by the parity of the barrier that checks it: a
   // fast rank writes the next op's while slow ones still check this one's.
@@ -296,6 +297,7 @@ std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d
       auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(mapping.base) +
                                                  sizeof(RankControl) * rank);
       ctl->pid = static_cast<int32_t>(::getpid());
+      ctl->groupRank = config.groupRank >= 0 ? config.groupRank : rank;
       ctl->startTime = processStat(::getpid()).first;
     }
     // Every rank reports; all agree on the outcome, so no rank is left alone on
@@ -453,9 +455,8 @@ void ShmTransport::waitFor(int peer, uint32_t target,
     // A peer that made its arrival and then left is no failure: its arrival
     // was written before its mark, so the check above saw it.
     if (ctl.departed.load(std::memory_order_acquire) != 0) {
-      fail(std::string("xcomm shm: ") + op + " failed: rank " + std::to_string(peer) + " (pid " +
-           std::to_string(ctl.pid) +
-           ") left the group (it shut down, aborted or destroyed its process group) before "
+      fail(std::string("xcomm shm: ") + op + " failed: " + describePeer(peer) +
+           " left the group (it shut down, aborted or destroyed its process group) before "
            "reaching this collective");
     }
     if (aborted_.load()) {
@@ -463,9 +464,8 @@ void ShmTransport::waitFor(int peer, uint32_t target,
     }
     const auto now = Clock::now();
     if (now >= deadline) {
-      fail(std::string("xcomm shm: ") + op + " timed out waiting for rank " + std::to_string(peer) +
-           " (pid " + std::to_string(ctl.pid) +
-           "); it has not reached the collective. Raise the process group's timeout if it is "
+      fail(std::string("xcomm shm: ") + op + " timed out waiting for " + describePeer(peer) +
+           "; it has not reached the collective. Raise the process group's timeout if it is "
            "merely slow.");
     }
     if (now >= nextLivenessCheck) {
@@ -474,11 +474,15 @@ void ShmTransport::waitFor(int peer, uint32_t target,
       // its arrival was written before it exited, so look once more.
       if (!processAlive(ctl.pid, ctl.startTime) &&
           !reached(ctl.arrived.load(std::memory_order_acquire), target)) {
-        fail(std::string("xcomm shm: ") + op + " failed: rank " + std::to_string(peer) + " (pid " +
-             std::to_string(ctl.pid) + ") died");
+        fail(std::string("xcomm shm: ") + op + " failed: " + describePeer(peer) + " died");
       }
     }
   }
+}
+
+std::string ShmTransport::describePeer(int peer) const {
+  const RankControl& ctl = control(peer);
+  return "rank " + std::to_string(ctl.groupRank) + " (pid " + std::to_string(ctl.pid) + ")";
 }
 
 }  // namespace xcomm

@@ -32,6 +32,10 @@ class ShmTransport {
   struct Config {
     size_t slotBytes = 1 << 20;  // bytes per rank per buffer
     int spinMicros = -1;         // spin before sleeping; -1: pick from the core count
+    // This rank's number in the group its user sees, which names it in the
+    // peers' errors (a hierarchical group's hosts each hold a segment of
+    // their own ranks); -1: its rank in the segment.
+    int groupRank = -1;
   };
 
   // Removes this user's segments in /dev/shm whose creator, in this pid
@@ -110,6 +114,8 @@ class ShmTransport {
   void waitFor(int peer, uint32_t target, std::chrono::steady_clock::time_point deadline,
                const char* op);
   [[noreturn]] void fail(std::string message);
+  // "rank R (pid P)": `peer` as its user knows it.
+  std::string describePeer(int peer) const;
 
   int rank_;
   int size_;

@@ -96,3 +96,29 @@ def test_a_trial_whose_fault_never_happens_is_a_failure() -> None:
     (row,) = summarize([record])
     assert row["not_injected"] == 1 and row["max_latency_ms"] is None
     assert _segments() <= before
+
+
+@pytest.mark.slow
+def test_a_peer_killed_on_another_emulated_node_is_named_by_its_group_rank() -> None:
+    """Four ranks on two emulated nodes (0, 1 | 2, 3) form a hierarchical
+    group; rank 3 is SIGKILLed. Every survivor raises well inside the bound,
+    and the one that shares rank 3's node, which sees the death in the
+    node's shared memory where rank 3 is local rank 1, names it rank 3."""
+    from xcomm_bench.cluster import ClusterError, ClusterPermissionError, check_privileges
+    from xcomm_bench.launch import RankSpawner
+
+    try:
+        check_privileges()
+    except (ClusterPermissionError, ClusterError) as e:
+        pytest.skip(f"needs root to build network namespaces: {e}")
+    before = _segments()
+    with RankSpawner(nodes=2) as spawner:
+        record = run_trial(Trial("sigkill", 4, "shm", 3), timeout_s=TIMEOUT_S, spawner=spawner)
+    assert record["where"] == "2 emulated nodes (unshaped links)"
+    assert record["ok"], record
+    survivors = {s["rank"]: s for s in record["survivors"]}
+    assert sorted(survivors) == [0, 1, 2]
+    assert {s["shape"] for s in survivors.values()} == {"hierarchical"}, survivors
+    assert all(0 <= s["latency_s"] < 0.1 for s in survivors.values()), survivors
+    assert "rank 3 (pid" in survivors[2]["error"] and "died" in survivors[2]["error"], survivors
+    assert _segments() <= before
