@@ -22,6 +22,12 @@ parameters equal the survivor's bit for bit after every step they share.
 
     python examples/torchft_kill_rejoin.py
     python examples/torchft_kill_rejoin.py --steps 400 --kill-at 100 --plot loss.png
+    python examples/torchft_kill_rejoin.py --nodes --rate 1gbit   # as root
+
+With ``--nodes`` each replica runs on a node of its own of xcomm's emulated
+cluster (``xcomm_bench.cluster``: network namespaces joined by a shaped link;
+needs root), and the lighthouse on replica 0's node: the allreduce, the
+quorum and the state transfer to the rejoining replica all cross the link.
 
 Needs torchft (``pip install torchft``), tqdm, and matplotlib for ``--plot``.
 """
@@ -29,10 +35,12 @@ Needs torchft (``pip install torchft``), tqdm, and matplotlib for ``--plot``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -92,12 +100,20 @@ def replica_main(args: argparse.Namespace) -> None:
     from xcomm.torchft import ProcessGroupXcomm
 
     torch.set_num_threads(1)
+    # On the emulated cluster every node shares this machine's hostname, which
+    # resolves to loopback; a replica advertises its node's address instead
+    # (torchft's checkpoint server names itself by socket.gethostname()).
+    node_addr = os.environ.get("XCOMM_CLUSTER_NODE_ADDR")
+    if node_addr:
+        socket.gethostname = lambda: node_addr  # type: ignore[assignment]
+    host = node_addr or "localhost"
     net = _model()
     sgd = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     timeout = timedelta(seconds=args.timeout)
-    store = torch.distributed.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupXcomm(timeout=timeout, options=xcomm.Options())
     manager = Manager(
-        pg=ProcessGroupXcomm(timeout=timeout, options=xcomm.Options()),
+        pg=pg,
         load_state_dict=lambda sd: (
             net.load_state_dict(sd["model"]),
             sgd.load_state_dict(sd["optim"]),
@@ -108,10 +124,11 @@ def replica_main(args: argparse.Namespace) -> None:
         quorum_timeout=timedelta(seconds=60),
         rank=0,
         world_size=1,
-        store_addr="localhost",
+        store_addr=host,
         store_port=store.port,
         lighthouse_addr=args.lighthouse,
         replica_id=str(args.replica),
+        hostname=node_addr or socket.gethostname(),
     )
     model = DistributedDataParallel(manager, net)
     optimizer = OptimizerWrapper(manager, sgd)
@@ -136,6 +153,8 @@ def replica_main(args: argparse.Namespace) -> None:
                 "loss": loss,
                 "hash": _params_hash(net),
                 "time": time.time(),
+                # The xcomm group's route (plain across the emulated nodes).
+                "shape": pg.backend.plan["shape"] if pg.backend is not None else None,
             }
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -158,10 +177,17 @@ def _records(path: Path) -> list[dict[str, Any]]:
 class Run:
     """The replica processes of one run, and their logs."""
 
-    def __init__(self, name: str, folder: Path, args: argparse.Namespace, lighthouse: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        folder: Path,
+        args: argparse.Namespace,
+        lighthouse: str,
+        cluster: Any = None,
+    ) -> None:
         self.folder = folder / name
         self.folder.mkdir()
-        self.args, self.lighthouse = args, lighthouse
+        self.args, self.lighthouse, self.cluster = args, lighthouse, cluster
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, tag: str, replica: int, wait: list[str]) -> None:
@@ -173,9 +199,13 @@ class Run:
             cmd += ["--wait", str(self.folder / f"{w}.jsonl.ready")]
         with open(self.folder / f"{tag}.log", "wb") as out:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "RUST_LOG": "error"}
-            self.procs[tag] = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
+            io = {"stdout": out, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+            if self.cluster is None:
+                self.procs[tag] = subprocess.Popen(cmd, env=env, **io)
+            else:  # replica r on node r; `ip netns exec` execs the replica (same pid)
+                node = self.cluster.nodes[replica]
+                env.update(XCOMM_CLUSTER_NODE_ADDR=node.address, GLOO_SOCKET_IFNAME=node.ifname)
+                self.procs[tag] = self.cluster.popen(replica, cmd, env=env, **io)
 
     def records(self, tag: str) -> list[dict[str, Any]]:
         return _records(self.folder / f"{tag}.jsonl")
@@ -234,6 +264,7 @@ def _summary(name: str, run: Run, events: dict[str, float]) -> dict[str, Any]:
         "steps": [r["step"] for r in survivor if r["committed"]],
         "loss": [r["loss"] for r in survivor if r["committed"]],
         "final_loss": survivor[-1]["loss"],
+        "shapes": sorted({r["shape"] for r in survivor if r["participants"] > 1 and r["shape"]}),
     }
     if not events:
         other = {r["step"]: r["hash"] for r in run.records("r1")}
@@ -278,6 +309,41 @@ def _plot(path: str, runs: list[dict[str, Any]]) -> None:
     print(f"plot: {path}")
 
 
+# A dead replica leaves the quorum 1 s after its last heartbeat.
+LIGHTHOUSE = {"min_replicas": 1, "join_timeout_ms": 2000, "heartbeat_timeout_ms": 1000}
+LIGHTHOUSE_PORT = 29510
+
+
+def _cluster_lighthouse(stack: contextlib.ExitStack, rate: str | None) -> tuple[Any, str]:
+    """Two emulated nodes, one per replica, and a lighthouse on node 0 (its
+    own process: this one is outside the nodes' network)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # xcomm_bench
+    from xcomm_bench.cluster import EmulatedCluster
+
+    cluster = stack.enter_context(EmulatedCluster(REPLICAS, 1, rate))
+    serve = (
+        "import time; from torchft.coordination import LighthouseServer; "
+        f"server = LighthouseServer(bind='[::]:{LIGHTHOUSE_PORT}', **{LIGHTHOUSE!r}); time.sleep(1e6)"
+    )
+    env = {**os.environ, "RUST_LOG": "error"}
+    proc = cluster.popen(0, [sys.executable, "-c", serve], env=env, stdin=subprocess.DEVNULL)
+    stack.callback(lambda: (proc.kill(), proc.wait()))
+    address = f"http://{cluster.nodes[0].address}:{LIGHTHOUSE_PORT}"
+    up = time.monotonic() + 60
+    while time.monotonic() < up:  # serving once node 0 accepts on the port
+        probe = [sys.executable, "-c", _PROBE.format(cluster.nodes[0].address, LIGHTHOUSE_PORT)]
+        quiet = {"stdin": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        if cluster.popen(0, probe, **quiet).wait() == 0:
+            return cluster, address
+        if proc.poll() is not None:
+            raise SystemExit(f"the lighthouse on node 0 exited ({proc.returncode})")
+        time.sleep(0.2)
+    raise SystemExit("the lighthouse on node 0 did not start within 60 s")
+
+
+_PROBE = "import socket; socket.create_connection(({!r}, {}), timeout=1).close()"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300, help="steps of each run (default 300)")
@@ -292,6 +358,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
     p.add_argument("--deadline", type=float, default=300.0, help="give up on a run after this")
     p.add_argument("--plot", metavar="FILE", help="draw both loss curves into FILE (a .png)")
+    p.add_argument(
+        "--nodes",
+        action="store_true",
+        help="each replica on its own emulated node (xcomm_bench.cluster; root)",
+    )
+    p.add_argument(
+        "--rate", help="with --nodes: the nodes' link rate, e.g. 1gbit (default unshaped)"
+    )
     # internal: one replica
     p.add_argument("--replica", type=int, help=argparse.SUPPRESS)
     p.add_argument("--lighthouse", help=argparse.SUPPRESS)
@@ -307,22 +381,27 @@ def main() -> None:
         return
     if not 0 < args.kill_at < args.steps:
         raise SystemExit("--kill-at must be between 0 and --steps")
-    from torchft.coordination import LighthouseServer
+    if args.rate and not args.nodes:
+        raise SystemExit("--rate needs --nodes")
+    with contextlib.ExitStack() as stack:
+        cluster, lighthouse = None, None
+        if args.nodes:
+            cluster, address = _cluster_lighthouse(stack, args.rate)
+        else:
+            from torchft.coordination import LighthouseServer
 
-    # A dead replica leaves the quorum 1 s after its last heartbeat.
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=2000, heartbeat_timeout_ms=1000
-    )
-    summaries = []
-    with tempfile.TemporaryDirectory(prefix="torchft-xcomm-") as tmp:
-        for name, interrupted in (("uninterrupted", False), ("interrupted", True)):
-            run = Run(name, Path(tmp), args, lighthouse.address())
-            try:
-                events = _drive(run, args, interrupted)
-            finally:
-                run.kill_all()
-            summaries.append(_summary(name, run, events))
-    lighthouse.shutdown()
+            lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
+            stack.callback(lighthouse.shutdown)
+            address = lighthouse.address()
+        summaries = []
+        with tempfile.TemporaryDirectory(prefix="torchft-xcomm-") as tmp:
+            for name, interrupted in (("uninterrupted", False), ("interrupted", True)):
+                run = Run(name, Path(tmp), args, address, cluster)
+                try:
+                    events = _drive(run, args, interrupted)
+                finally:
+                    run.kill_all()
+                summaries.append(_summary(name, run, events))
 
     plain, hit = summaries
     print(
@@ -330,6 +409,7 @@ def main() -> None:
         f"at {plain['bitwise_equal_steps']} of {len(plain['steps'])} steps"
     )
     print(f"interrupted:   final loss {hit['final_loss']:.4f}")
+    print(f"  the replicas' xcomm group: {', '.join(sorted({*hit['shapes'], *plain['shapes']}))}")
     if not hit["alone_steps"] or hit["rejoin_step"] is None:
         raise SystemExit("no step alone or no rejoin before the run ended (raise --steps)")
     print(

@@ -3,8 +3,9 @@
 ``python -m xcomm_bench.faults`` runs one trial per (fault, world size,
 route) and, with ``--setup-trials``, kills the rank that creates the
 shared-memory segment while the group forms. Each trial starts fresh ranks
-on loopback (:mod:`xcomm_bench.launch`), lets them reduce a few times, then
-injects the fault into one rank, the victim:
+on loopback, or with ``--nodes N`` spread over N emulated nodes (rank ``r``
+of ``w`` on node ``r * N // w``; root; :class:`xcomm_bench.launch.RankSpawner`),
+lets them reduce a few times, then injects the fault into one rank, the victim:
 
 ``sigkill``
     The controller SIGKILLs the victim while every rank loops collectives.
@@ -44,6 +45,7 @@ Example::
 
     python -m xcomm_bench.faults --world-sizes 2,3,4 --setup-trials 2 --out faults.json
     python -m xcomm_bench.faults --faults destroy --routes shm --world-sizes 2 --no-progress
+    python -m xcomm_bench.faults --nodes 2 --rate 1gbit --world-sizes 2,3,4 --out faults-2n.json
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from xcomm_bench.launch import _loopback_env, free_port, module_command, python_env
+from xcomm_bench.launch import RankSpawner, module_command
 
 __all__ = ["FAULTS", "ROUTES", "Trial", "main", "run_trial", "summarize"]
 
@@ -249,9 +251,15 @@ def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def run_trial(
-    trial: Trial, *, timeout_s: float = 3.0, deadline_s: float = 90.0, setup_delay_s: float = 1.5
+    trial: Trial,
+    *,
+    timeout_s: float = 3.0,
+    deadline_s: float = 90.0,
+    setup_delay_s: float = 1.5,
+    spawner: RankSpawner | None = None,
 ) -> dict[str, Any]:
-    """Runs one trial in fresh ranks and returns what happened.
+    """Runs one trial in fresh ranks and returns what happened; ``spawner``
+    places them (default: loopback).
 
     Example::
 
@@ -277,7 +285,8 @@ def run_trial(
             "--setup-delay",
             str(setup_delay_s),
         )
-        port = free_port()
+        spawner = spawner or RankSpawner()
+        port = spawner.new_group()
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
         t_fault = None
@@ -288,11 +297,8 @@ def run_trial(
             for r in range(trial.world_size):
                 log = open(os.path.join(tmp, f"log{r}"), "wb")  # noqa: SIM115 - closed below
                 logs.append(log)
-                env = {**python_env(), **_loopback_env(r, trial.world_size, port)}
                 procs.append(
-                    subprocess.Popen(
-                        command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                    )
+                    spawner.spawn(r, trial.world_size, port, command, stdout=log, stderr=log)
                 )
             victim = procs[trial.victim]
             if trial.fault == "setup-kill":
@@ -380,6 +386,7 @@ def run_trial(
     record = {
         **dataclasses.asdict(trial),
         "name": trial.name,
+        "where": spawner.where,
         "injected": t_fault is not None,
         "note": note,
         "hang": bool(hung),
@@ -405,16 +412,19 @@ def run_trial(
 
 
 def trials_for(
-    faults: list[str], world_sizes: list[int], routes: list[str], setup_trials: int
+    faults: list[str], world_sizes: list[int], routes: list[str], setup_trials: int, nodes: int = 0
 ) -> list[Trial]:
     """The sweep: every fault x world size x route (victims rotate over the
     ranks, so rank 0, which hosts the store, is a victim too), then
-    ``setup_trials`` set-up kills of rank 0 per world size."""
+    ``setup_trials`` set-up kills of rank 0 per world size where rank 0
+    shares its host (``nodes`` emulated nodes, 0 for one host) with another
+    rank, so makes a segment."""
     out = []
     for i, (fault, ws, route) in enumerate(itertools.product(faults, world_sizes, routes)):
         out.append(Trial(fault, ws, route, (i + 1) % ws))
     for ws in world_sizes:
-        out += [Trial("setup-kill", ws, "shm", 0) for _ in range(setup_trials)]
+        if nodes == 0 or -(-ws // nodes) >= 2:  # rank 0's node holds ceil(ws / nodes) ranks
+            out += [Trial("setup-kill", ws, "shm", 0) for _ in range(setup_trials)]
     return out
 
 
@@ -478,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     a("--timeout", type=float, default=3.0, help="the group's timeout, seconds (default 3)")
     a("--deadline", type=float, default=90.0, help="a trial still running then is a hang")
     a("--setup-delay", type=float, default=1.5, help="how late the peers read the name")
+    a("--nodes", type=int, default=0, help="spread the ranks over N emulated nodes (root)")
+    a("--rate", help="the emulated nodes' link rate, e.g. 1gbit (default unshaped)")
     a("--out", help="the JSON of every trial and the summary")
     a("--no-progress", action="store_true")
     # Worker arguments (one rank of one trial).
@@ -498,25 +510,30 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"faults are {FAULTS}, routes {ROUTES}")
     if any(w < 2 for w in world_sizes):
         parser.error("a fault needs a survivor: world sizes >= 2")
-    trials = trials_for(faults, world_sizes, routes, args.setup_trials)
+    if args.nodes and any(w < args.nodes for w in world_sizes):
+        parser.error(f"every world size needs a rank on each of the {args.nodes} nodes")
+    trials = trials_for(faults, world_sizes, routes, args.setup_trials, args.nodes)
     records = []
     bar = tqdm(trials, desc="fault trials", unit="trial", disable=args.no_progress)
-    for trial in bar:
-        bar.set_postfix_str(trial.name)
-        records.append(
-            run_trial(
-                trial,
-                timeout_s=args.timeout,
-                deadline_s=args.deadline,
-                setup_delay_s=args.setup_delay,
+    with RankSpawner(args.nodes, args.rate) as spawner:
+        for trial in bar:
+            bar.set_postfix_str(trial.name)
+            records.append(
+                run_trial(
+                    trial,
+                    timeout_s=args.timeout,
+                    deadline_s=args.deadline,
+                    setup_delay_s=args.setup_delay,
+                    spawner=spawner,
+                )
             )
-        )
     rows = summarize(records)
     bad = [r for r in records if not r["ok"]]
     if args.out:
         summary = {
             "argv": sys.argv[1:] if argv is None else list(argv),
             "timeout_s": args.timeout,
+            "where": records[0]["where"] if records else "",
             "rows": rows,
             "failed": [r["name"] for r in bad],
             "trials": records,

@@ -17,16 +17,18 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPO", "free_port", "module_command", "python_env", "run_ranks"]
+__all__ = ["REPO", "RankSpawner", "free_port", "module_command", "python_env", "run_ranks"]
 
 #: The repository root, the folder that holds ``xcomm_bench/``.
 REPO = Path(__file__).resolve().parents[1]
@@ -168,3 +170,104 @@ def _run_loopback(
                 p.kill()
                 p.wait()
     return next((c for c in codes if c != 0), 0)
+
+
+class RankSpawner:
+    """Starts ranks one at a time, on loopback or spread over emulated nodes:
+    for benchmarks that kill, stop or add ranks themselves (``run_ranks``
+    starts a whole group and waits). A context manager; with ``nodes`` it
+    holds one :class:`~xcomm_bench.cluster.EmulatedCluster` for all the
+    groups it starts.
+
+    Args:
+        nodes: 0 for loopback; N > 0 for N emulated nodes (needs root). A
+            group of ``world`` ranks puts rank ``r`` on node
+            ``r * N // world``, so rank 0 (the store's host) is on node 0.
+        rate: Link rate of the emulated nodes (e.g. ``"1gbit"``); ``None`` unshaped.
+
+    Example::
+
+        >>> with RankSpawner(nodes=2, rate="1gbit") as spawner:  # doctest: +SKIP
+        ...     port = spawner.new_group()
+        ...     procs = [spawner.spawn(r, 4, port, ["python", "-c", "..."]) for r in range(4)]
+    """
+
+    def __init__(self, nodes: int = 0, rate: str | int | None = None) -> None:
+        if nodes < 0:
+            raise ValueError(f"nodes must be >= 0, got {nodes}")
+        if not nodes and rate is not None:
+            raise ValueError("a link rate needs emulated nodes (nodes > 0)")
+        self.nodes = nodes
+        self._rate = rate
+        self._cluster: Any = None
+        # Each group on the cluster gets a port of its own, so a new store
+        # never meets the last one's connections in TIME_WAIT.
+        self._ports = itertools.count(29500)
+
+    def __enter__(self) -> RankSpawner:  # noqa: PYI034 - typing.Self needs 3.11
+        if self.nodes:
+            from .cluster import EmulatedCluster
+
+            self._cluster = EmulatedCluster(self.nodes, 1, self._rate)
+            self._cluster.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+
+    @property
+    def where(self) -> str:
+        """In words, for reports: ``"one host (loopback)"`` or the nodes and rate."""
+        if not self.nodes:
+            return "one host (loopback)"
+        rate = "unshaped" if self._rate is None else str(self._rate)
+        return f"{self.nodes} emulated nodes ({rate} links)"
+
+    def node_of(self, rank: int, world: int) -> int:
+        """The node rank ``rank`` of a ``world``-rank group runs on (0 on loopback)."""
+        return rank * self.nodes // world if self.nodes else 0
+
+    def new_group(self) -> int:
+        """The ``MASTER_PORT`` of the next group."""
+        return next(self._ports) if self.nodes else free_port()
+
+    def env(self, rank: int, world: int, port: int) -> dict[str, str]:
+        """The ``env://`` variables of ``rank`` (on top of :func:`python_env`)."""
+        if not self.nodes:
+            return {**python_env(), **_loopback_env(rank, world, port)}
+        cluster = self._cluster
+        if cluster is None:
+            raise RuntimeError("RankSpawner: enter the `with` block before spawning ranks")
+        node = self.node_of(rank, world)
+        peers = [r for r in range(world) if self.node_of(r, world) == node]
+        return {
+            **python_env(),
+            "MASTER_ADDR": cluster.master_addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(peers.index(rank)),
+            "LOCAL_WORLD_SIZE": str(len(peers)),
+            "NODE_RANK": str(node),
+            "GLOO_SOCKET_IFNAME": cluster.nodes[node].ifname,
+        }
+
+    def spawn(
+        self, rank: int, world: int, port: int, command: Sequence[str], **popen: Any
+    ) -> subprocess.Popen[bytes]:
+        """Starts ``command`` as ``rank`` of a ``world``-rank group on ``port``.
+        The process's pid is the command's own (``ip netns exec`` execs it),
+        so signals sent to it reach the rank. Extra keyword arguments go to
+        :class:`subprocess.Popen`."""
+        env = self.env(rank, world, port)
+        popen.setdefault("stdin", subprocess.DEVNULL)
+        if not self.nodes:
+            return subprocess.Popen(list(command), env=env, **popen)
+        return self._cluster.popen(self.node_of(rank, world), command, env=env, **popen)  # type: ignore[no-any-return]

@@ -1,7 +1,8 @@
 """Recovery from a dead rank: time from a SIGKILL to the survivors' first correct allreduce.
 
-``python -m xcomm_bench.recovery`` starts fresh ranks on loopback for each
-trial (:mod:`xcomm_bench.launch`); they loop 1 MiB all_reduces on the default
+``python -m xcomm_bench.recovery`` starts fresh ranks for each trial, on
+loopback or with ``--nodes N`` spread over N emulated nodes
+(:class:`xcomm_bench.launch.RankSpawner`); they loop 1 MiB all_reduces on the default
 group until the controller SIGKILLs the last rank (rank 0 hosts the
 ``env://`` store, so it is never the victim). Every survivor then
 
@@ -30,6 +31,7 @@ Example::
 
     python -m xcomm_bench.recovery --world-sizes 2,3,4 --reps 7 --out recovery.json \\
         --plot docs/img/recovery.png
+    python -m xcomm_bench.recovery --nodes 2 --rate 1gbit --world-sizes 2,3,4 --reps 5
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .launch import _loopback_env, free_port, module_command, python_env
+from .launch import RankSpawner, module_command
 
 METHODS = (
     "xcomm-shrink",
@@ -161,6 +163,8 @@ def _worker(args: argparse.Namespace) -> int:
     for _ in range(3):
         dist.all_reduce(data)
     result: dict[str, Any] = {"rank": rank}
+    if not args.method.startswith("gloo"):
+        result["shape"] = xcomm.group_plan()["shape"]  # the route that ran
     _write(os.path.join(args.dir, f"ready{rank}"), {})
     give_up = time.monotonic() + 3 * args.timeout + 30
     while time.monotonic() < give_up:
@@ -197,9 +201,16 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def run_trial(
-    method: str, world: int, *, timeout_s: float, deadline_s: float, join: bool = False
+    method: str,
+    world: int,
+    *,
+    timeout_s: float,
+    deadline_s: float,
+    join: bool = False,
+    spawner: RankSpawner | None = None,
 ) -> dict[str, Any]:
-    """One kill and recovery in fresh ranks; the survivors' timings. With
+    """One kill and recovery in fresh ranks (placed by ``spawner``, default
+    loopback); the survivors' timings. With
     ``join`` (methods in :data:`JOIN`), a newcomer then takes the victim's
     place: the time from its process's start, and from its
     ``init_process_group`` returning, to its first correct allreduce.
@@ -225,7 +236,8 @@ def run_trial(
             str(timeout_s),
             *(["--join"] if join else []),
         )
-        port = free_port()
+        spawner = spawner or RankSpawner()
+        port = spawner.new_group()
         procs: list[subprocess.Popen[bytes]] = []
         logs = []
         t_fault = t_spawn = None
@@ -234,12 +246,7 @@ def run_trial(
             for r in range(world):
                 log = open(os.path.join(tmp, f"log{r}"), "wb")  # noqa: SIM115 - closed below
                 logs.append(log)
-                env = {**python_env(), **_loopback_env(r, world, port)}
-                procs.append(
-                    subprocess.Popen(
-                        command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
-                    )
-                )
+                procs.append(spawner.spawn(r, world, port, command, stdout=log, stderr=log))
             ready = [os.path.join(tmp, f"ready{r}") for r in range(world)]
             while time.monotonic() < deadline and not all(map(os.path.exists, ready)):
                 if any(p.poll() is not None for p in procs):
@@ -255,15 +262,10 @@ def run_trial(
                     time.sleep(0.01)
                 log = open(os.path.join(tmp, "log_newcomer"), "wb")  # noqa: SIM115 - closed below
                 logs.append(log)
-                env = {**python_env(), **_loopback_env(victim, world, port)}
                 t_spawn = time.monotonic()
                 procs.append(
-                    subprocess.Popen(
-                        [*command, "--newcomer"],
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=log,
+                    spawner.spawn(
+                        victim, world, port, [*command, "--newcomer"], stdout=log, stderr=log
                     )
                 )
             for r, p in enumerate(procs):
@@ -294,7 +296,13 @@ def run_trial(
     if join:
         ok = ok and bool(newcomer and newcomer["correct"])
         ok = ok and all(r and r.get("join_correct") for r in results)
-    record: dict[str, Any] = {"method": method, "world": world, "ok": ok, "log_tail": tail}
+    record: dict[str, Any] = {
+        "method": method,
+        "world": world,
+        "where": spawner.where,
+        "ok": ok,
+        "log_tail": tail,
+    }
     if join and ok and newcomer and t_spawn is not None:
         record["join_ms"] = 1000 * (newcomer["t_joined"] - t_spawn)
         record["join_after_init_ms"] = 1000 * (newcomer["t_joined"] - newcomer["t_ready"])
@@ -303,6 +311,7 @@ def run_trial(
         record["recover_ms"] = max(1000 * (r["t_recovered"] - t_fault) for r in results)
         record["rebuild_ms"] = max(1000 * (r["t_recovered"] - r["t_error"]) for r in results)
         record["errors"] = sorted({r["error"] for r in results})
+        record["shapes"] = sorted({r["shape"] for r in results if "shape" in r})
     return record
 
 
@@ -377,7 +386,7 @@ def format_join_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, records: list[dict[str, Any]]) -> None:
+def plot(path: str, records: list[dict[str, Any]], where: str = "one host") -> None:
     """Each trial's death-to-first-correct-allreduce time, per world size and method."""
     import matplotlib
 
@@ -403,7 +412,7 @@ def plot(path: str, records: list[dict[str, Any]]) -> None:
     ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
     ax.set_yscale("log")
     ax.set_ylabel("SIGKILL to first correct allreduce, ms")
-    ax.set_title("Recovery from a dead rank, one host (each trial; line: median)")
+    ax.set_title(f"Recovery from a dead rank, {where} (each trial; line: median)")
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -427,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     a("--plot", help="a PNG of every trial's recovery time")
     a("--no-progress", action="store_true")
     a("--join", action="store_true", help="then a newcomer takes the victim's place")
+    a("--nodes", type=int, default=0, help="spread the ranks over N emulated nodes (root)")
+    a("--rate", help="the emulated nodes' link rate, e.g. 1gbit (default unshaped)")
     a("--worker", action="store_true", help=argparse.SUPPRESS)
     a("--newcomer", action="store_true", help=argparse.SUPPRESS)
     a("--dir", help=argparse.SUPPRESS)
@@ -453,20 +464,31 @@ def main(argv: list[str] | None = None) -> int:
     trials = [(w, m) for _ in range(args.reps) for w in worlds for m in methods]
     records = []
     bar = tqdm(trials, desc="recovery trials", unit="trial", disable=args.no_progress)
-    for world, method in bar:
-        bar.set_postfix_str(f"{method} {world} ranks")
-        records.append(
-            run_trial(
-                method, world, timeout_s=args.timeout, deadline_s=args.deadline, join=args.join
+    if args.nodes and any(w < args.nodes for w in worlds):
+        parser.error(f"every world size needs a rank on each of the {args.nodes} nodes")
+    with RankSpawner(args.nodes, args.rate) as spawner:
+        for world, method in bar:
+            bar.set_postfix_str(f"{method} {world} ranks")
+            records.append(
+                run_trial(
+                    method,
+                    world,
+                    timeout_s=args.timeout,
+                    deadline_s=args.deadline,
+                    join=args.join,
+                    spawner=spawner,
+                )
             )
-        )
     rows = summarize(records)
     if args.out:
         Path(args.out).write_text(
-            json.dumps({"argv": sys.argv[1:], "rows": rows, "trials": records}, indent=1)
+            json.dumps(
+                {"argv": sys.argv[1:], "where": spawner.where, "rows": rows, "trials": records},
+                indent=1,
+            )
         )
     if args.plot:
-        plot(args.plot, records)
+        plot(args.plot, records, spawner.where)
     print(format_table(rows))
     if args.join:
         print()

@@ -36,6 +36,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -325,3 +326,35 @@ def test_sigkilled_replica_rejoins_with_the_survivors_state(
 
     # Training went on through it all: the fixed-set loss fell.
     assert survivor[-1]["eval_loss"] < 0.6 * survivor[0]["eval_loss"], survivor
+
+
+def test_the_kill_and_rejoin_example_runs_across_two_emulated_nodes() -> None:
+    """``examples/torchft_kill_rejoin.py --nodes``: each replica on its own
+    emulated node (1 Gbit/s), the lighthouse on node 0. Replica 1 is
+    SIGKILLed, the survivor trains alone, and the restarted replica rejoins
+    with the survivor's state fetched across the link; its parameters equal
+    the survivor's bit for bit. The xcomm group between them is the plain
+    route (one rank per host), so the allreduces crossed the link too."""
+    sys.path.insert(0, str(HERE.parents[1]))
+    from xcomm_bench.cluster import ClusterError, ClusterPermissionError, check_privileges
+
+    try:
+        check_privileges()
+    except (ClusterPermissionError, ClusterError) as e:
+        pytest.skip(f"needs root to build network namespaces: {e}")
+    example = HERE.parents[1] / "examples" / "torchft_kill_rejoin.py"
+    args = ["--nodes", "--rate", "1gbit", "--steps", "150", "--kill-at", "40"]
+    proc = subprocess.run(
+        [sys.executable, str(example), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "replicas bitwise equal at 150 of 150 steps" in out, out
+    assert "the replicas' xcomm group: plain" in out, out
+    assert "replica 1 SIGKILLed at step" in out and "rejoined at step" in out, out
+    assert re.search(r"bit for bit at all [1-9]\d* shared steps: True", out), out

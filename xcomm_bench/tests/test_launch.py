@@ -95,3 +95,19 @@ def test_convergence_trains_the_examples_digits_task(tmp_path: Path) -> None:
     assert fsdp["wire_bytes_per_step"] == pytest.approx(2 * 85_002)
     assert fsdp_int8["wire_bytes_per_step"] < fsdp["wire_bytes_per_step"] / 3
     assert (out / "convergence.png").stat().st_size > 0
+
+
+def test_rank_spawner_places_rank_zero_first_and_refuses_a_rate_without_nodes() -> None:
+    from xcomm_bench.launch import RankSpawner
+
+    with pytest.raises(ValueError, match="a link rate needs emulated nodes"):
+        RankSpawner(rate="1gbit")
+    spread = RankSpawner(nodes=2)
+    assert [spread.node_of(r, 3) for r in range(3)] == [0, 0, 1]
+    assert [spread.node_of(r, 4) for r in range(4)] == [0, 0, 1, 1]
+    with pytest.raises(RuntimeError, match="enter the `with` block"):
+        spread.env(0, 2, 29500)
+    loopback = RankSpawner()
+    assert loopback.where == "one host (loopback)" and loopback.node_of(3, 4) == 0
+    env = loopback.env(1, 2, 1234)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "2", "1234")
