@@ -249,3 +249,81 @@ class PicklableState:
         feedback = getattr(self, "feedback", None)
         if feedback is not None:
             feedback.bind(model)
+
+
+class ResidualHookState(PicklableState):
+    """What the states of the hooks with error feedback (int8, top-k,
+    random-k) share: the step counter, the residual store, the group and one
+    checkpoint format.
+
+    A subclass is a dataclass with the fields ``process_group``,
+    ``error_feedback``, ``start_iter``, ``model``, ``stats`` and ``feedback``;
+    its ``__post_init__`` calls :meth:`_init_residuals`. What it checkpoints
+    besides comes from :meth:`_extra_state`.
+
+    Example::
+
+        >>> from xcomm.hooks import Int8State
+        >>> sorted(Int8State().state_dict())
+        ['feedback', 'iter', 'stats']
+    """
+
+    process_group: dist.ProcessGroup | None
+    error_feedback: bool
+    start_iter: int
+    stats: CompressionStats
+    feedback: FeedbackStore | None
+
+    def _init_residuals(self, name: str) -> None:
+        check_start_iter(name, self.start_iter, self.error_feedback)
+        self.feedback = feedback_store(self)
+        self.steps = StepCounter()
+
+    def group(self) -> dist.ProcessGroup:
+        """The group the hook reduces over (the default group when none was given)."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def begin_bucket(self, hook: str, bucket: dist.GradBucket) -> int:
+        """Checks ``bucket`` for ``hook`` (named in errors), counts it, and
+        returns the iteration it belongs to."""
+        buffer = bucket.buffer()
+        check_floating(hook, buffer)
+        warn_host_codec(hook, buffer)
+        step = self.steps.iter
+        self.steps.after_bucket(bucket)
+        return step
+
+    def codec_view(self, bucket: dist.GradBucket) -> Any:
+        """What the codec works on for ``bucket`` (a :class:`~.feedback.BucketView`);
+        without error feedback the residual owed from earlier steps is added
+        in and dropped, so the codec sees the gradient alone."""
+        assert self.feedback is not None  # set by _init_residuals
+        view = self.feedback.view(bucket)
+        if not self.error_feedback:
+            self.feedback.flush(view)
+        return view
+
+    def _extra_state(self) -> dict[str, Any]:
+        """What a subclass checkpoints besides the common fields."""
+        return {}
+
+    def _load_extra_state(self, saved: dict[str, Any]) -> None:
+        """Restores :meth:`_extra_state`'s output."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"iter", "feedback", "stats"}`` and the subclass's own entries."""
+        assert self.feedback is not None
+        return {
+            "iter": self.steps.iter,
+            "feedback": self.feedback.state_dict(),
+            "stats": self.stats.as_dict(),
+            **self._extra_state(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output."""
+        assert self.feedback is not None
+        self.steps.iter = int(saved["iter"])
+        self.feedback.load_state_dict(saved["feedback"])
+        self.stats.load_dict(saved["stats"])
+        self._load_extra_state(saved)

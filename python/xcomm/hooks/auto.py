@@ -140,9 +140,9 @@ from ._measure import (
 from ._methods import method_names
 from .cast import CastState, bf16_cast_hook, fp16_cast_hook
 from .feedback import FeedbackStore
-from .int8 import Int8State, int8_compress_hook
-from .powersgd import PowerSGDState, powersgd_hook
-from .sparse import TopKState, topk_hook
+from .int8 import Int8State, int8_allreduce
+from .powersgd import PowerSGDState, powersgd_allreduce
+from .sparse import TopKState, topk_allreduce
 from .stats import CompressionStats
 
 __all__ = [
@@ -502,8 +502,6 @@ class AutoState(PicklableState):
             pg, matrix_approximation_rank=self.powersgd_rank, start_powerSGD_iter=2
         )
         self._powersgd.stats = self.stats
-        self._int8._shared_order = self.order
-        self._powersgd._shared_order = self.order
         self.iter = 0
         self._choices = MethodChoices(self.switch_margin)
         self._measure = MeasuredLink(
@@ -1008,8 +1006,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         view = state.feedback.view(bucket)
         state.feedback.flush(view)  # what earlier lossy steps owe is sent now
         view.write_back()
-    state._int8.steps.iter = state._topk.steps.iter = step
-    state._powersgd.iter = step
+    state._powersgd.iter = step  # torch's PowerSGDState counts in its hook; this one counts here
     issued_at = time.perf_counter()  # the codec's work on this thread counts too
     if method == "none":
         fut = _ordered(state, bucket, lambda: allreduce_mean(state, bucket, state.stats))
@@ -1017,11 +1014,11 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         cast = bf16_cast_hook if method == "bf16" else fp16_cast_hook
         fut = _ordered(state, bucket, lambda: cast(state._cast, bucket))
     elif method == "topk":
-        fut = _ordered(state, bucket, lambda: topk_hook(state._topk, bucket))
+        fut = _ordered(state, bucket, lambda: topk_allreduce(state._topk, bucket, step))
     elif method == "int8":
-        fut = int8_compress_hook(state._int8, bucket)
+        fut = int8_allreduce(state._int8, bucket, step, state.order)
     else:
-        fut = powersgd_hook(state._powersgd, bucket)
+        fut = powersgd_allreduce(state._powersgd, bucket, state.order)
     state._watch(fut, bucket, method, step, issued_at)
     record_op(f"AUTO:{method}", buffer.nbytes, 0)
     if t0:

@@ -25,23 +25,18 @@ import torch.distributed as dist
 from .. import _C
 from ._common import (
     IssueOrder,
-    PicklableState,
-    StepCounter,
+    ResidualHookState,
     allreduce_mean,
-    check_floating,
-    check_start_iter,
-    feedback_store,
     start_in_shared_turn,
-    warn_host_codec,
 )
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes, alltoall_bytes
 
-__all__ = ["Int8State", "int8_compress_hook"]
+__all__ = ["Int8State", "int8_allreduce", "int8_compress_hook"]
 
 
 @dataclass
-class Int8State(PicklableState):
+class Int8State(ResidualHookState):
     """State of :func:`int8_compress_hook`.
 
     Args:
@@ -76,49 +71,42 @@ class Int8State(PicklableState):
             raise ValueError(
                 f"xcomm.hooks.Int8State: chunk_elems must be > 0, got {self.chunk_elems}"
             )
-        check_start_iter("Int8State", self.start_iter, self.error_feedback)
+        self._init_residuals("Int8State")
         self.codec = _C.Int8Codec(self.chunk_elems)
-        self.feedback = feedback_store(self)
-        self.steps = StepCounter()
         self._chain = _C.Int8Allreduce()
-        # Set by a hook that orders int8's collectives with other methods'
-        # (auto_hook): buckets then take turns there, not in _chain.
-        self._shared_order: IssueOrder | None = None
-
-    def state_dict(self) -> dict:
-        return {
-            "iter": self.steps.iter,
-            "feedback": self.feedback.state_dict(),
-            "stats": self.stats.as_dict(),
-        }
-
-    def load_state_dict(self, d: dict) -> None:
-        self.steps.iter = int(d["iter"])
-        self.feedback.load_state_dict(d["feedback"])
-        self.stats.load_dict(d["stats"])
 
 
 def int8_compress_hook(
     state: Int8State, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Averages the bucket through int8 payloads (see the module docstring)."""
-    buffer = bucket.buffer()
-    check_floating("int8_compress_hook", buffer)
-    warn_host_codec("int8_compress_hook", buffer)
-    if state.steps.iter < state.start_iter:
-        state.steps.after_bucket(bucket)
-        return allreduce_mean(state, bucket, state.stats)
-    state.steps.after_bucket(bucket)
+    step = state.begin_bucket("int8_compress_hook", bucket)
+    return int8_allreduce(state, bucket, step)
 
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+
+def int8_allreduce(
+    state: Int8State, bucket: dist.GradBucket, step: int, order: IssueOrder | None = None
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`int8_compress_hook`'s reduction of ``bucket`` at iteration
+    ``step``, for a hook that counts iterations itself (``auto_hook``).
+    Buckets take turns in ``order`` when one is given (shared with the other
+    methods of such a hook), else in the chain's own.
+
+    Example::
+
+        >>> fut = int8_allreduce(state, bucket, step=5, order=IssueOrder())  # doctest: +SKIP
+    """
+    if step < state.start_iter:
+        return allreduce_mean(state, bucket, state.stats)
+    buffer = bucket.buffer()
+    group = state.group()
     codec, world = state.codec, group.size()
-    view = state.feedback.view(bucket)
+    view = state.codec_view(bucket)
     if state.error_feedback:  # one pass: add the residual, quantize, keep what was not sent
         packed = codec.pack_shards_with_feedback(
             view.tensor, world, state.feedback.feedback, view.key
         )
     else:
-        state.feedback.flush(view)
         packed = codec.pack_shards(view.tensor, world)  # [world, bytes_per_shard]
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world),
@@ -134,6 +122,6 @@ def int8_compress_hook(
     def start(turn: torch.futures.Future | None) -> tuple[torch.futures.Future, ...]:
         return state._chain.start(codec, group, buffer, view.tensor, view.index, packed, turn)
 
-    if state._shared_order is None:
+    if order is None:
         return start(None)[0]
-    return start_in_shared_turn(state._shared_order, start)
+    return start_in_shared_turn(order, start)

@@ -70,7 +70,7 @@ from ._common import IssueOrder, start_in_shared_turn
 from ._pickling import pack_state, pickled_state
 from .stats import CompressionStats, allreduce_bytes
 
-__all__ = ["PowerSGDState", "powersgd_hook"]
+__all__ = ["PowerSGDState", "powersgd_allreduce", "powersgd_hook"]
 
 logger = logging.getLogger(__name__)
 
@@ -235,9 +235,6 @@ class PowerSGDState:
         # layout, to notice cheaply when DDP rebuilds the bucket.
         self._bucket_params: dict[int, list[weakref.ref]] = {}
         self._allreduce = _C.PowerSgdAllreduce()
-        # Set by a hook that orders PowerSGD's collectives with other methods'
-        # (auto_hook): buckets then take turns there, not in _allreduce.
-        self._shared_order: IssueOrder | None = None
 
     # -- torch's configuration attributes (read-only: the codec holds them) --
     matrix_approximation_rank = property(lambda self: self._config["matrix_approximation_rank"])
@@ -464,6 +461,20 @@ def powersgd_hook(
     Register with ``ddp_model.register_comm_hook(state, powersgd_hook)``;
     see :class:`PowerSGDState` and the module documentation.
     """
+    return powersgd_allreduce(state, bucket)
+
+
+def powersgd_allreduce(
+    state: PowerSGDState, bucket: dist.GradBucket, order: IssueOrder | None = None
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`powersgd_hook`, with buckets taking turns in ``order`` when one
+    is given: a hook that mixes methods (``auto_hook``) shares one order
+    between them, and sets ``state.iter`` to its own step count first.
+
+    Example::
+
+        >>> fut = powersgd_allreduce(state, bucket, order=IssueOrder())  # doctest: +SKIP
+    """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world_size = group.size()
     buffer = bucket.buffer()
@@ -505,10 +516,10 @@ def powersgd_hook(
     def start(turn: torch.futures.Future | None) -> tuple[torch.futures.Future, ...]:
         return state._allreduce.start(codec, group, index, buffer, wire, turn)
 
-    if state._shared_order is None:
+    if order is None:
         fut = start(None)[0]
     else:
-        fut = start_in_shared_turn(state._shared_order, start)
+        fut = start_in_shared_turn(order, start)
     if not bucket.is_last():
         state.maybe_increase_iter(bucket)
         return fut

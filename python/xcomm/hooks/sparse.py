@@ -22,24 +22,22 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from ._common import (
-    PicklableState,
-    StepCounter,
-    allreduce_mean,
-    check_density,
-    check_floating,
-    check_start_iter,
-    feedback_store,
-    warn_host_codec,
-)
+from ._common import ResidualHookState, allreduce_mean, check_density
 from .feedback import FeedbackStore
 from .stats import CompressionStats, allgather_bytes, allreduce_bytes
 
-__all__ = ["RandomKState", "TopKState", "randomk_hook", "topk_hook"]
+__all__ = [
+    "RandomKState",
+    "TopKState",
+    "randomk_allreduce",
+    "randomk_hook",
+    "topk_allreduce",
+    "topk_hook",
+]
 
 
 @dataclass
-class TopKState(PicklableState):
+class TopKState(ResidualHookState):
     """State of :func:`topk_hook`.
 
     Args:
@@ -83,71 +81,70 @@ class TopKState(PicklableState):
     def __post_init__(self) -> None:
         check_density("TopKState", self.density)
         check_density("TopKState (warmup_density)", self.warmup_density)
-        check_start_iter("TopKState", self.start_iter, self.error_feedback)
         if self.warmup_steps < 0:
             raise ValueError(
                 f"xcomm.hooks.TopKState: warmup_steps must be >= 0, got {self.warmup_steps}"
             )
+        self._init_residuals("TopKState")
         self.codec = _C.TopKCodec(
             self.approximate, False, 4096, self.seed
         )  # residuals: self.feedback
         self._chain = _C.TopKAllreduce()
-        self.steps = StepCounter()
-        self.feedback = feedback_store(self)
 
-    def current_density(self) -> float:
-        """The density of this step, following the warm-up schedule."""
-        done = self.steps.iter - self.start_iter
+    def current_density(self, step: int | None = None) -> float:
+        """The density at iteration ``step`` (default: the coming one),
+        following the warm-up schedule."""
+        done = (self.steps.iter if step is None else step) - self.start_iter
         if self.warmup_steps <= 0 or done >= self.warmup_steps:
             return self.density
         start = max(self.warmup_density, self.density)
         return start * (self.density / start) ** (done / self.warmup_steps)
 
-    def state_dict(self) -> dict:
-        return {
-            "iter": self.steps.iter,
-            "feedback": self.feedback.state_dict(),
-            "rng": self.codec.get_rng_state(),
-            "stats": self.stats.as_dict(),
-        }
+    def _extra_state(self) -> dict:
+        return {"rng": self.codec.get_rng_state()}
 
-    def load_state_dict(self, d: dict) -> None:
-        self.steps.iter = int(d["iter"])
-        self.feedback.load_state_dict(d["feedback"])
-        self.codec.set_rng_state(d["rng"])
-        self.stats.load_dict(d["stats"])
+    def _load_extra_state(self, saved: dict) -> None:
+        self.codec.set_rng_state(saved["rng"])
 
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Averages the top-k entries of every rank's (gradient + residual)."""
-    buffer = bucket.buffer()
-    check_floating("topk_hook", buffer)
-    warn_host_codec("topk_hook", buffer)
-    if state.steps.iter < state.start_iter:
-        state.steps.after_bucket(bucket)
-        return allreduce_mean(state, bucket, state.stats)
-    density = state.current_density()
-    state.steps.after_bucket(bucket)
+    step = state.begin_bucket("topk_hook", bucket)
+    return topk_allreduce(state, bucket, step)
 
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = group.size()
-    k = _C.TopKCodec.k_for(buffer.numel(), density)
-    view = state.feedback.view(bucket)
+
+def topk_allreduce(
+    state: TopKState, bucket: dist.GradBucket, step: int
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`topk_hook`'s reduction of ``bucket`` at iteration ``step``, for
+    a hook that counts iterations itself (``auto_hook``).
+
+    Example::
+
+        >>> fut = topk_allreduce(TopKState(density=0.01), bucket, step=5)  # doctest: +SKIP
+    """
+    if step < state.start_iter:
+        return allreduce_mean(state, bucket, state.stats)
+    buffer = bucket.buffer()
+    world = state.group().size()
+    k = _C.TopKCodec.k_for(buffer.numel(), state.current_density(step))
+    view = state.codec_view(bucket)
     if state.error_feedback:
         packed = state.codec.encode_with_feedback(view.key, view.tensor, k, state.feedback.feedback)
     else:
-        state.feedback.flush(view)
         packed = state.codec.encode(view.key, view.tensor, k)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
     # The allgather and the decode run in C++ (csrc/collectives/chains/SparseAllreduce.hpp):
     # no Python callback, future or collective wrapper per bucket.
-    return state._chain.start(state.codec, group, buffer, view.tensor, view.index, packed, k)[0]
+    return state._chain.start(
+        state.codec, state.group(), buffer, view.tensor, view.index, packed, k
+    )[0]
 
 
 @dataclass
-class RandomKState(PicklableState):
+class RandomKState(ResidualHookState):
     """State of :func:`randomk_hook`.
 
     Args:
@@ -179,41 +176,34 @@ class RandomKState(PicklableState):
 
     def __post_init__(self) -> None:
         check_density("RandomKState", self.density)
-        check_start_iter("RandomKState", self.start_iter, self.error_feedback)
+        self._init_residuals("RandomKState")
         self.codec = _C.RandomKCodec(self.seed, False)  # residuals: self.feedback
         self._chain = _C.RandomKAllreduce()
-        self.steps = StepCounter()
-        self.feedback = feedback_store(self)
-
-    def state_dict(self) -> dict:
-        return {
-            "iter": self.steps.iter,
-            "feedback": self.feedback.state_dict(),
-            "stats": self.stats.as_dict(),
-        }
-
-    def load_state_dict(self, d: dict) -> None:
-        self.steps.iter = int(d["iter"])
-        self.feedback.load_state_dict(d["feedback"])
-        self.stats.load_dict(d["stats"])
 
 
 def randomk_hook(
     state: RandomKState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Averages the same random subset of entries on every rank with one allreduce."""
-    buffer = bucket.buffer()
-    check_floating("randomk_hook", buffer)
-    warn_host_codec("randomk_hook", buffer)
-    if state.steps.iter < state.start_iter:
-        state.steps.after_bucket(bucket)
-        return allreduce_mean(state, bucket, state.stats)
-    step = state.steps.iter
-    state.steps.after_bucket(bucket)
+    step = state.begin_bucket("randomk_hook", bucket)
+    return randomk_allreduce(state, bucket, step)
 
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = group.size()
-    view = state.feedback.view(bucket)
+
+def randomk_allreduce(
+    state: RandomKState, bucket: dist.GradBucket, step: int
+) -> torch.futures.Future[torch.Tensor]:
+    """:func:`randomk_hook`'s reduction of ``bucket`` at iteration ``step``
+    (the positions are drawn from the seed, the bucket's key and ``step``).
+
+    Example::
+
+        >>> fut = randomk_allreduce(RandomKState(density=0.05), bucket, step=5)  # doctest: +SKIP
+    """
+    if step < state.start_iter:
+        return allreduce_mean(state, bucket, state.stats)
+    buffer = bucket.buffer()
+    world = state.group().size()
+    view = state.codec_view(bucket)
     key = view.key
     positions = state.codec.positions(key, step, buffer.numel(), state.density, buffer.device)
     if state.error_feedback:
@@ -221,10 +211,9 @@ def randomk_hook(
             key, view.tensor, positions, state.feedback.feedback
         )
     else:
-        state.feedback.flush(view)
         values = state.codec.encode(key, view.tensor, positions)
     state.stats.record(allreduce_bytes(buffer.nbytes, world), allreduce_bytes(values.nbytes, world))
     # The allreduce and the decode run in C++ (csrc/collectives/chains/SparseAllreduce.hpp).
     return state._chain.start(
-        state.codec, group, buffer, view.tensor, view.index, values, positions
+        state.codec, state.group(), buffer, view.tensor, view.index, values, positions
     )[0]
