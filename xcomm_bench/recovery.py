@@ -412,7 +412,7 @@ def plot(path: str, records: list[dict[str, Any]], where: str = "one host") -> N
     ax.set_xticks(range(len(worlds)), [f"{w} ranks" for w in worlds])
     ax.set_yscale("log")
     ax.set_ylabel("SIGKILL to first correct allreduce, ms")
-    ax.set_title(f"Recovery from a dead rank, {where} (each trial; line: median)")
+    ax.set_title(f"Recovery from a dead rank, {where}\n(each trial; line: median)")
     ax.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
