@@ -122,3 +122,19 @@ def test_a_peer_killed_on_another_emulated_node_is_named_by_its_group_rank() -> 
     assert all(0 <= s["latency_s"] < 0.1 for s in survivors.values()), survivors
     assert "rank 3 (pid" in survivors[2]["error"] and "died" in survivors[2]["error"], survivors
     assert _segments() <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigkill", "sigstop"])
+def test_on_the_plain_route_every_survivor_gets_an_xcomm_error_naming_the_op(fault: str) -> None:
+    """Three ranks on the plain route (no shared memory) loop 1 MiB
+    all_reduces, which Gloo runs after the check; rank 1 is SIGKILLed or
+    SIGSTOPped. Whether a survivor notices in the check's exchange or inside
+    Gloo's own collective, its error is a DistBackendError that names
+    xcomm's all_reduce (Gloo's own text, a socket's read error or a bare
+    timeout, follows it), within the bound."""
+    record = run_trial(Trial(fault, 3, "plain", 1), timeout_s=TIMEOUT_S)
+    assert record["ok"], record
+    for survivor in record["survivors"]:
+        assert survivor["shape"] == "plain", survivor
+        assert survivor["error"].startswith("DistBackendError: xcomm.all_reduce"), survivor
