@@ -203,8 +203,7 @@ class Run:
             if self.cluster is None:
                 self.procs[tag] = subprocess.Popen(cmd, env=env, **io)
             else:  # replica r on node r; `ip netns exec` execs the replica (same pid)
-                node = self.cluster.nodes[replica]
-                env.update(XCOMM_CLUSTER_NODE_ADDR=node.address, GLOO_SOCKET_IFNAME=node.ifname)
+                env.update(self.cluster.node_env(replica))
                 self.procs[tag] = self.cluster.popen(replica, cmd, env=env, **io)
 
     def records(self, tag: str) -> list[dict[str, Any]]:

@@ -423,7 +423,7 @@ def trials_for(
     for i, (fault, ws, route) in enumerate(itertools.product(faults, world_sizes, routes)):
         out.append(Trial(fault, ws, route, (i + 1) % ws))
     for ws in world_sizes:
-        if nodes == 0 or -(-ws // nodes) >= 2:  # rank 0's node holds ceil(ws / nodes) ranks
+        if RankSpawner(nodes).node_of(1, ws) == 0:  # rank 1 shares rank 0's host
             out += [Trial("setup-kill", ws, "shm", 0) for _ in range(setup_trials)]
     return out
 

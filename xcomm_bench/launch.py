@@ -255,8 +255,7 @@ class RankSpawner:
             "WORLD_SIZE": str(world),
             "LOCAL_RANK": str(peers.index(rank)),
             "LOCAL_WORLD_SIZE": str(len(peers)),
-            "NODE_RANK": str(node),
-            "GLOO_SOCKET_IFNAME": cluster.nodes[node].ifname,
+            **cluster.node_env(node),
         }
 
     def spawn(

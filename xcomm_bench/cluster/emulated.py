@@ -380,7 +380,6 @@ class EmulatedCluster:
         """
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        node = self.nodes[rank // self.ranks_per_node]
         return {
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(self.master_port),
@@ -388,9 +387,19 @@ class EmulatedCluster:
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_RANK": str(rank % self.ranks_per_node),
             "LOCAL_WORLD_SIZE": str(self.ranks_per_node),
-            "NODE_RANK": str(node.index),
-            "GLOO_SOCKET_IFNAME": node.ifname,
-            "XCOMM_CLUSTER_NODE_ADDR": node.address,
+            **self.node_env(rank // self.ranks_per_node),
+        }
+
+    def node_env(self, node: int) -> dict[str, str]:
+        """What every process on ``node`` needs, whatever its rank:
+        ``NODE_RANK``, ``GLOO_SOCKET_IFNAME`` (the node's veth),
+        ``XCOMM_CLUSTER_NODE_ADDR`` and ``XCOMM_CLUSTER_RATE_BPS`` (``0`` when
+        unshaped)."""
+        n = self.nodes[node]
+        return {
+            "NODE_RANK": str(n.index),
+            "GLOO_SOCKET_IFNAME": n.ifname,
+            "XCOMM_CLUSTER_NODE_ADDR": n.address,
             "XCOMM_CLUSTER_RATE_BPS": str(self.rate_bps or 0),
         }
 
