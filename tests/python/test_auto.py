@@ -18,6 +18,7 @@ from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
 from xcomm import hooks
+from xcomm.hooks import _measure
 from xcomm.hooks.auto import compression_errors, predict_seconds
 
 # Fixed codec costs (seconds per element, or per m*n*r for PowerSGD's products).
@@ -84,6 +85,7 @@ def test_the_cost_model_is_the_documented_formula() -> None:
         ({"objective": "loss"}, "objective must be one of"),
         ({"min_density": 0.0}, "min_density"),
         ({"powersgd_rank": 0}, "powersgd_rank"),
+        ({"max_lost_share": 1.5}, "max_lost_share"),
     ],
 )
 def test_bad_settings_are_refused(kwargs: dict, match: str) -> None:
@@ -888,6 +890,34 @@ def test_time_to_accuracy_charges_what_a_method_loses_so_top_k_keeps_only_a_spar
     # Charged by at least the buckets' predicted uncompressed time on SLOW (seconds).
     assert r0["charged_s"] > 1.0
     assert "accuracy charge" in r0["explain"] and "objective: time to accuracy" in r0["explain"]
+
+
+def test_a_lossy_method_dropping_more_than_the_bound_is_not_a_candidate() -> None:
+    """Under time to accuracy, ``max_lost_share`` (1%) bounds what a chosen
+    method may drop of the step's gradient on a bucket; under it a method is
+    charged its share x the step time; if every allowed method drops more,
+    the one that drops least; ``step_time`` neither bounds nor charges."""
+    predicted = {"none": 0.5, "int8": 0.2, "topk": 0.01}
+    shares = {0: {"int8": 1e-4, "topk": 0.2}, 1: {"int8": 1e-4, "topk": 0.002}}
+
+    def charged(index: int, **kwargs: Any) -> dict[str, float]:
+        state = hooks.AutoState(**{"methods": ("none", "int8", "topk"), **kwargs})
+        state.lost_share, state.charged_step_seconds = shares, 0.1
+        return state._charged(index, {m: predicted[m] for m in state.allowed})
+
+    dense = charged(0)  # top-k drops 20% of the step's gradient here
+    assert dense == pytest.approx({"none": 0.5, "int8": 0.2 + 1e-5})
+    sparse = charged(1)  # 0.2% here: a candidate, charged 0.2% of 100 ms
+    assert sparse == pytest.approx({"none": 0.5, "int8": 0.2 + 1e-5, "topk": 0.01 + 2e-4})
+    assert charged(0, max_lost_share=1.0)["topk"] == pytest.approx(0.01 + 0.02)
+    assert charged(0, methods=("topk",)) == pytest.approx({"topk": 0.01 + 0.02})
+    assert charged(0, objective="step_time") == predicted
+    # A bucket on a method that is no longer a candidate must move.
+    choices = _measure.MethodChoices(0.1)
+    choices.choose(0, 100, 5, predicted)
+    assert choices.decisions[0]["method"] == "topk"
+    assert choices.would_switch(0, dense)
+    assert choices.choose(0, 100, 10, dense) == "int8"
 
 
 def test_what_each_method_drops_is_measured_without_touching_the_callers_random_stream() -> None:

@@ -344,8 +344,10 @@ class MethodChoices:
     def would_switch(self, key: Any, predicted: dict[str, float]) -> bool:
         """Whether ``predicted`` times would move the key off its method."""
         current = self.decisions.get(key)
-        if current is None or current["method"] not in predicted:
+        if current is None:
             return False
+        if current["method"] not in predicted:  # no longer a candidate (e.g. over a bound)
+            return True
         best = min(predicted, key=lambda m: predicted[m])
         return predicted[best] < (1.0 - self.switch_margin) * predicted[current["method"]]
 

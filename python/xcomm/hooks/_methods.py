@@ -18,7 +18,7 @@ Example:
     >>> method_names("fsdp")
     ('none', 'bf16', 'fp16', 'int8')
     >>> method_names("ddp", default_only=True)
-    ('none', 'bf16', 'int8')
+    ('none', 'bf16', 'int8', 'topk')
 """
 
 from __future__ import annotations
@@ -43,14 +43,17 @@ class Method:
         name: What users pass (``"int8"``).
         lossless: Whether the reduction is exact (only ``"none"``).
         in_default: Whether ``auto`` chooses among it unless told otherwise.
-            Top-k and PowerSGD send far fewer bytes but hold back most of
-            each step's gradient in the residual, so they need more steps to
-            reach a loss: docs/quickstart.md's run reached loss 0.90 after 30
-            steps on top-k against 0.26 on int8. ``auto`` charges a lossy
-            method for the share of the gradient it drops (its default
-            objective, time to accuracy), a first-order estimate; name them
-            in ``methods`` after checking time to your target loss on your
-            model (``python -m xcomm_bench time-to-accuracy`` measures it).
+            Under its default objective ``auto`` uses a lossy method only
+            on a bucket where it drops at most 1% of the step's gradient
+            (``AutoState.max_lost_share``): top-k passes on mostly zero
+            gradients (an embedding table's, where it dropped 0.1-0.2% and
+            reached the target loss in the steps uncompressed training took)
+            and fails on dense ones. PowerSGD is left out: on the measured
+            models its rank-4 error was never under the bound (2.5-25% of
+            the gradient), and measuring it costs a low-rank SVD of every
+            matrix every 50 steps; name it in ``methods`` after checking
+            time to your target loss (``python -m xcomm_bench
+            time-to-accuracy`` measures it).
         host_only: Whether, where xcomm was built without its CUDA codec
             kernels, its codec would run on the host for a GPU bucket (a
             cast runs on the device with torch's own ops).
@@ -76,7 +79,7 @@ METHODS: tuple[Method, ...] = (
     Method("bf16", lossless=False, in_default=True, host_only=False, surfaces=_EVERYWHERE),
     Method("fp16", lossless=False, in_default=False, host_only=False, surfaces=_EVERYWHERE),
     Method("int8", lossless=False, in_default=True, host_only=True, surfaces=_EVERYWHERE),
-    Method("topk", lossless=False, in_default=False, host_only=True, surfaces=frozenset({"ddp"})),
+    Method("topk", lossless=False, in_default=True, host_only=True, surfaces=frozenset({"ddp"})),
     Method(
         "powersgd", lossless=False, in_default=False, host_only=True, surfaces=frozenset({"ddp"})
     ),

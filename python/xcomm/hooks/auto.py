@@ -37,13 +37,23 @@ method was not tried.
 
 The objective is time to accuracy, not time per step (``objective``,
 default ``"time_to_accuracy"``). A lossy method that sends few bytes but
-drops most of each step's gradient saves time per step and costs steps: a
-compression error of squared norm ``delta^2`` per step acts like that much
-more gradient noise, and the steps to reach a loss grow by about
-``1 + delta^2 / |g|^2`` (McCandlish et al., 2018, "An Empirical Model of
-Large-Batch Training": the steps scale with the noise to signal ratio of
-the update). So each lossy method is charged, per bucket, the share of the
-step's gradient it loses times the step time:
+drops most of each step's gradient saves time per step and costs steps. How
+many steps cannot be read off one step's gradient: on a byte-level
+transformer LM trained with AdamW, top-k 1% dropped 16-20% of the step's
+squared gradient norm and needed 2.2x the steps to a target loss, PowerSGD
+rank 4 dropped 2.5-22% and needed 1.8x; on an embedding classifier
+PowerSGD dropped 8-25% and needed 1.08x (docs/benchmarks.md, "Time to
+accuracy"). The first-order estimate of noise theory, steps grow by
+``1 + delta^2 / |g|^2`` for a compression error of squared norm ``delta^2``
+(McCandlish et al., 2018, "An Empirical Model of Large-Batch Training"),
+is 4-6x too low under Adam, whose per-coordinate normalisation gives the
+small coordinates a sparsifier holds back as much weight as the large ones.
+So the default objective trusts only what it can bound: a lossy method is a
+candidate for a bucket only while the share of the step's gradient it drops
+there is at most ``max_lost_share`` (1% by default: what a cast or int8
+loses, about 1e-4, passes by far; top-k passes on a bucket whose gradient is
+mostly exact zeros, such as an embedding table's, where it dropped 0.1-0.2%),
+and a candidate is charged that share of the step time:
 
     ``T'(m) = T(m) + (|g_b - C_m(g_b)|^2 / |g|^2) * S``
 
@@ -51,18 +61,16 @@ where ``g_b`` is the bucket's gradient, ``|g|^2`` the whole step's, ``C_m``
 the method's round trip without error feedback (PowerSGD: the best rank-r
 approximation, which its warm-started power iteration approaches) and
 ``S`` the step time: measured (the median of recent steps, the slowest
-rank's) and at least the predicted time of the buckets' reductions. Summed
-over buckets this is, to first order, the product of the step time and the
-steps factor. The shares are measured on the model's own gradients at step
-``start_iter - 1``, again every 50 steps or more where top-k or PowerSGD may
-be chosen (what they drop changes as training spreads the gradient), and
-agreed (MAX over ranks). A cast or int8 loses about
-1e-5 of a gradient and is charged microseconds; top-k at 1% of a dense
-gradient loses most of it and is chosen only where the link is so slow that
-its steps are worth that many more; on a bucket whose gradient is mostly
-exact zeros (an embedding table) top-k loses almost nothing and competes
-on its step time alone. Error feedback resends what was lost later, so the
-charge is an upper bound. ``objective="step_time"`` drops the charge.
+rank's) and at least the predicted time of the buckets' reductions. The
+shares are measured on the model's own gradients at step ``start_iter - 1``,
+again every 50 steps or more where top-k or PowerSGD may be chosen (what
+they drop changes as training spreads the gradient: PowerSGD's share of the
+LM's grew from 2.5% to 22%), and agreed (MAX over ranks), so every rank
+gates and charges alike. A method that drops more than the bound today may
+return when a later measurement finds it under. ``max_lost_share=1.0``
+keeps every method and charges by the share alone (a first-order estimate:
+check time to your target loss, ``python -m xcomm_bench time-to-accuracy``);
+``objective="step_time"`` drops the bound and the charge.
 
 Inputs, measured, never guessed:
 
@@ -159,12 +167,10 @@ __all__ = [
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = method_names("ddp")
 _LOSSLESS = method_names("ddp", lossless_only=True)
-#: What ``auto`` chooses from unless told otherwise: the methods whose error
-#: per step is small (a cast; int8 with a scale per chunk and error
-#: feedback). Top-k and PowerSGD, which drop most of a dense gradient, are
-#: charged for the steps they cost (``objective``), but that charge is a
-#: first-order estimate: they are left out until named in ``methods``
-#: (``_methods.Method.in_default`` says why).
+#: What ``auto`` chooses from unless told otherwise: the casts, int8 and
+#: top-k, each only where it drops at most ``max_lost_share`` of the step's
+#: gradient (top-k: on a mostly zero bucket). PowerSGD is left out until named
+#: in ``methods`` (``_methods.Method.in_default`` says why).
 DEFAULT_METHODS = method_names("ddp", default_only=True)
 #: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
 #: kernels (its int8, top-k and PowerSGD codecs would run on the host).
@@ -408,8 +414,8 @@ class AutoState(PicklableState):
     Args:
         process_group: the group to reduce over (default: the default group).
         methods: the methods it may choose from (a subset of :data:`METHODS`;
-            default :data:`DEFAULT_METHODS`, which leaves out top-k and
-            PowerSGD: see there).
+            default :data:`DEFAULT_METHODS`, which leaves out PowerSGD: see
+            there).
         lossless_only: choose only methods that lose nothing (``none``).
         min_density: the density top-k sends (its accuracy bound).
         powersgd_rank: PowerSGD's rank (its accuracy bound).
@@ -430,9 +436,14 @@ class AutoState(PicklableState):
             machine, as tests use), and the accuracy charge uses the
             predicted reduction time, not measured steps.
         model: the DDP model, so residuals are checkpointed by parameter.
-        objective: ``"time_to_accuracy"`` (default) charges each lossy method
-            the share of the gradient it loses times the step time (see the
-            module docstring); ``"step_time"`` chooses by time per step alone.
+        objective: ``"time_to_accuracy"`` (default) leaves out a lossy method
+            where it drops more than ``max_lost_share`` of the step's gradient
+            and charges the rest the share they drop times the step time (see
+            the module docstring); ``"step_time"`` chooses by time per step
+            alone.
+        max_lost_share: under ``"time_to_accuracy"``, the most of the step's
+            gradient (share of its squared norm) a lossy method may drop on a
+            bucket and still be chosen for it (its accuracy bound).
 
     Example::
 
@@ -455,6 +466,7 @@ class AutoState(PicklableState):
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
     objective: str = "time_to_accuracy"
+    max_lost_share: float = 0.01
 
     def __post_init__(self) -> None:
         self.methods = tuple(self.methods)
@@ -475,6 +487,11 @@ class AutoState(PicklableState):
             raise ValueError(
                 f"xcomm.hooks.AutoState: objective must be one of {OBJECTIVES}, "
                 f"got {self.objective!r}"
+            )
+        if not (0.0 <= self.max_lost_share <= 1.0):
+            raise ValueError(
+                "xcomm.hooks.AutoState: max_lost_share must be in [0, 1] (a share of the "
+                f"step's squared gradient norm), got {self.max_lost_share}"
             )
         if not (0.0 < self.min_density <= 1.0):
             raise ValueError(
@@ -634,8 +651,10 @@ class AutoState(PicklableState):
                 f"yet (at step {self._errors_step}): no method is charged before"
             )
         return (
-            "objective: time to accuracy; a lossy method's time adds the share of the step's "
-            f"gradient it loses x the step time, {self.charged_step_seconds * 1e3:.2f} ms"
+            "objective: time to accuracy; a lossy method is chosen only where it drops at "
+            f"most {100 * self.max_lost_share:.3g}% of the step's gradient (max_lost_share), "
+            "and its time adds the share it drops x the step time, "
+            f"{self.charged_step_seconds * 1e3:.2f} ms"
         )
 
     # -- measurement and agreement --
@@ -649,7 +668,7 @@ class AutoState(PicklableState):
         Example::
 
             >>> AutoState().candidates("cpu")
-            ('none', 'bf16', 'int8')
+            ('none', 'bf16', 'int8', 'topk')
         """
         if device_type == "cpu" or _C.cuda_codecs:
             return self.allowed
@@ -801,11 +820,18 @@ class AutoState(PicklableState):
         return max(measured, reductions)
 
     def _charged(self, index: int, predicted: dict[str, float]) -> dict[str, float]:
-        """``predicted`` plus each lossy method's accuracy charge for the bucket."""
+        """``predicted`` without the lossy methods that drop more than
+        ``max_lost_share`` of the step's gradient on the bucket, and the rest
+        plus their accuracy charge. If every method drops more, the one that
+        drops least (``methods`` left nothing under the bound)."""
         if self.objective == "step_time" or index not in self.lost_share:
             return predicted
         share = self.lost_share[index]
-        return {m: t + share.get(m, 0.0) * self.charged_step_seconds for m, t in predicted.items()}
+        step_s = self.charged_step_seconds
+        kept = [m for m in predicted if share.get(m, 0.0) <= self.max_lost_share]
+        if not kept:
+            kept = [min(predicted, key=lambda m: share.get(m, 0.0))]
+        return {m: predicted[m] + share.get(m, 0.0) * step_s for m in kept}
 
     def _choose(self, bucket: dist.GradBucket, world: int) -> str:
         index, numel = bucket.index(), bucket.buffer().numel()
@@ -827,12 +853,21 @@ class AutoState(PicklableState):
                 method, predicted, numel, shapes, itemsize, world, link, costs
             )
         if predicted is not raw:
+            shares = self.lost_share[index]
             lost = ", ".join(
                 f"{m} {100 * share:.3g}% (+{(predicted[m] - raw[m]) * 1e3:.2f} ms)"
-                for m, share in self.lost_share[index].items()
+                for m, share in shares.items()
                 if m in predicted
             )
-            notes.append(f"accuracy charge: share of the step's gradient lost: {lost}")
+            if lost:
+                notes.append(f"accuracy charge: share of the step's gradient lost: {lost}")
+            over = [m for m in raw if m not in predicted]
+            if over:
+                dropped = ", ".join(f"{m} {100 * shares.get(m, 0.0):.3g}%" for m in over)
+                notes.append(
+                    f"not chosen, dropping more than max_lost_share "
+                    f"{100 * self.max_lost_share:.3g}% of the step's gradient: {dropped}"
+                )
         self.decisions[index]["notes"] = notes
         return method
 
