@@ -146,6 +146,10 @@ struct PowerSgdCodec::BucketPlan {
   int64_t numelAfter = 0;
   bool anyRankAboveOne = false;
 
+  bool holds(int64_t key) const {
+    return std::any_of(tensors.begin(), tensors.end(),
+                       [key](const TensorPlan& t) { return t.key == key; });
+  }
   bool sameAs(const BucketPlan& o) const {
     if (bufferNumel != o.bufferNumel || dtype != o.dtype || tensors.size() != o.tensors.size()) {
       return false;
@@ -453,9 +457,14 @@ PowerSgdParamState PowerSgdCodec::paramState(int64_t key) const {
 
 void PowerSgdCodec::setParamState(int64_t key, const PowerSgdParamState& state) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A bucket in flight writes its parameters' state when it finishes, so the
+  // state of one of them cannot be replaced then; another bucket's parameter
+  // can (a caller moving an idle bucket to another method while the next
+  // bucket's step runs).
   for (auto& [index, b] : buckets_) {
-    TORCH_CHECK(b->phase == Phase::kIdle,
-                "xcomm: PowerSGD state cannot be restored in the middle of a step");
+    TORCH_CHECK(b->phase == Phase::kIdle || !b->plan.holds(key),
+                "xcomm: PowerSGD state of parameter key ", key, " cannot be replaced while bucket ",
+                index, ", which holds it, is in the middle of a step");
   }
   PowerSgdParamState copy;
   if (state.error.defined()) copy.error = state.error.detach().to(at::kCPU).reshape({-1}).clone();
@@ -464,8 +473,10 @@ void PowerSgdCodec::setParamState(int64_t key, const PowerSgdParamState& state) 
     copy.q = state.q.detach().to(at::kCPU).clone();
   }
   params_[key] = std::move(copy);
-  // Every bucket re-reads its parameters' state at its next prepare.
-  for (auto& [index, b] : buckets_) b->adopted = false;
+  // The buckets that hold it re-read their parameters' state at their next prepare.
+  for (auto& [index, b] : buckets_) {
+    if (b->plan.holds(key)) b->adopted = false;
+  }
 }
 
 void PowerSgdCodec::clearState() {

@@ -121,7 +121,8 @@ class PowerSgdCodec {
   std::vector<int64_t> stateKeys() const;
   PowerSgdParamState paramState(int64_t key) const;
   // Restores a parameter's state; takes effect at the next prepare of the
-  // bucket that holds it, where it is checked against the gradient.
+  // bucket that holds it, where it is checked against the gradient. Refused
+  // while that bucket is in the middle of a step (other buckets may be).
   void setParamState(int64_t key, const PowerSgdParamState& state);
   // Buckets that have drawn their Qs (torch: the keys of p_memory_dict);
   // with warm start they draw no more seeds.

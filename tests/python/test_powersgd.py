@@ -226,3 +226,32 @@ def test_the_chain_without_a_codec_or_group_is_a_clear_error() -> None:
         chain.start(None, None, 0, torch.zeros(2), torch.zeros(2))
     with pytest.raises(RuntimeError, match="a codec and a process group are needed"):
         chain.start(codec, None, 0, torch.zeros(2), torch.zeros(2))
+
+
+def test_an_idle_buckets_state_is_replaced_while_another_bucket_is_mid_step() -> None:
+    """A caller that moves an idle bucket to another method (``auto``) hands
+    over its error feedback while the next bucket's PowerSGD step is in
+    flight; only the in-flight bucket's own parameters are refused."""
+    codec = xcomm._C.PowerSgdCodec(matrix_approximation_rank=2)
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(64 * 32, generator=g), torch.randn(64 * 32, generator=g)
+    codec.set_layout(0, first, [first.view(64, 32)], [0])
+    codec.set_layout(1, second, [second.view(64, 32)], [1])
+
+    def step_of(bucket: int, buffer: torch.Tensor) -> None:
+        seed = 1 if codec.needs_seed(bucket) else None
+        wire = codec.prepare(bucket, buffer, seed)[0]
+        codec.finish(bucket, codec.reduce_p(bucket, wire.clone(), 1), 1)
+
+    step_of(1, second)
+    error, q = codec.param_state(1)
+    assert error is not None and float(error.abs().sum()) > 0  # rank 2 of a random 64 x 32
+    seed = 1 if codec.needs_seed(0) else None
+    wire = codec.prepare(0, first, seed)[0]  # bucket 0: mid-step
+    codec.set_param_state(1, None, q)  # bucket 1 is idle: its error is handed over
+    assert codec.param_state(1)[0] is None and torch.equal(codec.param_state(1)[1], q)
+    with pytest.raises(RuntimeError, match="bucket 0, which holds it, is in the middle of a step"):
+        codec.set_param_state(0, None, None)
+    codec.finish(0, codec.reduce_p(0, wire.clone(), 1), 1)
+    assert codec.param_state(0)[0] is not None  # its step finished and kept its error
+    step_of(1, torch.randn(64 * 32, generator=g))  # bucket 1 re-reads its state and runs
