@@ -48,12 +48,13 @@ class Method:
             (``AutoState.max_lost_share``): top-k passes on mostly zero
             gradients (an embedding table's, where it dropped 0.1-0.2% and
             reached the target loss in the steps uncompressed training took)
-            and fails on dense ones. PowerSGD is left out: on the measured
-            models its rank-4 error was never under the bound (2.5-25% of
-            the gradient), and measuring it costs a low-rank SVD of every
-            matrix every 50 steps; name it in ``methods`` after checking
-            time to your target loss (``python -m xcomm_bench
-            time-to-accuracy`` measures it).
+            and fails on dense ones. PowerSGD is left out: the bound does
+            not predict its cost in steps (on a CNN its share of one bucket
+            came under 1% and it still needed 1.2-1.3x the steps to the
+            target), and measuring it costs a low-rank SVD of every matrix
+            every 50 steps; name it in ``methods`` after checking time to
+            your target loss (``python -m xcomm_bench time-to-accuracy``
+            measures it).
         host_only: Whether, where xcomm was built without its CUDA codec
             kernels, its codec would run on the host for a GPU bucket (a
             cast runs on the device with torch's own ops).
