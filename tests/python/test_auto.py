@@ -835,14 +835,13 @@ def _bag_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(20_000, (16, 8), generator=g), torch.randint(64, (16,), generator=g)
 
 
-def _by_objective(ctx: RankContext, objective: str) -> dict[str, Any]:
+def _by_objective(
+    ctx: RankContext, objective: str, methods: tuple[str, ...] | None = ("none", "int8", "topk")
+) -> dict[str, Any]:
     model = DDP(_embedding_and_dense(), bucket_cap_mb=1)
+    chosen_from = {} if methods is None else {"methods": methods}
     state = hooks.AutoState(
-        methods=("none", "int8", "topk"),
-        link=SLOW,
-        codec_costs=COSTS,
-        observe=False,
-        objective=objective,
+        link=SLOW, codec_costs=COSTS, observe=False, objective=objective, **chosen_from
     )
     model.register_comm_hook(state, hooks.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -890,6 +889,21 @@ def test_time_to_accuracy_charges_what_a_method_loses_so_top_k_keeps_only_a_spar
     # Charged by at least the buckets' predicted uncompressed time on SLOW (seconds).
     assert r0["charged_s"] > 1.0
     assert "accuracy charge" in r0["explain"] and "objective: time to accuracy" in r0["explain"]
+
+
+def test_the_default_methods_take_top_k_only_on_the_mostly_zero_bucket() -> None:
+    """auto's defaults include top-k under the loss bound: on a link where top-k
+    is every bucket's fastest reduction, the embedding table's bucket (top-k
+    drops under 1% of the step's gradient there) takes it, and the dense
+    buckets (it would drop 30-100%) are refused it, which explain() says."""
+    r0 = run_ranks(_by_objective, 2, "time_to_accuracy", None)[0]
+    methods = r0["methods"]
+    assert methods.pop("table") == "topk", r0["explain"]
+    assert methods and "topk" not in methods.values(), r0["explain"]
+    assert (
+        "not chosen, dropping more than max_lost_share 1% of the step's gradient: topk"
+        in (r0["explain"])
+    )
 
 
 def test_a_lossy_method_dropping_more_than_the_bound_is_not_a_candidate() -> None:
