@@ -648,7 +648,7 @@ class AutoState(PicklableState):
         if not self.lost_share:
             return (
                 "objective: time to accuracy; the gradient each method loses is not measured "
-                f"yet (at step {self._errors_step}): no method is charged before"
+                f"yet (at step {self._errors_step}): no method is bounded or charged before"
             )
         return (
             "objective: time to accuracy; a lossy method is chosen only where it drops at "
