@@ -129,7 +129,6 @@ std::vector<int64_t> pieceBytes(const at::Tensor& t, const std::vector<int64_t>&
   return bytes;
 }
 
-// Twice the op's timeout and a second: past the inner backend's own limit.
 // What the inner Gloo op raised, as an error that names xcomm's op: Gloo's
 // own text (a socket's read error, "Operation timed out!") names neither
 // the collective nor that a peer is the likely cause.
@@ -153,6 +152,7 @@ std::exception_ptr innerFailure(const std::string& title, const std::exception_p
   }
 }
 
+// Twice the op's timeout and a second: past the inner backend's own limit.
 std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
   return 2 * timeout + std::chrono::seconds(1);
 }
