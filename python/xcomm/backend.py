@@ -11,6 +11,7 @@ backend and, when torch has CUDA and a GPU is visible, a ``ProcessGroupNCCL``.
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
@@ -22,8 +23,43 @@ from .options import Options
 __all__ = ["create_backend", "group_plan"]
 
 
+# This process's Gloo devices, shared by every Gloo group xcomm builds in it,
+# keyed by what chooses them. A device is a listening socket and an event
+# loop thread: making one per group costs about a millisecond, and letting
+# one go joins its loop (up to 10 ms), on the path of every group built,
+# shrunk or reconfigured. A forked child makes its own (the pid in the key).
+_GLOO_DEVICES: dict[tuple[int, str, str], list[Any]] = {}
+
+
+def _gloo_devices() -> list[Any]:
+    """The Gloo devices a new Gloo group uses, as ``ProcessGroupGloo`` would
+    choose them: one per interface in ``GLOO_SOCKET_IFNAME``, else the
+    host's default."""
+    ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    key = (
+        os.getpid(),
+        ifnames,
+        os.environ.get("GLOO_DEVICE_TRANSPORT", "")
+        + "|"
+        + os.environ.get("TORCH_GLOO_LAZY_INIT", ""),
+    )
+    devices = _GLOO_DEVICES.get(key)
+    if devices is None:
+        gloo = dist.ProcessGroupGloo
+        if len(ifnames) > 1:
+            devices = [gloo.create_device(interface=name) for name in ifnames.split(",")]
+        else:
+            devices = [gloo.create_default_device()]
+        _GLOO_DEVICES[key] = devices
+    return devices
+
+
 def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = _gloo_devices()
+    options._timeout = timeout
+    options._threads = 2 * len(options._devices)  # as ProcessGroupGloo's own default
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 def _nccl_factory(group_name: str) -> Any | None:
@@ -58,6 +94,12 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
     timeout = pg_options.timeout or dist_backend_opts.timeout
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    # torch 2.14's init_process_group(enable_reconfigure=True); absent before.
+    await_reconfigure = bool(getattr(dist_backend_opts, "enable_reconfigure", False))
+    if await_reconfigure:
+        # Nothing is built until the first reconfigure, which the other
+        # members wait on: have this process's Gloo device ready for it.
+        _gloo_devices()
     return _C.build_group(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
@@ -65,8 +107,7 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         pg_options.to_cpp(timeout),
         _gloo,
         _nccl_factory(str(dist_backend_opts.group_id)),
-        # torch 2.14's init_process_group(enable_reconfigure=True); absent before.
-        await_reconfigure=bool(getattr(dist_backend_opts, "enable_reconfigure", False)),
+        await_reconfigure=await_reconfigure,
     )
 
 

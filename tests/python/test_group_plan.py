@@ -190,6 +190,56 @@ def _counting_gloo() -> Iterator[list[object]]:
         xcomm.backend._gloo = real_gloo
 
 
+def _gloo_loop_threads() -> int:
+    """Gloo TCP devices alive in this process: each runs one loop thread."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+            count += f.read().strip() == "gloo_tcp_loop"
+    return count
+
+
+def _rank_shared_gloo_device(ctx: RankContext) -> dict[str, Any]:
+    import xcomm.backend
+
+    plain = xcomm.Options(shm=False)  # two Gloo groups each: the transport and its checks
+    before = _gloo_loop_threads()
+    with _counting_gloo() as made:
+        first = dist.new_group(backend="xcomm", pg_options=plain)
+        second = dist.new_group(backend="xcomm", pg_options=plain)
+    during = _gloo_loop_threads()
+    sums = []
+    for g in (first, second):
+        t = torch.full((5,), float(ctx.rank + 1))
+        dist.all_reduce(t, group=g)
+        sums.append(t.tolist())
+    # Letting one group go leaves the device to the others.
+    dist.destroy_process_group(first)
+    t = torch.full((5,), float(ctx.rank + 1))
+    dist.all_reduce(t, group=second)
+    sums.append(t.tolist())
+    mine = [k for k in xcomm.backend._GLOO_DEVICES if k[0] == os.getpid()]
+    return {
+        "gloo_groups": len(made),
+        "new_devices": during - before,
+        "cached": len(mine),
+        "sums": sums,
+    }
+
+
+def test_the_gloo_groups_of_a_process_share_one_device() -> None:
+    """Every Gloo group xcomm builds in a process uses one Gloo device (a
+    listening socket and a loop thread): a device per group cost a thread
+    and about a millisecond to make, and up to 10 ms to let go, on the path
+    of every group built, shrunk or reconfigured."""
+    for r in run_ranks(_rank_shared_gloo_device, 2, timeout=120):
+        assert r["gloo_groups"] == 4, r  # the plain groups were built with Gloo
+        # The default xcomm group made the process's device: none is new.
+        assert r["new_devices"] == 0, r
+        assert r["cached"] == 1, r
+        assert r["sums"] == [[3.0] * 5] * 3, r
+
+
 def _rank_bad_slot_env(ctx: RankContext) -> tuple[str, int]:
     os.environ["XCOMM_SHM_SLOT_BYTES"] = "lots"
     with _counting_gloo() as made:
