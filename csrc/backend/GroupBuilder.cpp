@@ -1,5 +1,6 @@
 #include "backend/GroupBuilder.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <random>
 #include <sstream>
@@ -40,10 +41,10 @@ ShmRoute::Config shmConfig(const GroupSettings& settings) {
 // Every rank's verdict on its own setup; true when all succeeded.
 bool allSucceeded(const StorePtr& shmStore, int rank, int size, bool mine) {
   setStoreText(shmStore, "ok/" + std::to_string(rank), mine ? "1" : "0");
-  bool all = true;
-  for (int r = 0; r < size; ++r)
-    all = getStoreText(shmStore, "ok/" + std::to_string(r)) == "1" && all;
-  return all;
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back("ok/" + std::to_string(r));
+  const auto said = getStoreTexts(shmStore, keys);
+  return std::all_of(said.begin(), said.end(), [](const std::string& s) { return s == "1"; });
 }
 
 // A namespace for every key this group puts in the store, fresh for each
@@ -61,8 +62,16 @@ std::string agreeGroupToken(const StorePtr& store, int rank, int size) {
     std::random_device rd;
     std::ostringstream token;
     token << std::hex << rd() << rd() << rd() << rd();  // 128 bits
-    for (int r = 1; r < size; ++r) setStoreText(store, prefix + std::to_string(r), token.str());
-    return token.str();
+    // One request for all of them (a set per key where the store has no multiSet).
+    std::vector<std::string> keys;
+    std::vector<std::vector<uint8_t>> values;
+    const std::string text = token.str();
+    for (int r = 1; r < size; ++r) {
+      keys.push_back(prefix + std::to_string(r));
+      values.emplace_back(text.begin(), text.end());
+    }
+    if (!keys.empty()) store->multiSet(keys, values);
+    return text;
   }
   const std::string key = prefix + std::to_string(rank);
   std::string token = getStoreText(store, key);
@@ -119,6 +128,12 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
 
   const ShmRoute::Config config = shmConfig(plan.settings);
   XcommBackend::Routes routes;
+  // A single-host segment is begun before Gloo connects: its creator
+  // reserves the segment's pages meanwhile.
+  std::unique_ptr<ShmTransport::Setup> shmSetup;
+  if (plan.shape == GroupShape::kSingleHostShm) {
+    shmSetup = ShmTransport::Setup::begin(shmStore, rank, size, config.transport);
+  }
   BackendPtr gloo = make("xcomm/gloo");
   // Checked before the shared-memory attempt in a hierarchical group (its
   // Gloo ops span hosts), after it otherwise (a failed single-host attempt
@@ -140,8 +155,8 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     std::string whyNot;
     if (plan.shape == GroupShape::kSingleHostShm) {
       // Collective: null on every rank when any rank failed.
-      routes.shm = ShmRoute::tryCreate(shmStore, rank, size, timeout,
-                                       std::make_shared<RawRoute>(gloo), config, &whyNot);
+      routes.shm = ShmRoute::tryCreate(*shmSetup, timeout, std::make_shared<RawRoute>(gloo), config,
+                                       &whyNot);
     } else {
       HierarchicalRoute::Leaders leaders;
       leaders.gloo = make("xcomm/leaders");
@@ -181,8 +196,9 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
       ShmRoute::Config control = config;  // its spin time
       control.transport.slotBytes = 4096;
       std::string whyNot;
-      if (auto shm = ShmRoute::tryCreate(prefixed("shm-fusion", groupStore), rank, size, timeout,
-                                         fusionControl, control, &whyNot)) {
+      auto setup = ShmTransport::Setup::begin(prefixed("shm-fusion", groupStore), rank, size,
+                                              control.transport);
+      if (auto shm = ShmRoute::tryCreate(*setup, timeout, fusionControl, control, &whyNot)) {
         fusionControl = shm;
       } else {
         LOG(WARNING) << "xcomm: fusion rounds agree over gloo (" << whyNot << ")";

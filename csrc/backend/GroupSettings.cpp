@@ -296,9 +296,13 @@ AgreedSettings agreeGroupSettings(const StorePtr& store, int rank, int size,
     mine = std::string(kMagic) + kSeparator + "error" + kSeparator + myError;
   }
   const auto key = [](const char* what, int r) { return std::string(what) + std::to_string(r); };
+  const auto keysOf = [&](const char* what) {
+    std::vector<std::string> keys;
+    for (int r = 0; r < size; ++r) keys.push_back(key(what, r));
+    return keys;
+  };
   setStoreText(store, key("settings/", rank), mine);
-  std::vector<std::string> raw(size);
-  for (int r = 0; r < size; ++r) raw[r] = getStoreText(store, key("settings/", r));
+  const std::vector<std::string> raw = getStoreTexts(store, keysOf("settings/"));
 
   // From here on every step is a function of `raw` alone: ranks that read the
   // same records reach the same verdict.
@@ -339,8 +343,7 @@ AgreedSettings agreeGroupSettings(const StorePtr& store, int rank, int size,
   // inputs, so equal plans; anything else fails every rank with the first
   // rank's error (or says that the records changed while being read).
   setStoreText(store, key("verdict/", rank), verdict);
-  std::vector<std::string> verdicts(size);
-  for (int r = 0; r < size; ++r) verdicts[r] = getStoreText(store, key("verdict/", r));
+  const std::vector<std::string> verdicts = getStoreTexts(store, keysOf("verdict/"));
   for (int r = 0; r < size; ++r) {
     if (verdicts[r].rfind("error:", 0) == 0) {
       TORCH_CHECK_VALUE(false, verdicts[r].substr(6));

@@ -192,12 +192,12 @@ c10::intrusive_ptr<c10d::Work> ShmRouteBase::submit(const Op& op,
   return work;
 }
 
-std::shared_ptr<ShmRoute> ShmRoute::tryCreate(const c10::intrusive_ptr<c10d::Store>& store,
-                                              int rank, int size, std::chrono::milliseconds timeout,
+std::shared_ptr<ShmRoute> ShmRoute::tryCreate(ShmTransport::Setup& setup,
+                                              std::chrono::milliseconds timeout,
                                               std::shared_ptr<Route> fallback, Config config,
                                               std::string* whyNot) {
   TORCH_CHECK(fallback, "xcomm shm: a fallback route is required");
-  auto transport = ShmTransport::create(store, rank, size, config.transport, whyNot);
+  auto transport = setup.finish(whyNot);
   if (!transport) return {};
   return std::make_shared<ShmRoute>(std::move(transport), std::move(fallback), timeout, config);
 }

@@ -73,10 +73,11 @@ class ShmRouteBase : public Route {
 
 class ShmRoute final : public ShmRouteBase {
  public:
-  // Collective over `store`: null on every rank when the segment cannot be
-  // set up (then the caller keeps using `fallback` alone); `whyNot` says why.
-  static std::shared_ptr<ShmRoute> tryCreate(const c10::intrusive_ptr<c10d::Store>& store, int rank,
-                                             int size, std::chrono::milliseconds timeout,
+  // Finishes the segment's set-up (collective; begun with `config.transport`
+  // over the group): null on every rank when the segment cannot be set up
+  // (then the caller keeps using `fallback` alone); `whyNot` says why.
+  static std::shared_ptr<ShmRoute> tryCreate(ShmTransport::Setup& setup,
+                                             std::chrono::milliseconds timeout,
                                              std::shared_ptr<Route> fallback, Config config,
                                              std::string* whyNot = nullptr);
   ShmRoute(std::unique_ptr<ShmTransport> transport, std::shared_ptr<Route> fallback,

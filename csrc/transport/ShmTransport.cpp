@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <iomanip>
 #include <optional>
 #include <random>
@@ -201,9 +202,24 @@ struct Mapping {
   }
 };
 
-// Maps the segment: creates it when `create` (rank 0), else opens it.
+// Reserves the segment's pages in [offset, offset + bytes): a full /dev/shm
+// must fail here, not SIGBUS later. Returns an error text, or empty.
+std::string reservePages(const std::string& name, size_t offset, size_t bytes) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) return "shm_open(" + name + ") failed: " + errnoText(errno);
+  const int err = ::posix_fallocate(fd, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  ::close(fd);
+  if (err != 0)
+    return "posix_fallocate of " + std::to_string(bytes) + " bytes failed: " + errnoText(err);
+  return {};
+}
+
+// Maps the segment: creates it when `create` (rank 0), else opens it. The
+// creator reserves only the first `reserveBytes` (the pages every rank
+// writes before the set-up's verdict); the rest is reserved by reservePages.
 // Returns an error text, or empty on success.
-std::string mapSegment(const std::string& name, bool create, size_t bytes, Mapping& mapping) {
+std::string mapSegment(const std::string& name, bool create, size_t bytes, size_t reserveBytes,
+                       Mapping& mapping) {
   const int fd = create ? ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600)
                         : ::shm_open(name.c_str(), O_RDWR, 0);
   if (fd < 0) return "shm_open(" + name + ") failed: " + errnoText(errno);
@@ -215,9 +231,9 @@ std::string mapSegment(const std::string& name, bool create, size_t bytes, Mappi
     if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
       return "ftruncate failed: " + errnoText(errno);
     }
-    // Reserve the pages now: a full /dev/shm must fail here, not SIGBUS later.
-    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0) {
-      return "posix_fallocate of " + std::to_string(bytes) + " bytes failed: " + errnoText(err);
+    if (int err = ::posix_fallocate(fd, 0, static_cast<off_t>(reserveBytes)); err != 0) {
+      return "posix_fallocate of " + std::to_string(reserveBytes) +
+             " bytes failed: " + errnoText(err);
     }
     // Exactly 0600 whatever the umask: peers refuse anything else.
     if (::fchmod(fd, 0600) != 0) return "fchmod failed: " + errnoText(errno);
@@ -246,90 +262,147 @@ std::string mapSegment(const std::string& name, bool create, size_t bytes, Mappi
 
 }  // namespace
 
-std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d::Store>& store,
-                                                   int rank, int size, Config config,
-                                                   std::string* whyNot) {
-  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "xcomm shm: bad rank ", rank, " of ", size);
-  TORCH_CHECK(config.slotBytes >= 64, "xcomm shm: slotBytes must be at least 64");
-  // reduce_scatter puts one piece per rank in a slot: at least 64 bytes each.
-  const size_t slotBytes = roundUp(std::max<size_t>(config.slotBytes, 64 * size), 64);
-  const size_t controlBytes = roundUp(sizeof(RankControl) * size, kPage);
-  const size_t mapBytes = controlBytes + roundUp(slotBytes * 2 * size, kPage);
-
-  std::string error;
+// A set-up under way: what begin() made, what finish() completes.
+struct ShmTransport::Setup::State {
+  c10::intrusive_ptr<c10d::Store> store;
+  int rank = 0;
+  int size = 0;
+  Config config;
+  size_t slotBytes = 0;
+  size_t controlBytes = 0;
+  size_t mapBytes = 0;
   std::string name;
   Mapping mapping;
-  // The name is removed once every rank reported (by each rank that mapped
-  // the segment: whichever survives), or when anything here throws (a peer
-  // that never shows up makes the store time out).
-  struct UnlinkOnExit {
-    std::string name;
-    void now() {
-      if (!name.empty()) ::shm_unlink(name.c_str());
-      name.clear();
+  std::string error;  // this rank's, so far
+  // The creator's reservation of the buffers' pages, running meanwhile.
+  std::future<std::string> reservation;
+  // The name this rank removes when the set-up ends, whichever way: every
+  // rank that mapped the segment does (rank 0 may be killed before it does).
+  std::string unlinkName;
+  bool finished = false;
+
+  void unlinkNow() {
+    if (!unlinkName.empty()) ::shm_unlink(unlinkName.c_str());
+    unlinkName.clear();
+  }
+  std::string reserved() {
+    if (!reservation.valid()) return {};
+    return reservation.get();
+  }
+};
+
+std::unique_ptr<ShmTransport::Setup> ShmTransport::Setup::begin(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, Config config) {
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "xcomm shm: bad rank ", rank, " of ", size);
+  TORCH_CHECK(config.slotBytes >= 64, "xcomm shm: slotBytes must be at least 64");
+  auto state = std::make_unique<State>();
+  state->store = store;
+  state->rank = rank;
+  state->size = size;
+  state->config = config;
+  // reduce_scatter puts one piece per rank in a slot: at least 64 bytes each.
+  state->slotBytes = roundUp(std::max<size_t>(config.slotBytes, 64 * size), 64);
+  state->controlBytes = roundUp(sizeof(RankControl) * size, kPage);
+  state->mapBytes = state->controlBytes + roundUp(state->slotBytes * 2 * size, kPage);
+  std::unique_ptr<Setup> setup(new Setup(std::move(state)));
+  State& st = *setup->state_;
+  if (rank == 0) {
+    removeOrphanedSegments();  // earlier groups' creators killed mid-set-up
+    st.name = newSegmentName();
+    st.unlinkName = st.name;
+    st.error = mapSegment(st.name, /*create=*/true, st.mapBytes, st.controlBytes, st.mapping);
+    store->set("name", bytesOf(st.error.empty() ? st.name : std::string()));
+    if (st.error.empty()) {
+      // The buffers' pages (several MiB: milliseconds) are reserved while the
+      // caller connects the group's other transports; nobody touches them
+      // before finish() agreed that every rank has the segment.
+      st.reservation = std::async(std::launch::async, reservePages, st.name, st.controlBytes,
+                                  st.mapBytes - st.controlBytes);
     }
-    ~UnlinkOnExit() { now(); }
-  } unlinker;
-  std::string firstError;
+  }
+  return setup;
+}
+
+ShmTransport::Setup::Setup(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+ShmTransport::Setup::~Setup() {
+  if (!state_ || state_->finished) return;
+  // Not finished (the caller's other set-up threw): wait for the
+  // reservation, and remove the name and whatever a dead creator left.
   try {
-    if (rank == 0) {
-      removeOrphanedSegments();  // earlier groups' creators killed mid-set-up
-      name = newSegmentName();
-      unlinker.name = name;
-      error = mapSegment(name, /*create=*/true, mapBytes, mapping);
-      store->set("name", bytesOf(error.empty() ? name : std::string()));
+    state_->reserved();
+  } catch (...) {
+  }
+  state_->unlinkNow();
+  removeOrphanedSegments();
+}
+
+std::unique_ptr<ShmTransport> ShmTransport::Setup::finish(std::string* whyNot) {
+  State& st = *state_;
+  TORCH_CHECK(!st.finished, "xcomm shm: a segment's set-up was finished twice");
+  // Should anything below throw (a peer that never reports may be rank 0,
+  // killed before it unlinked the segment), the destructor removes the name
+  // and whatever a dead creator left.
+  std::string firstError;
+  {
+    if (st.rank == 0) {
+      const std::string reserved = st.reserved();
+      if (st.error.empty()) st.error = reserved;
     } else {
-      name = stringOf(store->get("name"));
-      if (name.empty()) {
-        error = "rank 0 could not create the segment";
-      } else if (!creatorOf(name) || name[0] != '/') {
-        error = "refusing segment name '" + name.substr(0, 120) +
-                "' from the store: not one xcomm makes (another process may have written this "
-                "group's key in the store)";
+      st.name = stringOf(st.store->get("name"));
+      if (st.name.empty()) {
+        st.error = "rank 0 could not create the segment";
+      } else if (!creatorOf(st.name) || st.name[0] != '/') {
+        st.error = "refusing segment name '" + st.name.substr(0, 120) +
+                   "' from the store: not one xcomm makes (another process may have written this "
+                   "group's key in the store)";
       } else {
-        error = mapSegment(name, /*create=*/false, mapBytes, mapping);
-        // Every rank that mapped the segment unlinks the name once all have:
-        // rank 0 may be killed before it does.
-        if (error.empty()) unlinker.name = name;
+        st.error = mapSegment(st.name, /*create=*/false, st.mapBytes, 0, st.mapping);
+        if (st.error.empty()) st.unlinkName = st.name;
       }
     }
-    if (error.empty()) {
-      auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(mapping.base) +
-                                                 sizeof(RankControl) * rank);
+    if (st.error.empty()) {
+      auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(st.mapping.base) +
+                                                 sizeof(RankControl) * st.rank);
       ctl->pid = static_cast<int32_t>(::getpid());
-      ctl->groupRank = config.groupRank >= 0 ? config.groupRank : rank;
+      ctl->groupRank = st.config.groupRank >= 0 ? st.config.groupRank : st.rank;
       ctl->startTime = processStat(::getpid()).first;
     }
     // Every rank reports; all agree on the outcome, so no rank is left alone on
     // a path the others do not take.
-    store->set("status/" + std::to_string(rank), bytesOf(error.empty() ? "ok" : error));
-    for (int r = 0; r < size; ++r) {
-      const auto status = stringOf(store->get("status/" + std::to_string(r)));
+    st.store->set("status/" + std::to_string(st.rank), bytesOf(st.error.empty() ? "ok" : st.error));
+    std::vector<std::string> keys;
+    for (int r = 0; r < st.size; ++r) keys.push_back("status/" + std::to_string(r));
+    const auto statuses = st.store->multiGet(keys);  // one request where the store has one
+    for (int r = 0; r < st.size; ++r) {
+      const auto status = stringOf(statuses[r]);
       if (status != "ok" && firstError.empty())
         firstError = "rank " + std::to_string(r) + ": " + status;
     }
-  } catch (...) {
-    // A peer that never reported may be rank 0, killed before it unlinked
-    // the segment: remove what a dead creator left, then fail.
-    unlinker.now();
-    removeOrphanedSegments();
-    throw;
   }
+  st.finished = true;
   // Every rank has mapped it (or given up): the name is no longer needed.
-  unlinker.now();
+  st.unlinkNow();
   if (!firstError.empty()) {
     removeOrphanedSegments();
     if (whyNot) *whyNot = firstError;
     return nullptr;
   }
-  const int spin = config.spinMicros >= 0
-                       ? config.spinMicros
-                       // Polling (with yields) beats a futex wake-up, which
-                       // costs tens of microseconds on a busy VM; with more
-                       // ranks than cores, sleep sooner.
-                       : (size > static_cast<int>(std::thread::hardware_concurrency()) ? 50 : 300);
+  const int spin =
+      st.config.spinMicros >= 0
+          ? st.config.spinMicros
+          // Polling (with yields) beats a futex wake-up, which
+          // costs tens of microseconds on a busy VM; with more
+          // ranks than cores, sleep sooner.
+          : (st.size > static_cast<int>(std::thread::hardware_concurrency()) ? 50 : 300);
   return std::unique_ptr<ShmTransport>(
-      new ShmTransport(rank, size, slotBytes, spin, mapping.release(), mapBytes));
+      new ShmTransport(st.rank, st.size, st.slotBytes, spin, st.mapping.release(), st.mapBytes));
+}
+
+std::unique_ptr<ShmTransport> ShmTransport::create(const c10::intrusive_ptr<c10d::Store>& store,
+                                                   int rank, int size, Config config,
+                                                   std::string* whyNot) {
+  return Setup::begin(store, rank, size, config)->finish(whyNot);
 }
 
 ShmTransport::ShmTransport(int rank, int size, size_t slotBytes, int spinMicros, void* base,

@@ -44,9 +44,32 @@ class ShmTransport {
   // creates one, every rank when set-up fails. Returns how many it removed.
   static int removeOrphanedSegments();
 
-  // Collective over `store` (every rank calls it). Returns null on every
-  // rank when any rank could not create or map the segment; `whyNot` then
-  // says why (on the rank that failed).
+  // A segment's set-up in two halves, both collective over the store:
+  // begin() has rank 0 create the segment and publish its name, then
+  // reserve its pages (milliseconds for a few MiB) on a thread of its own
+  // while the caller connects the group's other transports; finish() maps
+  // it on every rank and agrees on the outcome. A set-up dropped unfinished
+  // (the caller's other set-up threw) removes what it made.
+  class Setup {
+   public:
+    static std::unique_ptr<Setup> begin(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                        int size, Config config);
+    // Null on every rank when any rank could not create or map the segment;
+    // `whyNot` then says why (on the rank that failed).
+    std::unique_ptr<ShmTransport> finish(std::string* whyNot = nullptr);
+    ~Setup();
+    Setup(const Setup&) = delete;
+    Setup& operator=(const Setup&) = delete;
+
+   private:
+    struct State;
+    explicit Setup(std::unique_ptr<State> state);
+    std::unique_ptr<State> state_;
+  };
+
+  // Both halves at once: collective over `store` (every rank calls it).
+  // Returns null on every rank when any rank could not create or map the
+  // segment; `whyNot` then says why (on the rank that failed).
   static std::unique_ptr<ShmTransport> create(const c10::intrusive_ptr<c10d::Store>& store,
                                               int rank, int size, Config config,
                                               std::string* whyNot = nullptr);

@@ -484,3 +484,37 @@ TEST_CASE("a new group's set-up removes a segment its dead creator left behind",
   shm_unlink(("/" + orphan).c_str());
   CHECK_FALSE(orphanLeft);
 }
+
+TEST_CASE(
+    "a set-up finished after other work gives working segments; one dropped unfinished leaves "
+    "nothing in /dev/shm",
+    "[shm][setup]") {
+  const int size = 3;
+  // Begun, then (as the group builder does while Gloo connects) other work,
+  // then finished: the ranks reduce through the segment.
+  std::vector<double> sums(size);
+  xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
+    xcomm::ShmTransport::Config config;
+    config.slotBytes = 1 << 16;
+    auto setup = xcomm::ShmTransport::Setup::begin(store, r, size, config);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));
+    std::string whyNot;
+    auto transport = setup->finish(&whyNot);
+    TORCH_CHECK(transport, "no transport: ", whyNot);
+    auto t = at::full({1000}, static_cast<double>(r + 1), at::kDouble);
+    xcomm::shm::allreduce(*transport, t, RedOp::SUM, in(std::chrono::seconds(20)));
+    sums[r] = t[999].item<double>();
+  });
+  for (double s : sums) CHECK(s == 6.0);
+  CHECK(shmFiles().empty());
+
+  // Begun and dropped (the other work threw): rank 0 had created and named
+  // the segment, and its pages were being reserved.
+  xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
+    xcomm::ShmTransport::Config config;
+    config.slotBytes = 1 << 20;
+    auto setup = xcomm::ShmTransport::Setup::begin(store, r, size, config);
+    if (r == 0) TORCH_CHECK(!shmFiles().empty(), "rank 0 created no segment");
+  });
+  CHECK(shmFiles().empty());
+}
