@@ -129,29 +129,6 @@ std::vector<int64_t> pieceBytes(const at::Tensor& t, const std::vector<int64_t>&
   return bytes;
 }
 
-// What the inner Gloo op raised, as an error that names xcomm's op: Gloo's
-// own text (a socket's read error, "Operation timed out!") names neither
-// the collective nor that a peer is the likely cause.
-std::exception_ptr innerFailure(const std::string& title, const std::exception_ptr& raised) {
-  try {
-    std::rethrow_exception(raised);
-  } catch (const c10::DistBackendError&) {
-    return raised;  // already names its cause
-  } catch (const std::exception& e) {
-    try {
-      C10_THROW_ERROR(DistBackendError,
-                      c10::str("xcomm.", title,
-                               ": the collective failed in Gloo (a peer died, left, hangs, or was "
-                               "slower than the op's timeout): ",
-                               messageOf(e)));
-    } catch (...) {
-      return std::current_exception();
-    }
-  } catch (...) {
-    return raised;
-  }
-}
-
 // Twice the op's timeout and a second: past the inner backend's own limit.
 std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
   return 2 * timeout + std::chrono::seconds(1);
@@ -437,7 +414,7 @@ CheckedRoute::Outcome CheckedRoute::runTurn(const char* title, const Call& call,
       try {
         inner->wait(backstop(wait));
       } catch (...) {
-        return Outcome::failed(innerFailure(title, std::current_exception()));
+        return Outcome::failed(namedTransportFailure(title, "Gloo", std::current_exception()));
       }
       return Outcome::complete();
     }
@@ -452,7 +429,7 @@ CheckedRoute::Outcome CheckedRoute::runTurn(const char* title, const Call& call,
     // future would: the worker moves on to the next op's check.
     done->addCallback([work, title = std::string(title)](c10::ivalue::Future& f) {
       if (f.hasError()) {
-        work->markFailed(innerFailure(title, f.exception_ptr()));
+        work->markFailed(namedTransportFailure(title, "Gloo", f.exception_ptr()));
       } else {
         work->markSucceeded();
       }

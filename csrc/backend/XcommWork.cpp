@@ -3,7 +3,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
 #include <unordered_set>
+
+#include "common/ErrorText.hpp"
 
 namespace xcomm {
 namespace {
@@ -57,6 +60,12 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
       inner_(std::move(inner)),
       result_(std::move(result)) {
   TORCH_INTERNAL_ASSERT(inner_, "DelegatedWork needs an inner work");
+  if (profilingTitle) {
+    op_ = profilingTitle;
+    if (op_.rfind("xcomm:", 0) == 0) op_ = op_.substr(6);
+  } else {
+    op_ = c10d::opTypeToString(opType);
+  }
   try {
     innerFuture_ = inner_->getFuture();
   } catch (const c10::Error&) {
@@ -90,6 +99,7 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
   auto done = chained_ ? chained_ : innerFuture_;
   if (done && done->devices().empty()) {
     completion_ = std::make_shared<Completion>();
+    completion_->op = op_;
     completion_->future = c10::make_intrusive<c10::ivalue::Future>(done->elementType());
     done->addCallback([completion = completion_](c10::ivalue::Future& finished) {
       // The future first, as Gloo's works do: whoever wait() released finds
@@ -107,7 +117,7 @@ DelegatedWork::DelegatedWork(int rank, c10d::OpType opType, c10::intrusive_ptr<c
 void DelegatedWork::Completion::settle(c10::ivalue::Future* from, const std::exception_ptr& error) {
   if (settled.exchange(true)) return;  // the op and an abort race: the first wins
   if (error) {
-    future->setError(error);
+    future->setError(namedTransportFailure(op, "its transport", error));
   } else {
     future->markCompleted(from->value());
   }
@@ -162,13 +172,17 @@ bool DelegatedWork::isSuccess() const {
   return inner_->isSuccess() && (!chained_ || !chained_->completed() || !chained_->hasError());
 }
 
+std::exception_ptr DelegatedWork::named(const std::exception_ptr& raised) const {
+  return namedTransportFailure(op_, "its transport", raised);
+}
+
 std::exception_ptr DelegatedWork::exception() const {
   if (abortedFirst()) return completion_->abort;
   if (auto e = inner_->exception()) {
-    return e;
+    return named(e);
   }
   if (chained_ && chained_->completed() && chained_->hasError()) {
-    return chained_->exception_ptr();
+    return named(chained_->exception_ptr());
   }
   return nullptr;
 }
@@ -215,7 +229,7 @@ bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
     ok = inner_->wait(timeout);
   } catch (...) {
     if (inner_->isCompleted()) endProfiling();  // failed, not timed out
-    throw;
+    std::rethrow_exception(named(std::current_exception()));
   }
   if (!finalize_) {
     endProfiling();
@@ -225,7 +239,7 @@ bool DelegatedWork::wait(std::chrono::milliseconds timeout) {
     chained_->wait();  // also orders the current CUDA stream after the copy-back
     endProfiling();
     if (chained_->hasError()) {
-      std::rethrow_exception(chained_->exception_ptr());
+      std::rethrow_exception(named(chained_->exception_ptr()));
     }
   } else {
     finalize_->run();

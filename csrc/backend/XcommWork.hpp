@@ -79,9 +79,13 @@ class DelegatedWork : public c10d::Work {
     std::exception_ptr abort;  // set when the group aborted first, once the future is
     std::atomic<bool> settled{false};
     c10::intrusive_ptr<c10::ivalue::Future> future;  // what getFuture() hands out
+    std::string op;                                  // names the op in what its transport raised
     void settle(c10::ivalue::Future* from, const std::exception_ptr& error);
   };
   bool abortedFirst() const;
+  // What the transport raised, naming this op (common/ErrorText.hpp).
+  std::exception_ptr named(const std::exception_ptr& raised) const;
+  std::string op_;  // "all_reduce": the profiling title without "xcomm:"
   c10::intrusive_ptr<c10d::Work> inner_;
   c10::intrusive_ptr<c10::ivalue::Future> innerFuture_;  // null for point-to-point works
   std::shared_ptr<RunOnce> finalize_;                    // null when nothing is staged

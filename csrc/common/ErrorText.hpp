@@ -37,4 +37,30 @@ inline std::string peerFailure(const std::string& memberName, int peer,
   return who + " did not take part within " + std::to_string(limit.count()) + " ms";
 }
 
+// What a transport raised for one of xcomm's ops, as an error that names the
+// op: Gloo's own text (a socket's read error, "Operation timed out!") names
+// neither the op nor that a peer is the likely cause: "xcomm.all_reduce failed
+// in Gloo (a peer died, ...): <Gloo's text>". A DistBackendError
+// already names its cause and passes unchanged, as does anything that is
+// not a std::exception.
+inline std::exception_ptr namedTransportFailure(const std::string& op, const std::string& where,
+                                                const std::exception_ptr& raised) {
+  try {
+    std::rethrow_exception(raised);
+  } catch (const c10::DistBackendError&) {
+    return raised;
+  } catch (const std::exception& e) {
+    try {
+      C10_THROW_ERROR(
+          DistBackendError,
+          "xcomm." + op + " failed in " + where +
+              " (a peer died, left, hangs, or was slower than the op's timeout): " + messageOf(e));
+    } catch (...) {
+      return std::current_exception();
+    }
+  } catch (...) {
+    return raised;
+  }
+}
+
 }  // namespace xcomm

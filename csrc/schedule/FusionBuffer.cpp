@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "common/AgreedCall.hpp"
+#include "common/ErrorText.hpp"
 #include "observe/Stats.hpp"
 #include "observe/Timeline.hpp"
 
@@ -85,7 +86,11 @@ c10::intrusive_ptr<c10::ivalue::Future> FusedWork::getFuture() {
 }
 
 void FusedWork::complete(std::exception_ptr error) {
-  if (!error && finalize_) {
+  if (error) {
+    // The fused transfer's (or its agreement's) transport raised it: named
+    // as the caller's op, not as Gloo's bare "Operation timed out!".
+    error = namedTransportFailure("all_reduce", "a fused transfer's transport", error);
+  } else if (finalize_) {
     try {
       finalize_();
     } catch (...) {
