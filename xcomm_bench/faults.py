@@ -18,11 +18,12 @@ lets them reduce a few times, then injects the fault into one rank, the victim:
     calls ``dist.destroy_process_group()``; it stays alive afterwards, so
     what the survivors notice is the departure, not a dead process.
 ``setup-kill``
-    Shared memory only: the ranks other than 0 read the segment's name from
-    the store late (a delay of ``--setup-delay`` seconds, as a slow peer
-    would), so rank 0 waits with its segment created and not yet unlinked;
-    the controller SIGKILLs rank 0 as soon as the segment appears in
-    /dev/shm (rank 0 hosts the store too, as with ``env://``).
+    Shared memory only: rank 0 creates the group's segment before the
+    group's Gloo connects, and the other ranks read its name after, late (a
+    delay of ``--setup-delay`` seconds, as a slow peer would); the
+    controller SIGKILLs rank 0 as soon as the segment appears in /dev/shm,
+    while the others still connect, before any of them has its name (rank 0
+    hosts the store too, as with ``env://``).
 
 Routes: ``shm`` (single-host shared memory, a 1 MiB all_reduce), ``plain``
 (``shm=False``: the checked Gloo route, a 1 MiB all_reduce), ``int8``

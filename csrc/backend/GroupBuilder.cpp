@@ -99,11 +99,9 @@ XcommBackend::Regroup regroupWith(const InnerBackendFactory& factory, bool allow
   };
 }
 
-}  // namespace
-
-c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int size,
-                                            c10::intrusive_ptr<XcommOptions> options,
-                                            const InnerBackendFactory& factory, bool allowShm) {
+c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, int size,
+                                              c10::intrusive_ptr<XcommOptions> options,
+                                              const InnerBackendFactory& factory, bool allowShm) {
   TORCH_CHECK(options, "xcomm: options must not be null");
   TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
   options->validate();
@@ -215,6 +213,22 @@ c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
   }
   return backend;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int size,
+                                            c10::intrusive_ptr<XcommOptions> options,
+                                            const InnerBackendFactory& factory, bool allowShm) {
+  try {
+    return buildOrThrow(store, rank, size, std::move(options), factory, allowShm);
+  } catch (...) {
+    // A member killed mid-set-up may have created a segment whose name its
+    // peers never read (they fail first, in a store round or in Gloo): the
+    // segments of creators that are gone are removed before this one fails.
+    if (allowShm) ShmTransport::removeOrphanedSegments();
+    throw;
+  }
 }
 
 c10::intrusive_ptr<XcommBackend> buildAwaitingReconfigure(const StorePtr& store, int rank, int size,

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <exception>
 #include <string>
+#include <typeinfo>
 
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -40,16 +41,12 @@ inline std::string peerFailure(const std::string& memberName, int peer,
 // What a transport raised for one of xcomm's ops, as an error that names the
 // op: Gloo's own text (a socket's read error, "Operation timed out!") names
 // neither the op nor that a peer is the likely cause: "xcomm.all_reduce failed
-// in Gloo (a peer died, ...): <Gloo's text>". A DistBackendError
-// already names its cause and passes unchanged, as does anything that is
-// not a std::exception.
+// in Gloo (a peer died, ...): <Gloo's text>". A typed c10 error (a
+// DistBackendError, a ValueError from the ranks' agreement) already names its
+// cause and passes unchanged, as does anything that is not a std::exception.
 inline std::exception_ptr namedTransportFailure(const std::string& op, const std::string& where,
                                                 const std::exception_ptr& raised) {
-  try {
-    std::rethrow_exception(raised);
-  } catch (const c10::DistBackendError&) {
-    return raised;
-  } catch (const std::exception& e) {
+  auto named = [&](const std::exception& e) -> std::exception_ptr {
     try {
       C10_THROW_ERROR(
           DistBackendError,
@@ -58,6 +55,15 @@ inline std::exception_ptr namedTransportFailure(const std::string& op, const std
     } catch (...) {
       return std::current_exception();
     }
+    return raised;  // not reached
+  };
+  try {
+    std::rethrow_exception(raised);
+  } catch (const c10::Error& e) {
+    // A bare c10::Error is a transport's (torch's "Operation timed out!").
+    return typeid(e) == typeid(c10::Error) ? named(e) : raised;
+  } catch (const std::exception& e) {
+    return named(e);
   } catch (...) {
     return raised;
   }

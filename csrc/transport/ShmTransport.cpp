@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <future>
@@ -19,6 +20,7 @@
 #include <random>
 #include <sstream>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -57,29 +59,39 @@ std::string errnoText(int err) {
   return std::string(std::strerror(err));
 }
 
-// Field 22 of /proc/<pid>/stat (start time in clock ticks), and the state
-// letter; 0 / '?' when the process does not exist.
-std::pair<uint64_t, char> processStat(int pid) {
+// What /proc/<pid>/stat says of a process: its start time in clock ticks
+// (field 22), its state letter, and whether it is exiting (PF_EXITING in
+// field 9: set as a killed process starts tearing down, before its sockets
+// close, and well before it is a zombie). 0 / '?' when it does not exist.
+struct ProcessStat {
+  uint64_t startTime = 0;
+  char state = '?';
+  bool exiting = false;
+};
+
+ProcessStat processStat(int pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto close = text.rfind(')');
-  if (close == std::string::npos) return {0, '?'};
+  ProcessStat stat;
+  if (close == std::string::npos) return stat;
   std::istringstream fields(text.substr(close + 2));
-  char state = '?';
-  fields >> state;
+  fields >> stat.state;
   std::string field;
   for (int i = 4; i <= 21 && fields >> field; ++i) {
+    if (i == 9) stat.exiting = (std::strtoull(field.c_str(), nullptr, 10) & 0x4) != 0;
   }
-  uint64_t start = 0;
-  fields >> start;
-  return {start, state};
+  fields >> stat.startTime;
+  return stat;
 }
 
 bool processAlive(int pid, uint64_t startTime) {
   if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
-  const auto [start, state] = processStat(pid);
-  // A zombie, or a new process that reuses the pid, is not the peer.
-  return state != '?' && state != 'Z' && state != 'X' && start == startTime;
+  const ProcessStat stat = processStat(pid);
+  // A zombie, a process on its way out (its peers may see its sockets close
+  // first), or a new process that reuses the pid, is not the peer.
+  return stat.state != '?' && stat.state != 'Z' && stat.state != 'X' && !stat.exiting &&
+         stat.startTime == startTime;
 }
 
 // A segment's name says who created it: "/xcomm-shm-<pid namespace>-<pid>-
@@ -107,7 +119,7 @@ std::string newSegmentName() {
   std::random_device rd;
   std::ostringstream name;
   name << "/" << kNamePrefix << pidNamespace() << "-" << ::getpid() << "-"
-       << processStat(::getpid()).first << "-" << std::hex;
+       << processStat(::getpid()).startTime << "-" << std::hex;
   for (int i = 0; i < 4; ++i) {
     name << std::setw(8) << std::setfill('0') << rd();  // 128 bits from the OS entropy source
   }
@@ -215,8 +227,9 @@ std::string reservePages(const std::string& name, size_t offset, size_t bytes) {
 }
 
 // Maps the segment: creates it when `create` (rank 0), else opens it. The
-// creator reserves only the first `reserveBytes` (the pages every rank
-// writes before the set-up's verdict); the rest is reserved by reservePages.
+// creator reserves only the first `reserveBytes` (the control lines every
+// rank writes before the set-up's verdict); each rank reserves its own slots
+// with reservePages.
 // Returns an error text, or empty on success.
 std::string mapSegment(const std::string& name, bool create, size_t bytes, size_t reserveBytes,
                        Mapping& mapping) {
@@ -281,6 +294,13 @@ struct ShmTransport::Setup::State {
   std::string unlinkName;
   bool finished = false;
 
+  // This rank's share of the pages to reserve: its own two slots (the last
+  // rank's run to the end of the segment). Each rank reserves its own, all
+  // at once: zeroing a few MiB costs milliseconds.
+  std::pair<size_t, size_t> ownSlots() const {
+    const size_t offset = controlBytes + static_cast<size_t>(rank) * 2 * slotBytes;
+    return {offset, rank == size - 1 ? mapBytes - offset : 2 * slotBytes};
+  }
   void unlinkNow() {
     if (!unlinkName.empty()) ::shm_unlink(unlinkName.c_str());
     unlinkName.clear();
@@ -313,11 +333,11 @@ std::unique_ptr<ShmTransport::Setup> ShmTransport::Setup::begin(
     st.error = mapSegment(st.name, /*create=*/true, st.mapBytes, st.controlBytes, st.mapping);
     store->set("name", bytesOf(st.error.empty() ? st.name : std::string()));
     if (st.error.empty()) {
-      // The buffers' pages (several MiB: milliseconds) are reserved while the
-      // caller connects the group's other transports; nobody touches them
-      // before finish() agreed that every rank has the segment.
-      st.reservation = std::async(std::launch::async, reservePages, st.name, st.controlBytes,
-                                  st.mapBytes - st.controlBytes);
+      // Its slots' pages are reserved while the caller connects the group's
+      // other transports; nobody touches a slot before finish() agreed that
+      // every rank has the segment.
+      const auto [offset, bytes] = st.ownSlots();
+      st.reservation = std::async(std::launch::async, reservePages, st.name, offset, bytes);
     }
   }
   return setup;
@@ -358,7 +378,11 @@ std::unique_ptr<ShmTransport> ShmTransport::Setup::finish(std::string* whyNot) {
                    "group's key in the store)";
       } else {
         st.error = mapSegment(st.name, /*create=*/false, st.mapBytes, 0, st.mapping);
-        if (st.error.empty()) st.unlinkName = st.name;
+        if (st.error.empty()) {
+          st.unlinkName = st.name;
+          const auto [offset, bytes] = st.ownSlots();
+          st.error = reservePages(st.name, offset, bytes);
+        }
       }
     }
     if (st.error.empty()) {
@@ -366,7 +390,7 @@ std::unique_ptr<ShmTransport> ShmTransport::Setup::finish(std::string* whyNot) {
                                                  sizeof(RankControl) * st.rank);
       ctl->pid = static_cast<int32_t>(::getpid());
       ctl->groupRank = st.config.groupRank >= 0 ? st.config.groupRank : st.rank;
-      ctl->startTime = processStat(::getpid()).first;
+      ctl->startTime = processStat(::getpid()).startTime;
     }
     // Every rank reports; all agree on the outcome, so no rank is left alone on
     // a path the others do not take.

@@ -46,9 +46,10 @@ class ShmTransport {
 
   // A segment's set-up in two halves, both collective over the store:
   // begin() has rank 0 create the segment and publish its name, then
-  // reserve its pages (milliseconds for a few MiB) on a thread of its own
-  // while the caller connects the group's other transports; finish() maps
-  // it on every rank and agrees on the outcome. A set-up dropped unfinished
+  // reserve its own slots' pages (zeroing them: milliseconds per MiB on a
+  // busy host) on a thread of its own while the caller connects the group's
+  // other transports; finish() maps it on every rank, each reserving its
+  // own slots at once, and agrees on the outcome. A set-up dropped unfinished
   // (the caller's other set-up threw) removes what it made.
   class Setup {
    public:

@@ -143,6 +143,7 @@ _RANK_SCRIPT = textwrap.dedent(
         # the segment created and not yet unlinked.
         def get(self, key):
             if key.endswith("/shm/name"):
+                open(path + ".late", "w").close()  # the test kills rank 0 now
                 time.sleep(delay)
             return self.inner.get(key)
 
@@ -164,7 +165,8 @@ def _segments_of(pid: int) -> list[str]:
 
 def test_a_creator_killed_while_its_peer_maps_the_segment_leaves_nothing(tmp_path: Any) -> None:
     """Rank 0 is SIGKILLed after creating its segment and before unlinking it
-    (it waits for a late peer): the peer unlinks the name itself once it has
+    (it waits for a late peer, which reads the segment's name once its Gloo
+    group is connected): the peer unlinks the name itself once it has
     mapped the segment, or, when its set-up fails first, removes the segment
     its dead creator left (the name holds the creator's pid and start time),
     so nothing stays in /dev/shm."""
@@ -184,7 +186,7 @@ def test_a_creator_killed_while_its_peer_maps_the_segment_leaves_nothing(tmp_pat
     ]
     try:
         deadline = time.monotonic() + 60
-        while not _segments_of(ranks[0].pid):
+        while not (_segments_of(ranks[0].pid) and os.path.exists(store_path + ".late")):
             assert time.monotonic() < deadline, "rank 0 never created its segment"
             assert ranks[0].poll() is None, ranks[0].communicate()[0]
             time.sleep(0.01)

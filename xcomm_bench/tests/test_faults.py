@@ -138,3 +138,21 @@ def test_on_the_plain_route_every_survivor_gets_an_xcomm_error_naming_the_op(fau
     for survivor in record["survivors"]:
         assert survivor["shape"] == "plain", survivor
         assert survivor["error"].startswith("DistBackendError: xcomm.all_reduce"), survivor
+
+
+@pytest.mark.slow
+def test_a_creator_killed_during_set_up_leaves_no_segment_behind() -> None:
+    """Rank 0 is SIGKILLed the moment its segment appears in /dev/shm, while
+    its peers still connect Gloo: they fail at once (rank 0 hosted the store)
+    and remove the segment its dead creator left, although they never read
+    its name. They see the store's connection close while the creator is
+    still tearing down, not yet a zombie: when only a zombie counted as dead,
+    or only a peer that had the name removed it, the segment stayed behind in
+    1 of 6 such trials."""
+    before = _segments()
+    for world_size in (3, 4):
+        for _ in range(3):
+            record = run_trial(Trial("setup-kill", world_size, "shm", 0), timeout_s=TIMEOUT_S)
+            assert record["ok"], record
+            assert record["survivors"] and all(s["error"] for s in record["survivors"]), record
+    assert _segments() <= before
