@@ -287,7 +287,7 @@ struct ShmTransport::Setup::State {
   std::string name;
   Mapping mapping;
   std::string error;  // this rank's, so far
-  // The creator's reservation of the buffers' pages, running meanwhile.
+  // Rank 0's reservation of its own slots' pages, running meanwhile.
   std::future<std::string> reservation;
   // The name this rank removes when the set-up ends, whichever way: every
   // rank that mapped the segment does (rank 0 may be killed before it does).
