@@ -143,16 +143,32 @@ def test_on_the_plain_route_every_survivor_gets_an_xcomm_error_naming_the_op(fau
 @pytest.mark.slow
 def test_a_creator_killed_during_set_up_leaves_no_segment_behind() -> None:
     """Rank 0 is SIGKILLed the moment its segment appears in /dev/shm, while
-    its peers still connect Gloo: they fail at once (rank 0 hosted the store)
-    and remove the segment its dead creator left, although they never read
-    its name. They see the store's connection close while the creator is
-    still tearing down, not yet a zombie: when only a zombie counted as dead,
-    or only a peer that had the name removed it, the segment stayed behind in
-    1 of 6 such trials."""
+    its peers still connect Gloo: every peer raises, none hangs, and they
+    remove the segment its dead creator left, although they never read its
+    name. They see the store's connection close while the creator is still
+    tearing down, not yet a zombie: when only a zombie counted as dead, or
+    only a peer that had the name removed it, the segment stayed behind in
+    1 of 6 such trials.
+
+    A peer raises within the 100 ms bound when its next store request fails
+    (rank 0 hosted the store). A peer that had already read the addresses and
+    was waiting in Gloo's own connect cannot see the death: it raises Gloo's
+    "Connect timeout" after Gloo's connect allowance, five times the group
+    timeout, as ``ProcessGroupGloo`` itself would (seen on a loaded machine,
+    2 of 12 trials)."""
     before = _segments()
     for world_size in (3, 4):
         for _ in range(3):
             record = run_trial(Trial("setup-kill", world_size, "shm", 0), timeout_s=TIMEOUT_S)
-            assert record["ok"], record
-            assert record["survivors"] and all(s["error"] for s in record["survivors"]), record
+            brief = {k: record[k] for k in ("injected", "note", "hang", "segments_left")}
+            brief["survivors"] = [
+                (s["rank"], s["latency_s"], s["error"]) for s in record["survivors"]
+            ]
+            assert record["injected"] and not record["hang"], brief
+            assert not record["segments_left"], brief
+            assert record["survivors"] and all(s["error"] for s in record["survivors"]), brief
+            for survivor in record["survivors"]:
+                in_gloo_connect = "Connect timeout" in survivor["error"]
+                bound = 5 * TIMEOUT_S + 2.0 if in_gloo_connect else record["bound_s"]
+                assert 0 <= survivor["latency_s"] <= bound, brief
     assert _segments() <= before
