@@ -54,12 +54,61 @@ def _gloo_devices() -> list[Any]:
     return devices
 
 
+# Gloo waits five times its timeout for a pair's first connection
+# (gloo/transport/tcp/pair.h, waitUntil), so a peer that dies between
+# publishing its address and connecting would cost five group timeouts.
+_GLOO_CONNECT_ALLOWANCE = 5
+
+
+class _StoreWaitingAtLeast(dist.Store):
+    """The group's store, with every wait lasting at least ``floor``: Gloo
+    is built with a fifth of the group timeout (so its connect allowance is
+    the timeout), and its waits for the peers' addresses keep the whole
+    timeout."""
+
+    def __init__(self, inner: dist.Store, floor: datetime.timedelta) -> None:
+        super().__init__()
+        self._inner = inner
+        self._floor = floor
+
+    def set(self, key: str, value: Any) -> None:
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        return self._inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def deleteKey(self, key: str) -> bool:  # the name torch's trampoline calls
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._inner.wait(keys, max(timeout or self._floor, self._floor))
+
+
 def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A Gloo group that reports a peer lost during its set-up within
+    ``timeout``, as it does for its collectives (``ProcessGroupGloo`` built
+    directly takes five times the timeout there)."""
     options = dist.ProcessGroupGloo._Options()
     options._devices = _gloo_devices()
-    options._timeout = timeout
     options._threads = 2 * len(options._devices)  # as ProcessGroupGloo's own default
-    return dist.ProcessGroupGloo(store, rank, size, options)
+    if os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0"):
+        # Pairs connect at their first use, reading the store then: this
+        # wrapper, a Python object, would be gone by then.
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    options._timeout = timeout / _GLOO_CONNECT_ALLOWANCE
+    group = dist.ProcessGroupGloo(_StoreWaitingAtLeast(store, timeout), rank, size, options)
+    group._set_default_timeout(timeout)  # its collectives get the whole timeout
+    return group
 
 
 def _nccl_factory(group_name: str) -> Any | None:

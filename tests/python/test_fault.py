@@ -183,3 +183,74 @@ def test_peer_dies_mid_collective(
                 )
     assert not problems, "\n".join(problems) + f"\nall results: {results}"
     assert wall < 90
+
+
+_SETUP_DEATH_SCRIPT = """
+import datetime, os, sys, time
+import torch.distributed as dist
+import xcomm, xcomm.backend
+from dist_harness import DelegatingStore  # tests/python is on PYTHONPATH
+
+path, rank, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+
+class DiesInGlooSetUp(DelegatingStore):
+    # Rank 0 has published its Gloo address and dies as it looks for rank 1's:
+    # rank 1 then waits for a connection that never comes.
+    def wait(self, keys, timeout=None):
+        if rank == 0 and any("xcomm/gloo" in k and k.endswith("/1") for k in keys):
+            os._exit(3)
+        super().wait(keys, timeout)
+
+store = DiesInGlooSetUp(dist.FileStore(path, 2))
+options = xcomm.Options(timeout=datetime.timedelta(seconds=timeout_s), shm=False).to_cpp()
+t0 = time.monotonic()
+try:
+    xcomm._C.build_group(store, rank, 2, options, xcomm.backend._gloo)
+    print("built", flush=True)
+except Exception as e:
+    print(f"raised after {time.monotonic() - t0:.2f} s: {e}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_peer_lost_while_gloo_connects_is_reported_within_the_timeout(tmp_path: Any) -> None:
+    """Rank 0 dies between publishing its Gloo address and connecting to
+    rank 1, so rank 1's set-up waits in Gloo's connect for a peer that can
+    no longer come. ``ProcessGroupGloo`` built directly waits five times its
+    timeout there (Gloo's allowance for a first connection: 10 s at 2 s);
+    xcomm's set-up raises within the group's timeout."""
+    import subprocess
+    import sys
+
+    timeout_s = 2.0
+    script = tmp_path / "rank.py"
+    script.write_text(_SETUP_DEATH_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    args = [str(tmp_path / "store"), str(timeout_s)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), args[0], str(r), args[1]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(2)
+    ]
+    try:
+        out, _ = ranks[1].communicate(timeout=60)
+        ranks[0].wait(timeout=60)
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+    assert ranks[0].returncode == 3, "rank 0 did not die where the test put it"
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("raised after "), out
+    elapsed = float(line.split()[2])
+    # Rank 1 waits in Gloo's connect ("Connect timeout"), or, when its pair
+    # connected before rank 0 died, for rank 0's address of the next Gloo
+    # group ("Wait timeout"; a FileStore's wait overshoots by about 1 s):
+    # one wait of the timeout either way, where Gloo's own allowance is 10 s.
+    assert "Connect timeout" in line or "Wait timeout" in line, out
+    assert timeout_s - 0.1 <= elapsed <= timeout_s + 2.5, out
