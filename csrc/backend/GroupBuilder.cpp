@@ -17,6 +17,7 @@
 #include "backend/ShmRoute.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/StoreText.hpp"
+#include "common/ErrorText.hpp"
 
 namespace xcomm {
 namespace {
@@ -121,7 +122,11 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
     const auto groups = plan.auxGroups();
     const AuxGroup* g = findAux(groups, name);
     if (!g || !g->member) return {};
-    return factory.cpu(prefixed(name, groupStore), g->rank, g->size, timeout);
+    try {
+      return factory.cpu(prefixed(name, groupStore), g->rank, g->size, timeout);
+    } catch (...) {
+      rethrowSetUpFailure("its Gloo group " + name, rank, size, timeout, std::current_exception());
+    }
   };
 
   const ShmRoute::Config config = shmConfig(plan.settings);
@@ -204,8 +209,14 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
     }
   }
   if (factory.cuda) {
-    routes.cuda = std::make_shared<RawRoute>(
-        factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout));
+    BackendPtr nccl;
+    try {
+      nccl = factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout);
+    } catch (...) {
+      rethrowSetUpFailure("its NCCL group xcomm/nccl", rank, size, timeout,
+                          std::current_exception());
+    }
+    routes.cuda = std::make_shared<RawRoute>(nccl);
   }
   auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(routes));
   backend->setRegroup(store, regroupWith(factory, allowShm));

@@ -69,4 +69,34 @@ inline std::exception_ptr namedTransportFailure(const std::string& op, const std
   }
 }
 
+// A group's set-up failing in one of its inner groups (Gloo's connect, a
+// store wait, NCCL's init), as an error that says so: Gloo's own text
+// ("Connect timeout [none]") names neither the group nor that a peer is the
+// likely cause. Typed c10 errors pass unchanged, as in namedTransportFailure.
+[[noreturn]] inline void rethrowSetUpFailure(const std::string& innerGroup, int rank, int size,
+                                             std::chrono::milliseconds timeout,
+                                             const std::exception_ptr& raised) {
+  auto named = [&](const std::exception& e) {
+    std::string text = messageOf(e);
+    // A Python factory's error carries its traceback ("\n\nAt:\n  file(line)"):
+    // the text is what a user reads.
+    if (const auto at = text.find("\n\nAt:\n"); at != std::string::npos) text.resize(at);
+    C10_THROW_ERROR(DistBackendError,
+                    "xcomm: setting up the group failed in " + innerGroup + " on rank " +
+                        std::to_string(rank) + " of " + std::to_string(size) +
+                        " (a peer died, left, or did not reach the set-up within the group "
+                        "timeout of " +
+                        std::to_string(timeout.count()) + " ms): " + text);
+  };
+  try {
+    std::rethrow_exception(raised);
+  } catch (const c10::Error& e) {
+    if (typeid(e) != typeid(c10::Error)) throw;
+    named(e);
+  } catch (const std::exception& e) {
+    named(e);
+  }
+  std::rethrow_exception(raised);  // not a std::exception: as it came
+}
+
 }  // namespace xcomm
