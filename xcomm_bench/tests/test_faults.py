@@ -153,21 +153,17 @@ def test_a_creator_killed_during_set_up_leaves_no_segment_behind() -> None:
     A peer raises within the 100 ms bound when its next store request fails
     (rank 0 hosted the store). A peer that had already read the addresses and
     was waiting in Gloo's own connect cannot see the death: it raises Gloo's
-    "Connect timeout" at the group timeout (seen on a loaded machine, 2 of 12
-    trials; ``ProcessGroupGloo`` built directly would wait five timeouts)."""
+    "Connect timeout" within the group timeout plus 100 ms, the tool's bound
+    there (seen on a loaded machine, 2 of 12 trials; ``ProcessGroupGloo``
+    built directly would wait five timeouts)."""
     before = _segments()
     for world_size in (3, 4):
         for _ in range(3):
             record = run_trial(Trial("setup-kill", world_size, "shm", 0), timeout_s=TIMEOUT_S)
             brief = {k: record[k] for k in ("injected", "note", "hang", "segments_left")}
             brief["survivors"] = [
-                (s["rank"], s["latency_s"], s["error"]) for s in record["survivors"]
+                (s["rank"], s["latency_s"], s["bound_s"], s["error"]) for s in record["survivors"]
             ]
-            assert record["injected"] and not record["hang"], brief
-            assert not record["segments_left"], brief
+            assert record["ok"], brief
             assert record["survivors"] and all(s["error"] for s in record["survivors"]), brief
-            for survivor in record["survivors"]:
-                in_gloo_connect = "Connect timeout" in survivor["error"]
-                bound = TIMEOUT_S + 1.5 if in_gloo_connect else record["bound_s"]
-                assert 0 <= survivor["latency_s"] <= bound, brief
     assert _segments() <= before
