@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
-from dist_harness import RankContext, RankError, run_ranks
+from dist_harness import RankContext, RankError, error_of, run_ranks
 
 ON_CPU = os.environ.get("XCOMM_GPU_TESTS_ON_CPU") == "1" and not torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(
@@ -599,6 +599,97 @@ def test_powersgd_on_the_device_matches_torch_powersgd_hook(
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-9, "atol": 1e-11}
     for r in results:
         torch.testing.assert_close(r["xcomm"], r["torch"], **tol)
+
+
+# -- membership: shrink on the device ------------------------------------------
+
+
+def _shrink_on_the_device(ctx: RankContext, fault: str) -> dict[str, Any]:
+    """The last rank leaves (``fault="leave"``: after its last op) or is
+    SIGKILLed while the others are inside a CUDA all_reduce (``"kill"``); the
+    others shrink it out (``SHRINK_ABORT`` after the kill) through the group's
+    own backend (torch 2.11-2.12 have no ``dist.shrink_group``) and their next
+    all_reduce on the device equals the reference group's over the survivors.
+    """
+    import signal
+    import time
+
+    import xcomm
+
+    dev, world = _device(), ctx.world_size
+    victim = world - 1
+    survivors = [r for r in range(world) if r != victim]
+    # Made by every rank now (new_group is collective); it never holds the victim.
+    ref = dist.new_group(ranks=survivors, backend=REF_BACKEND)
+    t = torch.ones(8, device=dev)
+    dist.all_reduce(t)
+    assert t[0].item() == world, t
+    if ctx.rank == victim:
+        if fault == "kill":
+            time.sleep(0.3)  # the others are inside their all_reduce by then
+            os.kill(os.getpid(), signal.SIGKILL)
+        return {"victim": True}
+    out: dict[str, Any] = {"victim": False}
+    backend = dist.group.WORLD._get_backend(dev)
+    out["backend"] = type(backend).__name__
+    pending = None
+    if fault == "kill":
+        pending = dist.all_reduce(torch.ones(1 << 16, device=dev), async_op=True)
+        time.sleep(0.6)  # the victim is dead by then
+    started = time.monotonic()
+    shrunk = backend.shrink([victim], 1 if fault == "kill" else 0)
+    out["shrink_s"] = time.monotonic() - started
+    if pending is not None:
+        started = time.monotonic()
+        out["pending_error"] = error_of(pending.wait)
+        out["pending_wait_s"] = time.monotonic() - started
+    out["rank"], out["size"] = shrunk.rank(), shrunk.size()
+    calls = xcomm.stats().get("ALLREDUCE", {}).get("calls", 0)
+    n = 1 << 20
+    got = torch.arange(n, dtype=torch.float32, device=dev) * (ctx.rank + 1) + ctx.rank
+    want = got.clone()
+    shrunk.allreduce([got]).wait()
+    dist.all_reduce(want, group=ref)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    expected = sum(torch.arange(n, dtype=torch.float32) * (r + 1) + r for r in survivors)
+    out["equal"] = torch.equal(got, want)
+    out["expected_sum"] = torch.equal(got.cpu(), expected)
+    out["device"] = str(got.device)
+    deadline = time.monotonic() + 5.0
+    while xcomm.stats()["ALLREDUCE"]["calls"] - calls < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)  # counted when the op completes
+    out["allreduces"] = xcomm.stats()["ALLREDUCE"]["calls"] - calls
+    shrunk.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("fault", ["leave", "kill"])
+def test_shrink_on_the_device_equals_a_group_of_the_survivors(fault: str) -> None:
+    world = 3 if _world(2) == 2 else 1  # three ranks on the GPU where it takes two
+    if world == 1:
+        pytest.skip("needs several ranks on the GPU")
+    results = run_ranks(
+        _shrink_on_the_device,
+        world,
+        fault,
+        ref_group=False,
+        env=ENV,
+        timeout=TIMEOUT,
+        may_die=[world - 1] if fault == "kill" else [],
+    )
+    for rank, r in enumerate(results[: world - 1]):
+        assert r is not None and not r["victim"], (rank, r)
+        assert r["backend"] == "XcommBackend", (rank, r)
+        assert (r["rank"], r["size"]) == (rank, world - 1), (rank, r)
+        assert r["device"].startswith(_device().type), (rank, r)
+        assert r["equal"] and r["expected_sum"], (rank, r)
+        assert r["allreduces"] == 1, (rank, r)  # the survivors' op ran on xcomm
+        if fault == "kill":
+            # SHRINK_ABORT fails the op the victim never joined, at once.
+            assert r["pending_error"] is not None, (rank, r)
+            assert r["pending_wait_s"] < 1.0, (rank, r)
+        print(f"rank {rank}: {r}")
 
 
 # -- timing at completion ------------------------------------------------------
