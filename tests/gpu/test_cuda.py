@@ -621,7 +621,11 @@ def _shrink_on_the_device(ctx: RankContext, fault: str) -> dict[str, Any]:
     survivors = [r for r in range(world) if r != victim]
     # Made by every rank now (new_group is collective); it never holds the victim.
     ref = dist.new_group(ranks=survivors, backend=REF_BACKEND)
-    t = torch.ones(8, device=dev)
+    # The size the pending op has below: NCCL (2.22+, NCCL_RUNTIME_CONNECT=1)
+    # connects an algorithm's peers at its first use, in the issuing thread, and
+    # such a connect to a dead peer blocked the survivors' all_reduce call
+    # itself (on the H200, NCCL 2.28.9) before anything could abort it.
+    t = torch.ones(1 << 16, device=dev)
     dist.all_reduce(t)
     assert t[0].item() == world, t
     if ctx.rank == victim:
