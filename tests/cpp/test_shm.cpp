@@ -518,3 +518,44 @@ TEST_CASE(
   });
   CHECK(shmFiles().empty());
 }
+
+TEST_CASE(
+    "a non-creator's set-up dropped before rank 0 named the segment returns at once; its read "
+    "gives up at the store's timeout",
+    "[shm][setup]") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::milliseconds(300));
+  xcomm::ShmTransport::Config config;
+  config.slotBytes = 1 << 16;
+  const auto started = std::chrono::steady_clock::now();
+  {
+    // Rank 1 of 2 begins; rank 0 never does (it died before naming a segment).
+    auto setup = xcomm::ShmTransport::Setup::begin(store, 1, 2, config);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const auto dropped = std::chrono::steady_clock::now() - started;
+  CHECK(dropped < std::chrono::milliseconds(200));
+  // The reader's thread ends at the store's timeout, having made nothing.
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  CHECK(shmFiles().empty());
+}
+
+TEST_CASE("a non-creator's set-up finished before rank 0 named the segment waits for the name",
+          "[shm][setup]") {
+  const int size = 2;
+  std::vector<double> sums(size);
+  xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
+    xcomm::ShmTransport::Config config;
+    config.slotBytes = 1 << 16;
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    auto setup = xcomm::ShmTransport::Setup::begin(store, r, size, config);
+    std::string whyNot;
+    auto transport = setup->finish(&whyNot);
+    TORCH_CHECK(transport, "no transport: ", whyNot);
+    auto t = at::full({100}, static_cast<double>(r + 1), at::kDouble);
+    xcomm::shm::allreduce(*transport, t, RedOp::SUM, in(std::chrono::seconds(20)));
+    sums[r] = t[99].item<double>();
+  });
+  for (double s : sums) CHECK(s == 3.0);
+  CHECK(shmFiles().empty());
+}
