@@ -16,8 +16,6 @@
 #include <fstream>
 #include <future>
 #include <iomanip>
-#include <memory>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -275,59 +273,6 @@ std::string mapSegment(const std::string& name, bool create, size_t bytes, size_
   return {};
 }
 
-// A non-creator's opening of the segment: reading its name, mapping it and
-// reserving its own slots, on a thread of its own while the caller connects
-// the group's other transports. Shared with that thread, which a set-up
-// dropped meanwhile does not wait for (its read of the name may wait for a
-// dead rank 0 until the store's timeout): the thread then undoes what it made.
-struct Opening {
-  std::mutex mutex;
-  bool abandoned = false;  // the set-up was dropped; the thread cleans up
-  bool delivered = false;  // the thread handed its name and mapping over
-  std::string name;
-  Mapping mapping;
-  std::promise<std::string> done;  // its error text (empty: none), or the store's exception
-};
-
-void openPublished(const std::shared_ptr<Opening>& opening,
-                   const c10::intrusive_ptr<c10d::Store>& store, size_t mapBytes,
-                   std::pair<size_t, size_t> ownSlots) {
-  std::string name;
-  Mapping mapping;
-  std::string error;
-  std::exception_ptr thrown;
-  try {
-    name = stringOf(store->get("name"));
-    if (name.empty()) {
-      error = "rank 0 could not create the segment";
-    } else if (!creatorOf(name) || name[0] != '/') {
-      error = "refusing segment name '" + name.substr(0, 120) +
-              "' from the store: not one xcomm makes (another process may have written this "
-              "group's key in the store)";
-    } else {
-      error = mapSegment(name, /*create=*/false, mapBytes, 0, mapping);
-      if (error.empty()) error = reservePages(name, ownSlots.first, ownSlots.second);
-    }
-  } catch (...) {
-    thrown = std::current_exception();
-  }
-  const bool mapped = mapping.base != MAP_FAILED;
-  std::lock_guard<std::mutex> lock(opening->mutex);
-  if (opening->abandoned) {
-    if (mapped) ::shm_unlink(name.c_str());  // as finish() would have; `mapping` unmaps
-    return;
-  }
-  opening->name = std::move(name);
-  opening->mapping.bytes = mapping.bytes;
-  opening->mapping.base = mapping.release();
-  opening->delivered = true;
-  if (thrown) {
-    opening->done.set_exception(thrown);
-  } else {
-    opening->done.set_value(std::move(error));
-  }
-}
-
 }  // namespace
 
 // A set-up under way: what begin() made, what finish() completes.
@@ -342,10 +287,8 @@ struct ShmTransport::Setup::State {
   std::string name;
   Mapping mapping;
   std::string error;  // this rank's, so far
-  // Rank 0's reservation of its own slots' pages, or another rank's opening
-  // of the segment (`opening`), running meanwhile.
+  // Rank 0's reservation of its own slots' pages, running meanwhile.
   std::future<std::string> reservation;
-  std::shared_ptr<Opening> opening;
   // The name this rank removes when the set-up ends, whichever way: every
   // rank that mapped the segment does (rank 0 may be killed before it does).
   std::string unlinkName;
@@ -365,24 +308,6 @@ struct ShmTransport::Setup::State {
   std::string reserved() {
     if (!reservation.valid()) return {};
     return reservation.get();
-  }
-  // A non-creator's opening, finished: its name and mapping become this set-up's.
-  std::string opened() {
-    std::string error = reserved();  // rethrows the store's exception
-    std::lock_guard<std::mutex> lock(opening->mutex);
-    name = opening->name;
-    mapping.bytes = opening->mapping.bytes;
-    mapping.base = opening->mapping.release();
-    if (mapping.base != MAP_FAILED) unlinkName = name;
-    return error;
-  }
-  // A set-up dropped before finish(): the opening's thread is not waited for.
-  void abandonOpening() {
-    std::lock_guard<std::mutex> lock(opening->mutex);
-    opening->abandoned = true;
-    if (opening->delivered && opening->mapping.base != MAP_FAILED) {
-      ::shm_unlink(opening->name.c_str());  // its mapping goes with the last owner
-    }
   }
 };
 
@@ -414,10 +339,6 @@ std::unique_ptr<ShmTransport::Setup> ShmTransport::Setup::begin(
       const auto [offset, bytes] = st.ownSlots();
       st.reservation = std::async(std::launch::async, reservePages, st.name, offset, bytes);
     }
-  } else {
-    st.opening = std::make_shared<Opening>();
-    st.reservation = st.opening->done.get_future();
-    std::thread(openPublished, st.opening, store, st.mapBytes, st.ownSlots()).detach();
   }
   return setup;
 }
@@ -428,13 +349,9 @@ ShmTransport::Setup::~Setup() {
   if (!state_ || state_->finished) return;
   // Not finished (the caller's other set-up threw): wait for the
   // reservation, and remove the name and whatever a dead creator left.
-  if (state_->opening) {
-    state_->abandonOpening();
-  } else {
-    try {
-      state_->reserved();
-    } catch (...) {
-    }
+  try {
+    state_->reserved();
+  } catch (...) {
   }
   state_->unlinkNow();
   removeOrphanedSegments();
@@ -452,7 +369,21 @@ std::unique_ptr<ShmTransport> ShmTransport::Setup::finish(std::string* whyNot) {
       const std::string reserved = st.reserved();
       if (st.error.empty()) st.error = reserved;
     } else {
-      st.error = st.opened();
+      st.name = stringOf(st.store->get("name"));
+      if (st.name.empty()) {
+        st.error = "rank 0 could not create the segment";
+      } else if (!creatorOf(st.name) || st.name[0] != '/') {
+        st.error = "refusing segment name '" + st.name.substr(0, 120) +
+                   "' from the store: not one xcomm makes (another process may have written this "
+                   "group's key in the store)";
+      } else {
+        st.error = mapSegment(st.name, /*create=*/false, st.mapBytes, 0, st.mapping);
+        if (st.error.empty()) {
+          st.unlinkName = st.name;
+          const auto [offset, bytes] = st.ownSlots();
+          st.error = reservePages(st.name, offset, bytes);
+        }
+      }
     }
     if (st.error.empty()) {
       auto* ctl = reinterpret_cast<RankControl*>(static_cast<uint8_t*>(st.mapping.base) +

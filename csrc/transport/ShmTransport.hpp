@@ -45,13 +45,12 @@ class ShmTransport {
   static int removeOrphanedSegments();
 
   // A segment's set-up in two halves, both collective over the store:
-  // begin() has rank 0 create the segment and publish its name, and every
-  // rank reserve its own slots' pages (zeroing them: milliseconds per MiB on
-  // a busy host) on a thread of its own while the caller connects the
-  // group's other transports, the other ranks once they have read the name
-  // and mapped it; finish() waits for that and agrees on the outcome. A
-  // set-up dropped unfinished (the caller's other set-up threw) removes what
-  // it made, without waiting for a rank's read of a name rank 0 never wrote.
+  // begin() has rank 0 create the segment and publish its name, then
+  // reserve its own slots' pages (zeroing them: milliseconds per MiB on a
+  // busy host) on a thread of its own while the caller connects the group's
+  // other transports; finish() maps it on every rank, each reserving its
+  // own slots at once, and agrees on the outcome. A set-up dropped unfinished
+  // (the caller's other set-up threw) removes what it made.
   class Setup {
    public:
     static std::unique_ptr<Setup> begin(const c10::intrusive_ptr<c10d::Store>& store, int rank,

@@ -520,27 +520,25 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "a non-creator's set-up dropped before rank 0 named the segment returns at once; its read "
-    "gives up at the store's timeout",
+    "a non-creator's set-up whose rank 0 never names the segment fails at the store's timeout",
     "[shm][setup]") {
   auto store = c10::make_intrusive<c10d::HashStore>();
   store->setTimeout(std::chrono::milliseconds(300));
   xcomm::ShmTransport::Config config;
   config.slotBytes = 1 << 16;
   const auto started = std::chrono::steady_clock::now();
-  {
-    // Rank 1 of 2 begins; rank 0 never does (it died before naming a segment).
-    auto setup = xcomm::ShmTransport::Setup::begin(store, 1, 2, config);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  const auto dropped = std::chrono::steady_clock::now() - started;
-  CHECK(dropped < std::chrono::milliseconds(200));
-  // The reader's thread ends at the store's timeout, having made nothing.
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // Rank 1 of 2 sets up; rank 0 never does (it died before naming a segment).
+  auto setup = xcomm::ShmTransport::Setup::begin(store, 1, 2, config);
+  std::string whyNot;
+  CHECK_THROWS_AS(setup->finish(&whyNot), c10::DistStoreError);
+  setup.reset();
+  const auto waited = std::chrono::steady_clock::now() - started;
+  CHECK(waited >= std::chrono::milliseconds(250));
+  CHECK(waited < std::chrono::seconds(5));
   CHECK(shmFiles().empty());
 }
 
-TEST_CASE("a non-creator's set-up finished before rank 0 named the segment waits for the name",
+TEST_CASE("a non-creator's set-up begun before rank 0 named the segment waits for the name",
           "[shm][setup]") {
   const int size = 2;
   std::vector<double> sums(size);
