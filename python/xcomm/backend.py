@@ -45,13 +45,16 @@ def _gloo_devices() -> list[Any]:
     )
     devices = _GLOO_DEVICES.get(key)
     if devices is None:
-        gloo = dist.ProcessGroupGloo
-        if len(ifnames) > 1:
-            devices = [gloo.create_device(interface=name) for name in ifnames.split(",")]
-        else:
-            devices = [gloo.create_default_device()]
+        devices = _new_gloo_devices(ifnames)
         _GLOO_DEVICES[key] = devices
     return devices
+
+
+def _new_gloo_devices(ifnames: str) -> list[Any]:
+    gloo = dist.ProcessGroupGloo
+    if len(ifnames) > 1:
+        return [gloo.create_device(interface=name) for name in ifnames.split(",")]
+    return [gloo.create_default_device()]
 
 
 # Gloo waits five times its timeout for a pair's first connection
@@ -97,18 +100,37 @@ def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) 
     """A Gloo group that reports a peer lost during its set-up within
     ``timeout``, as it does for its collectives (``ProcessGroupGloo`` built
     directly takes five times the timeout there)."""
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
     options = dist.ProcessGroupGloo._Options()
-    options._devices = _gloo_devices()
+    # Pairs that connect at their first use fail to when their group shares a
+    # device with another (Gloo's own groups each have theirs).
+    options._devices = (
+        _new_gloo_devices(os.environ.get("GLOO_SOCKET_IFNAME", "")) if lazy else _gloo_devices()
+    )
     options._threads = 2 * len(options._devices)  # as ProcessGroupGloo's own default
-    if os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0"):
-        # Pairs connect at their first use, reading the store then: this
-        # wrapper, a Python object, would be gone by then.
-        options._timeout = timeout
-        return dist.ProcessGroupGloo(store, rank, size, options)
     options._timeout = timeout / _GLOO_CONNECT_ALLOWANCE
-    group = dist.ProcessGroupGloo(_StoreWaitingAtLeast(store, timeout), rank, size, options)
+    # Gloo reads its peers' addresses through this Python object, which only
+    # this frame keeps alive: every pair must connect before it returns.
+    waiting_store = _StoreWaitingAtLeast(store, timeout)
+    group = dist.ProcessGroupGloo(waiting_store, rank, size, options)
     group._set_default_timeout(timeout)  # its collectives get the whole timeout
+    if lazy and size > 1:
+        _connect_every_pair(group, size)
     return group
+
+
+def _connect_every_pair(group: Any, size: int) -> None:
+    """Connects every pair of a Gloo group made under
+    ``TORCH_GLOO_LAZY_INIT=1``, whose pairs would otherwise connect at their
+    first use: an all-to-all of one byte per rank, while the set-up's store
+    wrapper is alive (the pairs read their peers' addresses through it; it
+    is gone after the set-up).
+    xcomm's groups connect at set-up: a peer lost then fails the set-up (a
+    reconfigure then keeps the old group), not a later op. And left lazy, a
+    plain group's first checked all_reduce at 2 ranks failed after the
+    whole timeout, and Gloo's connect after five."""
+    received = torch.empty(size, dtype=torch.uint8)
+    group.alltoall_base(received, torch.zeros(size, dtype=torch.uint8), [], []).wait()
 
 
 def _nccl_factory(group_name: str) -> Any | None:

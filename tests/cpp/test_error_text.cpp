@@ -12,31 +12,28 @@ using Catch::Contains;
 
 namespace {
 
-template <typename Error>
-std::exception_ptr raised(const std::string& text) {
+// What `fail()` throws, caught.
+template <typename Fail>
+std::exception_ptr thrownBy(Fail fail) {
   try {
-    throw Error(text);
+    fail();
   } catch (...) {
     return std::current_exception();
   }
+  return {};
+}
+
+template <typename Error>
+std::exception_ptr raised(const std::string& text) {
+  return thrownBy([&] { throw Error(text); });
 }
 
 std::exception_ptr raisedC10(const std::string& text) {
-  try {
-    TORCH_CHECK(false, text);
-  } catch (...) {
-    return std::current_exception();
-  }
-  return {};
+  return thrownBy([&] { TORCH_CHECK(false, text); });
 }
 
 std::exception_ptr raisedValueError(const std::string& text) {
-  try {
-    TORCH_CHECK_VALUE(false, text);
-  } catch (...) {
-    return std::current_exception();
-  }
-  return {};
+  return thrownBy([&] { TORCH_CHECK_VALUE(false, text); });
 }
 
 }  // namespace

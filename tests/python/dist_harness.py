@@ -626,6 +626,40 @@ def run_program(args: list[str], cwd: str, timeout: float, label: str) -> str:
     return text
 
 
+@contextlib.contextmanager
+def rank_scripts(
+    script: str | os.PathLike[str], args_per_rank: Sequence[Sequence[str]]
+) -> Iterator[list[subprocess.Popen[str]]]:
+    """One fresh interpreter per rank running ``script`` with its arguments
+    (stdout and stderr together, as text; this process's ``sys.path`` as
+    ``PYTHONPATH``), for tests that signal or time a rank from outside.
+    Any still running when the block ends is killed.
+
+    Example::
+
+        with rank_scripts(path, [[store, "0"], [store, "1"]]) as ranks:
+            out, _ = ranks[1].communicate(timeout=60)
+    """
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for args in args_per_rank
+    ]
+    try:
+        yield ranks
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 # --------------------------------------------------------------------------- #
 # Shared helpers for the tests (used inside ranks)
 # --------------------------------------------------------------------------- #

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_harness import RankContext, run_ranks
+from dist_harness import BACKEND, RankContext, rank_scripts, run_ranks
 
 PG_TIMEOUT = datetime.timedelta(seconds=5)
 #: Upper bound on the time a survivor may take to notice the dead peer.
@@ -220,31 +220,13 @@ def test_a_peer_lost_while_gloo_connects_is_reported_within_the_timeout(tmp_path
     timeout there (Gloo's allowance for a first connection: 10 s at 2 s);
     xcomm's set-up raises within the group's timeout, a ``DistBackendError``
     that says which of its Gloo groups failed and why that is likely."""
-    import subprocess
-    import sys
-
     timeout_s = 2.0
     script = tmp_path / "rank.py"
     script.write_text(_SETUP_DEATH_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    args = [str(tmp_path / "store"), str(timeout_s)]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), args[0], str(r), args[1]],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    try:
+    store = str(tmp_path / "store")
+    with rank_scripts(script, [[store, str(r), str(timeout_s)] for r in range(2)]) as ranks:
         out, _ = ranks[1].communicate(timeout=60)
         ranks[0].wait(timeout=60)
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
     assert ranks[0].returncode == 3, "rank 0 did not die where the test put it"
     # Gloo logs its own error on stderr too, on a line of its own or not.
     assert "raised after " in out, out
@@ -259,3 +241,32 @@ def test_a_peer_lost_while_gloo_connects_is_reported_within_the_timeout(tmp_path
     assert line.split(" s: ", 1)[1].startswith(named), out
     assert "on rank 1 of 2 (a peer died" in line, out
     assert timeout_s - 0.1 <= elapsed <= timeout_s + 2.5, out
+
+
+def _collectives_under_lazy_gloo(ctx: RankContext) -> dict[str, Any]:
+    import xcomm
+
+    out: dict[str, Any] = {"lazy": os.environ.get("TORCH_GLOO_LAZY_INIT")}
+    for shm in (False, True):
+        group = dist.new_group(backend=BACKEND, pg_options=xcomm.Options(shm=shm))
+        summed = torch.full((70_000,), float(ctx.rank + 1))
+        dist.all_reduce(summed, group=group)
+        sent = torch.full((10,), float(ctx.rank))
+        dist.broadcast(sent, src=1, group=group)
+        out[xcomm.group_plan(group)["shape"]] = (summed.unique().tolist(), sent.unique().tolist())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_groups_build_and_run_under_torch_gloo_lazy_init(world: int) -> None:
+    """Under ``TORCH_GLOO_LAZY_INIT=1`` Gloo's pairs connect at their first
+    use. xcomm's Gloo groups connect every pair at set-up all the same (one
+    all-to-all, while the set-up's store wrapper is alive: the pairs read
+    their peers' addresses through it), each on a Gloo device of its own
+    (two groups on one device failed to connect lazily, Gloo alone too).
+    Before, a plain group's first all_reduce failed after the timeout."""
+    results = run_ranks(_collectives_under_lazy_gloo, world, env={"TORCH_GLOO_LAZY_INIT": "1"})
+    for r in results:
+        assert r["lazy"] == "1", r
+        for shape in ("plain", "single-host shared memory"):
+            assert r[shape] == ([float(sum(range(1, world + 1)))], [1.0]), r

@@ -11,8 +11,6 @@ import datetime
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from typing import Any
@@ -23,7 +21,7 @@ import torch.distributed as dist
 
 import xcomm
 import xcomm.backend
-from dist_harness import DelegatingStore, RankContext, run_ranks
+from dist_harness import DelegatingStore, RankContext, rank_scripts, run_ranks
 
 SHM_DIR = "/dev/shm"
 PLANTED_BYTES = 1 << 22
@@ -173,18 +171,7 @@ def test_a_creator_killed_while_its_peer_maps_the_segment_leaves_nothing(tmp_pat
     store_path = str(tmp_path / "store")
     script = tmp_path / "rank.py"
     script.write_text(_RANK_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(script), store_path, str(r), "3.0"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for r in range(2)
-    ]
-    try:
+    with rank_scripts(script, [[store_path, str(r), "3.0"] for r in range(2)]) as ranks:
         deadline = time.monotonic() + 60
         while not (_segments_of(ranks[0].pid) and os.path.exists(store_path + ".late")):
             assert time.monotonic() < deadline, "rank 0 never created its segment"
@@ -194,11 +181,6 @@ def test_a_creator_killed_while_its_peer_maps_the_segment_leaves_nothing(tmp_pat
         ranks[0].send_signal(signal.SIGKILL)
         ranks[0].wait()
         out, _ = ranks[1].communicate(timeout=60)
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     # Rank 0 had reported before it was killed, so the peer's set-up may
     # succeed (its first op then finds rank 0 dead) or time out; either way
     # the segment is gone.
