@@ -251,3 +251,29 @@ TEST_CASE("emulated top-k decode rejects an index outside the bucket", "[emulate
   at::Tensor out = at::zeros({n});
   CHECK_THROWS_WITH(xcomm::cuda::topkDecode(rows, k, 1.f, out), Catch::Contains("__trap"));
 }
+
+TEST_CASE("emulated top-k decode of pairs in a few tiles, at tile edges", "[emulated][topk]") {
+  // 13 output tiles of 4096; each rank's pairs sit at tiles' first and last
+  // entries and skip several tiles, so most tiles have no pair of a rank.
+  const int64_t n = 50000, k = 4;
+  const std::vector<std::vector<int32_t>> indices = {{0, 4095, 4096, 49999},
+                                                     {5, 8191, 12288, 30000}};
+  const int world = static_cast<int>(indices.size());
+  at::Tensor rows = at::zeros({world, 8 * k}, at::kByte);
+  at::Tensor want = at::zeros({n});
+  for (int r = 0; r < world; ++r) {
+    auto* idx = reinterpret_cast<int32_t*>(rows[r].data_ptr<uint8_t>());
+    auto* val = reinterpret_cast<float*>(rows[r].data_ptr<uint8_t>() + 4 * k);
+    for (int64_t j = 0; j < k; ++j) {
+      idx[j] = indices[r][j];
+      val[j] = 1.5f + static_cast<float>(r * k + j);
+      want[idx[j]] = want[idx[j]].item<float>() + val[j];
+    }
+  }
+  want.div_(2.f);
+  want.masked_fill_(want == 0, 0.f);
+  at::Tensor out = at::full({n}, 7.f);
+  xcomm::cuda::topkDecode(rows, k, 2.f, out);
+  INFO("first difference at " << emutest::firstDifference(out, want));
+  CHECK(emutest::sameBits(out, want));
+}
