@@ -485,19 +485,24 @@ TEST_CASE("a new group's set-up removes a segment its dead creator left behind",
   CHECK_FALSE(orphanLeft);
 }
 
-TEST_CASE(
-    "a set-up finished after other work gives working segments; one dropped unfinished leaves "
-    "nothing in /dev/shm",
-    "[shm][setup]") {
-  const int size = 3;
-  // Begun, then (as the group builder does while Gloo connects) other work,
-  // then finished: the ranks reduce through the segment.
+namespace {
+
+void napMs(int ms) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+}
+
+// Every rank sets a segment up in its two halves, with `beforeBegin(rank)`
+// and `betweenHalves(rank)` run where the group builder does other work, then
+// all-reduces rank + 1 through it: each rank's sum.
+std::vector<double> sumsThroughSetUp(int size, const std::function<void(int)>& beforeBegin,
+                                     const std::function<void(int)>& betweenHalves) {
   std::vector<double> sums(size);
   xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
     xcomm::ShmTransport::Config config;
     config.slotBytes = 1 << 16;
+    beforeBegin(r);
     auto setup = xcomm::ShmTransport::Setup::begin(store, r, size, config);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));
+    betweenHalves(r);
     std::string whyNot;
     auto transport = setup->finish(&whyNot);
     TORCH_CHECK(transport, "no transport: ", whyNot);
@@ -505,6 +510,20 @@ TEST_CASE(
     xcomm::shm::allreduce(*transport, t, RedOp::SUM, in(std::chrono::seconds(20)));
     sums[r] = t[999].item<double>();
   });
+  return sums;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "a set-up finished after other work gives working segments; one dropped unfinished leaves "
+    "nothing in /dev/shm",
+    "[shm][setup]") {
+  const int size = 3;
+  // Begun, then (as the group builder does while Gloo connects) other work,
+  // then finished: the ranks reduce through the segment.
+  const auto sums = sumsThroughSetUp(
+      size, [](int) {}, [](int r) { napMs(20 * r); });
   for (double s : sums) CHECK(s == 6.0);
   CHECK(shmFiles().empty());
 
@@ -540,20 +559,8 @@ TEST_CASE(
 
 TEST_CASE("a non-creator's set-up begun before rank 0 named the segment waits for the name",
           "[shm][setup]") {
-  const int size = 2;
-  std::vector<double> sums(size);
-  xcomm::testing::onRankThreads(size, [&](int r, const c10::intrusive_ptr<c10d::Store>& store) {
-    xcomm::ShmTransport::Config config;
-    config.slotBytes = 1 << 16;
-    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    auto setup = xcomm::ShmTransport::Setup::begin(store, r, size, config);
-    std::string whyNot;
-    auto transport = setup->finish(&whyNot);
-    TORCH_CHECK(transport, "no transport: ", whyNot);
-    auto t = at::full({100}, static_cast<double>(r + 1), at::kDouble);
-    xcomm::shm::allreduce(*transport, t, RedOp::SUM, in(std::chrono::seconds(20)));
-    sums[r] = t[99].item<double>();
-  });
+  const auto sums = sumsThroughSetUp(
+      2, [](int r) { napMs(r == 0 ? 100 : 0); }, [](int) {});
   for (double s : sums) CHECK(s == 3.0);
   CHECK(shmFiles().empty());
 }
