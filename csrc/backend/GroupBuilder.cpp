@@ -95,19 +95,23 @@ const AuxGroup* findAux(const std::vector<AuxGroup>& groups, const std::string& 
 // group itself was, with the same inner backends and the same shm choice.
 XcommBackend::Regroup regroupWith(const InnerBackendFactory& factory, bool allowShm) {
   return [factory, allowShm](const StorePtr& store, int rank, int size,
-                             c10::intrusive_ptr<XcommOptions> options) {
-    return buildGroup(store, rank, size, std::move(options), factory, allowShm);
+                             c10::intrusive_ptr<XcommOptions> options, bool freshNamespace) {
+    return buildGroup(store, rank, size, std::move(options), factory, allowShm, freshNamespace);
   };
 }
 
 c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, int size,
                                               c10::intrusive_ptr<XcommOptions> options,
-                                              const InnerBackendFactory& factory, bool allowShm) {
+                                              const InnerBackendFactory& factory, bool allowShm,
+                                              bool freshNamespace) {
   TORCH_CHECK(options, "xcomm: options must not be null");
   TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
   options->validate();
   const auto timeout = options->timeout;
-  const StorePtr groupStore = prefixed("xcomm/" + agreeGroupToken(store, rank, size), store);
+  // A namespace no group used (a shrink's, in its group's): no token round.
+  const StorePtr groupStore = freshNamespace
+                                  ? prefixed("xcomm", store)
+                                  : prefixed("xcomm/" + agreeGroupToken(store, rank, size), store);
   const StorePtr shmStore = prefixed("shm", groupStore);
 
   // Before any transport: a setting the ranks disagree on (or cannot read)
@@ -219,7 +223,7 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
     routes.cuda = std::make_shared<RawRoute>(nccl);
   }
   auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(routes));
-  backend->setRegroup(store, regroupWith(factory, allowShm));
+  backend->setRegroup(store, groupStore, regroupWith(factory, allowShm));
   if (plan.fusionThresholdBytes > 0) {
     backend->setFusionThreshold(plan.fusionThresholdBytes, plan.fusionCycle, fusionControl);
   }
@@ -230,9 +234,10 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
 
 c10::intrusive_ptr<XcommBackend> buildGroup(const StorePtr& store, int rank, int size,
                                             c10::intrusive_ptr<XcommOptions> options,
-                                            const InnerBackendFactory& factory, bool allowShm) {
+                                            const InnerBackendFactory& factory, bool allowShm,
+                                            bool freshNamespace) {
   try {
-    return buildOrThrow(store, rank, size, std::move(options), factory, allowShm);
+    return buildOrThrow(store, rank, size, std::move(options), factory, allowShm, freshNamespace);
   } catch (...) {
     // A member killed mid-set-up may have created a segment whose name its
     // peers never read (they fail first, in a store round or in Gloo): the
@@ -250,7 +255,7 @@ c10::intrusive_ptr<XcommBackend> buildAwaitingReconfigure(const StorePtr& store,
   TORCH_CHECK(factory.cpu, "xcomm: the inner-backend factory must make CPU backends");
   options->validate();
   auto backend = XcommBackend::awaitingReconfigure(std::move(options), rank, size);
-  backend->setRegroup(store, regroupWith(factory, allowShm));
+  backend->setRegroup(store, /*groupStore=*/{}, regroupWith(factory, allowShm));
   return backend;
 }
 

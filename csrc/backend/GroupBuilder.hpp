@@ -38,10 +38,13 @@ struct InnerBackendFactory {
 
 // `allowShm` false keeps the group plain whatever the options say (the
 // C++-only store transport path), and exchanges no host identities.
+// `freshNamespace`: no group can have used `store`'s keys before (a
+// shrink's, inside its group's namespace), so the ranks need not first agree
+// on a namespace of their own.
 c10::intrusive_ptr<XcommBackend> buildGroup(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                             int size, c10::intrusive_ptr<XcommOptions> options,
                                             const InnerBackendFactory& factory,
-                                            bool allowShm = true);
+                                            bool allowShm = true, bool freshNamespace = false);
 
 // A group created with enable_reconfigure=True (torch 2.14): no communicator,
 // and nothing exchanged with the other ranks, until its first reconfigure()

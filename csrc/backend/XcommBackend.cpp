@@ -178,8 +178,10 @@ void XcommBackend::abort() {
       std::make_unique<DeferredRelease>(std::move(retired), std::chrono::milliseconds(0)));
 }
 
-void XcommBackend::setRegroup(c10::intrusive_ptr<c10d::Store> store, Regroup regroup) {
+void XcommBackend::setRegroup(c10::intrusive_ptr<c10d::Store> store,
+                              c10::intrusive_ptr<c10d::Store> groupStore, Regroup regroup) {
   store_ = std::move(store);
+  groupStore_ = std::move(groupStore);
   regroup_ = std::move(regroup);
 }
 
@@ -191,6 +193,9 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::shrinkTo(const std::vector<int64_
   TORCH_CHECK_VALUE(regroup_ && store_,
                     "xcomm.shrink: this group was not built by init_process_group, new_group "
                     "or create_with_store, so it cannot build its survivors' group");
+  TORCH_CHECK_VALUE(groupStore_,
+                    "xcomm.shrink: this group was created with enable_reconfigure=True and has "
+                    "no communicator yet; call torch.distributed._reconfigure(...) first");
   std::vector<int64_t> sorted(excluded);
   std::sort(sorted.begin(), sorted.end());
   TORCH_CHECK_VALUE(!sorted.empty(), "xcomm.shrink: name at least one rank to exclude");
@@ -213,15 +218,18 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::shrinkTo(const std::vector<int64_
   }
   // Every survivor states whom it excludes, in a namespace of its own for
   // this shrink; a survivor excluding others than this one's would build a
-  // different group (ranks waiting for each other until the timeout).
-  const std::string space = "xcomm/shrink/" + std::to_string(shrinks_++) + "/";
+  // different group (ranks waiting for each other until the timeout). Inside
+  // this group's namespace: an earlier group of the same name over the same
+  // store (destroy_process_group() + init_process_group()) left its shrinks'
+  // keys in the store's own.
+  const std::string space = "shrink/" + std::to_string(shrinks_++) + "/";
   const std::string mine = rankListText(sorted);
   std::vector<int64_t> survivors;
   for (int64_t r = 0; r < size_; ++r) {
     if (!std::binary_search(sorted.begin(), sorted.end(), r)) survivors.push_back(r);
   }
   const auto theirs = exchangeStoreTexts(
-      store_, space + "excluded/", rank_, mine, survivors, options_->timeout,
+      groupStore_, space + "excluded/", rank_, mine, survivors, options_->timeout,
       [&](const std::string& why) {
         return c10::str("xcomm.shrink: not every survivor (ranks ", rankListText(survivors),
                         ") called shrink within the group's timeout (", options_->timeout.count(),
@@ -237,8 +245,9 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::shrinkTo(const std::vector<int64_
                                sorted.begin());
   const int newSize = size_ - static_cast<int>(sorted.size());
   if (!options) options = c10::make_intrusive<XcommOptions>(*options_);
-  auto successor = regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", store_),
-                            newRank, newSize, std::move(options));
+  // Fresh: this shrink's count in this group's namespace.
+  auto successor = regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", groupStore_),
+                            newRank, newSize, std::move(options), /*freshNamespace=*/true);
   // torch destroys this group as soon as shrink returns; its destructor joins
   // transport threads the survivors' first collective need not wait for.
   successor->predecessor_ =
@@ -326,8 +335,11 @@ void XcommBackend::reconfigureTo(int64_t uuid, std::vector<std::string> handles,
   c10::intrusive_ptr<XcommBackend> successor;
   std::string failure;
   try {
+    // Not fresh where this uuid was used before: its new rank 0 refuses it
+    // above, and the others, who cannot know, must not read that use's keys.
     successor = regroup_(c10::make_intrusive<c10d::PrefixStore>(space + "group", store_), newRank,
-                         newSize, c10::make_intrusive<XcommOptions>(*options_));
+                         newSize, c10::make_intrusive<XcommOptions>(*options_),
+                         /*freshNamespace=*/false);
   } catch (const std::exception& e) {
     failure = messageOf(e);
     if (failure.empty()) failure = "failed";

@@ -68,13 +68,18 @@ class XcommBackend : public c10d::Backend {
       const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
       c10::intrusive_ptr<XcommOptions> options = XcommOptions::create());
 
-  // How a successor of this group is built (a shrink's survivors): a group
-  // of `size` ranks over `store` in which this rank is `rank`. buildGroup
-  // sets it, with the store it built this group over.
+  // How a successor of this group is built (a shrink's survivors, a
+  // reconfigure's members): a group of `size` ranks over `store` in which
+  // this rank is `rank`; `freshNamespace` where no group can have used
+  // `store`'s keys before (see buildGroup). buildGroup sets it, with the store it built this group
+  // over (where a reconfigure meets members of other groups) and the namespace it drew for this
+  // group (where a shrink meets only this group's members; null while an enable_reconfigure group
+  // has no communicator).
   using Regroup = std::function<c10::intrusive_ptr<XcommBackend>(
       const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-      c10::intrusive_ptr<XcommOptions> options)>;
-  void setRegroup(c10::intrusive_ptr<c10d::Store> store, Regroup regroup);
+      c10::intrusive_ptr<XcommOptions> options, bool freshNamespace)>;
+  void setRegroup(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Store> groupStore,
+                  Regroup regroup);
 
   // The survivors' group without the `excluded` ranks, built without them
   // (they must not call it): every survivor calls it with the same ranks,
@@ -337,7 +342,8 @@ class XcommBackend : public c10d::Backend {
 
   c10::intrusive_ptr<XcommOptions> options_;
   GroupPlan plan_;
-  c10::intrusive_ptr<c10d::Store> store_;  // what regroup_ builds successors over
+  c10::intrusive_ptr<c10d::Store> store_;       // what a reconfigure's successor is built over
+  c10::intrusive_ptr<c10d::Store> groupStore_;  // what a shrink's successor is built over
   Regroup regroup_;
   int shrinks_ = 0;               // successors built: each takes a fresh store namespace
   int64_t stableRank_ = 0;        // the rank this process had when the group was created

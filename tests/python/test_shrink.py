@@ -291,6 +291,49 @@ def test_survivors_that_disagree_on_whom_to_exclude_get_a_value_error() -> None:
         assert r["sum"] == 4.0, r
 
 
+def _shrinks_of_a_group_made_again_over_its_store(ctx: RankContext) -> dict[int, float]:
+    """Two groups of one name over one store, one after the other (as
+    destroy_process_group() + init_process_group() make them), each shrinking
+    a different rank out. Rank 1 comes late to the second shrink, so rank 2
+    reads rank 1's exclusion list before rank 1 writes it: where the first
+    group's list is still in the store under the same key, rank 2 took it."""
+    from types import SimpleNamespace
+
+    import xcomm
+    from xcomm.backend import create_backend
+
+    store = dist.FileStore(os.path.join(ctx.tmpdir, "one-store"), ctx.world_size)
+    timeout = datetime.timedelta(seconds=30)
+    sums: dict[int, float] = {}
+    for excluded in (2, 0):
+        made = SimpleNamespace(
+            store=dist.PrefixStore("same-name", store),
+            group_rank=ctx.rank,
+            group_size=ctx.world_size,
+            timeout=timeout,
+            group_id="same-name",
+        )
+        group = create_backend(made, xcomm.Options(shm=False, timeout=timeout))
+        if ctx.rank != excluded:
+            if (ctx.rank, excluded) == (1, 0):
+                time.sleep(0.5)
+            shrunk = group.shrink([excluded], 0, None)
+            got = torch.full((4,), float(ctx.rank + 1))
+            shrunk.allreduce([got]).wait()
+            sums[excluded] = got[0].item()
+            del shrunk
+        dist.barrier()  # every rank done with this group before the next is made
+        del group
+    return sums
+
+
+def test_a_group_made_again_over_the_same_store_shrinks_by_its_own_lists() -> None:
+    results = run_ranks(_shrinks_of_a_group_made_again_over_its_store, 3, timeout=120)
+    assert results[0] == {2: 3.0}  # ranks 0 and 1: 1 + 2
+    assert results[1] == {2: 3.0, 0: 5.0}
+    assert results[2] == {0: 5.0}  # ranks 1 and 2: 2 + 3
+
+
 def _bad_shrink_calls(ctx: RankContext) -> dict[str, str | None]:
     import xcomm
 
