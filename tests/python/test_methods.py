@@ -53,9 +53,10 @@ def test_fsdp_and_diloco_take_their_methods_and_refuse_the_rest(name: str) -> No
 
 def test_lossless_and_default_sets() -> None:
     assert method_names("ddp", lossless_only=True) == ("none",)
-    # auto's default: the casts and int8 (bounded error per entry) and top-k,
-    # which it uses only where it drops at most max_lost_share; PowerSGD only when named.
-    assert method_names("ddp", default_only=True) == ("none", "bf16", "int8", "topk")
+    # auto's default: bf16 and int8 (bounded error per entry) and top-k, which
+    # it uses only where it drops at most max_lost_share, and PowerSGD behind
+    # its step gate; fp16 only when named.
+    assert method_names("ddp", default_only=True) == ("none", "bf16", "int8", "topk", "powersgd")
     # A GPU bucket without xcomm's CUDA codecs: the casts only.
     assert method_names("ddp", device_capable_only=True) == ("none", "bf16", "fp16")
     with pytest.raises(ValueError, match="unknown surface"):

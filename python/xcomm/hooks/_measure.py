@@ -13,6 +13,7 @@ collectives match. :class:`MeasuredLink` does that part;
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .. import _C
 
 
 @dataclass
@@ -454,6 +457,8 @@ class ObservedCosts:
         self._sums = {k: [0.0, 0.0] for k in self.keys}  # observed, predicted
         self._lock = threading.Lock()
         self._last_done = 0.0
+        # Reductions watched and not yet recorded, in the order they were issued.
+        self._pending: collections.deque[tuple[Any, Any, str, float, float]] = collections.deque()
 
     @staticmethod
     def key(method: str) -> str:
@@ -503,21 +508,31 @@ class ObservedCosts:
         self, fut: torch.futures.Future, method: str, predicted_s: float, issued_at: float
     ) -> None:
         """Times ``fut``, issued at ``issued_at`` (``time.perf_counter()``),
-        and records it under ``method``'s key."""
-        key = self.key(method)
+        and records it under ``method``'s key once it completed (read at a
+        later call, not by a callback on ``fut``: a Python callback would
+        take the GIL on the thread completing DDP's future)."""
+        self._harvest()
+        clock = _C.CompletionClock(fut)
+        self._pending.append((fut, clock, self.key(method), predicted_s, issued_at))
 
-        def done(f: torch.futures.Future) -> None:
-            finished = time.perf_counter()
-            with self._lock:
-                start, self._last_done = max(issued_at, self._last_done), finished
-            if not f.done() or future_failed(f):
+    def _harvest(self) -> None:
+        """Records the watched reductions that completed, in the order they
+        were issued; each counts from its issue or the previous one's end,
+        whichever is later (the reductions share the link in turn)."""
+        while self._pending:
+            fut, clock, key, predicted_s, issued_at = self._pending[0]
+            finished = clock.done_at
+            if finished is None:
                 return
+            self._pending.popleft()
+            if math.isnan(finished) or future_failed(fut):  # failed: not a time
+                continue
+            start, self._last_done = max(issued_at, self._last_done), finished
             self.record(key, finished - start, predicted_s)
-
-        fut.add_done_callback(done)
 
     def local(self) -> list[float]:
         """This rank's ratios since the last :meth:`update` (0: not seen)."""
+        self._harvest()
         with self._lock:
             return [o / p if p > 0 else 0.0 for o, p in (self._sums[k] for k in self.keys)]
 

@@ -18,7 +18,7 @@ Example:
     >>> method_names("fsdp")
     ('none', 'bf16', 'fp16', 'int8')
     >>> method_names("ddp", default_only=True)
-    ('none', 'bf16', 'int8', 'topk')
+    ('none', 'bf16', 'int8', 'topk', 'powersgd')
 """
 
 from __future__ import annotations
@@ -43,18 +43,16 @@ class Method:
         name: What users pass (``"int8"``).
         lossless: Whether the reduction is exact (only ``"none"``).
         in_default: Whether ``auto`` chooses among it unless told otherwise.
-            Under its default objective ``auto`` uses a lossy method only
-            on a bucket where it drops at most 1% of the step's gradient
-            (``AutoState.max_lost_share``): top-k passes on mostly zero
-            gradients (an embedding table's, where it dropped 0.1-0.2% and
-            reached the target loss in the steps uncompressed training took)
-            and fails on dense ones. PowerSGD is left out: the bound does
-            not predict its cost in steps (on a CNN its share of one bucket
-            came under 1% and it still needed 1.2-1.3x the steps to the
-            target), and measuring it costs a low-rank SVD of every matrix
-            every 50 steps; name it in ``methods`` after checking time to
-            your target loss (``python -m xcomm_bench time-to-accuracy``
-            measures it).
+            Under its default objective ``auto`` uses a cast, int8 or top-k
+            only on a bucket where it drops at most 1% of the step's
+            gradient (``AutoState.max_lost_share``): top-k passes on mostly
+            zero gradients (an embedding table's, where it dropped 0.1-0.2%
+            and reached the target loss in the steps uncompressed training
+            took) and fails on dense ones. PowerSGD passes a gate on the
+            whole step instead (``AutoState.powersgd_steps``): only where
+            its steps are at least 2.5x as fast as the best without it.
+            fp16 is left out: bf16 sends the same bytes without its range
+            limit.
         host_only: Whether, where xcomm was built without its CUDA codec
             kernels, its codec would run on the host for a GPU bucket (a
             cast runs on the device with torch's own ops).
@@ -82,7 +80,7 @@ METHODS: tuple[Method, ...] = (
     Method("int8", lossless=False, in_default=True, host_only=True, surfaces=_EVERYWHERE),
     Method("topk", lossless=False, in_default=True, host_only=True, surfaces=frozenset({"ddp"})),
     Method(
-        "powersgd", lossless=False, in_default=False, host_only=True, surfaces=frozenset({"ddp"})
+        "powersgd", lossless=False, in_default=True, host_only=True, surfaces=frozenset({"ddp"})
     ),
 )
 

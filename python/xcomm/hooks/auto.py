@@ -52,8 +52,11 @@ So the default objective trusts only what it can bound: a lossy method is a
 candidate for a bucket only while the share of the step's gradient it drops
 there is at most ``max_lost_share`` (1% by default: what a cast or int8
 loses, about 1e-4, passes by far; top-k passes on a bucket whose gradient is
-mostly exact zeros, such as an embedding table's, where it dropped 0.1-0.2%),
-and a candidate is charged that share of the step time:
+mostly exact zeros, such as an embedding table's, where it dropped 0.1-0.2%,
+and is a candidate only on such a bucket, at most half of whose entries are
+non-zero, since on a dense one the share it drops under-reads what it costs
+under Adam), and a candidate is charged that share
+of the step time:
 
     ``T'(m) = T(m) + (|g_b - C_m(g_b)|^2 / |g|^2) * S``
 
@@ -68,13 +71,36 @@ they drop changes as training spreads the gradient: PowerSGD's share of the
 LM's grew from 2.5% to 22%), and agreed (MAX over ranks), so every rank
 gates and charges alike. A method that drops more than the bound today may
 return when a later measurement finds it under. ``max_lost_share=1.0``
-keeps every method and charges by the share alone (a first-order estimate:
+keeps every top-k, cast and int8 and charges by the share alone (a first-order estimate:
 check time to your target loss, ``python -m xcomm_bench time-to-accuracy``);
 ``objective="step_time"`` drops the bound and the charge. The bound is set
 for the optimizer most users run: under SGD with momentum the same methods
 cost fewer steps (on a CNN, PowerSGD needed no more steps than
 uncompressed training, against 1.29x under AdamW), so there it leaves time
 on the table: measure, and name the method or raise the bound.
+
+PowerSGD is not judged by its share: the share it drops of one step's
+gradient did not predict its cost in steps (on the CNN it dropped under 1%
+of a bucket and needed 1.29-1.38x the steps; on the LM 2.5-22% and
+1.8-2.0x). It is judged on the whole step instead, by a gate
+(``powersgd_steps``, M, 2.5 by default: a quarter more than the most steps
+it was seen to need, 2.0x, so that a step predicted a little fast does not
+tip it): with ``S`` the step time as above, ``S_without`` the step
+predicted with each bucket on its best other method and ``S_with`` with
+PowerSGD wherever it is faster, PowerSGD is a candidate, uncharged, only
+while
+
+    ``M * S_with <= S_without``
+
+so it is chosen only where its steps are fast enough that even M times as
+many of them reach the loss sooner. With M = 2, at 0.1 Gbit/s, the gate
+opened on the LM, whose steps PowerSGD made 1.78x faster than int8's and
+needed 2.0x as many of: 1.11x int8's time to the target. Its steps were
+1.47x faster on the CNN and 1.27x on a GRU, and 1.25-1.34x at 0.5 Gbit/s.
+Once open, the gate closes only when ``M * S_with`` exceeds ``S_without``
+by ``switch_margin``. A per-bucket version of the gate would be wrong: at
+0.5 Gbit/s the LM's reductions alone are 4.6x faster with PowerSGD, its
+whole steps 1.34x.
 
 Inputs, measured, never guessed:
 
@@ -171,10 +197,10 @@ __all__ = [
 #: What ``auto`` can choose from, cheapest codec first (ties go to the earlier).
 METHODS = method_names("ddp")
 _LOSSLESS = method_names("ddp", lossless_only=True)
-#: What ``auto`` chooses from unless told otherwise: the casts, int8 and
-#: top-k, each only where it drops at most ``max_lost_share`` of the step's
-#: gradient (top-k: on a mostly zero bucket). PowerSGD is left out until named
-#: in ``methods`` (``_methods.Method.in_default`` says why).
+#: What ``auto`` chooses from unless told otherwise: bf16, int8 and top-k,
+#: each only where it drops at most ``max_lost_share`` of the step's gradient
+#: (top-k: on a mostly zero bucket), and PowerSGD where its step gate opens
+#: (``AutoState.powersgd_steps``).
 DEFAULT_METHODS = method_names("ddp", default_only=True)
 #: What auto chooses among on a GPU bucket where xcomm has no CUDA codec
 #: kernels (its int8, top-k and PowerSGD codecs would run on the host).
@@ -188,7 +214,14 @@ _FREE_CODECS = dict.fromkeys(_CODEC_KEYS, 0.0)
 _STAND_IN_NUMEL = 1 << 16
 # A synthetic bucket's size where there is no sample: 16 MiB, out of cache as DDP's are.
 _CALIBRATION_NUMEL = 1 << 22
-# Steps at least between two measurements of what top-k and PowerSGD drop: a
+# Top-k is a candidate only on a bucket whose entries are at most this share
+# non-zero: mostly exact zeros, as an embedding table's gradient is. On dense
+# buckets what it drops of the step's gradient says too
+# little of the steps it costs under Adam: on a CNN's dense bucket it came
+# under the 1% bound late in training (3-4% at step 100, falling) and the run
+# needed 1.4x the steps of uncompressed training to its target loss.
+_SPARSE_SHARE = 0.5
+# Steps at least between two measurements of what top-k drops: a
 # measurement runs every codec over the model's gradient once (measured at every
 # round, a 3.2M-entry embedding model's top-k steps took 42.5 ms against 34.6).
 _REMEASURE_STEPS = 50
@@ -418,8 +451,7 @@ class AutoState(PicklableState):
     Args:
         process_group: the group to reduce over (default: the default group).
         methods: the methods it may choose from (a subset of :data:`METHODS`;
-            default :data:`DEFAULT_METHODS`, which leaves out PowerSGD: see
-            there).
+            default :data:`DEFAULT_METHODS`).
         lossless_only: choose only methods that lose nothing (``none``).
         min_density: the density top-k sends (its accuracy bound).
         powersgd_rank: PowerSGD's rank (its accuracy bound).
@@ -446,8 +478,12 @@ class AutoState(PicklableState):
             the module docstring); ``"step_time"`` chooses by time per step
             alone.
         max_lost_share: under ``"time_to_accuracy"``, the most of the step's
-            gradient (share of its squared norm) a lossy method may drop on a
-            bucket and still be chosen for it (its accuracy bound).
+            gradient (share of its squared norm) a cast, int8 or top-k may
+            drop on a bucket and still be chosen for it (its accuracy bound).
+        powersgd_steps: under ``"time_to_accuracy"``, the most steps to a
+            target loss PowerSGD is assumed to need, as a multiple of the
+            steps uncompressed training needs (M, its gate: see the module
+            docstring); ``math.inf`` never chooses it.
 
     Example::
 
@@ -471,6 +507,7 @@ class AutoState(PicklableState):
     stats: CompressionStats = field(default_factory=CompressionStats)
     objective: str = "time_to_accuracy"
     max_lost_share: float = 0.01
+    powersgd_steps: float = 2.5
 
     def __post_init__(self) -> None:
         self.methods = tuple(self.methods)
@@ -496,6 +533,11 @@ class AutoState(PicklableState):
             raise ValueError(
                 "xcomm.hooks.AutoState: max_lost_share must be in [0, 1] (a share of the "
                 f"step's squared gradient norm), got {self.max_lost_share}"
+            )
+        if not self.powersgd_steps >= 1.0:
+            raise ValueError(
+                "xcomm.hooks.AutoState: powersgd_steps must be >= 1 (PowerSGD's steps to a "
+                f"target as a multiple of uncompressed training's), got {self.powersgd_steps}"
             )
         if not (0.0 < self.min_density <= 1.0):
             raise ValueError(
@@ -552,6 +594,9 @@ class AutoState(PicklableState):
         self.lost_share: dict[int, dict[str, float]] = {}
         #: The step time the accuracy term charges by (agreed at the last round).
         self.charged_step_seconds = 0.0
+        #: PowerSGD's gate at the last round: ``(open, S_with, S_without)`` in
+        #: seconds (None before it was evaluated, and where it does not apply).
+        self.powersgd_gate: tuple[bool, float, float] | None = None
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -585,6 +630,7 @@ class AutoState(PicklableState):
             "observed": self._observed.state_dict(),
             "lost_share": {str(k): dict(v) for k, v in self.lost_share.items()},
             "charged_step_seconds": self.charged_step_seconds,
+            "powersgd_gate": None if self.powersgd_gate is None else list(self.powersgd_gate),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -607,6 +653,8 @@ class AutoState(PicklableState):
         self._observed.load_state_dict(d.get("observed", {}))  # none before the closed loop
         self.lost_share = {int(k): dict(v) for k, v in d.get("lost_share", {}).items()}
         self.charged_step_seconds = float(d.get("charged_step_seconds", 0.0))
+        gate = d.get("powersgd_gate")
+        self.powersgd_gate = None if gate is None else (bool(gate[0]), *map(float, gate[1:]))
         if not self.lost_share and self.iter >= self._errors_step:
             # A checkpoint from before the accuracy term: measure it on the next step.
             self._errors_step = self.iter
@@ -650,16 +698,25 @@ class AutoState(PicklableState):
         if self.objective == "step_time":
             return "objective: time per step (lossy methods are not charged for steps)"
         if not self.lost_share:
-            return (
+            line = (
                 "objective: time to accuracy; the gradient each method loses is not measured "
                 f"yet (at step {self._errors_step}): no method is bounded or charged before"
             )
-        return (
-            "objective: time to accuracy; a lossy method is chosen only where it drops at "
-            f"most {100 * self.max_lost_share:.3g}% of the step's gradient (max_lost_share), "
-            "and its time adds the share it drops x the step time, "
-            f"{self.charged_step_seconds * 1e3:.2f} ms"
-        )
+        else:
+            line = (
+                "objective: time to accuracy; a lossy method is chosen only where it drops at "
+                f"most {100 * self.max_lost_share:.3g}% of the step's gradient (max_lost_share), "
+                "and its time adds the share it drops x the step time, "
+                f"{self.charged_step_seconds * 1e3:.2f} ms"
+            )
+        if self.powersgd_gate is not None:
+            is_open, with_s, without_s = self.powersgd_gate
+            line += (
+                f"\npowersgd gate {'open' if is_open else 'closed'}: predicted step "
+                f"{with_s * 1e3:.2f} ms with it x {self.powersgd_steps:g} (powersgd_steps) "
+                f"{'<=' if is_open else '>'} {without_s * 1e3:.2f} ms without it"
+            )
+        return line
 
     # -- measurement and agreement --
 
@@ -672,7 +729,7 @@ class AutoState(PicklableState):
         Example::
 
             >>> AutoState().candidates("cpu")
-            ('none', 'bf16', 'int8', 'topk')
+            ('none', 'bf16', 'int8', 'topk', 'powersgd')
         """
         if device_type == "cpu" or _C.cuda_codecs:
             return self.allowed
@@ -743,21 +800,21 @@ class AutoState(PicklableState):
             self._measure.next_round = self.start_iter
         self._agreed = (links["allreduce"], costs)
         self._fresh_round = True
-        if self.lost_share:
+        if self.lost_share or (self.iter >= self.start_iter and self._bucket_inputs):
             self.charged_step_seconds = self._step_seconds(world)
-        reshaped = ("topk", "powersgd")
+            self._evaluate_powersgd_gate(world)
         upcoming = self._measure.next_round - 1
         if (
             self.iter >= self.start_iter
-            and any(m in self.allowed for m in reshaped)
+            and "topk" in self.allowed
             and upcoming >= self._errors_step + _REMEASURE_STEPS
         ):
-            # What top-k and PowerSGD drop depends on the gradient's shape,
-            # which training changes: early gradients sit in a few large
-            # entries and a low rank (top-k 1% dropped 19% of a byte-level
-            # LM's at step 2), later ones spread. Measure again on the step
-            # before a round (the same step on every rank: agreed), at most
-            # every _REMEASURE_STEPS steps (each costs a pass of every codec).
+            # What top-k drops depends on the gradient's shape, which
+            # training changes: early gradients sit in a few large entries
+            # (top-k 1% dropped 19% of a byte-level LM's at step 2), later
+            # ones spread. Measure again on the step before a round (the same
+            # step on every rank: agreed), at most every _REMEASURE_STEPS
+            # steps (each costs a pass of every codec).
             self._errors_step = upcoming
 
     # -- the accuracy term (objective "time_to_accuracy") --
@@ -774,11 +831,28 @@ class AutoState(PicklableState):
             buffer.element_size(),
             buffer.device.type,
         )
-        lossy = tuple(m for m in self.candidates(buffer.device.type) if m != "none")
+        # PowerSGD is judged by its step gate, not by what it drops (and
+        # measuring that would cost a low-rank SVD of every matrix).
+        lossy = tuple(
+            m for m in self.candidates(buffer.device.type) if m not in ("none", "powersgd")
+        )
+        dense = "topk" in lossy and not self._sparse(buffer)
         self._energy[index] = float(buffer.detach().float().square().sum())
         self._errors[index] = compression_errors(
-            buffer, bucket.gradients(), lossy, density=self.min_density, rank=self.powersgd_rank
+            buffer,
+            bucket.gradients(),
+            tuple(m for m in lossy if not (dense and m == "topk")),
+            density=self.min_density,
+            rank=self.powersgd_rank,
         )
+        if dense:
+            self._errors[index]["topk"] = math.inf  # not a candidate (see _SPARSE_SHARE)
+
+    @staticmethod
+    def _sparse(buffer: torch.Tensor) -> bool:
+        """Whether the bucket's entries are mostly exact zeros (at most
+        ``_SPARSE_SHARE`` non-zero): a bucket top-k may take at all."""
+        return int(torch.count_nonzero(buffer.detach())) <= _SPARSE_SHARE * buffer.numel()
 
     def _local_lost_share(self) -> list[float]:
         """This rank's lost shares, bucket by bucket and method by method in a
@@ -823,12 +897,44 @@ class AutoState(PicklableState):
         measured = self._measure.agreed_step_seconds if self.observe else 0.0
         return max(measured, reductions)
 
-    def _charged(self, index: int, predicted: dict[str, float]) -> dict[str, float]:
-        """``predicted`` without the lossy methods that drop more than
-        ``max_lost_share`` of the step's gradient on the bucket, and the rest
-        plus their accuracy charge. If every method drops more, the one that
-        drops least (``methods`` left nothing under the bound)."""
-        if self.objective == "step_time" or index not in self.lost_share:
+    def _evaluate_powersgd_gate(self, world: int) -> None:
+        """PowerSGD's gate (module docstring): is the whole step with it, M
+        times over, predicted no slower than the step without it? From the
+        agreed inputs only, so every rank opens or closes it alike."""
+        inputs_by_bucket = self._bucket_inputs.values()
+        if self.objective != "time_to_accuracy" or not any(
+            "powersgd" in self.candidates(inputs[3]) for inputs in inputs_by_bucket
+        ):
+            return
+        assert self._agreed is not None
+        link, costs = self._agreed
+        current_s = without_s = with_s = 0.0
+        for index, inputs in self._bucket_inputs.items():
+            numel, shapes, itemsize, device_type = inputs
+            raw = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+            current = self.decisions.get(index, {}).get("method", "none")
+            if current not in raw:
+                raw[current] = sum(
+                    self._parts(current, numel, shapes, itemsize, world, link, costs)
+                )
+            current_s += raw[current]
+            others = self._bounded(index, {m: t for m, t in raw.items() if m != "powersgd"})
+            best_other = raw[min(others, key=others.__getitem__)] if others else raw[current]
+            without_s += best_other
+            with_s += min(best_other, raw.get("powersgd", best_other))
+        rest = max(self.charged_step_seconds - current_s, 0.0)
+        with_s, without_s = rest + with_s, rest + without_s
+        was_open = self.powersgd_gate is not None and self.powersgd_gate[0]
+        slack = 1.0 + self.switch_margin if was_open else 1.0
+        is_open = self.powersgd_steps * with_s <= without_s * slack
+        self.powersgd_gate = (is_open, with_s, without_s)
+
+    def _bounded(self, index: int, predicted: dict[str, float]) -> dict[str, float]:
+        """``predicted`` without the casts, int8 and top-k where they drop more
+        than ``max_lost_share`` of the step's gradient on the bucket, and the
+        rest plus their accuracy charge. If every method drops more, the one
+        that drops least (``methods`` left nothing under the bound)."""
+        if index not in self.lost_share or not predicted:
             return predicted
         share = self.lost_share[index]
         step_s = self.charged_step_seconds
@@ -836,6 +942,19 @@ class AutoState(PicklableState):
         if not kept:
             kept = [min(predicted, key=lambda m: share.get(m, 0.0))]
         return {m: predicted[m] + share.get(m, 0.0) * step_s for m in kept}
+
+    def _charged(self, index: int, predicted: dict[str, float]) -> dict[str, float]:
+        """Under ``"time_to_accuracy"``: ``predicted`` bounded and charged
+        (:meth:`_bounded`), PowerSGD kept, uncharged, only while its gate is
+        open (it is closed until first evaluated), or where ``methods`` left
+        nothing else."""
+        if self.objective == "step_time":
+            return predicted
+        gate_open = self.powersgd_gate is not None and self.powersgd_gate[0]
+        bounded = self._bounded(index, {m: t for m, t in predicted.items() if m != "powersgd"})
+        if "powersgd" in predicted and (gate_open or not bounded):
+            bounded["powersgd"] = predicted["powersgd"]
+        return bounded
 
     def _choose(self, bucket: dist.GradBucket, world: int) -> str:
         index, numel = bucket.index(), bucket.buffer().numel()
@@ -856,16 +975,26 @@ class AutoState(PicklableState):
             notes = self._never_run_notes(
                 method, predicted, numel, shapes, itemsize, world, link, costs
             )
-        if predicted is not raw:
+        if "powersgd" in raw and "powersgd" not in predicted:
+            notes.append(
+                "powersgd not chosen: its step gate is closed (explain()'s objective line)"
+            )
+        if predicted is not raw and index in self.lost_share:
             shares = self.lost_share[index]
             lost = ", ".join(
                 f"{m} {100 * share:.3g}% (+{(predicted[m] - raw[m]) * 1e3:.2f} ms)"
                 for m, share in shares.items()
-                if m in predicted
+                if m in predicted and math.isfinite(share)
             )
             if lost:
                 notes.append(f"accuracy charge: share of the step's gradient lost: {lost}")
-            over = [m for m in raw if m not in predicted]
+            over = [m for m in raw if m not in predicted and m != "powersgd"]
+            if "topk" in over and math.isinf(shares.get("topk", 0.0)):
+                over.remove("topk")
+                notes.append(
+                    f"topk not chosen: more than {100 * _SPARSE_SHARE:.3g}% of the bucket's "
+                    "entries are non-zero (it takes only mostly zero buckets)"
+                )
             if over:
                 dropped = ", ".join(f"{m} {100 * shares.get(m, 0.0):.3g}%" for m in over)
                 notes.append(
