@@ -109,6 +109,10 @@ void XcommBackend::swapGroup(XcommBackend& other) {
   swap(transportError_, other.transportError_);
   swap(predecessor_, other.predecessor_);
   swap(compressRunner_, other.compressRunner_);
+  // The new group's namespace, where its shrinks meet (store_ and regroup_
+  // stay: a reconfigure meets its members over the store this group was made on).
+  swap(groupStore_, other.groupStore_);
+  swap(shrinks_, other.shrinks_);
 #if XCOMM_HAS_RECONFIGURE
   swap(rank_, other.rank_);  // const in c10d::Backend before torch 2.14
   swap(size_, other.size_);

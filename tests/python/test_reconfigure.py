@@ -7,7 +7,7 @@ by position. The scenarios are those torch's own fault-tolerance suite runs
 against Gloo (world size 3, a FileStore): late join, all-reduce and
 point-to-point after a reconfigure, shrinking away the last or a middle rank
 and growing back, merge and split, identity, handles as a set, a reused uuid
-refused, a reconfigure after an abort; plus xcomm's transactional promise: a
+refused, a reconfigure after an abort, a shrink after reconfigures; plus xcomm's transactional promise: a
 reconfigure a member never joins fails on every member that called it, and
 they all keep the old group, which still works.
 
@@ -163,6 +163,15 @@ def _scenarios(ctx: RankContext, shm: bool) -> dict[str, Any]:
         out["not_joined"] = error_of(lambda: m.reconfigure(940, h, seconds=2))
     m.barrier("b940")
     out["kept"] = (dist.get_rank(), dist.get_world_size(), _members_sum(r))
+
+    # A group a reconfigure made shrinks too (in that group's own namespace).
+    if r != 2:
+        shrunk = group._get_backend(torch.device("cpu")).shrink([2], 0, None)
+        t = torch.tensor([float(r + 1)])
+        shrunk.allreduce([t]).wait()
+        out["shrunk"] = t.item()
+        del shrunk
+    m.barrier("b950")
     dist.destroy_process_group()
     return out
 
@@ -195,6 +204,7 @@ def test_reconfigure_follows_torchs_contract_on_xcomm(shm: bool) -> None:
     for r in (0, 1):
         assert results[r]["not_joined"] is not None, results[r]
         assert "keeps its group" in results[r]["not_joined"], results[r]
+    assert [results[r]["shrunk"] for r in (0, 1)] == [3.0, 3.0]
 
 
 def _bad_reconfigures(ctx: RankContext) -> dict[str, Any]:
