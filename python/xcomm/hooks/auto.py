@@ -66,12 +66,12 @@ approximation, which its warm-started power iteration approaches) and
 ``S`` the step time: measured (the median of recent steps, the slowest
 rank's) and at least the predicted time of the buckets' reductions. The
 shares are measured on the model's own gradients at step ``start_iter - 1``,
-again every 50 steps or more where top-k or PowerSGD may be chosen (what
-they drop changes as training spreads the gradient: PowerSGD's share of the
-LM's grew from 2.5% to 22%), and agreed (MAX over ranks), so every rank
+again every 50 steps or more where top-k may be chosen (what it drops
+changes as training changes the gradient's shape), and agreed (MAX over ranks), so every rank
 gates and charges alike. A method that drops more than the bound today may
 return when a later measurement finds it under. ``max_lost_share=1.0``
-keeps every top-k, cast and int8 and charges by the share alone (a first-order estimate:
+keeps the casts and int8 everywhere and top-k on every mostly zero bucket,
+and charges by the share alone (a first-order estimate:
 check time to your target loss, ``python -m xcomm_bench time-to-accuracy``);
 ``objective="step_time"`` drops the bound and the charge. The bound is set
 for the optimizer most users run: under SGD with momentum the same methods
@@ -95,7 +95,7 @@ while
 so it is chosen only where its steps are fast enough that even M times as
 many of them reach the loss sooner. With M = 2, at 0.1 Gbit/s, the gate
 opened on the LM, whose steps PowerSGD made 1.78x faster than int8's and
-needed 2.0x as many of: 1.11x int8's time to the target. Its steps were
+needed 2.0x as many of: 1.10x int8's time to the target. Its steps were
 1.47x faster on the CNN and 1.27x on a GRU, and 1.25-1.34x at 0.5 Gbit/s.
 Once open, the gate closes only when ``M * S_with`` exceeds ``S_without``
 by ``switch_margin``. A per-bucket version of the gate would be wrong: at
@@ -219,7 +219,7 @@ _CALIBRATION_NUMEL = 1 << 22
 # buckets what it drops of the step's gradient says too
 # little of the steps it costs under Adam: on a CNN's dense bucket it came
 # under the 1% bound late in training (3-4% at step 100, falling) and the run
-# needed 1.4x the steps of uncompressed training to its target loss.
+# needed 1.38x int8's steps to its target loss.
 _SPARSE_SHARE = 0.5
 # Steps at least between two measurements of what top-k drops: a
 # measurement runs every codec over the model's gradient once (measured at every
