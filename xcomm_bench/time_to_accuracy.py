@@ -176,30 +176,43 @@ class _ByteLM(torch.nn.Module):
         return self.head(self.encoder(h, mask=self.mask[:n, :n], is_causal=True))
 
 
-def _lm_task(smoke: bool) -> TaskSpec:
-    d, heads, layers, context, bs = (32, 2, 1, 16, 4) if smoke else (256, 4, 2, 64, 8)
-    text = "\n\n".join(_topics()).encode("utf-8", "replace")
+def _byte_blocks(text: bytes, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training bytes, held-out bytes): every 10th ``block`` is held out."""
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    block = 4096
     blocks = data[: len(data) // block * block].view(-1, block)
     held_out = torch.arange(len(blocks)) % 10 == 9
-    train, held = blocks[~held_out].reshape(-1), blocks[held_out].reshape(-1)
+    return blocks[~held_out].reshape(-1), blocks[held_out].reshape(-1)
+
+
+def _next_byte_task(
+    train: torch.Tensor, held: torch.Tensor, context: int, bs: int, windows: int
+) -> tuple[Callable[..., Any], Callable[..., torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Next-byte prediction over ``context`` bytes: (batch, loss, validation),
+    the validation ``windows`` fixed windows of ``held``."""
+
+    def at(data: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.stack([data[i : i + context] for i in starts])
+        y = torch.stack([data[i + 1 : i + context + 1] for i in starts])
+        return x, y
+
     g = torch.Generator().manual_seed(7)
-    windows = 8 if smoke else 48
-    starts = torch.randint(len(held) - context - 1, (windows,), generator=g)
-    val_x = torch.stack([held[s : s + context] for s in starts.tolist()])
-    val_y = torch.stack([held[s + 1 : s + context + 1] for s in starts.tolist()])
+    validation = at(held, torch.randint(len(held) - context - 1, (windows,), generator=g).tolist())
 
     def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.randint(len(train) - context - 1, (bs,), generator=gen).tolist()
-        x = torch.stack([train[i : i + context] for i in s])
-        y = torch.stack([train[i + 1 : i + context + 1] for i in s])
-        return x, y
+        return at(train, torch.randint(len(train) - context - 1, (bs,), generator=gen).tolist())
 
     def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
 
-    return TaskSpec("lm", lambda: _ByteLM(d, heads, layers, context), batch, loss, (val_x, val_y))
+    return batch, loss, validation
+
+
+def _lm_task(smoke: bool) -> TaskSpec:
+    d, heads, layers, context, bs = (32, 2, 1, 16, 4) if smoke else (256, 4, 2, 64, 8)
+    text = "\n\n".join(_topics()).encode("utf-8", "replace")
+    train, held = _byte_blocks(text)
+    batch, loss, validation = _next_byte_task(train, held, context, bs, 8 if smoke else 48)
+    return TaskSpec("lm", lambda: _ByteLM(d, heads, layers, context), batch, loss, validation)
 
 
 def _embedding_task(smoke: bool) -> TaskSpec:
@@ -320,14 +333,6 @@ _CODE_MODULES = (
 )
 
 
-def _byte_blocks(text: bytes, block: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training bytes, held-out bytes): every 10th ``block`` is held out."""
-    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    blocks = data[: len(data) // block * block].view(-1, block)
-    held_out = torch.arange(len(blocks)) % 10 == 9
-    return blocks[~held_out].reshape(-1), blocks[held_out].reshape(-1)
-
-
 class _ByteGRU(torch.nn.Module):
     """Byte embedding + one GRU layer + byte head."""
 
@@ -351,21 +356,8 @@ def _code_task(smoke: bool) -> TaskSpec:
         assert spec is not None and spec.origin is not None
         sources.append(Path(spec.origin).read_bytes())
     train, held = _byte_blocks(b"\n\n".join(sources))
-    g = torch.Generator().manual_seed(7)
-    starts = torch.randint(len(held) - context - 1, (8 if smoke else 64,), generator=g).tolist()
-    val_x = torch.stack([held[s : s + context] for s in starts])
-    val_y = torch.stack([held[s + 1 : s + context + 1] for s in starts])
-
-    def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        s = torch.randint(len(train) - context - 1, (bs,), generator=gen).tolist()
-        x = torch.stack([train[i : i + context] for i in s])
-        y = torch.stack([train[i + 1 : i + context + 1] for i in s])
-        return x, y
-
-    def loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
-
-    return TaskSpec("code", lambda: _ByteGRU(embed, hidden), batch, loss, (val_x, val_y))
+    batch, loss, validation = _next_byte_task(train, held, context, bs, 8 if smoke else 64)
+    return TaskSpec("code", lambda: _ByteGRU(embed, hidden), batch, loss, validation)
 
 
 def build_task(name: str, *, smoke: bool = False) -> TaskSpec:
