@@ -12,7 +12,10 @@ process. The script runs twice:
    at once on xcomm, torchft forms a quorum of the survivor alone, which
    trains on; replica 1 is restarted ``--restart-after`` seconds later, joins
    the next quorum and receives the survivor's model and optimizer by
-   torchft's checkpoint transport.
+   torchft's checkpoint transport. A restart takes seconds (the
+   interpreter and its imports), so in this run both replicas train on past
+   ``--steps`` until the rejoined replica has shared ``--shared-steps`` steps
+   with the survivor: a slow restart cannot miss the run.
 
 It prints the loss on a fixed evaluation set for both runs, how long the
 survivor took from the kill to its first step alone and the restarted
@@ -137,8 +140,11 @@ def replica_main(args: argparse.Namespace) -> None:
     for other in args.wait:
         _wait_for(other)
 
+    def more() -> bool:  # the driver's stop file says the run may end at --steps
+        return manager.current_step() < args.steps or not os.path.exists(args.stop_file)
+
     with open(args.out, "w") as log:
-        while manager.current_step() < args.steps:
+        while more():
             before = manager.current_step()
             x, y = _teacher_data(32, seed=1000 * before + args.replica)
             optimizer.zero_grad()  # starts the quorum
@@ -189,12 +195,18 @@ class Run:
         self.folder.mkdir()
         self.args, self.lighthouse, self.cluster = args, lighthouse, cluster
         self.procs: dict[str, subprocess.Popen] = {}
+        self.stop_file = self.folder / "stop"
+
+    def allow_stop(self) -> None:
+        """Lets the replicas end once they reach ``--steps``."""
+        self.stop_file.touch()
 
     def start(self, tag: str, replica: int, wait: list[str]) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--replica", str(replica)]
         cmd += ["--lighthouse", self.lighthouse, "--out", str(self.folder / f"{tag}.jsonl")]
         cmd += ["--steps", str(self.args.steps), "--lr", str(self.args.lr)]
         cmd += ["--timeout", str(self.args.timeout), "--step-pause", str(self.args.step_pause)]
+        cmd += ["--stop-file", str(self.stop_file)]
         for w in wait:
             cmd += ["--wait", str(self.folder / f"{w}.jsonl.ready")]
         with open(self.folder / f"{tag}.log", "wb") as out:
@@ -226,6 +238,8 @@ class Run:
 def _drive(run: Run, args: argparse.Namespace, interrupted: bool) -> dict[str, Any]:
     from tqdm import tqdm
 
+    if not interrupted:
+        run.allow_stop()
     run.start("r0", 0, ["r1"])
     run.start("r1", 1, ["r0"])
     events: dict[str, float] = {}
@@ -247,6 +261,9 @@ def _drive(run: Run, args: argparse.Namespace, interrupted: bool) -> dict[str, A
                 run.start("r1b", 1, [])
                 events["restart"] = time.time()
                 bar.write("restarted replica 1")
+            together = [r for r in run.records("r1b") if r["committed"] and r["participants"] > 1]
+            if "restart" in events and len(together) >= args.shared_steps:
+                run.allow_stop()
             run.check_alive(*(t for t in run.procs if not (t == "r1" and "kill" in events)))
             time.sleep(0.05)
     for tag in run.procs:
@@ -270,7 +287,10 @@ def _summary(name: str, run: Run, events: dict[str, float]) -> dict[str, Any]:
         out["bitwise_equal_steps"] = sum(other.get(r["step"]) == r["hash"] for r in survivor)
         return out
     alone = [r for r in survivor if r["committed"] and r["participants"] == 1]
-    rejoined = run.records("r1b")
+    # Before it reaches the survivor, a restarted replica may form a quorum
+    # of its own (torchft's min_replica_size=1): its rejoin is its first step
+    # with two participants.
+    rejoined = [r for r in run.records("r1b") if r["committed"] and r["participants"] > 1]
     by_step = {r["step"]: r["hash"] for r in survivor if r["committed"]}
     shared = [r for r in rejoined if r["step"] in by_step]
     out.update(
@@ -354,6 +374,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--step-pause", type=float, default=0.02, help="seconds each step sleeps (default 0.02)"
     )
+    p.add_argument(
+        "--shared-steps",
+        type=int,
+        default=10,
+        help="steps the rejoined replica shares with the survivor before the run may end",
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="collective timeout, seconds")
     p.add_argument("--deadline", type=float, default=300.0, help="give up on a run after this")
     p.add_argument("--plot", metavar="FILE", help="draw both loss curves into FILE (a .png)")
@@ -370,6 +396,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lighthouse", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--wait", action="append", default=[], help=argparse.SUPPRESS)
+    p.add_argument("--stop-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -410,7 +437,7 @@ def main() -> None:
     print(f"interrupted:   final loss {hit['final_loss']:.4f}")
     print(f"  the replicas' xcomm group: {', '.join(sorted({*hit['shapes'], *plain['shapes']}))}")
     if not hit["alone_steps"] or hit["rejoin_step"] is None:
-        raise SystemExit("no step alone or no rejoin before the run ended (raise --steps)")
+        raise SystemExit("no step alone, or no rejoin within --deadline")
     print(
         f"  replica 1 SIGKILLed at step {hit['kill_step']}; the survivor trained "
         f"{hit['alone_steps']} steps alone, the first {hit['recovery_s']:.2f} s after the kill"
