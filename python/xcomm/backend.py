@@ -36,18 +36,17 @@ def _gloo_devices() -> list[Any]:
     choose them: one per interface in ``GLOO_SOCKET_IFNAME``, else the
     host's default."""
     ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    key = (
-        os.getpid(),
-        ifnames,
-        os.environ.get("GLOO_DEVICE_TRANSPORT", "")
-        + "|"
-        + os.environ.get("TORCH_GLOO_LAZY_INIT", ""),
-    )
+    key = (os.getpid(), ifnames, os.environ.get("GLOO_DEVICE_TRANSPORT", ""))
     devices = _GLOO_DEVICES.get(key)
     if devices is None:
         devices = _new_gloo_devices(ifnames)
         _GLOO_DEVICES[key] = devices
     return devices
+
+
+def _lazy_gloo() -> bool:
+    """Whether Gloo's pairs connect at their first use (TORCH_GLOO_LAZY_INIT)."""
+    return os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
 
 
 def _new_gloo_devices(ifnames: str) -> list[Any]:
@@ -100,7 +99,7 @@ def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) 
     """A Gloo group that reports a peer lost during its set-up within
     ``timeout``, as it does for its collectives (``ProcessGroupGloo`` built
     directly takes five times the timeout there)."""
-    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "0") not in ("", "0")
+    lazy = _lazy_gloo()
     options = dist.ProcessGroupGloo._Options()
     # Pairs that connect at their first use fail to when their group shares a
     # device with another (Gloo's own groups each have theirs).
@@ -167,9 +166,10 @@ def create_backend(dist_backend_opts: Any, pg_options: Options | None) -> _C.Xco
         timeout = datetime.timedelta(seconds=float(timeout))
     # torch 2.14's init_process_group(enable_reconfigure=True); absent before.
     await_reconfigure = bool(getattr(dist_backend_opts, "enable_reconfigure", False))
-    if await_reconfigure:
+    if await_reconfigure and not _lazy_gloo():
         # Nothing is built until the first reconfigure, which the other
-        # members wait on: have this process's Gloo device ready for it.
+        # members wait on: have this process's Gloo device ready for it
+        # (lazily connecting groups each make their own).
         _gloo_devices()
     return _C.build_group(
         dist_backend_opts.store,

@@ -7,9 +7,11 @@ by position. The scenarios are those torch's own fault-tolerance suite runs
 against Gloo (world size 3, a FileStore): late join, all-reduce and
 point-to-point after a reconfigure, shrinking away the last or a middle rank
 and growing back, merge and split, identity, handles as a set, a reused uuid
-refused, a reconfigure after an abort, a shrink after reconfigures; plus xcomm's transactional promise: a
-reconfigure a member never joins fails on every member that called it, and
-they all keep the old group, which still works.
+refused, a reconfigure after an abort, a shrink after reconfigures; plus
+xcomm's transactional promise: a reconfigure a member never joins fails on
+every member that called it, and they all keep the old group, which still
+works. Bad handles, and a shrink before the first reconfigure, are refused
+by name.
 
 Reference: the sums each membership must give, and Gloo's contract for ranks.
 torch 2.13 has no reconfigure: the module is skipped there.
@@ -222,7 +224,10 @@ def _bad_reconfigures(ctx: RankContext) -> dict[str, Any]:
     )
     m = _Members(store, ctx.rank)
     mine = dist._get_reconfigure_handle()
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     out = {
+        # No communicator before the first reconfigure: nothing to shrink.
+        "shrink_first": error_of(lambda: backend.shrink([1 - ctx.rank], 0, None)),
         "foreign": error_of(lambda: m.reconfigure(1, ["gloo:0:-1:0:"])),
         "twice": error_of(lambda: m.reconfigure(2, [mine, mine])),
         "absent": error_of(lambda: m.reconfigure(3, ["xcomm:9:-1:9"])),
@@ -242,4 +247,6 @@ def test_bad_handles_are_refused_by_name_and_leave_the_group_as_it_was() -> None
         assert "ValueError" in r["twice"] and "is given twice" in r["twice"], r
         assert "ValueError" in r["absent"] and "not among the new group's handles" in r["absent"]
         assert r["empty"] is not None and "handle" in r["empty"], r
+        assert "ValueError" in r["shrink_first"], r
+        assert "no communicator yet" in r["shrink_first"] and "_reconfigure" in r["shrink_first"], r
         assert r["sum"] == 3.0, r
