@@ -946,6 +946,8 @@ def _gate(
     state.lost_share = {0: {"bf16": 1e-5, "int8": 1e-4, "topk": 0.3}}
     none_s = predict_seconds("none", 1 << 20, shapes, 2, link, COSTS, density=0.01, rank=4)
     state.charged_step_seconds = rest_s + none_s
+    # The bucket ran "none" since the round before (the gate waits for one).
+    state._choices.decisions[0] = {"method": "none", "since": 2, "round": 2, "numel": 1 << 20}
     state._evaluate_powersgd_gate(2)
     assert state.powersgd_gate is not None
     return state.powersgd_gate
@@ -969,6 +971,13 @@ def test_powersgd_is_a_candidate_only_while_its_whole_step_is_m_times_faster() -
     assert "powersgd" in state.allowed  # a default method
     predicted = {"none": 9.0, "int8": int8_s, "powersgd": psgd_s}
     assert "powersgd" not in state._charged(0, predicted)  # closed before it is evaluated
+    # The round that starts compression (no bucket has run a method) does not open it.
+    state._agreed = (SLOW, COSTS)
+    state._bucket_inputs = {0: (1 << 20, shapes, 4, "cpu")}
+    state.charged_step_seconds = 0.01
+    state._evaluate_powersgd_gate(2)
+    assert state.powersgd_gate is None and "powersgd" not in state._charged(0, predicted)
+    assert "evaluated from the first round after compression starts" in state._objective_line()
 
     is_open, with_s, without_s = _gate(state, SLOW, rest_s=0.01)
     assert is_open and with_s == pytest.approx(0.01 + psgd_s)

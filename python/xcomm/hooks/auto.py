@@ -97,6 +97,9 @@ many of them reach the loss sooner. With M = 2, at 0.1 Gbit/s, the gate
 opened on the LM, whose steps PowerSGD made 1.78x faster than int8's and
 needed 2.0x as many of: 1.10x int8's time to the target. Its steps were
 1.47x faster on the CNN and 1.27x on a GRU, and 1.25-1.34x at 0.5 Gbit/s.
+It is first evaluated at the round after the one that starts compression,
+when a method has run and been observed (the starting round has only the
+probe and the calibration, and opened the gate on the LM in one run of two).
 Once open, the gate closes only when ``M * S_with`` exceeds ``S_without``
 by ``switch_margin``. A per-bucket version of the gate would be wrong: at
 0.5 Gbit/s the LM's reductions alone are 4.6x faster with PowerSGD, its
@@ -716,6 +719,10 @@ class AutoState(PicklableState):
                 f"{with_s * 1e3:.2f} ms with it x {self.powersgd_steps:g} (powersgd_steps) "
                 f"{'<=' if is_open else '>'} {without_s * 1e3:.2f} ms without it"
             )
+        elif "powersgd" in self.allowed and self.objective == "time_to_accuracy":
+            line += (
+                "\npowersgd gate closed: evaluated from the first round after compression starts"
+            )
         return line
 
     # -- measurement and agreement --
@@ -907,6 +914,15 @@ class AutoState(PicklableState):
         ):
             return
         assert self._agreed is not None
+        if not any(index in self.decisions for index in self._bucket_inputs):
+            # The round that starts compression: its step time is of
+            # uncompressed steps and no method has been observed, so its
+            # prediction is the probe and calibration alone. Opening on it
+            # put the LM on PowerSGD for its first rounds in one run of two
+            # (320 steps to target against int8's 280). Closed until a round
+            # with a method running.
+            self.powersgd_gate = None
+            return
         link, costs = self._agreed
         current_s = without_s = with_s = 0.0
         for index, inputs in self._bucket_inputs.items():
