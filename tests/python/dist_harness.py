@@ -18,8 +18,9 @@ caller; the harness
 Two launchers exist:
 
 ``"forkserver"`` (default)
-    a multiprocessing forkserver with ``torch`` preloaded, so a 4-rank run costs
-    a fraction of a second instead of ~4 s of ``import torch`` per run.  The
+    a multiprocessing forkserver with ``torch`` and what DDP and FSDP2 import
+    preloaded (``FORKSERVER_PRELOAD``), so a 4-rank run costs a fraction of a
+    second instead of ~4 s of imports per rank and run.  The
     function must be a module-level function of an importable module.
 ``"subprocess"``
     a fresh ``python`` interpreter per rank.  Slower (~3-5 s per run on 2 cores)
@@ -322,12 +323,28 @@ class RankError(AssertionError):
 
 _FORKSERVER_CTX: multiprocessing.context.ForkServerContext | None = None
 
+#: Imported once by the forkserver, so every forked rank has them for free.
+#: Beyond torch itself: what DistributedDataParallel's constructor and
+#: fully_shard import on first use (torch._dynamo pulls in sympy and inductor):
+#: 1.6 s of one core per rank on this machine, paid by every rank of every
+#: test that builds a DDP or FSDP2 model. They start no thread (the forked
+#: children need none they do not make themselves).
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.testing",
+    "torch._dynamo",
+    "torch.nn.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.algorithms.ddp_comm_hooks",
+]
+
 
 def _forkserver() -> multiprocessing.context.ForkServerContext:
     global _FORKSERVER_CTX
     if _FORKSERVER_CTX is None:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.testing"])
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
         _FORKSERVER_CTX = ctx
     return _FORKSERVER_CTX
 
