@@ -500,6 +500,8 @@ class _Trainer:
         out: dict[str, Any] = {"hook_calls": getattr(self.hook, "calls", 0)}
         if self.method.startswith("auto"):
             out["chosen"] = ",".join(self.state.methods_by_bucket())
+            # A run that ends on one method may have run others on the way.
+            out["switches"] = self.state.switches
         if self.method == "backend-auto":
             chosen = self.state.compression_stats.get("auto", {}).get("chosen", {})
             out["chosen"] = ",".join(f"{m}*{n}" for m, n in chosen.items() if n)
@@ -682,6 +684,7 @@ def combine(
                     "time_s": sum(run["step_s"][:upto]),
                     "hook_calls": run["hook_calls"],
                     "chosen": run.get("chosen", ""),
+                    "switches": run.get("switches", 0),
                 }
             )
     for r in rows:
@@ -706,7 +709,10 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     ]
     for r in rows:
         bound = "" if r["reached"] else ">"
-        method = r["method"] + (f" ({r['chosen']})" if r.get("chosen") else "")
+        chosen = r.get("chosen", "")
+        if r.get("switches"):
+            chosen += f"; {r['switches']} switches"
+        method = r["method"] + (f" ({chosen})" if chosen else "")
         lines.append(
             f"| {r['task']} | {r['optimizer']} | {r['rate']} | {method} | {bound}{r['steps']} "
             f"| {r['step_ms']:.1f} | {bound}{r['time_s']:.2f} | {bound}{r['vs_none']:.2f} "

@@ -993,9 +993,18 @@ def test_powersgd_is_a_candidate_only_while_its_whole_step_is_m_times_faster() -
     assert not _gate(fresh, SLOW, rest)[0]
     assert "powersgd" not in fresh._charged(0, predicted)
     assert "powersgd gate closed" in fresh._objective_line()
+    assert "opens below that by 10% (switch_margin)" in fresh._objective_line()
     # ...but kept open from open (within the 10% switch margin), closed beyond it.
     assert _gate(state, SLOW, rest)[0]
     assert not _gate(state, SLOW, 2 * int8_s)[0]
+    # Closed, it opens only on a win by the margin: M x S_with 5% below
+    # S_without (a noisy step time's worth) leaves it closed; 15% opens it.
+    for win, opens in ((1.05, False), (1.15, True)):
+        rest = (int8_s - win * m * psgd_s) / (win * m - 1)  # win M (rest + psgd) = rest + int8
+        fresh = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=False)
+        is_open, with_s, without_s = _gate(fresh, SLOW, rest)
+        assert m * with_s * win == pytest.approx(without_s)
+        assert is_open == opens, win
     # M = inf never opens; step_time does not gate (PowerSGD is a plain candidate).
     never = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=False, powersgd_steps=math.inf)
     assert not _gate(never, SLOW, 0.0)[0]

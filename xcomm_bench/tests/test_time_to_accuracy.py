@@ -13,6 +13,7 @@ from xcomm_bench.launch import module_command, python_env
 from xcomm_bench.time_to_accuracy import (
     build_task,
     combine,
+    format_markdown,
     smoothed,
     steps_to_target,
     target_loss,
@@ -43,7 +44,7 @@ def test_time_to_target_is_steps_to_the_target_times_the_rates_step_time() -> No
         }
     }
     # auto at 1 Gbit/s reaches the target at step 20; its first 20 steps took 1 s each.
-    auto = _run(fast_learner, [1.0] * 20 + [9.0] * 20, chosen="int8")
+    auto = _run(fast_learner, [1.0] * 20 + [9.0] * 20, chosen="int8", switches=2)
     rows = combine(trained, timed, {"1gbit": {"auto": auto}}, 0.75, 40)
     by = {r["method"]: r for r in rows}
     assert by["none"]["time_s"] == pytest.approx(30 * 0.2)
@@ -58,6 +59,9 @@ def test_time_to_target_is_steps_to_the_target_times_the_rates_step_time() -> No
         20.0 / 1.3
     )
     assert by["int8"]["vs_none"] == pytest.approx(1.3 / 6.0)
+    # The table names what auto ended on and how often it switched on the way.
+    table = format_markdown([{**r, "task": "lm", "optimizer": "adamw"} for r in rows])
+    assert "| 1gbit | auto (int8; 2 switches) |" in table and "| 1gbit | int8 |" in table
 
 
 def test_the_vision_task_shows_crops_of_the_photographs_it_names() -> None:
