@@ -221,6 +221,12 @@ class Run:
     def records(self, tag: str) -> list[dict[str, Any]]:
         return _records(self.folder / f"{tag}.jsonl")
 
+    def shared_records(self, tag: str) -> list[dict[str, Any]]:
+        """``tag``'s committed steps with more than one participant. Before it
+        reaches the survivor, a restarted replica may form a quorum of its own
+        (torchft's min_replica_size=1): its rejoin is the first of these."""
+        return [r for r in self.records(tag) if r["committed"] and r["participants"] > 1]
+
     def check_alive(self, *tags: str) -> None:
         for tag in tags:
             rc = self.procs[tag].poll()
@@ -261,8 +267,7 @@ def _drive(run: Run, args: argparse.Namespace, interrupted: bool) -> dict[str, A
                 run.start("r1b", 1, [])
                 events["restart"] = time.time()
                 bar.write("restarted replica 1")
-            together = [r for r in run.records("r1b") if r["committed"] and r["participants"] > 1]
-            if "restart" in events and len(together) >= args.shared_steps:
+            if "restart" in events and len(run.shared_records("r1b")) >= args.shared_steps:
                 run.allow_stop()
             run.check_alive(*(t for t in run.procs if not (t == "r1" and "kill" in events)))
             time.sleep(0.05)
@@ -287,10 +292,7 @@ def _summary(name: str, run: Run, events: dict[str, float]) -> dict[str, Any]:
         out["bitwise_equal_steps"] = sum(other.get(r["step"]) == r["hash"] for r in survivor)
         return out
     alone = [r for r in survivor if r["committed"] and r["participants"] == 1]
-    # Before it reaches the survivor, a restarted replica may form a quorum
-    # of its own (torchft's min_replica_size=1): its rejoin is its first step
-    # with two participants.
-    rejoined = [r for r in run.records("r1b") if r["committed"] and r["participants"] > 1]
+    rejoined = run.shared_records("r1b")
     by_step = {r["step"]: r["hash"] for r in survivor if r["committed"]}
     shared = [r for r in rejoined if r["step"] in by_step]
     out.update(
