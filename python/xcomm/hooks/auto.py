@@ -102,8 +102,8 @@ when a method has run and been observed (the starting round has only the
 probe and the calibration, and opened the gate on the LM in one run of two).
 It opens only when ``M * S_with`` is below ``S_without`` by
 ``switch_margin`` and, once open, closes only when it exceeds it by as much,
-so a noisy step time flips it neither way. A per-bucket version of the gate would be wrong: at
-0.5 Gbit/s the LM's reductions alone are 4.6x faster with PowerSGD, its
+so a noisy step time flips it neither way. A per-bucket version of the gate
+would be wrong: at 0.5 Gbit/s the LM's reductions alone are 4.6x faster with PowerSGD, its
 whole steps 1.34x.
 
 Inputs, measured, never guessed:
@@ -946,8 +946,8 @@ class AutoState(PicklableState):
         # Hysteresis both ways, as for a bucket's method: it opens only on a
         # win by switch_margin and closes only on a loss by it. Opening on
         # any win let one noisy step time open it: on the LM at 0.1 Gbit/s
-        # under load, M x S_with sat 8% above S_without and the gate opened
-        # for 8 steps in two runs of four, until PowerSGD was observed.
+        # under load (M x S_with about 8% above S_without) it opened in three
+        # runs of five, each time until PowerSGD was observed.
         was_open = self.powersgd_gate is not None and self.powersgd_gate[0]
         margin = 1.0 + self.switch_margin
         if was_open:
