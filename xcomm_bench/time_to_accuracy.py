@@ -66,7 +66,12 @@ Measured in two phases, then combined:
    wall time to reach it come from that run. (Timing every static method's
    model in one process pair, interleaved in blocks of 5 steps, read top-k's
    and PowerSGD's steps at 0.1 Gbit/s 15-20% faster than the same methods
-   take training on their own; int8's alike.)
+   take training on their own; int8's alike.) Process pairs of the same
+   method differ by up to 10% on a 2-core machine, more than the methods
+   differ at fast rates, so all of this is done ``--rounds`` times: in each
+   round every method runs once, in an order rotated from the last round's,
+   and a row reports the round with the median time to target and the
+   fastest and slowest rounds beside it.
 
 Time to target = steps to target x mean step time, where the first 2 steps
 of int8, top-k and PowerSGD take uncompressed's step time (their hooks
@@ -555,14 +560,20 @@ def _worker(job: WorkerJob, out: str) -> int:
 
 
 def _launch(
-    job: WorkerJob, rate: str | None, timeout: float, cache: Path | None = None
+    job: WorkerJob,
+    rate: str | None,
+    timeout: float,
+    cache: Path | None = None,
+    round_: int = 0,
 ) -> dict[str, Any]:
     """Runs ``job`` on 2 ranks: loopback (``rate=None``) or 2 emulated nodes.
-    With ``cache``, a result kept there by an earlier run of the same job is
-    reused, and a new one kept (a long sweep can be resumed or extended)."""
+    With ``cache``, a result kept there by an earlier run of the same job
+    (and round) is reused, and a new one kept (a long sweep can be resumed
+    or extended)."""
     name = f"train-{job.task}-{job.optimizer}-{'+'.join(job.methods)}-{rate or 'loopback'}"
     name += f"-{job.steps}x{job.eval_every}-smooth{job.smooth}"
     name += "" if job.target is None else f"-to{job.target:.6f}"
+    name += f"-round{round_ + 1}" if round_ else ""
     kept = None if cache is None else cache / f"{name}{'-smoke' if job.smoke else ''}.json"
     if kept is not None and kept.exists():
         return json.loads(kept.read_text())
@@ -628,36 +639,61 @@ def steps_to_target(
     return next((s for s, loss in smoothed(history, window) if loss <= target), None)
 
 
+def _rounds(value: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A method's rounds at one rate: a list (or one result, as results from
+    before rounds were kept)."""
+    return value if isinstance(value, list) else [value]
+
+
+def _median_index(values: Sequence[float]) -> int:
+    """The index of the (lower) median of ``values``: a row reports that
+    round, so its parts (steps, step time, method chosen) belong together."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    return order[(len(order) - 1) // 2]
+
+
 def combine(
     trained: dict[str, dict[str, Any]],
     timed: dict[str, dict[str, Any]],
-    adaptive: dict[str, dict[str, dict[str, Any]]],
+    adaptive: dict[str, dict[str, Any]],
     target_at: float,
     steps: int,
     window: int = 1,
 ) -> list[dict[str, Any]]:
     """Rows ``{rate, method, steps, step_ms, time_s, reached, ...}`` of one task and optimizer.
 
-    ``trained``: static method -> its training run; ``timed``: rate -> that
-    rate's side-by-side timing (method -> times); ``adaptive``: rate ->
-    method -> its training run at that rate. ``steps``: the bound of a
-    method that did not reach the target; ``window``: evaluations averaged.
+    ``trained``: static method -> its training run; ``timed``: rate ->
+    method -> its timing rounds (a list of runs, each its timed
+    ``step_s``); ``adaptive``: rate -> method -> its training runs at that
+    rate (a list, one per round). ``steps``: the bound of a method that did
+    not reach the target; ``window``: evaluations averaged.
+
+    Each round gives a time to target: a static method's steps to target
+    (from its one loopback run) x that round's mean step time; an adaptive
+    method's measured time to its own target step. A row reports the
+    round with the median time, and ``time_min_s``/``time_max_s`` over
+    the rounds: the spread between process pairs, which a ratio must clear
+    to mean something.
     """
     target = target_loss(trained["none"]["history"], target_at, window)
     rows = []
 
-    def mean_s(rate: str, method: str) -> float:
-        step_s = timed[rate][method]["step_s"]
-        return sum(step_s) / len(step_s)
+    def means(rate: str, method: str) -> list[float]:
+        return [sum(r["step_s"]) / len(r["step_s"]) for r in _rounds(timed[rate][method])]
+
+    def median(values: Sequence[float]) -> float:
+        return values[_median_index(values)]
 
     for rate in timed:
+        none_s = median(means(rate, "none"))
         for method, run in trained.items():
-            mean = mean_s(rate, method)
             n = steps_to_target(run["history"], target, window)
             upto = n if n is not None else steps
             # Its first steps went uncompressed, as the hook runs them (the
             # autos' times are their real steps, which include them too).
             warm = min(upto, _START_ITER) if method in _WARMS_UP else 0
+            times = [upto * m + warm * (none_s - m) for m in means(rate, method)]
+            i = _median_index(times)
             rows.append(
                 {
                     "rate": rate,
@@ -665,26 +701,39 @@ def combine(
                     "target": target,
                     "steps": upto,
                     "reached": n is not None,
-                    "step_ms": 1e3 * mean,
-                    "time_s": upto * mean + warm * (mean_s(rate, "none") - mean),
-                    "hook_calls": timed[rate][method]["hook_calls"],
+                    "step_ms": 1e3 * means(rate, method)[i],
+                    "time_s": times[i],
+                    "time_min_s": min(times),
+                    "time_max_s": max(times),
+                    "rounds": len(times),
+                    "hook_calls": _rounds(timed[rate][method])[i]["hook_calls"],
                 }
             )
-        for method, run in adaptive.get(rate, {}).items():
-            n = steps_to_target(run["history"], target, window)
-            upto = n if n is not None else steps
+        for method, value in adaptive.get(rate, {}).items():
+            runs = _rounds(value)
+            reached = [steps_to_target(run["history"], target, window) for run in runs]
+            upto = [n if n is not None else steps for n in reached]
+            times = [sum(run["step_s"][:u]) for run, u in zip(runs, upto, strict=True)]
+            i = _median_index(times)
+            run = runs[i]
             rows.append(
                 {
                     "rate": rate,
                     "method": method,
                     "target": target,
-                    "steps": upto,
-                    "reached": n is not None,
+                    "steps": upto[i],
+                    "reached": reached[i] is not None,
                     "step_ms": 1e3 * sum(run["step_s"]) / len(run["step_s"]),
-                    "time_s": sum(run["step_s"][:upto]),
+                    "time_s": times[i],
+                    "time_min_s": min(times),
+                    "time_max_s": max(times),
+                    "rounds": len(times),
                     "hook_calls": run["hook_calls"],
                     "chosen": run.get("chosen", ""),
                     "switches": run.get("switches", 0),
+                    # What every round ended on: a choice that differs between
+                    # rounds is part of the spread.
+                    "chosen_by_round": [r.get("chosen", "") for r in runs],
                 }
             )
     for r in rows:
@@ -703,9 +752,9 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
     lines = [
         (
             "| task | optimizer | rate | method | steps to target | ms/step | time to target s "
-            "| / none | / best static |"
+            "| rounds: min-max s | / none | / best static |"
         ),
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         bound = "" if r["reached"] else ">"
@@ -713,10 +762,11 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
         if r.get("switches"):
             chosen += f"; {r['switches']} switches"
         method = r["method"] + (f" ({chosen})" if chosen else "")
+        spread = f"{r.get('time_min_s', r['time_s']):.2f}-{r.get('time_max_s', r['time_s']):.2f}"
         lines.append(
             f"| {r['task']} | {r['optimizer']} | {r['rate']} | {method} | {bound}{r['steps']} "
-            f"| {r['step_ms']:.1f} | {bound}{r['time_s']:.2f} | {bound}{r['vs_none']:.2f} "
-            f"| {bound}{r['vs_best_static']:.2f} |"
+            f"| {r['step_ms']:.1f} | {bound}{r['time_s']:.2f} | {r.get('rounds', 1)}: {spread} "
+            f"| {bound}{r['vs_none']:.2f} | {bound}{r['vs_best_static']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -743,14 +793,20 @@ def plot(results: dict[str, Any], path: Path) -> None:
         rates = list(dict.fromkeys(r["rate"] for r in case["rows"]))
         x = [_rate_gbit(r) for r in rates]
         for method in dict.fromkeys(r["method"] for r in case["rows"]):
-            y = [
-                next(
-                    o["time_s"] for o in case["rows"] if o["rate"] == rate and o["method"] == method
-                )
+            at = [
+                next(o for o in case["rows"] if o["rate"] == rate and o["method"] == method)
                 for rate in rates
             ]
+            y = [o["time_s"] for o in at]
+            # The bars: the fastest and slowest round (one round: no bar).
+            spread = [
+                [o["time_s"] - o.get("time_min_s", o["time_s"]) for o in at],
+                [o.get("time_max_s", o["time_s"]) - o["time_s"] for o in at],
+            ]
             style = "o-" if method in STATIC_METHODS else "s--"
-            time_ax.plot(x, y, style, label=method, linewidth=1.2, markersize=4)
+            time_ax.errorbar(
+                x, y, yerr=spread, fmt=style, label=method, linewidth=1.2, markersize=4, capsize=2
+            )
         time_ax.set_xscale("log")
         time_ax.set_yscale("log")
         time_ax.set_xlabel("link rate (Gbit/s)")
@@ -787,7 +843,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rates: list[str | None] = [r for r in args.rates.split(",") if r] if not args.smoke else [None]
     tasks, optimizers = args.tasks.split(","), args.optimizers.split(",")
     cases = [(t, o) for t in tasks for o in optimizers]
-    jobs = len(cases) * (len(static) + len(rates) * (len(static) + len(adaptive)))
+    jobs = len(cases) * (len(static) + args.rounds * len(rates) * (len(static) + len(adaptive)))
     bar = tqdm(total=jobs, desc="time to accuracy", unit="run", disable=args.no_progress)
     common = {"smoke": args.smoke}
     train = {"eval_every": args.eval_every, "smooth": args.smooth, **common}
@@ -808,27 +864,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bar.update()
         for rate in rates:
             name = rate or "loopback"
-            timed[name] = {}
-            for method in static:
-                bar.set_postfix_str(f"{task}/{optimizer} {method}'s step time at {name}")
-                steps = args.warmup + args.timed_steps
-                job = WorkerJob(task, optimizer, [method], steps=steps, **train)
-                got = _launch(job, rate, args.timeout, cache)
-                timed[name][method] = {**got, "step_s": got["step_s"][args.warmup :]}
-                bar.update()
-            adaptive_runs[name] = {}
-            for method in adaptive:
-                bar.set_postfix_str(f"{task}/{optimizer} {method} at {name}")
-                job = WorkerJob(
-                    task,
-                    optimizer,
-                    [method],
-                    steps=args.max_steps,
-                    target=target,
-                    **train,
-                )
-                adaptive_runs[name][method] = _launch(job, rate, args.timeout, cache)
-                bar.update()
+            timed[name] = {m: [] for m in static}
+            adaptive_runs[name] = {m: [] for m in adaptive}
+            # Every method once per round, each in a process pair of its own,
+            # the order rotated between rounds: a slow spell of the machine,
+            # or a slow process pair, falls on different methods.
+            timed_jobs = [(m, False) for m in static] + [(m, True) for m in adaptive]
+            for round_ in range(args.rounds):
+                shift = round_ % len(timed_jobs)
+                for method, is_adaptive in timed_jobs[shift:] + timed_jobs[:shift]:
+                    what = "trained" if is_adaptive else "step time"
+                    bar.set_postfix_str(
+                        f"{task}/{optimizer} {method} {what} at {name}, round {round_ + 1}"
+                    )
+                    if is_adaptive:
+                        job = WorkerJob(
+                            task, optimizer, [method], steps=args.max_steps, target=target, **train
+                        )
+                        got = _launch(job, rate, args.timeout, cache, round_)
+                        adaptive_runs[name][method].append(got)
+                    else:
+                        steps = args.warmup + args.timed_steps
+                        job = WorkerJob(task, optimizer, [method], steps=steps, **train)
+                        got = _launch(job, rate, args.timeout, cache, round_)
+                        timed[name][method].append({**got, "step_s": got["step_s"][args.warmup :]})
+                    bar.update()
         rows = combine(trained, timed, adaptive_runs, args.target_at, args.max_steps, args.smooth)
         for r in rows:
             r.update(task=task, optimizer=optimizer)
@@ -871,6 +931,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--timed-steps", type=int, default=30, help="timed steps per static method and rate"
     )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="times each method is timed at each rate, in rotation, each in a fresh process pair",
+    )
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--smoke", action="store_true", help="tiny models on loopback, 20 steps")
     p.add_argument("--out", default="bench-results/time-to-accuracy")
@@ -887,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker(WorkerJob(**json.loads(args.job)), args.worker)
     if args.smoke:
         args.steps, args.eval_every, args.warmup, args.timed_steps = 20, 5, 2, 4
+        args.rounds = min(args.rounds, 2)
     if args.max_steps is None:
         args.max_steps = 3 * args.steps
     results = run(args)
