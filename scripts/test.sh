@@ -7,7 +7,8 @@
 #     the same environment `bash scripts/main.sh` uses; the whole suite.
 #   torch 2.14.1 (CUDA build, runs on the CPU): its own venv, build/venv-torch2.14.1,
 #     xcomm installed into it as a regular package; the whole suite except the
-#     parts listed in ONCE_ONLY below, which run on 2.13 only.
+#     parts listed in ONCE_ONLY below, which run on 2.13 only, and but one
+#     case of each parametrized test (see run_tests).
 #
 # The machine has two cores, and compiling is what they would wait on: while
 # one torch's tests run, the next torch is set up and built at the lowest CPU
@@ -139,8 +140,11 @@ run_tests() {
         select+=("--ignore=$f")
       fi
     done
-    select+=(-m "not first_torch_only and not large_world")
-    echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]}, and tests marked first_torch_only or large_world)"
+    # And of each parametrized test, its first case only (conftest.py), unless
+    # it is marked every_case: the other cases take our code down the same
+    # torch API as the first, which the first torch's run covers case by case.
+    select+=(-m "not first_torch_only and not large_world" --one-case-per-test)
+    echo "(on torch 2.13.0 only: ${ONCE_ONLY[*]}, tests marked first_torch_only or large_world, and all but the first case of each parametrized test not marked every_case)"
   fi
   build_dir=$("$py" scripts/build_dir.py)
 

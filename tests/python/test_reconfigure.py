@@ -28,9 +28,13 @@ import torch.distributed as dist
 
 from dist_harness import RankContext, error_of, run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
-)
+# every_case: what each case checks is torch 2.14's own contract (scripts/test.sh).
+pytestmark = [
+    pytest.mark.skipif(
+        not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
+    ),
+    pytest.mark.every_case,
+]
 
 WORLD = 3
 TIMEOUT = datetime.timedelta(seconds=30)

@@ -116,6 +116,8 @@ def _shrink_every_shape(ctx: RankContext) -> dict[str, Any]:
     return out
 
 
+# every_case: torch's own shrink_group (Python) at each size, on every torch.
+@pytest.mark.every_case
 @pytest.mark.parametrize("world", [3, 4])
 def test_shrink_group_excluding_first_middle_and_last_on_every_shape(world: int) -> None:
     results = run_ranks(_shrink_every_shape, world, timeout=240)

@@ -31,9 +31,13 @@ import torch.distributed.distributed_c10d as c10d
 from dist_harness import RankContext, run_ranks, tolerances
 
 TORCH_MINOR = tuple(int(x) for x in torch.__version__.split(".")[:2])
-pytestmark = pytest.mark.skipif(
-    TORCH_MINOR < (2, 14), reason=f"torch {torch.__version__} predates the 2.14 names"
-)
+# every_case: what each case checks is torch 2.14's own (scripts/test.sh).
+pytestmark = [
+    pytest.mark.skipif(
+        TORCH_MINOR < (2, 14), reason=f"torch {torch.__version__} predates the 2.14 names"
+    ),
+    pytest.mark.every_case,
+]
 
 
 def _calls(ctx: RankContext, group: dist.ProcessGroup) -> dict[str, Any]:

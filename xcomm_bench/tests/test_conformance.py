@@ -25,7 +25,9 @@ pytest.importorskip("expecttest", reason="torch's DistributedTest suite needs ex
 
 from xcomm_bench import conformance
 
-pytestmark = pytest.mark.slow
+# every_case: each case is one of torch's own tests, which change with its
+# version; one run of the suite (a fixture) serves them all.
+pytestmark = [pytest.mark.slow, pytest.mark.every_case]
 
 #: Tests gloo passes at WORLD_SIZE=2, one or more per family of the suite.
 CURATED = [
