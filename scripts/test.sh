@@ -33,6 +33,7 @@ ONCE_ONLY=(
   tests/python/test_style.py
   tests/python/test_harness.py       # the harness itself, on gloo
   tests/python/test_codec_kernels.py # xcomm's kernels against plain arithmetic
+  tests/python/test_codec_inputs.py  # the same kernels on zero-heavy, tie-heavy, row-sparse inputs
   tests/python/test_shm_setup.py     # the segment's set-up: files and pids, no c10d
   tests/python/test_main_job.py      # the main job's environment is torch 2.13; test_ddp runs on both
   tests/python/test_quickstart.py    # docs/quickstart.md's program, on the main job's environment
