@@ -30,6 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+# trylast: after -m and -k have deselected theirs, so a test's first case is
+# the first that would run (a case deselected by its mark keeps no other out).
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not config.getoption("--one-case-per-test"):
         return
