@@ -838,6 +838,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = [m for m in methods if m not in METHODS]
     if unknown or "none" not in methods:
         raise SystemExit(f"--methods: {unknown} unknown, or 'none' missing; known: {METHODS}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, got {args.rounds}")
     static = [m for m in methods if m in STATIC_METHODS]
     adaptive = [m for m in methods if m in ADAPTIVE_METHODS]
     rates: list[str | None] = [r for r in args.rates.split(",") if r] if not args.smoke else [None]
