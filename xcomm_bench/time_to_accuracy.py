@@ -692,7 +692,8 @@ def combine(
             # Its first steps went uncompressed, as the hook runs them (the
             # autos' times are their real steps, which include them too).
             warm = min(upto, _START_ITER) if method in _WARMS_UP else 0
-            times = [upto * m + warm * (none_s - m) for m in means(rate, method)]
+            step_means = means(rate, method)
+            times = [upto * m + warm * (none_s - m) for m in step_means]
             i = _median_index(times)
             rows.append(
                 {
@@ -701,7 +702,7 @@ def combine(
                     "target": target,
                     "steps": upto,
                     "reached": n is not None,
-                    "step_ms": 1e3 * means(rate, method)[i],
+                    "step_ms": 1e3 * step_means[i],
                     "time_s": times[i],
                     "time_min_s": min(times),
                     "time_max_s": max(times),

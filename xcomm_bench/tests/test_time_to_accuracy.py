@@ -14,6 +14,7 @@ from xcomm_bench.time_to_accuracy import (
     build_task,
     combine,
     format_markdown,
+    main,
     smoothed,
     steps_to_target,
     target_loss,
@@ -103,6 +104,12 @@ def test_with_rounds_a_row_is_the_median_round_and_shows_the_fastest_and_slowest
     assert a["vs_best_static"] == pytest.approx(1.0) and a["best_static"] == "bf16"
     table = format_markdown([{**r, "task": "lm", "optimizer": "adamw"} for r in rows])
     assert "| 1gbit | none | 30 | 200.0 | 6.00 | 3: 3.00-12.00 | 1.00 |" in table
+
+
+def test_rounds_below_one_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--rounds must be at least 1, got 0"):
+        main(["--rounds", "0", "--no-progress", "--out", str(tmp_path / "tta")])
+    assert not (tmp_path / "tta").exists()  # refused before any run
 
 
 def test_the_vision_task_shows_crops_of_the_photographs_it_names() -> None:
