@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from xcomm_bench.faults import Trial, run_trial, summarize
+from xcomm_bench.faults import Trial, _raised, run_trial, summarize
 from xcomm_bench.launch import python_env
 
 TIMEOUT_S = 3.0
@@ -163,6 +163,29 @@ def test_on_the_plain_route_every_survivor_gets_an_xcomm_error_naming_the_op(fau
     for survivor in record["survivors"]:
         assert survivor["shape"] == "plain", survivor
         assert survivor["error"].startswith("DistBackendError: xcomm.all_reduce"), survivor
+
+
+def test_a_set_up_error_is_judged_on_its_whole_text_not_the_line_shown() -> None:
+    """xcomm's set-up error names its inner group and the likely cause before
+    Gloo's own text, so Gloo's ``Connect timeout`` (the one wait that cannot
+    see a peer die) starts past the 300 characters a survivor shows. Judged
+    on the line shown, such a survivor got the 100 ms bound of a death it
+    could see, and a CI run failed on its 3.0 s."""
+    gloo = (
+        "Gloo connectFullMesh failed with "
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:144] Connect timeout"
+        " [127.0.0.1]:33571\n\nException raised from connectFullMesh at ..."
+    )
+    text = (
+        "xcomm: setting up the group failed in its Gloo group xcomm/gloo on rank 2 of 3 "
+        "(a peer died, left, or did not reach the set-up within the group timeout of 3000 ms): "
+        f"RuntimeError: {gloo}"
+    )
+    raised = _raised(RuntimeError(text))
+    assert "Connect timeout" not in raised["error"] and len(raised["error"]) == 300
+    assert raised["waited_out"] is True
+    assert _raised(RuntimeError("Connection reset by peer"))["waited_out"] is False
+    assert _raised(RuntimeError(gloo))["waited_out"] is True
 
 
 @pytest.mark.slow
