@@ -614,8 +614,12 @@ def _supervise(
 def run_program(args: list[str], cwd: str, timeout: float, label: str) -> str:
     """Runs ``python ARGS`` as a program that launches its own ranks (in a
     session of its own, killed whole if it hangs), without the launcher
-    variables of this process; fails the test unless it exits 0. Its log."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    variables of this process; fails the test unless it exits 0. Its log.
+
+    A hung program's processes get SIGABRT first: with ``faulthandler`` on
+    (``PYTHONFAULTHANDLER``, inherited by every rank it starts) each prints
+    every thread's Python stack into the log the failure shows."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"):
         env.pop(k, None)
     proc = subprocess.Popen(
@@ -630,11 +634,17 @@ def run_program(args: list[str], cwd: str, timeout: float, label: str) -> str:
     try:
         log, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            log, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a rank that outlived its launcher
         import pytest
 
-        pytest.fail(f"{label} hung:\n{log.decode()[-4000:]}")
+        pytest.fail(f"{label} hung; its stacks at the kill:\n{log.decode()[-20000:]}")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -83,3 +84,43 @@ def test_may_die_ranks_are_allowed_to_vanish() -> None:
 
 def test_subprocess_launcher() -> None:
     assert run_ranks(_rank_value, 2, backend="gloo", launcher="subprocess") == [(0, 6.0), (1, 6.0)]
+
+
+_LAUNCHER = '''
+import subprocess, sys, time
+
+
+def launcher_waits_for_its_rank():
+    child = subprocess.Popen([sys.executable, "-c", CHILD])
+    child.wait()
+
+
+CHILD = """
+import time
+from typing import Any
+
+
+def rank_one_is_stuck_here():
+    time.sleep(600)
+
+
+rank_one_is_stuck_here()
+"""
+launcher_waits_for_its_rank()
+'''
+
+
+def test_a_hung_program_is_killed_with_the_stacks_of_all_its_processes(tmp_path: Any) -> None:
+    """A program that starts its own ranks (Lightning's ``ddp``, torchrun)
+    and hangs is killed whole, and the failure shows where each of its
+    processes, the ones it started too, was stuck."""
+    from dist_harness import run_program
+
+    (tmp_path / "launcher.py").write_text(_LAUNCHER)
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception) as failure:
+        run_program(["launcher.py"], str(tmp_path), timeout=5, label="the launcher")
+    text = str(failure.value)
+    assert "the launcher hung" in text, text
+    assert "launcher_waits_for_its_rank" in text and "rank_one_is_stuck_here" in text, text
+    assert time.monotonic() - started < 30
