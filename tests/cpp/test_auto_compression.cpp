@@ -2,6 +2,8 @@
 // choice it implies at the two ends of the link range.
 #include "collectives/compressed/AutoCompression.hpp"
 
+#include <cmath>
+
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
 
@@ -72,4 +74,10 @@ TEST_CASE("auto's observed factors correct what ran and lend the least to what d
   o.update({0.0, 1e6, 0.0});
   CHECK(o.factor(1) == ObservedFactors::kCeiling);
   CHECK(o.source(1) == 1);
+  // a seen key's later readings are averaged in geometrically: one noisy
+  // round moves int8's 10x by its square root, not to the reading
+  o.update({0.0, 0.0, 1.0});
+  CHECK(o.factor(2) == Approx(std::sqrt(10.0)));
+  o.update({0.0, 0.0, 1.0});
+  CHECK(o.factor(2) == Approx(std::sqrt(std::sqrt(10.0))));
 }

@@ -568,8 +568,9 @@ def test_observed_costs_correct_the_model_and_are_bounded() -> None:
     """The closed loop's arithmetic: an uncompressed reduction corrects the
     link every method's wire time uses; a compressed one corrects its method;
     a method never run takes the least factor of those that ran (its
-    calibration before any has); a factor stays within [FLOOR, CEILING] and
-    keeps its value while unseen; the state round-trips."""
+    calibration before any has); a key's first reading is its factor, later
+    ones are averaged in geometrically; readings are bounded to [FLOOR,
+    CEILING]; a factor keeps its value while unseen; the state round-trips."""
     from xcomm.hooks._measure import ObservedCosts
 
     o = ObservedCosts(("none", "bf16", "int8", "topk"))
@@ -597,8 +598,17 @@ def test_observed_costs_correct_the_model_and_are_bounded() -> None:
     restored = ObservedCosts(("none", "bf16", "int8", "topk"))
     restored.load_state_dict(o.state_dict())
     assert restored.factors == o.factors and restored.seen == o.seen
+    # A seen key's later readings are averaged in geometrically: one noisy
+    # round moves it by its square root, a lasting change within a few.
     o.update([0.0, 0.0, 0.0, 1e6])  # unseen keep their factor; readings are bounded
-    assert o.factors["link"] == 0.25 and o.factors["topk"] == o.CEILING
+    assert o.factors["link"] == 0.25
+    assert o.factors["topk"] == pytest.approx(math.sqrt(10.0 * o.CEILING))
+    for _ in range(20):
+        o.update([0.0, 0.0, 0.0, 1e6])
+    assert o.factors["topk"] == pytest.approx(o.CEILING, rel=1e-5)
+    o.record("topk", observed_s=0.001, predicted_s=0.001)  # one round at its prediction
+    o.update(o.local())
+    assert o.factors["topk"] == pytest.approx(10.0, rel=1e-5)
     o.record("int8", 1e-9, 1.0)
     o.update(o.local())
     assert o.factors["int8"] == o.FLOOR and o.factor("int8") == o.FLOOR  # its own now

@@ -64,7 +64,10 @@ std::array<double, ObservedFactors::kKeys> ObservedFactors::local() const {
 void ObservedFactors::update(const std::array<double, kKeys>& agreed) {
   for (size_t k = 0; k < kKeys; ++k) {
     if (agreed[k] > 0) {
-      factors_[k] = std::min(std::max(agreed[k], kFloor), kCeiling);
+      // The first reading is the factor; later ones are averaged in
+      // geometrically, so one noisy round moves it by its square root.
+      const double reading = std::min(std::max(agreed[k], kFloor), kCeiling);
+      factors_[k] = seen_[k] ? std::sqrt(factors_[k] * reading) : reading;
       seen_[k] = true;
     }
     sums_[k] = {0.0, 0.0};

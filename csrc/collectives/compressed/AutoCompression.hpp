@@ -29,12 +29,15 @@
 // and loses to none at the next round if that is slower than none. The
 // observed/predicted ratios since the last round go into the round's
 // allreduce MAX, so the factors, and hence the choices, are the same on
-// every rank. A method that has never run is predicted with the least factor
-// of the codecs that did (its calibration is likely as far off as theirs),
-// so auto does not leave an observed method for one only its calibration
-// favours. XCOMM_AUTO_TEST_SLOW="<method>,<seconds>" (tests only: a codec
-// far slower than calibrated on any machine) takes that method's calibrated
-// cost as 0 and makes each of its allreduces take <seconds> longer.
+// every rank. A key's first ratio becomes its factor, later ones are
+// averaged in geometrically (f <- sqrt(f * r)): one round's ratio is noisy
+// where reductions share the cores with the backward pass. A method that
+// has never run is predicted with the least factor of the codecs that did
+// (its calibration is likely as far off as theirs), so auto does not leave
+// an observed method for one only its calibration favours.
+// XCOMM_AUTO_TEST_SLOW="<method>,<seconds>" (tests only: a codec far slower
+// than calibrated on any machine) takes that method's calibrated cost as 0
+// and makes each of its allreduces take <seconds> longer.
 //
 // Rounds run on the transport the choices' collectives use, in the same
 // order on every rank (the caller runs every choice and its collectives on
