@@ -73,7 +73,11 @@ Measured in two phases, then combined:
    and a row reports the round with the median time to target and the
    fastest and slowest rounds beside it.
 
-Time to target = steps to target x mean step time, where the first 2 steps
+Steps to target are where the smoothed validation loss crosses the target,
+interpolated linearly between the two evaluations around the crossing (an
+evaluation interval is 7% of the LM's steps to target: the first evaluation
+under the target alone would charge a method up to that for steps it did
+not take). Time to target = steps to target x mean step time, where the first 2 steps
 of int8, top-k and PowerSGD take uncompressed's step time (their hooks
 reduce them uncompressed, as every auto does; the autos: the sum of their
 measured step times up to that step). Evaluation is not timed. A method that
@@ -116,6 +120,7 @@ __all__ = [
     "TASKS",
     "TaskSpec",
     "build_task",
+    "crossing_step",
     "main",
     "steps_to_target",
 ]
@@ -639,6 +644,45 @@ def steps_to_target(
     return next((s for s, loss in smoothed(history, window) if loss <= target), None)
 
 
+def crossing_step(
+    history: Sequence[Sequence[float]], target: float, window: int = 1
+) -> float | None:
+    """Where the smoothed loss curve crosses ``target``: linearly
+    interpolated between the last evaluation above it and the first at or
+    below it (that first evaluation's step when the curve starts below).
+
+    Evaluations are ``--eval-every`` steps apart (20 here, 7% of a 280-step
+    run), so the first evaluation at or below a target marks its crossing
+    only to within an evaluation interval: a method that crosses just after
+    an evaluation is charged up to 20 steps it did not take, and two methods
+    whose curves cross a step apart can read an interval apart. The
+    interpolated step is the same estimate of the crossing for every method.
+
+    Example::
+
+        >>> crossing_step([(0, 5.0), (10, 3.0), (20, 2.0)], 2.5)
+        15.0
+        >>> crossing_step([(0, 5.0), (10, 3.0)], 2.5) is None
+        True
+    """
+    curve = smoothed(history, window)
+    for i, (step, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return float(step)
+            before_step, before = curve[i - 1]
+            return before_step + (before - target) / (before - loss) * (step - before_step)
+    return None
+
+
+def _time_of_steps(step_s: Sequence[float], steps: float) -> float:
+    """The seconds of a run's first ``steps`` steps (a fraction of the next
+    step's for a fractional count)."""
+    whole = min(int(steps), len(step_s))
+    rest = step_s[whole] * (steps - whole) if whole < len(step_s) else 0.0
+    return sum(step_s[:whole]) + rest
+
+
 def _rounds(value: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A method's rounds at one rate: a list (or one result, as results from
     before rounds were kept)."""
@@ -668,9 +712,11 @@ def combine(
     rate (a list, one per round). ``steps``: the bound of a method that did
     not reach the target; ``window``: evaluations averaged.
 
-    Each round gives a time to target: a static method's steps to target
-    (from its one loopback run) x that round's mean step time; an adaptive
-    method's measured time to its own target step. A row reports the
+    Steps to target are where the smoothed curve crosses the target,
+    interpolated between evaluations (:func:`crossing_step`). Each round
+    gives a time to target: a static method's steps to target (from its one
+    loopback run) x that round's mean step time; an adaptive method's
+    measured time to its own crossing. A row reports the
     round with the median time, and ``time_min_s``/``time_max_s`` over
     the rounds: the spread between process pairs, which a ratio must clear
     to mean something.
@@ -687,7 +733,7 @@ def combine(
     for rate in timed:
         none_s = median(means(rate, "none"))
         for method, run in trained.items():
-            n = steps_to_target(run["history"], target, window)
+            n = crossing_step(run["history"], target, window)
             upto = n if n is not None else steps
             # Its first steps went uncompressed, as the hook runs them (the
             # autos' times are their real steps, which include them too).
@@ -712,9 +758,9 @@ def combine(
             )
         for method, value in adaptive.get(rate, {}).items():
             runs = _rounds(value)
-            reached = [steps_to_target(run["history"], target, window) for run in runs]
+            reached = [crossing_step(run["history"], target, window) for run in runs]
             upto = [n if n is not None else steps for n in reached]
-            times = [sum(run["step_s"][:u]) for run, u in zip(runs, upto, strict=True)]
+            times = [_time_of_steps(run["step_s"], u) for run, u in zip(runs, upto, strict=True)]
             i = _median_index(times)
             run = runs[i]
             rows.append(
@@ -765,7 +811,7 @@ def format_markdown(rows: Sequence[dict[str, Any]]) -> str:
         method = r["method"] + (f" ({chosen})" if chosen else "")
         spread = f"{r.get('time_min_s', r['time_s']):.2f}-{r.get('time_max_s', r['time_s']):.2f}"
         lines.append(
-            f"| {r['task']} | {r['optimizer']} | {r['rate']} | {method} | {bound}{r['steps']} "
+            f"| {r['task']} | {r['optimizer']} | {r['rate']} | {method} | {bound}{r['steps']:.0f} "
             f"| {r['step_ms']:.1f} | {bound}{r['time_s']:.2f} | {r.get('rounds', 1)}: {spread} "
             f"| {bound}{r['vs_none']:.2f} | {bound}{r['vs_best_static']:.2f} |"
         )

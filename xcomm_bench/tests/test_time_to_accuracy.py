@@ -13,6 +13,7 @@ from xcomm_bench.launch import module_command, python_env
 from xcomm_bench.time_to_accuracy import (
     build_task,
     combine,
+    crossing_step,
     format_markdown,
     main,
     smoothed,
@@ -28,10 +29,13 @@ def _run(history: list[tuple[int, float]], step_s: list[float], **extra: object)
 def test_time_to_target_is_steps_to_the_target_times_the_rates_step_time() -> None:
     none = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5), (40, 2.6)]
     slow_learner = [(0, 5.0), (10, 4.5), (20, 4.0), (30, 3.5), (40, 3.2)]
-    fast_learner = [(0, 5.0), (10, 2.9), (20, 2.0), (30, 1.9), (40, 1.8)]
+    fast_learner = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.9), (40, 1.8)]
     # The target is none's best so far nearest 3/4 of its run: 2.5 at step 30.
     assert target_loss(none, 0.75) == 2.5
-    assert steps_to_target(none, 2.5) == 30
+    assert steps_to_target(none, 2.5) == 30 and crossing_step(none, 2.5) == 30
+    # The fast learner's first evaluation under 2.5 is at step 20; its curve
+    # crosses 2.5 half way from step 10 (3.0) to step 20 (2.0).
+    assert steps_to_target(fast_learner, 2.5) == 20 and crossing_step(fast_learner, 2.5) == 15
     trained = {
         "none": _run(none, []),
         "topk": _run(slow_learner, []),
@@ -44,22 +48,22 @@ def test_time_to_target_is_steps_to_the_target_times_the_rates_step_time() -> No
             "int8": {"step_s": [0.05, 0.05], "hook_calls": 5},
         }
     }
-    # auto at 1 Gbit/s reaches the target at step 20; its first 20 steps took 1 s each.
+    # auto at 1 Gbit/s crosses the target at step 15; its first 20 steps took 1 s each.
     auto = _run(fast_learner, [1.0] * 20 + [9.0] * 20, chosen="int8", switches=2)
     rows = combine(trained, timed, {"1gbit": {"auto": auto}}, 0.75, 40)
     by = {r["method"]: r for r in rows}
     assert by["none"]["time_s"] == pytest.approx(30 * 0.2)
-    # int8's hook reduces its first 2 steps uncompressed: 2 x 0.2 s, then 18 x 0.05 s.
-    assert by["int8"]["steps"] == 20 and by["int8"]["step_ms"] == pytest.approx(50)
-    assert by["int8"]["time_s"] == pytest.approx(2 * 0.2 + 18 * 0.05)
+    # int8's hook reduces its first 2 steps uncompressed: 2 x 0.2 s, then 13 x 0.05 s.
+    assert by["int8"]["steps"] == 15 and by["int8"]["step_ms"] == pytest.approx(50)
+    assert by["int8"]["time_s"] == pytest.approx(2 * 0.2 + 13 * 0.05)
     # top-k never reaches it: its bound is all its steps, flagged as not reached.
     assert not by["topk"]["reached"] and by["topk"]["time_s"] == pytest.approx(2 * 0.2 + 38 * 0.01)
-    assert by["auto"]["time_s"] == pytest.approx(20.0) and by["auto"]["step_ms"] == 5000
+    assert by["auto"]["time_s"] == pytest.approx(15.0) and by["auto"]["step_ms"] == 5000
     # top-k's 0.78 s is a bound, not a time to target: int8 is the best static method.
     assert by["auto"]["best_static"] == "int8" and by["auto"]["vs_best_static"] == pytest.approx(
-        20.0 / 1.3
+        15.0 / 1.05
     )
-    assert by["int8"]["vs_none"] == pytest.approx(1.3 / 6.0)
+    assert by["int8"]["vs_none"] == pytest.approx(1.05 / 6.0)
     # The table names what auto ended on and how often it switched on the way.
     table = format_markdown([{**r, "task": "lm", "optimizer": "adamw"} for r in rows])
     assert "| 1gbit | auto (int8; 2 switches) |" in table and "| 1gbit | int8 |" in table
@@ -69,7 +73,7 @@ def test_with_rounds_a_row_is_the_median_round_and_shows_the_fastest_and_slowest
     """Three rounds per method: the row is the round with the median time to
     target (its steps, step time and choice together), the spread beside it."""
     none = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5), (40, 2.6)]
-    learner = [(0, 5.0), (10, 2.9), (20, 2.0), (30, 1.9), (40, 1.8)]
+    learner = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.9), (40, 1.8)]
     trained = {"none": _run(none, []), "bf16": _run(learner, [])}
     timed = {
         "1gbit": {
@@ -77,8 +81,8 @@ def test_with_rounds_a_row_is_the_median_round_and_shows_the_fastest_and_slowest
             "bf16": [_run([], [0.06]), _run([], [0.05]), _run([], [0.03, 0.05])],
         }
     }
-    # auto's rounds: at step 20 after 20 x 0.05 s; at step 30 after 30 x 0.05 s
-    # (a slower learner that round); at step 20 after 20 x 0.02 s.
+    # auto's rounds cross the target at step 15 (15 x 0.05 s), at step 20 + 2/7
+    # of 10 (a slower learner that round; x 0.05 s) and at step 15 (x 0.02 s).
     late = [(0, 5.0), (10, 3.0), (20, 2.7), (30, 2.0)]
     autos = [
         _run(learner, [0.05] * 40, chosen="bf16"),
@@ -93,13 +97,14 @@ def test_with_rounds_a_row_is_the_median_round_and_shows_the_fastest_and_slowest
     )
     assert (by["none"]["time_min_s"], by["none"]["time_max_s"]) == pytest.approx((3.0, 12.0))
     assert by["none"]["rounds"] == 3
-    # bf16 reaches the target at step 20 (no uncompressed first steps): 1.2, 1.0, 0.8 s.
-    assert by["bf16"]["time_s"] == pytest.approx(1.0) and by["bf16"]["step_ms"] == pytest.approx(50)
-    assert (by["bf16"]["time_min_s"], by["bf16"]["time_max_s"]) == pytest.approx((0.8, 1.2))
-    # auto: 1.0, 1.5 and 0.4 s; the median round is the first, and its steps and choice.
+    # bf16 crosses the target at step 15 (no uncompressed first steps): 0.9, 0.75, 0.6 s.
+    assert by["bf16"]["time_s"] == pytest.approx(0.75)
+    assert by["bf16"]["step_ms"] == pytest.approx(50)
+    assert (by["bf16"]["time_min_s"], by["bf16"]["time_max_s"]) == pytest.approx((0.6, 0.9))
+    # auto: 0.75, 1.14 and 0.3 s; the median round is the first, and its steps and choice.
     a = by["auto"]
-    assert a["time_s"] == pytest.approx(1.0) and a["steps"] == 20 and a["chosen"] == "bf16"
-    assert (a["time_min_s"], a["time_max_s"]) == pytest.approx((0.4, 1.5))
+    assert a["time_s"] == pytest.approx(0.75) and a["steps"] == 15 and a["chosen"] == "bf16"
+    assert (a["time_min_s"], a["time_max_s"]) == pytest.approx((0.3, (20 + 20 / 7) * 0.05))
     assert a["chosen_by_round"] == ["bf16", "int8", "bf16"]
     assert a["vs_best_static"] == pytest.approx(1.0) and a["best_static"] == "bf16"
     table = format_markdown([{**r, "task": "lm", "optimizer": "adamw"} for r in rows])
@@ -186,7 +191,12 @@ def test_a_small_run_trains_in_rounds_and_writes_its_report(tmp_path: Path) -> N
     means = [sum(t["step_s"]) / len(t["step_s"]) for t in timed]
     assert len(means) == 2 and rows["none"]["step_ms"] == pytest.approx(1e3 * min(means))
     assert rows["none"]["time_s"] == pytest.approx(rows["none"]["steps"] * min(means))
-    auto_times = [sum(a["step_s"][: steps_to_target(a["history"], target, 3) or 60]) for a in autos]
+    auto_times = []
+    for a in autos:  # its steps up to its interpolated crossing, a fraction of the next
+        n = crossing_step(a["history"], target, 3) or 60
+        whole = int(n)
+        rest = (n - whole) * a["step_s"][whole] if whole < len(a["step_s"]) else 0.0
+        auto_times.append(sum(a["step_s"][:whole]) + rest)
     assert rows["auto"]["time_s"] == pytest.approx(min(auto_times))
     assert "| embedding | adamw | loopback | auto (" in (out / "time_to_accuracy.md").read_text()
     assert (out / "time_to_accuracy.png").stat().st_size > 0
