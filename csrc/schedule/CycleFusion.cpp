@@ -211,6 +211,7 @@ void CycleFusion::cycleLoop() {
       std::vector<Held> failed = failHeldLocked(error);
       lock.unlock();
       for (auto& h : failed) h.work->complete(error);
+      failed.clear();  // outside the lock: see the end of the loop
       sent_.notify_all();
       lock.lock();
       continue;
@@ -239,6 +240,14 @@ void CycleFusion::cycleLoop() {
     lock.unlock();
     sent_.notify_all();
     for (auto& attach : attaches) attach();
+    // The ops go before the lock is taken again: a transfer that completed
+    // while attaching leaves its ops here, and a tensor whose last reference
+    // this is may own its Python object, which takes the GIL to free. A
+    // Python thread holding the GIL takes this lock in getFuture() or wait()
+    // (expedite): freed under it, the two waited for each other for good (a
+    // DDP fp16 hook's fused all_reduces, 1 Lightning run in 40).
+    attaches.clear();
+    round.clear();
     lock.lock();
   }
 }

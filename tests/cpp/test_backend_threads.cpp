@@ -1,6 +1,8 @@
 // XcommBackend's C++-only path: ranks are threads sharing a HashStore, as a
 // LibTorch program would run them; results are checked against arithmetic.
+#include <condition_variable>
 #include <functional>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -555,4 +557,83 @@ TEST_CASE("a synchronous compressed allreduce whose inner backend returns no wor
     RANK_CHECK((b->compression() && b->compression()->counters().calls == 1));
     b->shutdown();
   });
+}
+
+namespace {
+
+// A route whose every op has already completed when it returns: a fused
+// transfer's callback then runs inside the fusion thread's attach().
+class CompletedRoute final : public xcomm::Route {
+ public:
+  CompletedRoute() : Route(0, 1) {}
+  std::string name() const override { return "completed"; }
+  c10::intrusive_ptr<c10d::Work> run(xcomm::Op /*op*/) override {
+    return c10::make_intrusive<CompletedWork>();
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& /*opts*/, bool /*waitAllRanks*/) override {}
+  void setTimeout(std::chrono::milliseconds /*timeout*/) override {}
+  std::chrono::milliseconds timeout() const override { return std::chrono::seconds(5); }
+  void shutdown() override {}
+  void abort() override {}
+
+ private:
+  class CompletedWork final : public c10d::Work {
+   public:
+    CompletedWork() : future_(c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get())) {
+      future_->markCompleted(c10::IValue());
+    }
+    bool isCompleted() override { return true; }
+    bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+    c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+   private:
+    c10::intrusive_ptr<c10::ivalue::Future> future_;
+  };
+};
+
+}  // namespace
+
+TEST_CASE("a fused op's tensor is freed outside the fusion's lock", "[fusion]") {
+  // A tensor whose last reference the fusion thread drops may own its Python
+  // object, and freeing that takes the GIL, while a Python thread holding the
+  // GIL takes the fusion's lock (getFuture(), wait()): freed under the lock,
+  // the two threads waited for each other for good. Here the tensors' deleter
+  // asks for that lock from another thread; it must get it at once.
+  auto route = std::make_shared<CompletedRoute>();
+  auto fusion =
+      xcomm::makeFusionBuffer(1024, std::chrono::microseconds(0), route, std::chrono::seconds(5));
+  xcomm::FusionBuffer* const fusionPtr = fusion.get();
+  constexpr int kOps = 3;
+  static float data[kOps][4] = {};
+  std::mutex mutex;
+  std::vector<std::thread> probes;
+  int freed = 0;
+  int freedUnderLock = 0;
+  std::condition_variable allFreed;
+  for (int i = 0; i < kOps; ++i) {
+    auto deleter = [&, fusionPtr](void* /*unused*/) {
+      auto granted = std::make_shared<std::promise<void>>();
+      auto got = granted->get_future();
+      std::thread probe([fusionPtr, granted] {
+        fusionPtr->expedite(true);  // takes the fusion's lock
+        granted->set_value();
+      });
+      const bool free = got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready;
+      std::lock_guard<std::mutex> lock(mutex);
+      probes.push_back(std::move(probe));
+      freedUnderLock += free ? 0 : 1;
+      ++freed;
+      allFreed.notify_all();
+    };
+    // Only the fusion holds the op and its tensor: its work is not kept.
+    fusion->enqueue(route, 0, at::from_blob(data[i], {4}, deleter), c10d::AllreduceOptions{},
+                    nullptr, c10::IValue());
+  }
+  {
+    std::unique_lock<std::mutex> lock(mutex);
+    CHECK(allFreed.wait_for(lock, std::chrono::seconds(10), [&] { return freed == kOps; }));
+  }
+  fusion->stop();
+  for (auto& probe : probes) probe.join();
+  CHECK(freedUnderLock == 0);
 }
