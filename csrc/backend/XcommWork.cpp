@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <iterator>
 #include <string>
 #include <unordered_set>
 
@@ -289,6 +290,7 @@ std::vector<at::Tensor> FutureWork::result() {
 }
 
 void PendingWorks::add(const c10::intrusive_ptr<DelegatedWork>& work) {
+  Pruned pruned;  // freed after the lock
   std::unique_lock<std::mutex> lock(mutex_);
   if (error_) {
     auto error = error_;
@@ -297,10 +299,12 @@ void PendingWorks::add(const c10::intrusive_ptr<DelegatedWork>& work) {
     return;
   }
   delegated_.emplace_back(work);
-  pruneLocked();
+  pruned = pruneLocked();
+  lock.unlock();
 }
 
 void PendingWorks::add(const c10::intrusive_ptr<FutureWork>& work) {
+  Pruned pruned;  // freed after the lock
   std::unique_lock<std::mutex> lock(mutex_);
   if (error_) {
     auto error = error_;
@@ -309,18 +313,28 @@ void PendingWorks::add(const c10::intrusive_ptr<FutureWork>& work) {
     return;
   }
   own_.emplace_back(work);
-  pruneLocked();
+  pruned = pruneLocked();
+  lock.unlock();
 }
 
-void PendingWorks::pruneLocked() {
-  if (delegated_.size() + own_.size() < pruneAt_) return;
+PendingWorks::Pruned PendingWorks::pruneLocked() {
+  Pruned pruned;
+  if (delegated_.size() + own_.size() < pruneAt_) return pruned;
   auto gone = [](auto& weak) {
     auto strong = weak.lock();
     return !strong || strong->isCompleted();
   };
-  delegated_.erase(std::remove_if(delegated_.begin(), delegated_.end(), gone), delegated_.end());
-  own_.erase(std::remove_if(own_.begin(), own_.end(), gone), own_.end());
+  // Moved out, not erased: the last reference to a finished work may be here.
+  auto take = [&](auto& entries, auto& out) {
+    auto kept = std::stable_partition(entries.begin(), entries.end(),
+                                      [&](auto& weak) { return !gone(weak); });
+    out.assign(std::make_move_iterator(kept), std::make_move_iterator(entries.end()));
+    entries.erase(kept, entries.end());
+  };
+  take(delegated_, pruned.delegated);
+  take(own_, pruned.own);
   pruneAt_ = std::max<size_t>(64, 2 * (delegated_.size() + own_.size()));
+  return pruned;
 }
 
 void PendingWorks::failAll(const std::exception_ptr& error) {

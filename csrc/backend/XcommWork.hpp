@@ -144,7 +144,15 @@ class PendingWorks {
   bool aborted() const { return aborted_.load(); }
 
  private:
-  void pruneLocked();
+  // The entries pruned, freed by the caller after it unlocks: a work whose
+  // last reference is one of them frees the user's tensors with it, which
+  // may take the GIL (docs/architecture.md, what a thread may drop under a
+  // lock).
+  struct Pruned {
+    std::vector<c10::weak_intrusive_ptr<DelegatedWork>> delegated;
+    std::vector<c10::weak_intrusive_ptr<FutureWork>> own;
+  };
+  Pruned pruneLocked();
   std::mutex mutex_;
   std::vector<c10::weak_intrusive_ptr<DelegatedWork>> delegated_;
   std::vector<c10::weak_intrusive_ptr<FutureWork>> own_;

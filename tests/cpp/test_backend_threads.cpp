@@ -14,6 +14,7 @@
 #include "backend/GroupBuilder.hpp"
 #include "backend/StoreCpuBackend.hpp"
 #include "backend/XcommBackend.hpp"
+#include "backend/XcommWork.hpp"
 #include "common/TorchCompat.hpp"
 #include "observe/Stats.hpp"
 #include "schedule/BucketLauncher.hpp"
@@ -634,6 +635,52 @@ TEST_CASE("a fused op's tensor is freed outside the fusion's lock", "[fusion]") 
     CHECK(allFreed.wait_for(lock, std::chrono::seconds(10), [&] { return freed == kOps; }));
   }
   fusion->stop();
+  for (auto& probe : probes) probe.join();
+  CHECK(freedUnderLock == 0);
+}
+
+TEST_CASE("a finished work is freed outside the pending works' lock", "[backend]") {
+  // The group keeps weak references to the works it handed out (abort()
+  // fails those still pending); a finished work the program dropped is freed
+  // when its entry is pruned, and its tensors with it, which may take the
+  // GIL. Pruning runs in every collective's call, under the list's lock: the
+  // tensor's deleter asks for that lock from another thread.
+  xcomm::PendingWorks pending;
+  auto finished = [] {
+    auto work = c10::make_intrusive<xcomm::FutureWork>(0, c10d::OpType::ALLREDUCE, nullptr,
+                                                       c10::IValue(), c10::NoneType::get());
+    work->markSucceeded();
+    return work;
+  };
+  static float data[4] = {};
+  std::mutex mutex;
+  std::vector<std::thread> probes;
+  int freed = 0;
+  int freedUnderLock = 0;
+  auto deleter = [&](void* /*unused*/) {
+    auto granted = std::make_shared<std::promise<void>>();
+    auto got = granted->get_future();
+    std::thread probe([&pending, &finished, granted] {
+      pending.add(finished());  // takes the list's lock
+      granted->set_value();
+    });
+    const bool free = got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready;
+    std::lock_guard<std::mutex> lock(mutex);
+    probes.push_back(std::move(probe));
+    freedUnderLock += free ? 0 : 1;
+    ++freed;
+  };
+  {
+    const at::Tensor tensor = at::from_blob(data, {4}, deleter);
+    auto work = c10::make_intrusive<xcomm::FutureWork>(
+        0, c10d::OpType::ALLREDUCE, nullptr, c10::IValue(std::vector<at::Tensor>{tensor}),
+        c10::ListType::create(c10::TensorType::get()));
+    pending.add(work);
+    work->markSucceeded();
+  }  // the program's references are gone; the list's weak one keeps the work
+  for (int i = 0; i < 80 && freed == 0; ++i) pending.add(finished());  // pruned at 64 entries
+  std::lock_guard<std::mutex> lock(mutex);
+  CHECK(freed == 1);
   for (auto& probe : probes) probe.join();
   CHECK(freedUnderLock == 0);
 }
