@@ -1,6 +1,8 @@
 #include "schedule/BucketLauncher.hpp"
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/record_function_ops.h>
@@ -57,13 +59,20 @@ BucketLauncher::BucketLauncher(std::vector<at::Tensor> buffers, std::vector<Slot
 }
 
 void BucketLauncher::reset() {
+  // Last iteration's grads and futures are freed after the lock (declared
+  // before it): a grad may be the last reference to a tensor whose Python
+  // object takes the GIL to free, and future()/launched() take this lock
+  // from Python.
+  std::vector<std::vector<std::pair<at::Tensor, Slot>>> oldGrads;
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> oldFutures;
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& b : buckets_) {
     b->pending = b->slots;
     b->readyUs = 0;
     b->landedUs = 0;
-    b->grads.clear();
-    b->future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    oldGrads.push_back(std::exchange(b->grads, {}));
+    oldFutures.push_back(
+        std::exchange(b->future, c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get())));
   }
   seen_.assign(slots_.size(), false);
   nextLaunch_ = 0;

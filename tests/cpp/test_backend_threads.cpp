@@ -684,3 +684,34 @@ TEST_CASE("a finished work is freed outside the pending works' lock", "[backend]
   for (auto& probe : probes) probe.join();
   CHECK(freedUnderLock == 0);
 }
+
+TEST_CASE("the bucket launcher frees last iteration's grads outside its lock", "[schedule]") {
+  // reset() drops the grads gradReady() kept for the copy-back; one may be
+  // the last reference to a tensor whose Python object takes the GIL to free,
+  // while Python reads launched() or future() under the same lock.
+  runRanks(1, [](XcommBackend& b, int /*rank*/, int /*size*/) {
+    auto backend = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&b);
+    xcomm::BucketLauncher launcher({at::zeros({4})}, {{0, 0, 4}}, backend);
+    static float data[4] = {1, 2, 3, 4};
+    int freed = 0;
+    int freedUnderLock = 0;
+    std::vector<std::thread> probes;
+    auto deleter = [&](void* /*unused*/) {
+      auto granted = std::make_shared<std::promise<void>>();
+      auto got = granted->get_future();
+      probes.emplace_back([&launcher, granted] {
+        (void)launcher.launched();  // takes the launcher's lock
+        granted->set_value();
+      });
+      freedUnderLock +=
+          got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready ? 0 : 1;
+      ++freed;
+    };
+    launcher.gradReady(0, at::from_blob(data, {4}, deleter));
+    launcher.future(0)->wait();
+    launcher.reset();  // the launcher held the grad's last reference
+    for (auto& probe : probes) probe.join();
+    RANK_CHECK(freed == 1);
+    RANK_CHECK(freedUnderLock == 0);
+  });
+}
