@@ -592,59 +592,97 @@ class CompletedRoute final : public xcomm::Route {
   };
 };
 
+// Whether a lock is free when a tensor is freed. A tensor freed by a
+// background thread may own its Python object, which takes the GIL to free,
+// while a Python thread holding the GIL takes the lock under test: freed
+// under it, the two threads wait for each other for good. tensor()'s deleter
+// runs `takesLock` on another thread and counts the free as under the lock
+// unless that returns within 500 ms (the thread finishes once the lock is
+// free again, and is joined by join() or the destructor).
+class FreedUnderLockProbe {
+ public:
+  explicit FreedUnderLockProbe(std::function<void()> takesLock)
+      : takesLock_(std::move(takesLock)) {}
+  ~FreedUnderLockProbe() { join(); }
+  FreedUnderLockProbe(const FreedUnderLockProbe&) = delete;
+  FreedUnderLockProbe& operator=(const FreedUnderLockProbe&) = delete;
+
+  // A float tensor over `data` (not owned) whose free is probed.
+  at::Tensor tensor(float* data, int64_t numel) {
+    return at::from_blob(data, {numel}, [this](void* /*unused*/) { onFree(); });
+  }
+  bool waitFreed(int count, std::chrono::seconds timeout) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return freedCv_.wait_for(lock, timeout, [&] { return freed_ >= count; });
+  }
+  int freed() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return freed_;
+  }
+  int freedUnderLock() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return freedUnderLock_;
+  }
+  void join() {
+    std::vector<std::thread> probes;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      probes.swap(probes_);
+    }
+    for (auto& probe : probes) probe.join();
+  }
+
+ private:
+  void onFree() {
+    auto granted = std::make_shared<std::promise<void>>();
+    auto got = granted->get_future();
+    std::thread probe([this, granted] {
+      takesLock_();
+      granted->set_value();
+    });
+    const bool free = got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready;
+    std::lock_guard<std::mutex> lock(mutex_);
+    probes_.push_back(std::move(probe));
+    freedUnderLock_ += free ? 0 : 1;
+    ++freed_;
+    freedCv_.notify_all();
+  }
+
+  std::function<void()> takesLock_;
+  std::mutex mutex_;
+  std::condition_variable freedCv_;
+  std::vector<std::thread> probes_;
+  int freed_ = 0;
+  int freedUnderLock_ = 0;
+};
+
 }  // namespace
 
 TEST_CASE("a fused op's tensor is freed outside the fusion's lock", "[fusion]") {
-  // A tensor whose last reference the fusion thread drops may own its Python
-  // object, and freeing that takes the GIL, while a Python thread holding the
-  // GIL takes the fusion's lock (getFuture(), wait()): freed under the lock,
-  // the two threads waited for each other for good. Here the tensors' deleter
-  // asks for that lock from another thread; it must get it at once.
+  // The fusion thread drops a round's ops; a Python thread takes the
+  // fusion's lock in getFuture() and wait() (expedite).
   auto route = std::make_shared<CompletedRoute>();
   auto fusion =
       xcomm::makeFusionBuffer(1024, std::chrono::microseconds(0), route, std::chrono::seconds(5));
-  xcomm::FusionBuffer* const fusionPtr = fusion.get();
+  FreedUnderLockProbe probe([&fusion] { fusion->expedite(true); });
   constexpr int kOps = 3;
   static float data[kOps][4] = {};
-  std::mutex mutex;
-  std::vector<std::thread> probes;
-  int freed = 0;
-  int freedUnderLock = 0;
-  std::condition_variable allFreed;
   for (int i = 0; i < kOps; ++i) {
-    auto deleter = [&, fusionPtr](void* /*unused*/) {
-      auto granted = std::make_shared<std::promise<void>>();
-      auto got = granted->get_future();
-      std::thread probe([fusionPtr, granted] {
-        fusionPtr->expedite(true);  // takes the fusion's lock
-        granted->set_value();
-      });
-      const bool free = got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready;
-      std::lock_guard<std::mutex> lock(mutex);
-      probes.push_back(std::move(probe));
-      freedUnderLock += free ? 0 : 1;
-      ++freed;
-      allFreed.notify_all();
-    };
     // Only the fusion holds the op and its tensor: its work is not kept.
-    fusion->enqueue(route, 0, at::from_blob(data[i], {4}, deleter), c10d::AllreduceOptions{},
-                    nullptr, c10::IValue());
+    fusion->enqueue(route, 0, probe.tensor(data[i], 4), c10d::AllreduceOptions{}, nullptr,
+                    c10::IValue());
   }
-  {
-    std::unique_lock<std::mutex> lock(mutex);
-    CHECK(allFreed.wait_for(lock, std::chrono::seconds(10), [&] { return freed == kOps; }));
-  }
+  CHECK(probe.waitFreed(kOps, std::chrono::seconds(10)));
   fusion->stop();
-  for (auto& probe : probes) probe.join();
-  CHECK(freedUnderLock == 0);
+  probe.join();
+  CHECK(probe.freedUnderLock() == 0);
 }
 
 TEST_CASE("a finished work is freed outside the pending works' lock", "[backend]") {
   // The group keeps weak references to the works it handed out (abort()
   // fails those still pending); a finished work the program dropped is freed
-  // when its entry is pruned, and its tensors with it, which may take the
-  // GIL. Pruning runs in every collective's call, under the list's lock: the
-  // tensor's deleter asks for that lock from another thread.
+  // when its entry is pruned, and its tensors with it. Pruning runs in every
+  // collective's call, under the list's lock.
   xcomm::PendingWorks pending;
   auto finished = [] {
     auto work = c10::make_intrusive<xcomm::FutureWork>(0, c10d::OpType::ALLREDUCE, nullptr,
@@ -652,66 +690,35 @@ TEST_CASE("a finished work is freed outside the pending works' lock", "[backend]
     work->markSucceeded();
     return work;
   };
+  FreedUnderLockProbe probe([&] { pending.add(finished()); });  // add() takes the list's lock
   static float data[4] = {};
-  std::mutex mutex;
-  std::vector<std::thread> probes;
-  int freed = 0;
-  int freedUnderLock = 0;
-  auto deleter = [&](void* /*unused*/) {
-    auto granted = std::make_shared<std::promise<void>>();
-    auto got = granted->get_future();
-    std::thread probe([&pending, &finished, granted] {
-      pending.add(finished());  // takes the list's lock
-      granted->set_value();
-    });
-    const bool free = got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready;
-    std::lock_guard<std::mutex> lock(mutex);
-    probes.push_back(std::move(probe));
-    freedUnderLock += free ? 0 : 1;
-    ++freed;
-  };
   {
-    const at::Tensor tensor = at::from_blob(data, {4}, deleter);
+    const at::Tensor tensor = probe.tensor(data, 4);
     auto work = c10::make_intrusive<xcomm::FutureWork>(
         0, c10d::OpType::ALLREDUCE, nullptr, c10::IValue(std::vector<at::Tensor>{tensor}),
         c10::ListType::create(c10::TensorType::get()));
     pending.add(work);
     work->markSucceeded();
   }  // the program's references are gone; the list's weak one keeps the work
-  for (int i = 0; i < 80 && freed == 0; ++i) pending.add(finished());  // pruned at 64 entries
-  std::lock_guard<std::mutex> lock(mutex);
-  CHECK(freed == 1);
-  for (auto& probe : probes) probe.join();
-  CHECK(freedUnderLock == 0);
+  for (int i = 0; i < 80 && probe.freed() == 0; ++i) pending.add(finished());  // pruned at 64
+  probe.join();
+  CHECK(probe.freed() == 1);
+  CHECK(probe.freedUnderLock() == 0);
 }
 
 TEST_CASE("the bucket launcher frees last iteration's grads outside its lock", "[schedule]") {
-  // reset() drops the grads gradReady() kept for the copy-back; one may be
-  // the last reference to a tensor whose Python object takes the GIL to free,
-  // while Python reads launched() or future() under the same lock.
+  // reset() drops the grads gradReady() kept for the copy-back, while Python
+  // reads launched() or future() under the same lock.
   runRanks(1, [](XcommBackend& b, int /*rank*/, int /*size*/) {
     auto backend = c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(&b);
     xcomm::BucketLauncher launcher({at::zeros({4})}, {{0, 0, 4}}, backend);
+    FreedUnderLockProbe probe([&launcher] { (void)launcher.launched(); });
     static float data[4] = {1, 2, 3, 4};
-    int freed = 0;
-    int freedUnderLock = 0;
-    std::vector<std::thread> probes;
-    auto deleter = [&](void* /*unused*/) {
-      auto granted = std::make_shared<std::promise<void>>();
-      auto got = granted->get_future();
-      probes.emplace_back([&launcher, granted] {
-        (void)launcher.launched();  // takes the launcher's lock
-        granted->set_value();
-      });
-      freedUnderLock +=
-          got.wait_for(std::chrono::milliseconds(500)) == std::future_status::ready ? 0 : 1;
-      ++freed;
-    };
-    launcher.gradReady(0, at::from_blob(data, {4}, deleter));
+    launcher.gradReady(0, probe.tensor(data, 4));
     launcher.future(0)->wait();
     launcher.reset();  // the launcher held the grad's last reference
-    for (auto& probe : probes) probe.join();
-    RANK_CHECK(freed == 1);
-    RANK_CHECK(freedUnderLock == 0);
+    probe.join();
+    RANK_CHECK(probe.freed() == 1);
+    RANK_CHECK(probe.freedUnderLock() == 0);
   });
 }
