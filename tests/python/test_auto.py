@@ -1081,3 +1081,112 @@ def test_with_observe_off_no_measured_step_time_decides() -> None:
     assert slow["charged_s"] == quick["charged_s"]
     assert slow["decisions"] == quick["decisions"]
     assert torch.equal(slow["params"], quick["params"])
+
+
+def test_the_uncompressed_check_decides_by_measured_steps() -> None:
+    """:class:`UncompressedCheck` alone: a trial of ``none`` after compression
+    has run, compression kept only when its steps are faster by the margin,
+    trials of compression against a verdict of ``none``, the spacing of
+    checks, skipping where uncompressed reductions cannot fit a step, and
+    checking again at once where the verdict's steps slow down."""
+    from xcomm.hooks._measure import UncompressedCheck
+
+    c = UncompressedCheck(margin=0.05)
+    assert c.at_round(2, 0.1, compressing=False, none_can_win=True) is None  # nothing compressed
+    assert c.at_round(7, 0.1, compressing=True, none_can_win=True) is None
+    assert c.next_check == 7 + c.FIRST_AFTER and not c.forces_none
+    assert c.at_round(12, 0.1, compressing=True, none_can_win=True) is None  # not due yet
+    end = c.at_round(17, 0.100, compressing=True, none_can_win=True)
+    assert end == 17 + c.TRIAL_STEPS and c.trial == "none" and c.forces_none
+    assert c.at_round(20, 0.2, compressing=False, none_can_win=True) == end  # mid-trial
+    # Uncompressed steps took 0.103 s against 0.100 s: compression is not 5% faster.
+    assert c.at_round(end, 0.103, compressing=False, none_can_win=True) is None
+    assert c.verdict == "none" and c.forces_none and c.checks == 1
+    assert c.last == (end, 0.100, 0.103) and c.next_check == end + c.FIRST_BACKOFF
+    assert "every bucket uncompressed" in c.explain()
+    # The next check is a trial of compression: its steps are 20% faster.
+    trial = c.next_check
+    assert c.at_round(trial, 0.103, compressing=False, none_can_win=True) == trial + 6
+    assert c.trial == "compress" and not c.forces_none
+    assert c.at_round(trial + 6, 0.080, compressing=True, none_can_win=True) is None
+    assert c.verdict == "compress" and not c.forces_none
+    # 6 trial steps x a 29% gap must cost at most 1% of the steps between: 174 on.
+    gap = (0.103 - 0.080) / 0.080
+    assert c.next_check == trial + 6 + math.ceil(6 * gap / c.TRIAL_FRACTION)
+    # Due, but uncompressed reductions alone are predicted longer than a step: skipped.
+    skipped = c.next_check
+    assert c.at_round(skipped, 0.08, compressing=True, none_can_win=False) is None
+    assert c.trial is None and c.next_check == skipped + c.backoff and "not checked" in c.note
+    # Compressed steps become slower than the uncompressed ones measured at
+    # the last check (0.103 s) by more than the margin: a trial of none at once.
+    early = skipped + 1
+    assert c.at_round(early, 0.105, compressing=True, none_can_win=True) is None  # within it
+    assert c.at_round(early, 0.110, compressing=True, none_can_win=True) == early + 6
+    assert c.trial == "none" and "checked again" in c.note
+    restored = UncompressedCheck()
+    restored.load_state_dict(c.state_dict())
+    assert restored.state_dict() == c.state_dict()
+
+
+def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
+    """One 4 MiB bucket, auto between ``none`` and int8 on loopback, the
+    probe's bytes counted a tenth (it reads the link 10x slower, so the model
+    prefers int8 by far) and the per-reduction corrections held off: only
+    the whole steps can move the choice. Every step takes 100 ms more (the
+    compute of a larger model: uncompressed reductions, as predicted, fit
+    in a step, so a check is worth its trial), and each step whose
+    reductions were ``slow`` ("compressed" or "none") 80 ms more still, as
+    a codec that takes cores from the backward pass makes it. Returns the
+    method of each step and the explanation."""
+    from xcomm.hooks import auto
+
+    plain_wire = auto._allreduce_wire
+    auto._allreduce_wire = lambda nbytes, world: plain_wire(nbytes, world) / 10
+    torch.manual_seed(0)
+    n = 1024
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, 8)))
+    state = hooks.AutoState(
+        methods=("none", "int8"),
+        codec_costs=dict(COSTS, int8=1e-12),
+        model=model,
+        probe_fraction=0.05,  # rounds every interval, not spaced out by their cost
+    )
+    state._observed.update = lambda agreed: None  # type: ignore[method-assign]
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    methods = []
+    for step in range(34):
+        g = torch.Generator().manual_seed(step * 10 + ctx.rank)
+        x, y = torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ran = state.methods_by_bucket()[0] if state.decisions else "none"
+        methods.append(ran)
+        time.sleep(0.1 + (0.08 if (ran != "none") == (slow == "compressed") else 0.0))
+    return methods, state.explain()
+
+
+@pytest.mark.parametrize("slow", ["compressed", "none"])
+def test_compression_is_kept_only_where_its_whole_steps_are_faster(slow: str) -> None:
+    """The model prefers int8 by far; some steps after it starts, a trial
+    runs every bucket uncompressed and times whole steps. Where compressed
+    steps are the slower (a codec taking cores from the backward pass),
+    every bucket stays uncompressed after the trial; where uncompressed
+    ones are, int8 returns. Every rank switches at the same steps."""
+    results = run_ranks(_checked, 2, slow)
+    methods, explain = results[0]
+    assert results[1][0] == methods
+    first = methods.index("int8")
+    start = methods.index("none", first)  # the trial
+    trial = methods[start:]
+    length = next((i for i, m in enumerate(trial) if m != "none"), len(trial))
+    assert start - first >= hooks._measure.UncompressedCheck.FIRST_AFTER, methods
+    if slow == "compressed":
+        assert all(m == "none" for m in trial), methods
+        assert "every bucket uncompressed" in explain, explain
+    else:
+        assert length == hooks._measure.UncompressedCheck.TRIAL_STEPS, methods
+        assert all(m == "int8" for m in trial[length:]), methods
+        assert "compressing" in explain and "every bucket uncompressed" not in explain, explain
+    assert "uncompressed check at step" in explain, explain

@@ -35,6 +35,20 @@ observed method for one that only its ``randn`` calibration favours;
 :meth:`AutoState.explain` says which predictions are corrected and why a
 method was not tried.
 
+Whole steps are checked too (:class:`~xcomm.hooks._measure.UncompressedCheck`,
+CPU buckets, ``observe=True`` on a measured link). A reduction's time from
+issue to completion is not what it costs the step: on a host whose cores
+also run the backward pass, an uncompressed reduction overlaps that pass
+and a codec takes cores from it (a byte-level LM at 10 Gbit/s on 2 cores:
+int8 predicted 2.7x faster than ``none`` per bucket, whole steps 109 ms
+against 102 ms). So some steps after compression starts, every bucket runs
+``none`` for a few steps, and compression is kept only where its steps were
+at least 5% faster than those; otherwise every bucket stays uncompressed,
+and later checks try compression again. Checks are spaced so their trials
+cost at most 1% of the training time, skipped where the uncompressed
+reductions alone are predicted to take longer than a step, and come at once
+where the steps under the verdict slow down past the other side's.
+
 The objective is time to accuracy, not time per step (``objective``,
 default ``"time_to_accuracy"``). A lossy method that sends few bytes but
 drops most of each step's gradient saves time per step and costs steps. How
@@ -176,6 +190,7 @@ from ._measure import (
     MeasuredLink,
     MethodChoices,
     ObservedCosts,
+    UncompressedCheck,
     best_seconds,
     future_failed,
 )
@@ -576,6 +591,9 @@ class AutoState(PicklableState):
         )
         self._agreed: tuple[LinkModel, dict[str, float]] | None = None
         self._observed = ObservedCosts(self.allowed)
+        #: Whether compressing pays in whole steps, measured by trials of
+        #: ``none`` (with ``observe`` on a measured link, where ``none`` is allowed).
+        self.check = UncompressedCheck()
         self._fresh_round = False
         self._in_step = False
         # Each bucket's (numel, parameter shapes, itemsize, device type), to ask
@@ -635,6 +653,7 @@ class AutoState(PicklableState):
             "lost_share": {str(k): dict(v) for k, v in self.lost_share.items()},
             "charged_step_seconds": self.charged_step_seconds,
             "powersgd_gate": None if self.powersgd_gate is None else list(self.powersgd_gate),
+            "check": self.check.state_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -659,6 +678,7 @@ class AutoState(PicklableState):
         self.charged_step_seconds = float(d.get("charged_step_seconds", 0.0))
         gate = d.get("powersgd_gate")
         self.powersgd_gate = None if gate is None else (bool(gate[0]), *map(float, gate[1:]))
+        self.check.load_state_dict(d.get("check", {}))  # none before the check
         if not self.lost_share and self.iter >= self._errors_step:
             # A checkpoint from before the accuracy term: measure it on the next step.
             self._errors_step = self.iter
@@ -695,6 +715,8 @@ class AutoState(PicklableState):
             )
             if self.observe:
                 link_line += "\n" + self._observed.explain()
+            if self._checking:
+                link_line += "\n" + self.check.explain()
             link_line += "\n" + self._objective_line()
         return self._choices.explain("bucket", link_line)
 
@@ -813,6 +835,15 @@ class AutoState(PicklableState):
         if self.lost_share or (self.iter >= self.start_iter and self._bucket_inputs):
             self.charged_step_seconds = self._step_seconds(world)
             self._evaluate_powersgd_gate(world)
+        if self._checking and device.type == "cpu" and self.iter >= self.start_iter:
+            due = self.check.at_round(
+                self.iter,
+                self._measure.agreed_step_seconds,
+                compressing=any(d["method"] != "none" for d in self.decisions.values()),
+                none_can_win=self._uncompressed_seconds(world) < self._measure.agreed_step_seconds,
+            )
+            if due is not None:  # a trial's steps are timed up to its end, not past it
+                self._measure.next_round = min(self._measure.next_round, due)
         upcoming = self._measure.next_round - 1
         if (
             self.iter >= self.start_iter
@@ -907,6 +938,25 @@ class AutoState(PicklableState):
         measured = self._measure.agreed_step_seconds if self.observe else 0.0
         return max(measured, reductions)
 
+    @property
+    def _checking(self) -> bool:
+        """Whether the uncompressed check runs: measured steps decide it, so
+        with ``observe`` on a measured link (a fixed one is not what the
+        steps see), and where ``none`` is allowed."""
+        return self.observe and self.link is None and "none" in self.allowed
+
+    def _uncompressed_seconds(self, world: int) -> float:
+        """The buckets' reductions uncompressed, as predicted (corrected):
+        at least what a step takes without compression."""
+        assert self._agreed is not None
+        link, costs = self._agreed
+        return sum(
+            self._observed.predict(
+                "none", *self._parts("none", numel, shapes, itemsize, world, link, costs)
+            )
+            for numel, shapes, itemsize, _ in self._bucket_inputs.values()
+        )
+
     def _evaluate_powersgd_gate(self, world: int) -> None:
         """PowerSGD's gate (module docstring): is the whole step with it, M
         times over, predicted no slower than the step without it? From the
@@ -975,6 +1025,8 @@ class AutoState(PicklableState):
         (:meth:`_bounded`), PowerSGD kept, uncharged, only while its gate is
         open (it is closed until first evaluated), or where ``methods`` left
         nothing else."""
+        if self._checking and self.check.forces_none and "none" in predicted:
+            return {"none": predicted["none"]}
         if self.objective == "step_time":
             return predicted
         gate_open = self.powersgd_gate is not None and self.powersgd_gate[0]
@@ -998,15 +1050,25 @@ class AutoState(PicklableState):
         predicted = self._charged(index, raw)
         method = self._choices.choose(index, numel, self.iter, predicted)
         notes = []
-        if self.observe:
+        forced = self._checking and self.check.forces_none
+        if forced:
+            notes.append(
+                "none: "
+                + (
+                    "a trial of uncompressed steps"
+                    if self.check.trial == "none"
+                    else "compressed steps were not faster (explain()'s uncompressed check)"
+                )
+            )
+        elif self.observe:
             notes = self._never_run_notes(
                 method, predicted, numel, shapes, itemsize, world, link, costs
             )
-        if "powersgd" in raw and "powersgd" not in predicted:
+        if "powersgd" in raw and "powersgd" not in predicted and not forced:
             notes.append(
                 "powersgd not chosen: its step gate is closed (explain()'s objective line)"
             )
-        if predicted is not raw and index in self.lost_share:
+        if predicted is not raw and index in self.lost_share and not forced:
             shares = self.lost_share[index]
             lost = ", ".join(
                 f"{m} {100 * share:.3g}% (+{(predicted[m] - raw[m]) * 1e3:.2f} ms)"
