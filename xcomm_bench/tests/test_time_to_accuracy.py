@@ -58,7 +58,9 @@ def test_time_to_target_is_steps_to_the_target_times_the_rates_step_time() -> No
     assert by["int8"]["time_s"] == pytest.approx(2 * 0.2 + 13 * 0.05)
     # top-k never reaches it: its bound is all its steps, flagged as not reached.
     assert not by["topk"]["reached"] and by["topk"]["time_s"] == pytest.approx(2 * 0.2 + 38 * 0.01)
-    assert by["auto"]["time_s"] == pytest.approx(15.0) and by["auto"]["step_ms"] == 5000
+    # Its step time is that of its steps to the crossing (1 s), so that
+    # steps x step time is its time to target.
+    assert by["auto"]["time_s"] == pytest.approx(15.0) and by["auto"]["step_ms"] == 1000
     # top-k's 0.78 s is a bound, not a time to target: int8 is the best static method.
     assert by["auto"]["best_static"] == "int8" and by["auto"]["vs_best_static"] == pytest.approx(
         15.0 / 1.05
@@ -81,8 +83,9 @@ def test_with_rounds_a_row_is_the_median_round_and_shows_the_fastest_and_slowest
             "bf16": [_run([], [0.06]), _run([], [0.05]), _run([], [0.03, 0.05])],
         }
     }
-    # auto's rounds cross the target at step 15 (15 x 0.05 s), at step 20 + 2/7
-    # of 10 (a slower learner that round; x 0.05 s) and at step 15 (x 0.02 s).
+    # auto's rounds cross the target at step 15, at step 20 + 2/7 of 10 (a
+    # slower learner that round) and at step 15: 17.62 steps on average, at
+    # each round's own seconds per step: 0.05, 0.05 and 0.02 s.
     late = [(0, 5.0), (10, 3.0), (20, 2.7), (30, 2.0)]
     autos = [
         _run(learner, [0.05] * 40, chosen="bf16"),
@@ -101,14 +104,41 @@ def test_with_rounds_a_row_is_the_median_round_and_shows_the_fastest_and_slowest
     assert by["bf16"]["time_s"] == pytest.approx(0.75)
     assert by["bf16"]["step_ms"] == pytest.approx(50)
     assert (by["bf16"]["time_min_s"], by["bf16"]["time_max_s"]) == pytest.approx((0.6, 0.9))
-    # auto: 0.75, 1.14 and 0.3 s; the median round is the first, and its steps and choice.
+    # auto: 17.62 x (0.05, 0.05, 0.02) s; the median round is the first (of
+    # the two equal, the earlier), with its step time and choice.
+    steps = (15 + 20 + 20 / 7 + 15) / 3
     a = by["auto"]
-    assert a["time_s"] == pytest.approx(0.75) and a["steps"] == 15 and a["chosen"] == "bf16"
-    assert (a["time_min_s"], a["time_max_s"]) == pytest.approx((0.3, (20 + 20 / 7) * 0.05))
+    assert a["steps"] == pytest.approx(steps) and a["chosen"] == "bf16"
+    assert a["time_s"] == pytest.approx(steps * 0.05) and a["step_ms"] == pytest.approx(50)
+    assert (a["time_min_s"], a["time_max_s"]) == pytest.approx((steps * 0.02, steps * 0.05))
     assert a["chosen_by_round"] == ["bf16", "int8", "bf16"]
-    assert a["vs_best_static"] == pytest.approx(1.0) and a["best_static"] == "bf16"
+    assert a["vs_best_static"] == pytest.approx(steps * 0.05 / 0.75) and a["best_static"] == "bf16"
     table = format_markdown([{**r, "task": "lm", "optimizer": "adamw"} for r in rows])
     assert "| 1gbit | none | 30 | 200.0 | 6.00 | 3: 3.00-12.00 | 1.00 |" in table
+
+
+def test_with_seeds_a_static_methods_steps_are_the_mean_over_its_seeds() -> None:
+    """Two seeds: a method's steps to target are the mean of its seeds'
+    crossings (one seed's trajectory is partly chance); a seed that never
+    crosses counts as the bound and marks the row as not reached."""
+    none = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5), (40, 2.6)]
+    seed0 = [(0, 5.0), (10, 3.0), (20, 2.0)]  # crosses 2.5 at step 15
+    seed1 = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.0)]  # at step 25
+    never = [(0, 5.0), (10, 4.0), (20, 3.0)]
+    trained = {
+        "none": [_run(none, []), _run(seed1, [])],
+        "bf16": [_run(seed0, []), _run(seed1, [])],
+        "int8": [_run(seed0, []), _run(never, [])],
+    }
+    timed = {"1gbit": {m: [_run([], [0.1])] for m in ("none", "bf16", "int8")}}
+    rows = combine(trained, timed, {}, 0.75, 40)
+    by = {r["method"]: r for r in rows}
+    # The target comes from seed 0's uncompressed run: 2.5 at step 30.
+    assert by["none"]["target"] == 2.5 and by["none"]["steps"] == pytest.approx((30 + 25) / 2)
+    assert by["bf16"]["steps"] == pytest.approx(20) and by["bf16"]["seeds"] == 2
+    assert by["bf16"]["time_s"] == pytest.approx(20 * 0.1) and by["bf16"]["reached"]
+    assert by["int8"]["steps"] == pytest.approx((15 + 40) / 2) and not by["int8"]["reached"]
+    assert by["none"]["best_static"] == "bf16"
 
 
 def test_rounds_below_one_are_refused_by_name(tmp_path: Path) -> None:
@@ -144,10 +174,10 @@ def test_the_vision_task_shows_crops_of_the_photographs_it_names() -> None:
 
 
 def test_a_small_run_trains_in_rounds_and_writes_its_report(tmp_path: Path) -> None:
-    """Loopback, tiny models, two rounds (``--smoke``): uncompressed trained
-    once and timed twice, auto trained twice (its hook called), a row each.
-    (Five process pairs, as one round of none, int8 and auto would take:
-    the static methods' arithmetic is tested above.)"""
+    """Loopback, tiny models, two rounds and two seeds (``--smoke``):
+    uncompressed trained once per seed and timed twice, auto trained twice,
+    once per seed (its hook called), a row each. (Six process pairs: the
+    static methods' arithmetic is tested above.)"""
     out = tmp_path / "tta"
     cmd = module_command(
         "xcomm_bench",
@@ -159,6 +189,8 @@ def test_a_small_run_trains_in_rounds_and_writes_its_report(tmp_path: Path) -> N
         "adamw",
         "--methods",
         "none,auto",
+        "--seeds",
+        "2",
         "--no-progress",
         "--out",
         str(out),
@@ -168,12 +200,16 @@ def test_a_small_run_trains_in_rounds_and_writes_its_report(tmp_path: Path) -> N
     case = results["cases"]["embedding/adamw"]
     # Uncompressed trained its 20 steps and set the target; auto trained
     # until its smoothed loss reached it (or for at most 3 x 20 steps).
-    none = case["trained"]["none"]["history"]
+    nones = case["trained"]["none"]
+    assert [run["seed"] for run in nones] == [0, 1]
+    none = nones[0]["history"]
     assert none[0][0] == 0 and none[-1][0] == 20 and none[-1][1] < none[0][1]
+    # Another seed, another trajectory: seed 1 trained to seed 0's target.
+    assert nones[1]["history"] != none[: len(nones[1]["history"])]
     target = case["rows"][0]["target"]
     assert target == target_loss(none, 0.75, 3)
     autos = case["adaptive"]["loopback"]["auto"]
-    assert len(autos) == 2
+    assert [auto["seed"] for auto in autos] == [0, 1]
     for auto in autos:
         curve = smoothed(auto["history"], 3)
         assert curve[-1][1] <= target or curve[-1][0] == 60
@@ -182,7 +218,9 @@ def test_a_small_run_trains_in_rounds_and_writes_its_report(tmp_path: Path) -> N
         assert auto["hook_calls"] >= len(auto["step_s"]) > 0 and auto["chosen"]
     rows = {r["method"]: r for r in case["rows"]}
     assert set(rows) == {"none", "auto"}
-    assert rows["none"]["reached"] and rows["none"]["steps"] <= 20
+    assert rows["none"]["reached"] and rows["none"]["seeds"] == 2
+    crossings = [crossing_step(run["history"], target, 3) for run in nones]
+    assert rows["none"]["steps"] == pytest.approx(sum(crossings) / 2)
     assert rows["none"]["rounds"] == rows["auto"]["rounds"] == 2
     assert len(rows["auto"]["chosen_by_round"]) == 2
     # Two timings of uncompressed, in separate process pairs; with two
@@ -191,12 +229,16 @@ def test_a_small_run_trains_in_rounds_and_writes_its_report(tmp_path: Path) -> N
     means = [sum(t["step_s"]) / len(t["step_s"]) for t in timed]
     assert len(means) == 2 and rows["none"]["step_ms"] == pytest.approx(1e3 * min(means))
     assert rows["none"]["time_s"] == pytest.approx(rows["none"]["steps"] * min(means))
-    auto_times = []
-    for a in autos:  # its steps up to its interpolated crossing, a fraction of the next
-        n = crossing_step(a["history"], target, 3) or 60
+    # Each round's seconds per step up to its interpolated crossing (a
+    # fraction of the next step), times the rounds' mean steps to target.
+    reached = [crossing_step(a["history"], target, 3) or 60 for a in autos]
+    per_step = []
+    for a, n in zip(autos, reached, strict=True):
         whole = int(n)
         rest = (n - whole) * a["step_s"][whole] if whole < len(a["step_s"]) else 0.0
-        auto_times.append(sum(a["step_s"][:whole]) + rest)
-    assert rows["auto"]["time_s"] == pytest.approx(min(auto_times))
+        per_step.append((sum(a["step_s"][:whole]) + rest) / n)
+    mean_steps = sum(reached) / 2
+    assert rows["auto"]["steps"] == pytest.approx(mean_steps)
+    assert rows["auto"]["time_s"] == pytest.approx(mean_steps * min(per_step))
     assert "| embedding | adamw | loopback | auto (" in (out / "time_to_accuracy.md").read_text()
     assert (out / "time_to_accuracy.png").stat().st_size > 0
