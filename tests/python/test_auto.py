@@ -626,6 +626,16 @@ def test_a_method_predicted_slower_than_none_is_never_kept() -> None:
     assert c.switches == 1
 
 
+def _wide_batch(n: int) -> Any:
+    """Batches of 8 ``n``-wide inputs over 8 classes, per rank and step."""
+
+    def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        return torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
+
+    return batch
+
+
 def _misjudged(ctx: RankContext, observe: bool) -> tuple[list[tuple[str, int]], str]:
     """One 16 MiB bucket; top-k's codec cost given as a tenth of what it
     takes on this machine (as a calibration on other data would), and each
@@ -665,11 +675,7 @@ def _misjudged(ctx: RankContext, observe: bool) -> tuple[list[tuple[str, int]], 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     history = []
     for step in range(30):
-        g = torch.Generator().manual_seed(step * 10 + ctx.rank)
-        x, y = torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train(model, opt, _wide_batch(n), ctx.rank, range(step, step + 1))
         history.append((state.decisions.get(0, {}).get("method", "-"), state.next_round))
     return history, state.explain()
 
@@ -746,11 +752,7 @@ def _untried(ctx: RankContext, inherit: bool) -> tuple[list[str], dict[str, int]
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     history = []
     for step in range(24):
-        g = torch.Generator().manual_seed(step * 10 + ctx.rank)
-        x, y = torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train(model, opt, _wide_batch(n), ctx.rank, range(step, step + 1))
         history.append(state.decisions.get(0, {}).get("method", "-"))
     calls["buckets"] = len(state.decisions)
     return history, calls, state.explain()
@@ -1156,11 +1158,7 @@ def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     methods = []
     for step in range(34):
-        g = torch.Generator().manual_seed(step * 10 + ctx.rank)
-        x, y = torch.randn(8, n, generator=g), torch.randint(0, 8, (8,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train(model, opt, _wide_batch(n), ctx.rank, range(step, step + 1))
         ran = state.methods_by_bucket()[0] if state.decisions else "none"
         methods.append(ran)
         time.sleep(0.1 + (0.08 if (ran != "none") == (slow == "compressed") else 0.0))

@@ -147,6 +147,12 @@ def test_rounds_below_one_are_refused_by_name(tmp_path: Path) -> None:
     assert not (tmp_path / "tta").exists()  # refused before any run
 
 
+def test_seeds_below_one_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--seeds must be at least 1, got 0"):
+        main(["--seeds", "0", "--no-progress", "--out", str(tmp_path / "tta")])
+    assert not (tmp_path / "tta").exists()  # refused before any run
+
+
 def test_the_vision_task_shows_crops_of_the_photographs_it_names() -> None:
     """A training batch: 16 x 16 crops (per-channel standardised), each a
     window, or its mirror image, of the photograph and grid region its label
