@@ -1086,12 +1086,21 @@ def test_with_observe_off_no_measured_step_time_decides() -> None:
 
 
 def test_the_uncompressed_check_decides_by_measured_steps() -> None:
-    """:class:`UncompressedCheck` alone: a trial of ``none`` after compression
-    has run, compression kept only when its steps are faster by the margin,
-    trials of compression against a verdict of ``none``, the spacing of
-    checks, skipping where uncompressed reductions cannot fit a step, and
-    checking again at once where the verdict's steps slow down."""
+    """:class:`UncompressedCheck` alone: a trial alternating ``none`` and
+    compressed steps after compression has run, compression kept only when
+    its steps are faster by the margin, trials against a verdict of
+    ``none``, the spacing of checks, skipping where uncompressed reductions
+    cannot fit a step, and checking again at once where the verdict's steps
+    slow down."""
     from xcomm.hooks._measure import UncompressedCheck
+
+    def run_trial(c: UncompressedCheck, none_s: float, compressed_s: float) -> int:
+        """Times the trial's steps as a host would (a spell that slows
+        every step 2x from its middle on) and returns its end."""
+        for s in range(c.trial_start, c.trial_end):
+            spell = 2.0 if s >= (c.trial_start + c.trial_end) // 2 else 1.0
+            c.record(s, spell * (none_s if c.runs_none(s) else compressed_s))
+        return c.trial_end
 
     c = UncompressedCheck(margin=0.05)
     assert c.at_round(2, 0.1, compressing=False, none_can_win=True) is None  # nothing compressed
@@ -1099,35 +1108,56 @@ def test_the_uncompressed_check_decides_by_measured_steps() -> None:
     assert c.next_check == 7 + c.FIRST_AFTER and not c.forces_none
     assert c.at_round(12, 0.1, compressing=True, none_can_win=True) is None  # not due yet
     end = c.at_round(17, 0.100, compressing=True, none_can_win=True)
-    assert end == 17 + c.TRIAL_STEPS and c.trial == "none" and c.forces_none
-    assert c.at_round(20, 0.2, compressing=False, none_can_win=True) == end  # mid-trial
-    # Uncompressed steps took 0.103 s against 0.100 s: compression is not 5% faster.
-    assert c.at_round(end, 0.103, compressing=False, none_can_win=True) is None
-    assert c.verdict == "none" and c.forces_none and c.checks == 1
-    assert c.last == (end, 0.100, 0.103) and c.next_check == end + c.FIRST_BACKOFF
+    assert end == 17 + c.TRIAL_STEPS and c.trial == "none" and not c.forces_none
+    # The round's step runs the side on trial; then the sides alternate.
+    sides = [c.side(s) for s in range(17, end)]
+    assert sides == ["none"] + ["none", "compress"] * c.TRIAL_PAIRS, sides
+    assert c.at_round(20, 0.2, compressing=True, none_can_win=True) == end  # mid-trial
+    assert c.local_trial_seconds(20) == []  # agreed only at the round that ends it
+    run_trial(c, none_s=0.103, compressed_s=0.100)
+    # The spell doubled the second half's steps on both sides: medians of
+    # the sides still 0.103 s against 0.100 s (the upper half's median, x2).
+    none_s, compressed_s = c.local_trial_seconds(end)
+    assert none_s / compressed_s == pytest.approx(1.03)
+    # Compression is not 5% faster.
+    assert (
+        c.at_round(end, 0.5, compressing=True, none_can_win=True, trial_s=(none_s, compressed_s))
+        is None
+    )
+    assert c.verdict == "none" and c.forces_none and c.checks == 1 and c.runs_none(end)
+    assert c.last == (end, compressed_s, none_s) and c.next_check == end + c.FIRST_BACKOFF
     assert "every bucket uncompressed" in c.explain()
     # The next check is a trial of compression: its steps are 20% faster.
     trial = c.next_check
-    assert c.at_round(trial, 0.103, compressing=False, none_can_win=True) == trial + 6
-    assert c.trial == "compress" and not c.forces_none
-    assert c.at_round(trial + 6, 0.080, compressing=True, none_can_win=True) is None
-    assert c.verdict == "compress" and not c.forces_none
-    # 6 trial steps x a 29% gap must cost at most 1% of the steps between: 174 on.
+    assert c.at_round(trial, 0.103, compressing=False, none_can_win=True) == trial + c.TRIAL_STEPS
+    assert c.trial == "compress" and not c.forces_none and not c.runs_none(trial)
+    assert c.runs_none(trial + 2) and not c.runs_none(trial + 3)
+    end = run_trial(c, none_s=0.103, compressed_s=0.080)
+    assert c.at_round(end, 0.1, compressing=True, none_can_win=True, trial_s=(0.103, 0.080)) is None
+    assert c.verdict == "compress" and not c.forces_none and not c.runs_none(end)
+    # 6 steps on the slower side x a 29% gap must cost at most 1% of the steps between.
     gap = (0.103 - 0.080) / 0.080
-    assert c.next_check == trial + 6 + math.ceil(6 * gap / c.TRIAL_FRACTION)
+    assert c.next_check == end + math.ceil((c.TRIAL_PAIRS + 1) * gap / c.TRIAL_FRACTION)
     # Due, but uncompressed reductions alone are predicted longer than a step: skipped.
     skipped = c.next_check
     assert c.at_round(skipped, 0.08, compressing=True, none_can_win=False) is None
     assert c.trial is None and c.next_check == skipped + c.backoff and "not checked" in c.note
     # Compressed steps become slower than the uncompressed ones measured at
-    # the last check (0.103 s) by more than the margin: a trial of none at once.
+    # the last check (0.103 s) by more than the margin: a trial at once.
     early = skipped + 1
     assert c.at_round(early, 0.105, compressing=True, none_can_win=True) is None  # within it
-    assert c.at_round(early, 0.110, compressing=True, none_can_win=True) == early + 6
+    assert c.at_round(early, 0.110, compressing=True, none_can_win=True) == early + c.TRIAL_STEPS
     assert c.trial == "none" and "checked again" in c.note
     restored = UncompressedCheck()
     restored.load_state_dict(c.state_dict())
     assert restored.state_dict() == c.state_dict()
+    # A trial whose timed steps of a side all ran rounds decides nothing.
+    checks, verdict = c.checks, c.verdict
+    assert (
+        c.at_round(c.trial_end, 0.1, compressing=True, none_can_win=True, trial_s=(0.0, 0.1))
+        is None
+    )
+    assert (c.checks, c.verdict, c.trial) == (checks, verdict, None) and "verdict kept" in c.note
 
 
 def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
@@ -1157,9 +1187,9 @@ def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
     model.register_comm_hook(state, hooks.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     methods = []
-    for step in range(34):
+    for step in range(36):
         train(model, opt, _wide_batch(n), ctx.rank, range(step, step + 1))
-        ran = state.methods_by_bucket()[0] if state.decisions else "none"
+        ran = state.ran[0]
         methods.append(ran)
         time.sleep(0.1 + (0.08 if (ran != "none") == (slow == "compressed") else 0.0))
     return methods, state.explain()
@@ -1168,23 +1198,26 @@ def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
 @pytest.mark.parametrize("slow", ["compressed", "none"])
 def test_compression_is_kept_only_where_its_whole_steps_are_faster(slow: str) -> None:
     """The model prefers int8 by far; some steps after it starts, a trial
-    runs every bucket uncompressed and times whole steps. Where compressed
+    runs every bucket uncompressed on alternate steps and times whole steps. Where compressed
     steps are the slower (a codec taking cores from the backward pass),
     every bucket stays uncompressed after the trial; where uncompressed
     ones are, int8 returns. Every rank switches at the same steps."""
     results = run_ranks(_checked, 2, slow)
     methods, explain = results[0]
     assert results[1][0] == methods
+    check = hooks._measure.UncompressedCheck
     first = methods.index("int8")
     start = methods.index("none", first)  # the trial
-    trial = methods[start:]
-    length = next((i for i, m in enumerate(trial) if m != "none"), len(trial))
-    assert start - first >= hooks._measure.UncompressedCheck.FIRST_AFTER, methods
+    assert start - first >= check.FIRST_AFTER, methods
+    # The trial alternates: a slow spell of the host falls on both sides.
+    trial = methods[start : start + check.TRIAL_STEPS]
+    assert trial == ["none"] + ["none", "int8"] * check.TRIAL_PAIRS, methods
+    after = methods[start + check.TRIAL_STEPS :]
+    assert len(after) >= 3, methods
     if slow == "compressed":
-        assert all(m == "none" for m in trial), methods
+        assert all(m == "none" for m in after), methods
         assert "every bucket uncompressed" in explain, explain
     else:
-        assert length == hooks._measure.UncompressedCheck.TRIAL_STEPS, methods
-        assert all(m == "int8" for m in trial[length:]), methods
+        assert all(m == "int8" for m in after), methods
         assert "compressing" in explain and "every bucket uncompressed" not in explain, explain
     assert "uncompressed check at step" in explain, explain

@@ -170,15 +170,19 @@ class MeasuredLink:
         mid = len(self._readings) // 2
         return [sorted(r[i] for r in self._readings)[mid] for i in range(len(self.kinds))]
 
-    def step_started(self) -> None:
+    def step_started(self) -> float | None:
         """Called at the start of each step: the probes' budget is a share of
         the median recent step time (of steps without a round: a round's own
-        cost must not size the next)."""
+        cost must not size the next). Returns the step just ended's seconds,
+        or None if it ran a round (or is the first)."""
         now = time.perf_counter()
+        took = None
         if self._step_start is not None and not self._round_in_step:
-            self.step_times = [*self.step_times[-9:], now - self._step_start]
+            took = now - self._step_start
+            self.step_times = [*self.step_times[-9:], took]
         self._step_start = now
         self._round_in_step = False
+        return took
 
     def agree(
         self,
@@ -602,45 +606,56 @@ class UncompressedCheck:
     reduction overlaps that pass, while a codec takes cores from it. On a
     byte-level LM at 10 Gbit/s on 2 cores the model (corrected) predicted
     int8 2.7x faster than ``none`` per bucket, and whole steps with int8 took
-    109 ms against 102 ms without compression. So ``auto`` checks: some
-    steps after compression starts, and again at growing intervals, every
-    bucket runs ``none`` for a trial of :attr:`TRIAL_STEPS` steps, and the
-    median step time of the trial (agreed, the slowest rank's) is compared
-    with the median of the compressed steps just before. Compression is kept
-    only while its steps are at least ``margin`` faster: within the margin
-    the measurement cannot tell them apart, and uncompressed steps lose
-    nothing. After a check finds it does not pay, buckets stay on ``none``
-    and the next check is a trial of the compressed methods against them.
+    109 ms against 102 ms. So ``auto`` checks: some steps after compression
+    starts, and again at growing intervals, a trial runs ``none`` and the
+    compressed methods on alternate steps, :attr:`TRIAL_PAIRS` timed steps
+    each, and the median step time of each side (agreed, the slowest
+    rank's) is compared. Alternating, not a block of one after a block of
+    the other: a slow spell of the host (seconds, tens of steps, on a shared
+    machine) falls on both sides alike. Six uncompressed steps compared with
+    the five compressed ones before them read, on the LM at 1 Gbit/s during
+    such a spell, 216 ms compressed against 206 ms uncompressed where
+    uncompressed steps are about 1.2x slower, and left every bucket
+    uncompressed until the next check. Compression is kept only while its
+    steps are at least ``margin`` faster: within the margin the measurement
+    cannot tell them apart, and uncompressed steps lose nothing. After a
+    check finds it does not pay, buckets stay on ``none``, and the next
+    trial alternates the same way.
 
     A check is skipped where uncompressed reductions are predicted to take
     longer than a whole compressed step (the link then holds the step back
-    whatever overlaps it: a slow link, where a trial would cost most); a
-    trial's verdict is what it measured alone. Where steps under the verdict
-    become slower, by the margin, than the other side's were at the last
-    check (the link or the load changed), the next check comes at once. The first check
-    is :attr:`FIRST_AFTER` steps after compression starts; each next one at
-    least :attr:`FIRST_BACKOFF` steps after the last, doubling, and far
-    enough that its trial, which runs the slower of the two if the verdict
-    holds, costs at most :attr:`TRIAL_FRACTION` of the steps between (at 1
-    Gbit/s, where the LM's uncompressed steps took 1.28x int8's, 168 steps
-    on). Every input is agreed, so every rank decides at the same step
-    alike.
+    whatever overlaps it: a slow link, where a trial would cost most). Where
+    steps under the verdict become slower, by the margin, than the other
+    side's were at the last check (the link or the load changed), the next
+    check comes at once. The first check is :attr:`FIRST_AFTER` steps after
+    compression starts; each next one at least :attr:`FIRST_BACKOFF` steps
+    after the last, doubling, and far enough that its trial's steps on the
+    slower side, if the verdict holds, cost at most :attr:`TRIAL_FRACTION`
+    of the steps between. Every input is agreed and the sides are a
+    function of the step, so every rank runs and decides alike.
 
     Example::
 
         >>> c = UncompressedCheck()
         >>> c.at_round(2, 0.0, compressing=True, none_can_win=True)  # compression starts
-        >>> c.at_round(12, 0.109, compressing=True, none_can_win=True)  # a trial of none starts
-        18
-        >>> c.forces_none
-        True
-        >>> c.at_round(18, 0.102, compressing=False, none_can_win=True)  # none was not slower
-        >>> c.verdict, c.forces_none
+        >>> c.at_round(12, 0.109, compressing=True, none_can_win=True)  # a trial starts
+        23
+        >>> [c.runs_none(s) for s in (12, 13, 14, 15)]  # the round's step, then alternating
+        [True, True, False, True]
+        >>> for s in range(13, 23):
+        ...     c.record(s, 0.102 if c.runs_none(s) else 0.109)
+        >>> c.local_trial_seconds(23)  # agreed (MAX over ranks) at the round at step 23
+        [0.102, 0.109]
+        >>> c.at_round(23, 0.1, compressing=True, none_can_win=True, trial_s=(0.102, 0.109))
+        >>> c.verdict, c.runs_none(24)
         ('none', True)
     """
 
-    #: Steps a trial runs (the first, a round's, is not timed).
-    TRIAL_STEPS = 6
+    #: Timed steps of each side in a trial. A trial's first step (its
+    #: round's) runs the side on trial untimed; then the sides alternate.
+    TRIAL_PAIRS = 5
+    #: Steps a trial runs, its round's step included.
+    TRIAL_STEPS = 2 * TRIAL_PAIRS + 1
     #: Compressed steps before the first check.
     FIRST_AFTER = 10
     #: Steps from the first check to the next; doubled after each.
@@ -652,12 +667,14 @@ class UncompressedCheck:
         self.margin = margin
         #: ``"compress"`` (the model chooses) or ``"none"`` (every bucket uncompressed).
         self.verdict = "compress"
-        #: The trial running: ``"none"``, ``"compress"`` or None.
+        #: The side on trial (the verdict's other side), or None between trials.
         self.trial: str | None = None
+        self.trial_start = -1
         self.trial_end = -1
+        #: This rank's timed trial steps, seconds, by side ("none", "compress").
+        self.trial_times: dict[str, list[float]] = {"none": [], "compress": []}
         self.next_check: int | None = None
         self.backoff = self.FIRST_BACKOFF
-        self.before_s = 0.0
         #: Checks completed.
         self.checks = 0
         #: The last check: ``(step, compressed seconds, uncompressed seconds)``.
@@ -667,30 +684,76 @@ class UncompressedCheck:
 
     @property
     def forces_none(self) -> bool:
-        """Whether every bucket runs ``none`` now (a trial of it, or its verdict)."""
-        return self.trial == "none" or (self.trial is None and self.verdict == "none")
+        """Whether the verdict holds every bucket uncompressed (between
+        trials: during one, the model chooses, and :meth:`runs_none` says
+        which steps run ``none`` anyway)."""
+        return self.trial is None and self.verdict == "none"
+
+    def side(self, step: int) -> str:
+        """``"none"`` or ``"compress"``: what ``step`` runs."""
+        if self.trial is None or not self.trial_start <= step < self.trial_end:
+            return self.verdict
+        offset = step - self.trial_start
+        on_trial = offset == 0 or offset % 2 == 1
+        return self.trial if on_trial else ("none" if self.trial == "compress" else "compress")
+
+    def runs_none(self, step: int) -> bool:
+        """Whether every bucket runs uncompressed at ``step``."""
+        return self.side(step) == "none"
+
+    def record(self, step: int, seconds: float) -> None:
+        """``step`` took ``seconds`` (start to start, without a round in it):
+        kept for its side if it is a timed step of the trial."""
+        if self.trial is not None and self.trial_start < step < self.trial_end:
+            self.trial_times[self.side(step)].append(seconds)
+
+    def local_trial_seconds(self, step: int) -> list[float]:
+        """At the round that ends a trial: this rank's median step of each
+        side, ``[none, compress]`` (0 for a side with no timed step), to
+        agree with the round; otherwise nothing (every rank alike)."""
+        if self.trial is None or step < self.trial_end:
+            return []
+        medians = []
+        for side in ("none", "compress"):
+            times = sorted(self.trial_times[side])
+            medians.append(times[(len(times) - 1) // 2] if times else 0.0)
+        return medians
 
     def at_round(
-        self, step: int, step_s: float, *, compressing: bool, none_can_win: bool
+        self,
+        step: int,
+        step_s: float,
+        *,
+        compressing: bool,
+        none_can_win: bool,
+        trial_s: tuple[float, float] | None = None,
     ) -> int | None:
         """At a round at ``step``, with ``step_s`` the agreed median of the
-        recent steps: ends a trial that is over, or starts one that is due.
-        Returns the step the next round must come by (a trial's end), or None."""
+        recent steps and, at the round that ends a trial, ``trial_s`` its
+        agreed ``(none, compress)`` medians (:meth:`local_trial_seconds`):
+        ends a trial that is over, or starts one that is due. Returns the
+        step the next round must come by (a trial's end), or None."""
         if self.trial is not None:
             if step < self.trial_end:
                 return self.trial_end
-            compressed_s, none_s = (
-                (self.before_s, step_s) if self.trial == "none" else (step_s, self.before_s)
-            )
+            self.trial = None
+            self.trial_times = {"none": [], "compress": []}
+            if trial_s is None or min(trial_s) <= 0:
+                # Rounds took every timed step of a side: nothing to compare.
+                self.next_check = step + self.backoff
+                self.note = f"step {step}: the trial timed no step of a side; verdict kept"
+                return None
+            none_s, compressed_s = trial_s
             pays = compressed_s < (1.0 - self.margin) * none_s
             self.verdict = "compress" if pays else "none"
-            self.trial, self.checks, self.last = None, self.checks + 1, (step, compressed_s, none_s)
-            # The next trial runs the slower of the two (if this verdict
-            # holds): spaced so it costs at most TRIAL_FRACTION of the steps
+            self.checks, self.last = self.checks + 1, (step, compressed_s, none_s)
+            # The next trial's steps on the slower side (if this verdict
+            # holds) are spaced to cost at most TRIAL_FRACTION of the steps
             # between, and at least the back-off, which doubles.
             gap = abs(none_s - compressed_s) / max(min(none_s, compressed_s), 1e-9)
+            slow_steps = self.TRIAL_PAIRS + 1
             self.next_check = step + max(
-                self.backoff, math.ceil(self.TRIAL_STEPS * gap / self.TRIAL_FRACTION)
+                self.backoff, math.ceil(slow_steps * gap / self.TRIAL_FRACTION)
             )
             self.backoff *= 2
             self.note = ""
@@ -728,13 +791,17 @@ class UncompressedCheck:
             )
             return None
         self.trial = "none" if self.verdict == "compress" else "compress"
-        self.before_s, self.trial_end = step_s, step + self.TRIAL_STEPS
+        self.trial_start, self.trial_end = step, step + self.TRIAL_STEPS
+        self.trial_times = {"none": [], "compress": []}
         return self.trial_end
 
     def explain(self) -> str:
         margin = f"{100 * self.margin:.3g}%"
         if self.trial is not None:
-            line = f"uncompressed check: a trial of {self.trial} until step {self.trial_end}"
+            line = (
+                f"uncompressed check: a trial of {self.trial}, alternating with "
+                f"{self.verdict}, steps {self.trial_start} to {self.trial_end - 1}"
+            )
         elif self.last is None:
             line = "uncompressed check: not run yet" + (
                 f" (first at step {self.next_check})" if self.next_check is not None else ""
@@ -756,10 +823,11 @@ class UncompressedCheck:
             for k in (
                 "verdict",
                 "trial",
+                "trial_start",
                 "trial_end",
+                "trial_times",
                 "next_check",
                 "backoff",
-                "before_s",
                 "checks",
                 "last",
                 "note",

@@ -41,10 +41,11 @@ issue to completion is not what it costs the step: on a host whose cores
 also run the backward pass, an uncompressed reduction overlaps that pass
 and a codec takes cores from it (a byte-level LM at 10 Gbit/s on 2 cores:
 int8 predicted 2.7x faster than ``none`` per bucket, whole steps 109 ms
-against 102 ms). So some steps after compression starts, every bucket runs
-``none`` for a few steps, and compression is kept only where its steps were
-at least 5% faster than those; otherwise every bucket stays uncompressed,
-and later checks try compression again. Checks are spaced so their trials
+against 102 ms). So some steps after compression starts, a trial runs every
+bucket ``none`` on alternate steps (a slow spell of the host falls on both
+sides), and compression is kept only where its steps were at least 5%
+faster than the uncompressed ones; otherwise every bucket stays
+uncompressed, and later trials try compression again. Checks are spaced so their trials
 cost at most 1% of the training time, skipped where the uncompressed
 reductions alone are predicted to take longer than a step, and come at once
 where the steps under the verdict slow down past the other side's.
@@ -594,6 +595,9 @@ class AutoState(PicklableState):
         #: Whether compressing pays in whole steps, measured by trials of
         #: ``none`` (with ``observe`` on a measured link, where ``none`` is allowed).
         self.check = UncompressedCheck()
+        #: What each bucket ran at its last step: its decision, or ``none``
+        #: on the uncompressed steps of a check's trial.
+        self.ran: dict[int, str] = {}
         self._fresh_round = False
         self._in_step = False
         # Each bucket's (numel, parameter shapes, itemsize, device type), to ask
@@ -696,7 +700,8 @@ class AutoState(PicklableState):
         return self._measure.next_round
 
     def methods_by_bucket(self) -> list[str]:
-        """Each bucket's current method, in bucket order."""
+        """Each bucket's current method, in bucket order (what runs, except on
+        the uncompressed steps of a check's trial: :attr:`ran`)."""
         return [self.decisions[k]["method"] for k in sorted(self.decisions)]
 
     def explain(self) -> str:
@@ -807,6 +812,7 @@ class AutoState(PicklableState):
             self._measure.local_costs = None  # time the codecs again, on the sample
         observed = self._observed.local() if self.observe else []
         errors = self._local_lost_share()
+        trial = self.check.local_trial_seconds(self.iter) if self._checking else []
         links, costs = self._measure.agree(
             group,
             {"allreduce": probe},
@@ -821,13 +827,14 @@ class AutoState(PicklableState):
                 )
                 for index, inputs in self._bucket_inputs.items()
             ),
-            extra=[*observed, *errors],
+            extra=[*observed, *errors, *trial],
         )
         agreed_extra = self._measure.agreed_extra
         if self.observe:
             self._observed.update(agreed_extra[: len(observed)])
         if errors:
-            self._agree_lost_share(agreed_extra[len(observed) :])
+            self._agree_lost_share(agreed_extra[len(observed) : len(observed) + len(errors)])
+        agreed_trial = agreed_extra[len(observed) + len(errors) :]
         if self.iter < self.start_iter:  # one round to start with, the next at start_iter
             self._measure.next_round = self.start_iter
         self._agreed = (links["allreduce"], costs)
@@ -841,9 +848,13 @@ class AutoState(PicklableState):
                 self._measure.agreed_step_seconds,
                 compressing=any(d["method"] != "none" for d in self.decisions.values()),
                 none_can_win=self._uncompressed_seconds(world) < self._measure.agreed_step_seconds,
+                trial_s=(agreed_trial[0], agreed_trial[1]) if agreed_trial else None,
             )
-            if due is not None:  # a trial's steps are timed up to its end, not past it
-                self._measure.next_round = min(self._measure.next_round, due)
+            if due is not None:
+                # A trial's steps are timed up to its end, not past it, and
+                # no round comes between: a round's fresh choice could put
+                # its compressed side on none (or another method) midway.
+                self._measure.next_round = due
         upcoming = self._measure.next_round - 1
         if (
             self.iter >= self.start_iter
@@ -1052,14 +1063,7 @@ class AutoState(PicklableState):
         notes = []
         forced = self._checking and self.check.forces_none
         if forced:
-            notes.append(
-                "none: "
-                + (
-                    "a trial of uncompressed steps"
-                    if self.check.trial == "none"
-                    else "compressed steps were not faster (explain()'s uncompressed check)"
-                )
-            )
+            notes.append("none: compressed steps were not faster (explain()'s uncompressed check)")
         elif self.observe:
             notes = self._never_run_notes(
                 method, predicted, numel, shapes, itemsize, world, link, costs
@@ -1228,7 +1232,9 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     group, world = state.process_group, group_size(state.process_group)
     if not state._in_step:  # the first bucket of a step: nothing of ours in flight
         state._in_step = True
-        state._measure.step_started()
+        took = state._measure.step_started()
+        if took is not None and state._checking:
+            state.check.record(state.iter - 1, took)
         due = state.iter >= state._measure.next_round
         if due or state._agreed is None:
             state._round(group, world, buffer.device)
@@ -1247,6 +1253,7 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         keep = state.codec_costs is None and step == state.start_iter - 1
         if keep and (state._sample is None or buffer.numel() > state._sample.numel()):
             state._sample = buffer.detach().clone()  # before the allreduce averages it
+        state.ran[bucket.index()] = "none"
         issued_at = time.perf_counter()
         fut = allreduce_mean(state, bucket, state.stats)
         state._watch(fut, bucket, "none", step, issued_at)
@@ -1255,6 +1262,11 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     t0 = now_us() if timeline_enabled() else 0
     previous = state.decisions.get(bucket.index(), {}).get("method")
     method = state._choose(bucket, world)
+    if state._checking and state.check.trial is not None and state.check.runs_none(step):
+        # The uncompressed check's trial: this step runs none, the model's
+        # choice (kept in decisions) the next.
+        method = "none"
+    state.ran[bucket.index()] = method
     if bucket.is_last():
         state._fresh_round = False
     if previous == "powersgd" and method != "powersgd":
