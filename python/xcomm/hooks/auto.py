@@ -43,7 +43,7 @@ and a codec takes cores from it (a byte-level LM at 10 Gbit/s on 2 cores:
 int8 predicted 2.7x faster than ``none`` per bucket, whole steps 109 ms
 against 102 ms). So some steps after compression starts, a trial runs every
 bucket ``none`` on alternate steps (a slow spell of the host falls on both
-sides), and compression is kept only where its steps were at least 5%
+sides), and compression is kept only where its steps were at least 2%
 faster than the uncompressed ones; otherwise every bucket stays
 uncompressed, and later trials try compression again. Checks are spaced so their trials
 cost at most 1% of the training time, skipped where the uncompressed
