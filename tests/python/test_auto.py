@@ -1127,9 +1127,14 @@ def test_the_uncompressed_check_decides_by_measured_steps() -> None:
     assert c.verdict == "none" and c.forces_none and c.checks == 1 and c.runs_none(end)
     assert c.last == (end, compressed_s, none_s) and c.next_check == end + c.FIRST_BACKOFF
     assert "every bucket uncompressed" in c.explain()
-    # The next check is a trial of compression: its steps are 20% faster.
+    # Where the model itself chooses none everywhere, a trial compares nothing.
     trial = c.next_check
-    assert c.at_round(trial, 0.103, compressing=False, none_can_win=True) == trial + c.TRIAL_STEPS
+    assert c.at_round(trial, 0.103, compressing=False, none_can_win=True) is None
+    assert c.trial is None and "nothing is compressed" in c.note and c.verdict == "none"
+    # The next check is a trial of compression (the model's choice, kept
+    # under the verdict): its steps are 20% faster.
+    trial = c.next_check
+    assert c.at_round(trial, 0.103, compressing=True, none_can_win=True) == trial + c.TRIAL_STEPS
     assert c.trial == "compress" and not c.forces_none and not c.runs_none(trial)
     assert c.runs_none(trial + 2) and not c.runs_none(trial + 3)
     end = run_trial(c, none_s=0.103, compressed_s=0.080)
@@ -1137,7 +1142,9 @@ def test_the_uncompressed_check_decides_by_measured_steps() -> None:
     assert c.verdict == "compress" and not c.forces_none and not c.runs_none(end)
     # 6 steps on the slower side x a 29% gap must cost at most 1% of the steps between.
     gap = (0.103 - 0.080) / 0.080
-    assert c.next_check == end + math.ceil((c.TRIAL_PAIRS + 1) * gap / c.TRIAL_FRACTION)
+    assert c.next_check == end + max(
+        c.FIRST_BACKOFF * 2, math.ceil((c.TRIAL_PAIRS + 1) * gap / c.TRIAL_FRACTION)
+    )
     # Due, but uncompressed reductions alone are predicted longer than a step: skipped.
     skipped = c.next_check
     assert c.at_round(skipped, 0.08, compressing=True, none_can_win=False) is None

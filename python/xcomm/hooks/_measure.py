@@ -668,8 +668,10 @@ class UncompressedCheck:
     #: The most of the training time trials may cost (run slower than the verdict).
     TRIAL_FRACTION = 0.01
 
-    def __init__(self, margin: float = 0.02) -> None:
+    def __init__(self, margin: float = 0.02, unit: str = "bucket") -> None:
         self.margin = margin
+        #: What the group's reductions are called in explain() ("bucket", "module").
+        self.unit = unit
         #: ``"compress"`` (the model chooses) or ``"none"`` (every bucket uncompressed).
         self.verdict = "compress"
         #: The side on trial (the verdict's other side), or None between trials.
@@ -690,8 +692,9 @@ class UncompressedCheck:
     @property
     def forces_none(self) -> bool:
         """Whether the verdict holds every bucket uncompressed (between
-        trials: during one, the model chooses, and :meth:`runs_none` says
-        which steps run ``none`` anyway)."""
+        trials; during one, :meth:`runs_none` says which steps run ``none``).
+        The model's choices are kept meanwhile: a trial's compressed steps
+        run them."""
         return self.trial is None and self.verdict == "none"
 
     def side(self, step: int) -> str:
@@ -783,7 +786,9 @@ class UncompressedCheck:
             )
         elif step < self.next_check:
             return None
-        if self.verdict == "compress" and not (compressing and none_can_win):
+        if not compressing or (self.verdict == "compress" and not none_can_win):
+            # Nothing to compare (the model itself chose none everywhere), or
+            # uncompressed reductions cannot fit a step.
             self.next_check = step + self.backoff
             self.note = (
                 f"step {step}: not checked ("
@@ -816,7 +821,11 @@ class UncompressedCheck:
             line = (
                 f"uncompressed check at step {step}: steps took {compressed_s * 1e3:.1f} ms "
                 f"compressed, {none_s * 1e3:.1f} ms uncompressed: "
-                + ("compressing" if self.verdict == "compress" else "every bucket uncompressed")
+                + (
+                    "compressing"
+                    if self.verdict == "compress"
+                    else f"every {self.unit} uncompressed"
+                )
                 + f" (compression is kept only when {margin} faster); next check at step "
                 f"{self.next_check}"
             )

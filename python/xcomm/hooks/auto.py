@@ -700,8 +700,13 @@ class AutoState(PicklableState):
         return self._measure.next_round
 
     def methods_by_bucket(self) -> list[str]:
-        """Each bucket's current method, in bucket order (what runs, except on
-        the uncompressed steps of a check's trial: :attr:`ran`)."""
+        """Each bucket's current method, in bucket order: ``none`` for every
+        bucket while the uncompressed check's verdict holds them so (the
+        model's choices stay in :attr:`decisions`); during a check's trial
+        the model's choices, which alternate steps run (:attr:`ran`: what
+        each bucket ran last)."""
+        if self._checking and self.check.forces_none:
+            return ["none"] * len(self.decisions)
         return [self.decisions[k]["method"] for k in sorted(self.decisions)]
 
     def explain(self) -> str:
@@ -1036,8 +1041,6 @@ class AutoState(PicklableState):
         (:meth:`_bounded`), PowerSGD kept, uncharged, only while its gate is
         open (it is closed until first evaluated), or where ``methods`` left
         nothing else."""
-        if self._checking and self.check.forces_none and "none" in predicted:
-            return {"none": predicted["none"]}
         if self.objective == "step_time":
             return predicted
         gate_open = self.powersgd_gate is not None and self.powersgd_gate[0]
@@ -1061,18 +1064,15 @@ class AutoState(PicklableState):
         predicted = self._charged(index, raw)
         method = self._choices.choose(index, numel, self.iter, predicted)
         notes = []
-        forced = self._checking and self.check.forces_none
-        if forced:
-            notes.append("none: compressed steps were not faster (explain()'s uncompressed check)")
-        elif self.observe:
+        if self.observe:
             notes = self._never_run_notes(
                 method, predicted, numel, shapes, itemsize, world, link, costs
             )
-        if "powersgd" in raw and "powersgd" not in predicted and not forced:
+        if "powersgd" in raw and "powersgd" not in predicted:
             notes.append(
                 "powersgd not chosen: its step gate is closed (explain()'s objective line)"
             )
-        if predicted is not raw and index in self.lost_share and not forced:
+        if predicted is not raw and index in self.lost_share:
             shares = self.lost_share[index]
             lost = ", ".join(
                 f"{m} {100 * share:.3g}% (+{(predicted[m] - raw[m]) * 1e3:.2f} ms)"
@@ -1262,9 +1262,11 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     t0 = now_us() if timeline_enabled() else 0
     previous = state.decisions.get(bucket.index(), {}).get("method")
     method = state._choose(bucket, world)
-    if state._checking and state.check.trial is not None and state.check.runs_none(step):
-        # The uncompressed check's trial: this step runs none, the model's
-        # choice (kept in decisions) the next.
+    if state._checking and state.check.runs_none(step):
+        # The uncompressed check holds this step uncompressed (its verdict,
+        # or a trial's uncompressed step); decisions keep the model's choice,
+        # which a trial's compressed steps run: it is not a choice of none
+        # that hysteresis would hold against compressing again.
         method = "none"
     state.ran[bucket.index()] = method
     if bucket.is_last():
