@@ -510,3 +510,58 @@ def test_auto_leaves_a_method_observed_ten_times_slower_than_predicted() -> None
     kept = run_ranks(_misjudged, 2, False, ref_group=False)[0]
     assert all(set(h.values()) == {"int8"} for h in kept["history"]), kept["history"]
     assert kept["calls"]["int8"] == [3] * 8, kept["calls"]
+
+
+def _fsdp_checked(ctx: RankContext, slow: str) -> dict[str, Any]:
+    """FSDP2's auto between ``none`` and int8 on a measured link, its model
+    made to prefer int8 by far (10x faster a module) and its per-module
+    corrections held off: only whole steps can move the choice. Every step
+    takes 100 ms more (uncompressed reduce-scatters, as predicted, fit in a
+    step), and each step whose reduce-scatters were ``slow``
+    ("compressed" or "none") 80 ms more still. Returns what ran at each
+    step, by module, and the explanation."""
+    import time as _time
+
+    model, state = _fsdp2("auto", methods=("none", "int8"), interval=2, probe_fraction=0.05)
+    assert state is not None
+    state._predict = lambda numel, cpu, links, costs: {  # type: ignore[method-assign]
+        "none": 1e-3,
+        "int8": 1e-4,
+    }
+    state._observed.update = lambda agreed: None  # type: ignore[method-assign]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ran = []
+    for step in range(30):
+        _steps(model, opt, ctx.rank, range(step, step + 1))
+        methods = set(state.ran.values())
+        assert len(methods) == 1, state.ran  # every module alike
+        (method,) = methods
+        ran.append(method)
+        _time.sleep(0.1 + (0.08 if (method != "none") == (slow == "compressed") else 0.0))
+    return {"ran": ran, "explain": state.explain(), "decisions": state.decisions}
+
+
+@pytest.mark.parametrize("slow", ["compressed", "none"])
+def test_auto_keeps_compression_only_where_its_whole_steps_are_faster(slow: str) -> None:
+    """The DDP hook's uncompressed check, in FSDP2's auto: int8 from the
+    first step; a trial alternating ``none`` and int8 steps; then every
+    module uncompressed where int8's steps were the slower, int8 again where
+    ``none``'s were. Every rank runs the same methods at the same steps."""
+    from xcomm.hooks._measure import UncompressedCheck as Check
+
+    res = run_ranks(_fsdp_checked, 2, slow, ref_group=False)
+    ran = res[0]["ran"]
+    assert res[1]["ran"] == ran
+    start = ran.index("none")  # the trial
+    assert start >= Check.FIRST_AFTER and set(ran[:start]) == {"int8"}, ran
+    assert ran[start : start + Check.TRIAL_STEPS] == ["none"] + ["none", "int8"] * 5, ran
+    after = ran[start + Check.TRIAL_STEPS :]
+    assert len(after) >= 3, ran
+    explain = res[0]["explain"]
+    assert "uncompressed check at step" in explain, explain
+    if slow == "compressed":
+        assert set(after) == {"none"}, ran
+        assert "every module uncompressed" in explain, explain
+    else:
+        assert set(after) == {"int8"}, ran
+        assert "compressing" in explain, explain

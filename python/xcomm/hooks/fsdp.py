@@ -35,7 +35,11 @@ with one that moves fewer bytes:
   ranks at each re-evaluation, into factors on the model: uncompressed
   reduce-scatters correct the link, a compressed one its method, a method
   never run takes the least factor of the compressed methods that ran, and
-  a method observed slower than ``none`` is not kept. A module keeps its
+  a method observed slower than ``none`` is not kept. Whole steps are
+  checked as the DDP hook's auto checks them (CPU inputs, a measured link,
+  ``none`` allowed; :class:`~xcomm.hooks._measure.UncompressedCheck`): a
+  trial now and then runs every module ``none`` on alternate steps, and
+  compression is kept only where its steps were at least 2% faster. A module keeps its
   method unless another is ``switch_margin`` faster. A module leaving int8
   sends its residual with its next reduce-scatter.
   :meth:`FsdpCompressionState.explain` says what each module uses and why,
@@ -91,7 +95,14 @@ import torch.distributed as dist
 from .. import _C
 from ..opstats import record_op
 from ..trace import add_span, now_us, timeline_enabled
-from ._measure import LinkModel, MeasuredLink, MethodChoices, ObservedCosts, best_seconds
+from ._measure import (
+    LinkModel,
+    MeasuredLink,
+    MethodChoices,
+    ObservedCosts,
+    UncompressedCheck,
+    best_seconds,
+)
 from ._methods import method_names
 from ._pickling import pack_state, pickled_state
 from .stats import CompressionStats, alltoall_bytes
@@ -282,6 +293,12 @@ class FsdpCompressionState:
         )
         self._choices = MethodChoices(self.switch_margin)
         self._observed = ObservedCosts(self.allowed)
+        #: Whether compressing pays in whole steps (as the DDP hook's auto:
+        #: :class:`~xcomm.hooks._measure.UncompressedCheck`).
+        self.check = UncompressedCheck(unit="module")
+        #: What each module ran at its last step: its decision, or ``none``
+        #: on the uncompressed steps of a check's trial.
+        self.ran: dict[str, str] = {}
         self._fresh_round = False
         # Each module's (numel, on CPU), to ask whether a new reading of the
         # link would change its method.
@@ -313,6 +330,8 @@ class FsdpCompressionState:
             line += " (agreed by all ranks)"
             if self.observe:
                 line += "\n" + self._observed.explain()
+            if self._checking:
+                line += "\n" + self.check.explain()
         return self._choices.explain("module", line)
 
     def choose(
@@ -327,7 +346,9 @@ class FsdpCompressionState:
         elif name == self._first_module:
             self.iter += 1
         if name == self._first_module:
-            self._measure.step_started()
+            took = self._measure.step_started()
+            if took is not None and self._checking:
+                self.check.record(self.iter - 1, took)
             self._fresh_round = False
             if self.iter >= self._measure.next_round or self._measure.agreed is None:
                 self._agree(group, world)
@@ -342,7 +363,19 @@ class FsdpCompressionState:
                     "on CPU gradients; add 'bf16' or 'none' to methods for other devices"
                 )
             method = self._choices.choose(name, numel, self.iter, predicted)
+        if self._checking and self.check.runs_none(self.iter):
+            # The check's verdict or a trial's uncompressed step; decisions
+            # keep the model's choice (AutoState's hook says why).
+            method = "none"
+        self.ran[name] = method
         return method
+
+    @property
+    def _checking(self) -> bool:
+        """Whether the uncompressed check runs: with ``observe`` on a
+        measured link (a fixed one is not what the steps see), where
+        ``none`` is allowed."""
+        return self.observe and self.link is None and "none" in self.allowed
 
     def _predict(
         self, numel: int, cpu: bool, links: dict[str, LinkModel], costs: dict[str, float]
@@ -395,6 +428,8 @@ class FsdpCompressionState:
                 self.link.latency_s, self.link.bandwidth_bytes_per_s * world / max(world - 1, 1)
             )
             fixed = dict.fromkeys(_PROBES, per_input)
+        observed = self._observed.local() if self.observe else []
+        trial = self.check.local_trial_seconds(self.iter) if self._checking else []
         self._measure.agree(
             group,
             {"reduce_scatter": reduce_scatter, "all_to_all": all_to_all},
@@ -405,11 +440,30 @@ class FsdpCompressionState:
                 self._choices.would_switch(name, self._predict(numel, cpu, links, costs))
                 for name, (numel, cpu) in self._module_inputs.items()
             ),
-            extra=self._observed.local() if self.observe else (),
+            extra=[*observed, *trial],
         )
+        agreed_extra = self._measure.agreed_extra
         if self.observe:
-            self._observed.update(self._measure.agreed_extra)
+            self._observed.update(agreed_extra[: len(observed)])
         self._fresh_round = True
+        agreed_trial = agreed_extra[len(observed) :]
+        inputs = self._module_inputs.values()
+        if self._checking and inputs and all(cpu for _, cpu in inputs):
+            links, costs = self._measure.agreed  # type: ignore[misc]
+            uncompressed = sum(
+                self._observed.predict("none", *self._parts("none", numel, links, costs))
+                for numel, _ in inputs
+            )
+            step_s = self._measure.agreed_step_seconds
+            due = self.check.at_round(
+                self.iter,
+                step_s,
+                compressing=any(d["method"] != "none" for d in self.decisions.values()),
+                none_can_win=uncompressed < step_s,
+                trial_s=(agreed_trial[0], agreed_trial[1]) if agreed_trial else None,
+            )
+            if due is not None:  # no round within a trial (AutoState._round says why)
+                self._measure.next_round = due
 
     def key(self, name: str) -> int:
         """The error-feedback key of the module named ``name``."""
@@ -439,6 +493,7 @@ class FsdpCompressionState:
                 "first_module": self._first_module,
                 "decisions": {k: dict(v) for k, v in self.decisions.items()},
                 "observed": self._observed.state_dict(),
+                "check": self.check.state_dict(),
                 "agreed": None
                 if agreed is None
                 else (
@@ -478,6 +533,7 @@ class FsdpCompressionState:
             self._choices.decisions = {k: dict(v) for k, v in auto["decisions"].items()}
             # None before the closed loop.
             self._observed.load_state_dict(auto.get("observed", {}))
+            self.check.load_state_dict(auto.get("check", {}))  # None before the check
             if auto["agreed"] is not None:
                 links, costs = auto["agreed"]
                 self._measure.agreed = (
