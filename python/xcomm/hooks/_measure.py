@@ -734,11 +734,12 @@ class UncompressedCheck:
         *,
         compressing: bool,
         none_can_win: bool,
-        trial_s: tuple[float, float] | None = None,
+        trial_s: Sequence[float] = (),
     ) -> int | None:
         """At a round at ``step``, with ``step_s`` the agreed median of the
         recent steps and, at the round that ends a trial, ``trial_s`` its
-        agreed ``(none, compress)`` medians (:meth:`local_trial_seconds`):
+        agreed ``[none, compress]`` medians (:meth:`local_trial_seconds`,
+        agreed as the round agrees it; empty at any other round):
         ends a trial that is over, or starts one that is due. Returns the
         step the next round must come by (a trial's end), or None."""
         if self.trial is not None:
@@ -746,12 +747,12 @@ class UncompressedCheck:
                 return self.trial_end
             self.trial = None
             self.trial_times = {"none": [], "compress": []}
-            if trial_s is None or min(trial_s) <= 0:
+            if len(trial_s) != 2 or min(trial_s) <= 0:
                 # Rounds took every timed step of a side: nothing to compare.
                 self.next_check = step + self.backoff
                 self.note = f"step {step}: the trial timed no step of a side; verdict kept"
                 return None
-            none_s, compressed_s = trial_s
+            none_s, compressed_s = trial_s  # what local_trial_seconds() gives, agreed
             pays = compressed_s < (1.0 - self.margin) * none_s
             self.verdict = "compress" if pays else "none"
             self.checks, self.last = self.checks + 1, (step, compressed_s, none_s)

@@ -853,7 +853,7 @@ class AutoState(PicklableState):
                 self._measure.agreed_step_seconds,
                 compressing=any(d["method"] != "none" for d in self.decisions.values()),
                 none_can_win=self._uncompressed_seconds(world) < self._measure.agreed_step_seconds,
-                trial_s=(agreed_trial[0], agreed_trial[1]) if agreed_trial else None,
+                trial_s=agreed_trial,
             )
             if due is not None:
                 # A trial's steps are timed up to its end, not past it, and

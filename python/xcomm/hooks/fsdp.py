@@ -460,7 +460,7 @@ class FsdpCompressionState:
                 step_s,
                 compressing=any(d["method"] != "none" for d in self.decisions.values()),
                 none_can_win=uncompressed < step_s,
-                trial_s=(agreed_trial[0], agreed_trial[1]) if agreed_trial else None,
+                trial_s=agreed_trial,
             )
             if due is not None:  # no round within a trial (AutoState._round says why)
                 self._measure.next_round = due
