@@ -67,11 +67,13 @@ So the default objective trusts only what it can bound: a lossy method is a
 candidate for a bucket only while the share of the step's gradient it drops
 there is at most ``max_lost_share`` (1% by default: what a cast or int8
 loses, about 1e-4, passes by far; top-k passes on a bucket whose gradient is
-mostly exact zeros, such as an embedding table's, where it dropped 0.1-0.2%,
-and is a candidate only on such a bucket, at most half of whose entries are
-non-zero, since on a dense one the share it drops under-reads what it costs
-under Adam), and a candidate is charged that share
-of the step time:
+mostly exact zeros, such as an embedding table's, and is a candidate only on
+such a bucket, at most half of whose entries are non-zero, since on a dense
+one the share it drops under-reads what it costs under Adam; there it sends
+every non-zero entry, raising its density above ``min_density`` where the
+bucket has more: even 0.1-0.2% of an embedding model's gradient held back by
+top-k at 1% left its loss 0.4-0.6% above uncompressed training's), and a
+candidate is charged that share of the step time:
 
     ``T'(m) = T(m) + (|g_b - C_m(g_b)|^2 / |g|^2) * S``
 
@@ -241,6 +243,14 @@ _CALIBRATION_NUMEL = 1 << 22
 # under the 1% bound late in training (3-4% at step 100, falling) and the run
 # needed 1.38x int8's steps to its target loss.
 _SPARSE_SHARE = 0.5
+# On a mostly zero bucket top-k sends this many times the bucket's measured
+# share of non-zero entries (the most any rank measured), when that is more
+# than min_density: every non-zero entry of a step like the measured one, so
+# it drops nothing. An embedding model's bucket is 1.5-2.3% non-zero (the rows
+# a batch touches, and the dense layers after it); top-k at 1% dropped
+# 0.1-0.2% of its gradient there, and its loss settled 0.4-0.6% above
+# uncompressed training's, short of a target int8 reached in 194 steps.
+_COVER_HEADROOM = 1.25
 # Steps at least between two measurements of what top-k drops: a
 # measurement runs every codec over the model's gradient once (measured at every
 # round, a 3.2M-entry embedding model's top-k steps took 42.5 ms against 34.6).
@@ -473,7 +483,9 @@ class AutoState(PicklableState):
         methods: the methods it may choose from (a subset of :data:`METHODS`;
             default :data:`DEFAULT_METHODS`).
         lossless_only: choose only methods that lose nothing (``none``).
-        min_density: the density top-k sends (its accuracy bound).
+        min_density: the least density top-k sends (its accuracy bound); on a
+            mostly zero bucket with more non-zero entries than that, it sends
+            them all (:meth:`topk_density`).
         powersgd_rank: PowerSGD's rank (its accuracy bound).
         interval: steps between re-evaluations (at least; more where a
             round would cost more than ``probe_fraction`` of them).
@@ -618,6 +630,11 @@ class AutoState(PicklableState):
         #: Each bucket's share of the step's squared gradient norm each lossy
         #: method loses (agreed by all ranks; empty before it is measured).
         self.lost_share: dict[int, dict[str, float]] = {}
+        # Each measured bucket's share of non-zero entries on this rank, to agree.
+        self._nonzero: dict[int, float] = {}
+        # The density top-k sends on each bucket where it is raised above
+        # min_density to cover the bucket's non-zero entries (agreed).
+        self._topk_density: dict[int, float] = {}
         #: The step time the accuracy term charges by (agreed at the last round).
         self.charged_step_seconds = 0.0
         #: PowerSGD's gate at the last round: ``(open, S_with, S_without)`` in
@@ -655,6 +672,7 @@ class AutoState(PicklableState):
             "stats": self.stats.as_dict(),
             "observed": self._observed.state_dict(),
             "lost_share": {str(k): dict(v) for k, v in self.lost_share.items()},
+            "topk_density": {str(k): v for k, v in self._topk_density.items()},
             "charged_step_seconds": self.charged_step_seconds,
             "powersgd_gate": None if self.powersgd_gate is None else list(self.powersgd_gate),
             "check": self.check.state_dict(),
@@ -679,6 +697,7 @@ class AutoState(PicklableState):
         self.stats.load_dict(d["stats"])
         self._observed.load_state_dict(d.get("observed", {}))  # none before the closed loop
         self.lost_share = {int(k): dict(v) for k, v in d.get("lost_share", {}).items()}
+        self._topk_density = {int(k): float(v) for k, v in d.get("topk_density", {}).items()}
         self.charged_step_seconds = float(d.get("charged_step_seconds", 0.0))
         gate = d.get("powersgd_gate")
         self.powersgd_gate = None if gate is None else (bool(gate[0]), *map(float, gate[1:]))
@@ -828,7 +847,9 @@ class AutoState(PicklableState):
             matters=lambda links, costs: any(
                 self._choices.would_switch(
                     index,
-                    self._charged(index, self._predict(*inputs, world, links["allreduce"], costs)),
+                    self._charged(
+                        index, self._predict(index, *inputs, world, links["allreduce"], costs)
+                    ),
                 )
                 for index, inputs in self._bucket_inputs.items()
             ),
@@ -893,23 +914,40 @@ class AutoState(PicklableState):
         lossy = tuple(
             m for m in self.candidates(buffer.device.type) if m not in ("none", "powersgd")
         )
-        dense = "topk" in lossy and not self._sparse(buffer)
+        nonzero = int(torch.count_nonzero(buffer.detach())) / max(buffer.numel(), 1)
+        # Top-k takes only mostly zero buckets (at most _SPARSE_SHARE non-zero).
+        dense = "topk" in lossy and nonzero > _SPARSE_SHARE
+        self._nonzero[index] = nonzero
         self._energy[index] = float(buffer.detach().float().square().sum())
         self._errors[index] = compression_errors(
             buffer,
             bucket.gradients(),
             tuple(m for m in lossy if not (dense and m == "topk")),
-            density=self.min_density,
+            density=self._covering_density(nonzero),
             rank=self.powersgd_rank,
         )
         if dense:
             self._errors[index]["topk"] = math.inf  # not a candidate (see _SPARSE_SHARE)
 
-    @staticmethod
-    def _sparse(buffer: torch.Tensor) -> bool:
-        """Whether the bucket's entries are mostly exact zeros (at most
-        ``_SPARSE_SHARE`` non-zero): a bucket top-k may take at all."""
-        return int(torch.count_nonzero(buffer.detach())) <= _SPARSE_SHARE * buffer.numel()
+    def _covering_density(self, nonzero: float) -> float:
+        """Top-k's density on a bucket whose share of non-zero entries is
+        ``nonzero``: ``min_density``, or enough to send every non-zero entry
+        (with headroom) where that is more and the bucket is mostly zeros."""
+        if nonzero > _SPARSE_SHARE:
+            return self.min_density
+        return min(1.0, max(self.min_density, _COVER_HEADROOM * nonzero))
+
+    def topk_density(self, index: int) -> float:
+        """The density top-k sends on bucket ``index``: ``min_density``, or
+        more on a mostly zero bucket, to cover its non-zero entries (agreed
+        by all ranks at the round after they were measured).
+
+        Example::
+
+            >>> AutoState().topk_density(0)
+            0.01
+        """
+        return self._topk_density.get(index, self.min_density)
 
     def _local_lost_share(self) -> list[float]:
         """This rank's lost shares, bucket by bucket and method by method in a
@@ -918,11 +956,12 @@ class AutoState(PicklableState):
         if not self._errors or self.iter <= self._errors_step:
             return []
         total = max(sum(self._energy.values()), 1e-30)
-        return [
+        shares = [
             self._errors[index][m] / total
             for index in sorted(self._errors)
             for m in sorted(self._errors[index])
         ]
+        return shares + [self._nonzero[index] for index in sorted(self._errors)]
 
     def _agree_lost_share(self, agreed: list[float]) -> None:
         values = iter(agreed)
@@ -930,7 +969,13 @@ class AutoState(PicklableState):
             index: {m: next(values) for m in sorted(self._errors[index])}
             for index in sorted(self._errors)
         }
-        self._errors, self._energy = {}, {}
+        # The most non-zero entries any rank saw: top-k's k covers them on every rank.
+        self._topk_density = {}
+        for index in sorted(self._errors):
+            density = self._covering_density(next(values))
+            if density != self.min_density:
+                self._topk_density[index] = density
+        self._errors, self._energy, self._nonzero = {}, {}, {}
 
     def _step_seconds(self, world: int) -> float:
         """The step time the accuracy term charges by: the agreed median of
@@ -943,10 +988,12 @@ class AutoState(PicklableState):
         for index, (numel, shapes, itemsize, device_type) in self._bucket_inputs.items():
             # Before the first choice the bucket went uncompressed ("none", allowed or not).
             current = self.decisions.get(index, {}).get("method", "none")
-            predicted = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+            predicted = self._predict(
+                index, numel, shapes, itemsize, device_type, world, link, costs
+            )
             if current not in predicted:
                 predicted[current] = sum(
-                    self._parts(current, numel, shapes, itemsize, world, link, costs)
+                    self._parts(current, index, numel, shapes, itemsize, world, link, costs)
                 )
             reductions += predicted[current]
         # observe=False: no timing decides anything (a rerun, or a copy of the
@@ -968,9 +1015,9 @@ class AutoState(PicklableState):
         link, costs = self._agreed
         return sum(
             self._observed.predict(
-                "none", *self._parts("none", numel, shapes, itemsize, world, link, costs)
+                "none", *self._parts("none", index, numel, shapes, itemsize, world, link, costs)
             )
-            for numel, shapes, itemsize, _ in self._bucket_inputs.values()
+            for index, (numel, shapes, itemsize, _) in self._bucket_inputs.items()
         )
 
     def _evaluate_powersgd_gate(self, world: int) -> None:
@@ -996,11 +1043,11 @@ class AutoState(PicklableState):
         current_s = without_s = with_s = 0.0
         for index, inputs in self._bucket_inputs.items():
             numel, shapes, itemsize, device_type = inputs
-            raw = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+            raw = self._predict(index, numel, shapes, itemsize, device_type, world, link, costs)
             current = self.decisions.get(index, {}).get("method", "none")
             if current not in raw:
                 raw[current] = sum(
-                    self._parts(current, numel, shapes, itemsize, world, link, costs)
+                    self._parts(current, index, numel, shapes, itemsize, world, link, costs)
                 )
             current_s += raw[current]
             others = self._bounded(index, {m: t for m, t in raw.items() if m != "powersgd"})
@@ -1060,13 +1107,13 @@ class AutoState(PicklableState):
         itemsize = bucket.buffer().element_size()
         device_type = bucket.buffer().device.type
         self._bucket_inputs[index] = (numel, shapes, itemsize, device_type)
-        raw = self._predict(numel, shapes, itemsize, device_type, world, link, costs)
+        raw = self._predict(index, numel, shapes, itemsize, device_type, world, link, costs)
         predicted = self._charged(index, raw)
         method = self._choices.choose(index, numel, self.iter, predicted)
         notes = []
         if self.observe:
             notes = self._never_run_notes(
-                method, predicted, numel, shapes, itemsize, world, link, costs
+                method, predicted, index, numel, shapes, itemsize, world, link, costs
             )
         if "powersgd" in raw and "powersgd" not in predicted:
             notes.append(
@@ -1094,6 +1141,12 @@ class AutoState(PicklableState):
                     f"not chosen, dropping more than max_lost_share "
                     f"{100 * self.max_lost_share:.3g}% of the step's gradient: {dropped}"
                 )
+        if "topk" in predicted and index in self._topk_density:
+            notes.append(
+                f"topk sends {100 * self._topk_density[index]:.3g}% of the entries here, above "
+                f"min_density {100 * self.min_density:.3g}%: every non-zero one "
+                f"({_COVER_HEADROOM:g}x the most any rank measured)"
+            )
         self.decisions[index]["notes"] = notes
         return method
 
@@ -1101,6 +1154,7 @@ class AutoState(PicklableState):
         self,
         chosen: str,
         predicted: dict[str, float],
+        index: int,
         numel: int,
         shapes: list[tuple[int, ...]],
         itemsize: int,
@@ -1116,7 +1170,7 @@ class AutoState(PicklableState):
             if m == "none" or self._observed.key(m) in self._observed.seen:
                 continue
             calibrated = self._observed.base(
-                m, *self._parts(m, numel, shapes, itemsize, world, link, costs)
+                m, *self._parts(m, index, numel, shapes, itemsize, world, link, costs)
             )
             source = self._observed.inherited_from(m)
             if source is None:
@@ -1141,6 +1195,7 @@ class AutoState(PicklableState):
 
     def _predict(
         self,
+        index: int,
         numel: int,
         shapes: list[tuple[int, ...]],
         itemsize: int,
@@ -1149,11 +1204,11 @@ class AutoState(PicklableState):
         link: LinkModel,
         costs: dict[str, float],
     ) -> dict[str, float]:
-        """Every candidate method's predicted seconds for one bucket
+        """Every candidate method's predicted seconds for bucket ``index``
         (corrected by what the methods were seen to take)."""
         return {
             m: self._observed.predict(
-                m, *self._parts(m, numel, shapes, itemsize, world, link, costs)
+                m, *self._parts(m, index, numel, shapes, itemsize, world, link, costs)
             )
             for m in self.candidates(device_type)
         }
@@ -1161,6 +1216,7 @@ class AutoState(PicklableState):
     def _parts(
         self,
         method: str,
+        index: int,
         numel: int,
         shapes: list[tuple[int, ...]],
         itemsize: int,
@@ -1168,8 +1224,8 @@ class AutoState(PicklableState):
         link: LinkModel,
         costs: dict[str, float],
     ) -> tuple[float, float]:
-        """The model's (codec seconds, link seconds) for one bucket."""
-        kw: dict[str, Any] = {"density": self.min_density, "rank": self.powersgd_rank}
+        """The model's (codec seconds, link seconds) for bucket ``index``."""
+        kw: dict[str, Any] = {"density": self.topk_density(index), "rank": self.powersgd_rank}
         total = predict_seconds(method, numel, shapes, world, link, costs, itemsize=itemsize, **kw)
         wire = predict_seconds(
             method, numel, shapes, world, link, _FREE_CODECS, itemsize=itemsize, **kw
@@ -1197,7 +1253,14 @@ class AutoState(PicklableState):
         shapes = [tuple(p.shape) for p in bucket.parameters()]
         world = group_size(self.process_group)
         parts = self._parts(
-            method, buffer.numel(), shapes, buffer.element_size(), world, link, costs
+            method,
+            bucket.index(),
+            buffer.numel(),
+            shapes,
+            buffer.element_size(),
+            world,
+            link,
+            costs,
         )
         self._observed.watch(fut, method, self._observed.base(method, *parts), issued_at)
 
@@ -1285,7 +1348,10 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         cast = bf16_cast_hook if method == "bf16" else fp16_cast_hook
         fut = _ordered(state, bucket, lambda: cast(state._cast, bucket))
     elif method == "topk":
-        fut = _ordered(state, bucket, lambda: topk_allreduce(state._topk, bucket, step))
+        density = state.topk_density(bucket.index())
+        fut = _ordered(
+            state, bucket, lambda: topk_allreduce(state._topk, bucket, step, density=density)
+        )
     elif method == "int8":
         fut = int8_allreduce(state._int8, bucket, step, state.order)
     else:

@@ -114,10 +114,11 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
 
 
 def topk_allreduce(
-    state: TopKState, bucket: dist.GradBucket, step: int
+    state: TopKState, bucket: dist.GradBucket, step: int, density: float | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """:func:`topk_hook`'s reduction of ``bucket`` at iteration ``step``, for
-    a hook that counts iterations itself (``auto_hook``).
+    a hook that counts iterations itself (``auto_hook``), at ``density``
+    (default: the state's at that step; every rank must pass the same).
 
     Example::
 
@@ -127,7 +128,11 @@ def topk_allreduce(
         return allreduce_mean(state, bucket, state.stats)
     buffer = bucket.buffer()
     world = state.group().size()
-    k = _C.TopKCodec.k_for(buffer.numel(), state.current_density(step))
+    if density is None:
+        density = state.current_density(step)
+    else:
+        check_density("topk_allreduce", density)
+    k = _C.TopKCodec.k_for(buffer.numel(), density)
     view = state.codec_view(bucket)
     if state.error_feedback:
         packed = state.codec.encode_with_feedback(view.key, view.tensor, k, state.feedback.feedback)
