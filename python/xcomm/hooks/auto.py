@@ -914,7 +914,10 @@ class AutoState(PicklableState):
         lossy = tuple(
             m for m in self.candidates(buffer.device.type) if m not in ("none", "powersgd")
         )
-        nonzero = int(torch.count_nonzero(buffer.detach())) / max(buffer.numel(), 1)
+        # Counted only where top-k may run (on a GPU the count waits for the device).
+        nonzero = 1.0
+        if "topk" in lossy:
+            nonzero = int(torch.count_nonzero(buffer.detach())) / max(buffer.numel(), 1)
         # Top-k takes only mostly zero buckets (at most _SPARSE_SHARE non-zero).
         dense = "topk" in lossy and nonzero > _SPARSE_SHARE
         self._nonzero[index] = nonzero
