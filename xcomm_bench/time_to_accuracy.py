@@ -31,6 +31,13 @@ Tasks (2 ranks, DDP, real text that ships with every CPython,
   with the interpreter (``argparse`` ... ``statistics``, about 650 kB),
   held out as ``lm`` holds its text out. A fourth family, added to test
   ``auto``'s PowerSGD gate on a model it was not set on.
+* ``ngram``: a fastText-style classifier (hashed word unigrams into one
+  ``EmbeddingBag`` of 50,000 x 32 and hashed word bigrams into another of
+  100,000 x 32, their means concatenated into a linear head; 4.8M
+  parameters) naming which of the 16 modules of ``code`` a window of 32
+  words comes from, batch 64 windows per rank, the last 15% of each module
+  held out. Two tables in two buckets, each mostly zeros: a sparse family
+  ``auto``'s top-k density was not set on.
 
 Optimizers: ``adamw`` (weight decay 0.01; lr 1e-3 for ``lm`` and ``vision``,
 3e-3 for ``embedding`` and ``code``) and ``sgd`` (momentum 0.9; lr 0.03 for
@@ -132,7 +139,7 @@ __all__ = [
     "steps_to_target",
 ]
 
-TASKS: tuple[str, ...] = ("lm", "embedding", "vision", "code")
+TASKS: tuple[str, ...] = ("lm", "embedding", "vision", "code", "ngram")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
 #: Methods whose arithmetic does not depend on the link: steps measured once.
 STATIC_METHODS: tuple[str, ...] = ("none", "bf16", "int8", "topk", "powersgd")
@@ -377,6 +384,61 @@ def _code_task(smoke: bool) -> TaskSpec:
     return TaskSpec("code", lambda: _ByteGRU(embed, hidden), batch, loss, validation)
 
 
+class _NgramBags(torch.nn.Module):
+    """Hashed unigram and bigram bags (fastText's features) + a linear head."""
+
+    def __init__(self, unigrams: int, bigrams: int, dim: int, classes: int) -> None:
+        super().__init__()
+        self.unigrams = torch.nn.EmbeddingBag(unigrams, dim, mode="mean")
+        self.bigrams = torch.nn.EmbeddingBag(bigrams, dim, mode="mean")
+        self.head = torch.nn.Linear(2 * dim, classes)
+        self.bigram_rows = bigrams
+
+    def forward(self, words: torch.Tensor) -> torch.Tensor:
+        # A bigram's row: its two words' hashes mixed (words are hashed rows already).
+        pairs = (words[:, :-1] * 1_000_003 + words[:, 1:]) % self.bigram_rows
+        return self.head(torch.cat([self.unigrams(words), self.bigrams(pairs)], dim=1))
+
+
+def _ngram_task(smoke: bool) -> TaskSpec:
+    import importlib.util
+
+    unigrams, bigrams, dim, window, bs = (
+        (2000, 4000, 8, 8, 8) if smoke else (50_000, 100_000, 32, 32, 64)
+    )
+    words = []
+    for module in _CODE_MODULES:
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin is not None
+        text = Path(spec.origin).read_text()
+        words.append(
+            torch.tensor([zlib.crc32(w.encode()) % unigrams for w in re.findall(r"\w+", text)])
+        )
+    classes = len(words)
+    cut = [int(len(w) * 0.85) for w in words]
+    train = [w[:c] for w, c in zip(words, cut, strict=True)]
+    held = [w[c - window :] for w, c in zip(words, cut, strict=True)]
+    train_weight = torch.tensor([float(len(w) - window) for w in train])
+    held_weight = torch.tensor([float(len(w) - window + 1) for w in held])
+
+    def draw(parts: list[torch.Tensor], weight: torch.Tensor, n: int, gen: torch.Generator):
+        module = torch.multinomial(weight, n, replacement=True, generator=gen)
+        xs = []
+        for m in module.tolist():
+            s = int(torch.randint(len(parts[m]) - window + 1, (1,), generator=gen))
+            xs.append(parts[m][s : s + window])
+        return torch.stack(xs), module
+
+    val = draw(held, held_weight, 64 if smoke else 1024, torch.Generator().manual_seed(7))
+    return TaskSpec(
+        "ngram",
+        lambda: _NgramBags(unigrams, bigrams, dim, classes),
+        lambda gen: draw(train, train_weight, bs, gen),
+        torch.nn.functional.cross_entropy,
+        val,
+    )
+
+
 def build_task(name: str, *, smoke: bool = False) -> TaskSpec:
     """The benchmark's tasks; ``smoke`` shrinks the models to seconds of training.
 
@@ -395,16 +457,18 @@ def build_task(name: str, *, smoke: bool = False) -> TaskSpec:
         return _vision_task(smoke)
     if name == "code":
         return _code_task(smoke)
+    if name == "ngram":
+        return _ngram_task(smoke)
     raise ValueError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
 
 
 def _optimizer(name: str, task: str, params: Any) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(
-            params, lr=3e-3 if task in ("embedding", "code") else 1e-3, weight_decay=0.01
+            params, lr=3e-3 if task in ("embedding", "code", "ngram") else 1e-3, weight_decay=0.01
         )
     if name == "sgd":
-        lr = {"lm": 0.03, "embedding": 0.5, "vision": 0.02, "code": 0.1}[task]
+        lr = {"lm": 0.03, "embedding": 0.5, "vision": 0.02, "code": 0.1, "ngram": 0.5}[task]
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
 
