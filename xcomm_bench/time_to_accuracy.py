@@ -40,9 +40,9 @@ Tasks (2 ranks, DDP, real text that ships with every CPython,
   ``auto``'s top-k density was not set on.
 
 Optimizers: ``adamw`` (weight decay 0.01; lr 1e-3 for ``lm`` and ``vision``,
-3e-3 for ``embedding`` and ``code``) and ``sgd`` (momentum 0.9; lr 0.03 for
-``lm``, which diverges at 0.1, 0.5 for ``embedding``, 0.02 for ``vision`` and
-0.1 for ``code``).
+3e-3 for ``embedding``, ``code`` and ``ngram``) and ``sgd`` (momentum 0.9; lr
+0.03 for ``lm``, which diverges at 0.1, 0.5 for ``embedding`` and ``ngram``,
+0.02 for ``vision`` and 0.1 for ``code``).
 
 Methods: ``none`` (DDP's allreduce), xcomm's hooks ``bf16``, ``int8``,
 ``topk`` (1%, error feedback), ``powersgd`` (rank 4, error feedback),
