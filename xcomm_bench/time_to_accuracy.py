@@ -239,6 +239,35 @@ def _lm_task(smoke: bool) -> TaskSpec:
     return TaskSpec("lm", lambda: _ByteLM(d, heads, layers, context), batch, loss, validation)
 
 
+def _windows_by_source(
+    sources: list[torch.Tensor], window: int, batch: int, held_out: int
+) -> tuple[
+    Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]],
+    tuple[torch.Tensor, torch.Tensor],
+]:
+    """Windows of ``window`` ids labelled by the source they come from: the
+    training batches (``batch`` windows from the sources' first 85%) and
+    ``held_out`` fixed validation windows from the rest (at least one window
+    per source). Sources are drawn in proportion to their length, as a
+    window of the whole text would be."""
+    cut = [int(len(w) * 0.85) for w in sources]
+    train = [w[:c] for w, c in zip(sources, cut, strict=True)]
+    held = [w[c - window :] for w, c in zip(sources, cut, strict=True)]
+    train_weight = torch.tensor([float(len(w) - window) for w in train])
+    held_weight = torch.tensor([float(len(w) - window + 1) for w in held])
+
+    def draw(parts: list[torch.Tensor], weight: torch.Tensor, n: int, gen: torch.Generator):
+        source = torch.multinomial(weight, n, replacement=True, generator=gen)
+        xs = []
+        for t in source.tolist():
+            s = int(torch.randint(len(parts[t]) - window + 1, (1,), generator=gen))
+            xs.append(parts[t][s : s + window])
+        return torch.stack(xs), source
+
+    validation = draw(held, held_weight, held_out, torch.Generator().manual_seed(7))
+    return (lambda gen: draw(train, train_weight, batch, gen)), validation
+
+
 def _embedding_task(smoke: bool) -> TaskSpec:
     rows, dim, hidden, window, bs = (2000, 8, 16, 8, 8) if smoke else (50_000, 64, 256, 16, 32)
     words = [
@@ -247,22 +276,7 @@ def _embedding_task(smoke: bool) -> TaskSpec:
     ]
     words = [w for w in words if len(w) >= 2 * window]
     classes = len(words)
-    cut = [int(len(w) * 0.85) for w in words]
-    train = [w[:c] for w, c in zip(words, cut, strict=True)]
-    held = [w[c - window :] for w, c in zip(words, cut, strict=True)]  # at least one window
-    # Topics drawn in proportion to their length, as a window of the text would be.
-    train_weight = torch.tensor([float(len(w) - window) for w in train])
-    held_weight = torch.tensor([float(len(w) - window + 1) for w in held])
-
-    def draw(parts: list[torch.Tensor], weight: torch.Tensor, n: int, gen: torch.Generator):
-        topic = torch.multinomial(weight, n, replacement=True, generator=gen)
-        xs = []
-        for t in topic.tolist():
-            s = int(torch.randint(len(parts[t]) - window + 1, (1,), generator=gen))
-            xs.append(parts[t][s : s + window])
-        return torch.stack(xs), topic
-
-    val = draw(held, held_weight, 64 if smoke else 1024, torch.Generator().manual_seed(7))
+    batch, val = _windows_by_source(words, window, bs, 64 if smoke else 1024)
 
     def build() -> torch.nn.Module:
         return torch.nn.Sequential(
@@ -272,13 +286,7 @@ def _embedding_task(smoke: bool) -> TaskSpec:
             torch.nn.Linear(hidden, classes),
         )
 
-    return TaskSpec(
-        "embedding",
-        build,
-        lambda gen: draw(train, train_weight, bs, gen),
-        torch.nn.functional.cross_entropy,
-        val,
-    )
+    return TaskSpec("embedding", build, batch, torch.nn.functional.cross_entropy, val)
 
 
 def _vision_task(smoke: bool) -> TaskSpec:
@@ -415,25 +423,11 @@ def _ngram_task(smoke: bool) -> TaskSpec:
             torch.tensor([zlib.crc32(w.encode()) % unigrams for w in re.findall(r"\w+", text)])
         )
     classes = len(words)
-    cut = [int(len(w) * 0.85) for w in words]
-    train = [w[:c] for w, c in zip(words, cut, strict=True)]
-    held = [w[c - window :] for w, c in zip(words, cut, strict=True)]
-    train_weight = torch.tensor([float(len(w) - window) for w in train])
-    held_weight = torch.tensor([float(len(w) - window + 1) for w in held])
-
-    def draw(parts: list[torch.Tensor], weight: torch.Tensor, n: int, gen: torch.Generator):
-        module = torch.multinomial(weight, n, replacement=True, generator=gen)
-        xs = []
-        for m in module.tolist():
-            s = int(torch.randint(len(parts[m]) - window + 1, (1,), generator=gen))
-            xs.append(parts[m][s : s + window])
-        return torch.stack(xs), module
-
-    val = draw(held, held_weight, 64 if smoke else 1024, torch.Generator().manual_seed(7))
+    batch, val = _windows_by_source(words, window, bs, 64 if smoke else 1024)
     return TaskSpec(
         "ngram",
         lambda: _NgramBags(unigrams, bigrams, dim, classes),
-        lambda gen: draw(train, train_weight, bs, gen),
+        batch,
         torch.nn.functional.cross_entropy,
         val,
     )
