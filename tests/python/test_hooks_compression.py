@@ -270,3 +270,15 @@ def test_a_gpu_bucket_through_a_host_codec_is_warned_once(
         return
     assert len(caplog.records) == 1, caplog.text
     assert "topk codec runs on the CPU" in caplog.text and "bf16_cast_hook" in caplog.text
+
+
+@pytest.mark.parametrize("density", [0.0, 1.5, -0.01])
+def test_topk_allreduce_refuses_a_density_outside_zero_to_one_by_name(density: float) -> None:
+    """A density a caller passes (auto passes each bucket's) is checked before
+    anything is reduced, and the error names the function and the value."""
+    from xcomm.hooks.sparse import topk_allreduce
+
+    with pytest.raises(
+        ValueError, match=rf"topk_allreduce: density must be in \(0, 1\], got {density}"
+    ):
+        topk_allreduce(hooks.TopKState(), None, step=5, density=density)  # type: ignore[arg-type]

@@ -124,14 +124,14 @@ def topk_allreduce(
 
         >>> fut = topk_allreduce(TopKState(density=0.01), bucket, step=5)  # doctest: +SKIP
     """
+    if density is not None:
+        check_density("topk_allreduce", density)
     if step < state.start_iter:
         return allreduce_mean(state, bucket, state.stats)
     buffer = bucket.buffer()
     world = state.group().size()
     if density is None:
         density = state.current_density(step)
-    else:
-        check_density("topk_allreduce", density)
     k = _C.TopKCodec.k_for(buffer.numel(), density)
     view = state.codec_view(bucket)
     if state.error_feedback:
