@@ -250,8 +250,8 @@ _SPARSE_SHARE = 0.5
 # the dense layers after it); top-k at 1% dropped 0.1-0.2% of its gradient
 # there, and its loss settled 0.4-0.6% above uncompressed training's, short
 # of a target int8 reached in 194 steps. No headroom: at 1.25x the share,
-# an n-gram model (two tables, each 1.7% non-zero) at 0.1 Gbit/s paid 15%
-# more per step than at 1x (138 against 120 ms) for the same 278 steps;
+# an n-gram model (two tables, each 1.7% non-zero) at 0.1 Gbit/s paid 9-15%
+# more per step than at 1x (138 against 120-126 ms) for the same 278 steps;
 # steps busier than the measured one drop only their smallest entries, and
 # the losses stayed within 1.3e-3 of uncompressed training's.
 _COVER_HEADROOM = 1.0
@@ -939,7 +939,7 @@ class AutoState(PicklableState):
     def _covering_density(self, nonzero: float) -> float:
         """Top-k's density on a bucket whose share of non-zero entries is
         ``nonzero``: ``min_density``, or enough to send every non-zero entry
-        (with headroom) where that is more and the bucket is mostly zeros."""
+        where that is more and the bucket is mostly zeros."""
         if nonzero > _SPARSE_SHARE:
             return self.min_density
         return min(1.0, max(self.min_density, _COVER_HEADROOM * nonzero))
