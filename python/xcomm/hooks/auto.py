@@ -243,9 +243,9 @@ _CALIBRATION_NUMEL = 1 << 22
 # under the 1% bound late in training (3-4% at step 100, falling) and the run
 # needed 1.38x int8's steps to its target loss.
 _SPARSE_SHARE = 0.5
-# On a mostly zero bucket top-k sends this many times the bucket's measured
-# share of non-zero entries (the most any rank measured), when that is more
-# than min_density: every non-zero entry of a step like the measured one. An
+# On a mostly zero bucket top-k sends the bucket's measured share of non-zero
+# entries (the most any rank measured), when that is more than min_density:
+# every non-zero entry of a step like the measured one. An
 # embedding model's bucket is 1.6% non-zero (the rows a batch touches, and
 # the dense layers after it); top-k at 1% dropped 0.1-0.2% of its gradient
 # there, and its loss settled 0.4-0.6% above uncompressed training's, short
@@ -254,7 +254,6 @@ _SPARSE_SHARE = 0.5
 # more per step than at 1x (138 against 120-126 ms) for the same 278 steps;
 # steps busier than the measured one drop only their smallest entries, and
 # the losses stayed within 1.3e-3 of uncompressed training's.
-_COVER_HEADROOM = 1.0
 # Steps at least between two measurements of what top-k drops: a
 # measurement runs every codec over the model's gradient once (measured at every
 # round, a 3.2M-entry embedding model's top-k steps took 42.5 ms against 34.6).
@@ -942,7 +941,7 @@ class AutoState(PicklableState):
         where that is more and the bucket is mostly zeros."""
         if nonzero > _SPARSE_SHARE:
             return self.min_density
-        return min(1.0, max(self.min_density, _COVER_HEADROOM * nonzero))
+        return max(self.min_density, nonzero)
 
     def topk_density(self, index: int) -> float:
         """The density top-k sends on bucket ``index``: ``min_density``, or
@@ -1152,7 +1151,7 @@ class AutoState(PicklableState):
             notes.append(
                 f"topk sends {100 * self._topk_density[index]:.3g}% of the entries here, above "
                 f"min_density {100 * self.min_density:.3g}%: every non-zero one "
-                f"({_COVER_HEADROOM:g}x the share of the rank that measured the most)"
+                "(the share of the rank that measured the most)"
             )
         self.decisions[index]["notes"] = notes
         return method
