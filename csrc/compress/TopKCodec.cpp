@@ -266,31 +266,128 @@ at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k) {
   return encode(key, flat, k, useFeedback_ ? &feedback_ : nullptr);
 }
 
+std::vector<int64_t> TopKCodec::splitK(const at::Tensor& flat, const std::vector<int64_t>& segments,
+                                       int64_t k) {
+  const int64_t n = flat.numel();
+  int64_t covered = 0;
+  for (int64_t size : segments) {
+    TORCH_CHECK_VALUE(size >= 0, "xcomm: top-k per tensor: a segment size is negative (", size,
+                      ")");
+    covered += size;
+  }
+  TORCH_CHECK_VALUE(covered == n, "xcomm: top-k per tensor: the segment sizes sum to ", covered,
+                    " but the bucket has ", n, " elements");
+  TORCH_CHECK_VALUE(k >= 0, "xcomm: top-k needs k >= 0, got ", k);
+  k = std::min(k, n);
+  const size_t parts = segments.size();
+  std::vector<int64_t> ks(parts, 0);
+  if (parts == 0 || k == 0) return ks;
+  // Each segment's non-zero entries, counted on the device in one batch.
+  std::vector<at::Tensor> counts;
+  counts.reserve(parts);
+  at::Tensor input = flat.reshape({-1});
+  int64_t offset = 0;
+  for (int64_t size : segments) {
+    counts.push_back(at::count_nonzero(input.narrow(0, offset, size)));
+    offset += size;
+  }
+  at::Tensor nonzero = at::stack(counts).to(at::kCPU, at::kLong).contiguous();
+  const int64_t* nz = nonzero.data_ptr<int64_t>();
+  std::vector<double> weight(parts);
+  double total = 0.0;
+  for (size_t i = 0; i < parts; ++i) total += static_cast<double>(nz[i]);
+  for (size_t i = 0; i < parts; ++i) {
+    // No non-zero entry anywhere: by size, as a dense bucket would be.
+    weight[i] = total > 0.0 ? static_cast<double>(nz[i]) : static_cast<double>(segments[i]);
+  }
+  const double sum = total > 0.0 ? total : static_cast<double>(n);
+  // Largest remainders: the floor of each quota, then one more to those with
+  // the largest fractions (ties to the earlier segment), never past a size.
+  std::vector<double> fraction(parts);
+  int64_t given = 0;
+  for (size_t i = 0; i < parts; ++i) {
+    const double quota = static_cast<double>(k) * weight[i] / sum;
+    ks[i] = std::min(static_cast<int64_t>(std::floor(quota)), segments[i]);
+    fraction[i] = quota - std::floor(quota);
+    given += ks[i];
+  }
+  std::vector<size_t> order(parts);
+  for (size_t i = 0; i < parts; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return fraction[a] > fraction[b]; });
+  for (size_t i : order) {
+    if (given == k) break;
+    if (ks[i] < segments[i] && fraction[i] > 0.0) {
+      ++ks[i];
+      ++given;
+    }
+  }
+  // What the caps left over goes, in order, to segments with room.
+  for (size_t i = 0; i < parts && given < k; ++i) {
+    const int64_t more = std::min(segments[i] - ks[i], k - given);
+    ks[i] += more;
+    given += more;
+  }
+  return ks;
+}
+
 at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb) {
+  return encode(key, flat, k, fb, {});
+}
+
+at::Tensor TopKCodec::encode(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                             const std::vector<int64_t>& segments) {
   TORCH_CHECK_TYPE(at::isFloatingType(flat.scalar_type()),
                    "xcomm: top-k needs a floating-point tensor");
   TORCH_CHECK_VALUE(k >= 0, "xcomm: top-k needs k >= 0, got ", k);
   TORCH_CHECK_VALUE(flat.numel() <= std::numeric_limits<int32_t>::max(),
                     "xcomm: top-k indices are int32; a bucket of ", flat.numel(),
                     " elements is too large (use smaller DDP buckets)");
+  Parts parts;
+  if (!segments.empty()) {
+    const std::vector<int64_t> ks = splitK(flat, segments, k);
+    if (segments.size() > 1) {
+      parts.reserve(segments.size());
+      for (size_t i = 0; i < segments.size(); ++i) parts.emplace_back(segments[i], ks[i]);
+    }
+  }
   selection_ = TopKSelection{};
   if (onCpuScan(flat) && flat.numel() > 0) {
     selection_.route = TopKRoute::kScan;
     switch (flat.scalar_type()) {
       case at::kFloat:
-        return encodeFloat(key, flat, k, fb);
+        return encodeFloat(key, flat, k, fb, parts);
       case at::kDouble:
-        return encodeDouble(key, flat, k, fb);
+        return encodeDouble(key, flat, k, fb, parts);
       default:
-        return encodeHalf(key, flat, k, fb);
+        return encodeHalf(key, flat, k, fb, parts);
     }
   }
-  if (onCudaKernels(flat) && flat.numel() > 0) {
+  // The CUDA kernels select over a whole bucket; per tensor runs at::topk.
+  if (onCudaKernels(flat) && flat.numel() > 0 && parts.empty()) {
     selection_.route = TopKRoute::kCuda;
     return encodeCuda(key, flat, k, fb);
   }
   if (flat.numel() > 0) selection_.route = TopKRoute::kTorch;
-  return encodeGeneric(key, flat, k, fb);
+  return encodeGeneric(key, flat, k, fb, parts);
+}
+
+template <typename T>
+void TopKCodec::selectParts(const T* src, T* res, bool seeded, int64_t n, int64_t k,
+                            const Parts& parts, int32_t* outIdx, T* outVal,
+                            TopKScratchOf<T>& scratch, TopKCandidatesOf<T>& cand) {
+  if (parts.empty()) {
+    selectScan<T>(src, res, seeded, n, k, outIdx, outVal, scratch, cand);
+    return;
+  }
+  int64_t offset = 0, taken = 0;
+  for (const auto& [size, partK] : parts) {
+    selectScan<T>(src + offset, res != nullptr ? res + offset : nullptr, seeded, size, partK,
+                  outIdx + taken, outVal + taken, scratch, cand);
+    for (int64_t j = taken; j < taken + partK; ++j) outIdx[j] += static_cast<int32_t>(offset);
+    offset += size;
+    taken += partK;
+  }
 }
 
 template <typename T>
@@ -374,8 +471,8 @@ void TopKCodec::selectScan(const T* src, T* res, bool seeded, int64_t n, int64_t
   }
 }
 
-at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k,
-                                  ErrorFeedback* fb) {
+at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                                  const Parts& parts) {
   const int64_t n = flat.numel();
   k = std::min<int64_t>(k, n);
   at::Tensor residual;
@@ -386,13 +483,13 @@ at::Tensor TopKCodec::encodeFloat(int64_t key, const at::Tensor& flat, int64_t k
   at::Tensor packed = at::empty({packedBytes(k, at::kFloat)}, at::kByte);
   int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
   float* outVal = reinterpret_cast<float*>(packed.data_ptr<uint8_t>() + idxBytes);
-  selectScan<float>(flat.data_ptr<float>(), res, seeded, n, k, outIdx, outVal, scratch_,
-                    candidates_);
+  selectParts<float>(flat.data_ptr<float>(), res, seeded, n, k, parts, outIdx, outVal, scratch_,
+                     candidates_);
   return packed;
 }
 
 at::Tensor TopKCodec::encodeDouble(int64_t key, const at::Tensor& flat, int64_t k,
-                                   ErrorFeedback* fb) {
+                                   ErrorFeedback* fb, const Parts& parts) {
   const int64_t n = flat.numel();
   k = std::min<int64_t>(k, n);
   // The residual stays float64 (as the at::topk route kept it), updated in
@@ -415,14 +512,14 @@ at::Tensor TopKCodec::encodeDouble(int64_t key, const at::Tensor& flat, int64_t 
   // After k int32 indices the values sit 8-byte aligned only for even k:
   // selected into aligned memory, then copied in.
   values64_.resize(k);
-  selectScan<double>(flat.data_ptr<double>(), res, seeded, n, k, outIdx, values64_.data(),
-                     scratch64_, candidates64_);
+  selectParts<double>(flat.data_ptr<double>(), res, seeded, n, k, parts, outIdx, values64_.data(),
+                      scratch64_, candidates64_);
   std::memcpy(packed.data_ptr<uint8_t>() + idxBytes, values64_.data(), k * sizeof(double));
   return packed;
 }
 
-at::Tensor TopKCodec::encodeHalf(int64_t key, const at::Tensor& flat, int64_t k,
-                                 ErrorFeedback* fb) {
+at::Tensor TopKCodec::encodeHalf(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                                 const Parts& parts) {
   const auto dtype = flat.scalar_type();
   const int64_t n = flat.numel();
   k = std::min<int64_t>(k, n);
@@ -451,8 +548,8 @@ at::Tensor TopKCodec::encodeHalf(int64_t key, const at::Tensor& flat, int64_t k,
   const int64_t idxBytes = k * static_cast<int64_t>(sizeof(int32_t));
   at::Tensor packed = at::empty({packedBytes(k, dtype)}, at::kByte);
   int32_t* outIdx = reinterpret_cast<int32_t*>(packed.data_ptr<uint8_t>());
-  selectScan<float>(widened_.data(), nullptr, false, n, k, outIdx, widenedValues_.data(), scratch_,
-                    candidates_);
+  selectParts<float>(widened_.data(), nullptr, false, n, k, parts, outIdx, widenedValues_.data(),
+                     scratch_, candidates_);
   // The values sent are the bucket's own (2-byte) elements, copied as bits.
   const uint16_t* accBits = reinterpret_cast<const uint16_t*>(acc.data_ptr());
   uint16_t* outVal = reinterpret_cast<uint16_t*>(packed.data_ptr<uint8_t>() + idxBytes);
@@ -484,13 +581,26 @@ at::Tensor TopKCodec::encodeCuda(int64_t key, const at::Tensor& flat, int64_t k,
 }
 
 at::Tensor TopKCodec::encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k,
-                                    ErrorFeedback* fb) {
+                                    ErrorFeedback* fb, const Parts& parts) {
   const auto dtype = flat.scalar_type();
   at::Tensor input = flat.reshape({-1});
   at::Tensor acc = (fb != nullptr) ? fb->compensate(key, input) : input;
   k = std::min<int64_t>(k, acc.numel());
   // NaN magnitudes compare as largest in topk, so a NaN is sent, not buried in the residual.
-  at::Tensor indices = select(acc.abs().to(at::kFloat), k);
+  at::Tensor magnitudes = acc.abs().to(at::kFloat);
+  at::Tensor indices;
+  if (parts.empty()) {
+    indices = select(magnitudes, k);
+  } else {
+    std::vector<at::Tensor> chosen;
+    int64_t offset = 0;
+    for (const auto& [size, partK] : parts) {
+      if (partK > 0) chosen.push_back(select(magnitudes.narrow(0, offset, size), partK) + offset);
+      offset += size;
+    }
+    indices =
+        chosen.empty() ? at::empty({0}, magnitudes.options().dtype(at::kLong)) : at::cat(chosen);
+  }
   at::Tensor values = acc.index_select(0, indices);
   if ((fb != nullptr)) {
     at::Tensor residual = acc.clone();

@@ -27,7 +27,18 @@
 // values. Their residual stays in the bucket's dtype.
 // `approximate` is kept for the API: it only decided, before the fused pass
 // existed, whether small buckets used the sample.
+//
+// Per tensor: given the sizes of the tensors a bucket is laid out from
+// (`segments`), the k entries are split between them in proportion to each
+// one's non-zero entries in this step's input (largest remainders, capped at
+// a tensor's size) and each selects its own top k_i. A dense tensor then
+// sends the same share of itself as every other dense one (DGC's layer-wise
+// selection); a mostly zero embedding table sends the same share of its
+// non-zero rows' entries, rather than losing them all to a dense layer whose
+// entries are larger. The payload is the same k pairs, indices bucket-wide
+// and ascending, so decoding is unchanged.
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -79,6 +90,11 @@ class TopKCodec {
   static int64_t kFor(int64_t numel, double density);
   // Bytes of one rank's packed payload.
   static int64_t packedBytes(int64_t k, at::ScalarType dtype);
+  // k split between the consecutive `segments` of `flat` (sizes summing to
+  // its numel) in proportion to each one's non-zero entries (by size when
+  // there are none), each at most its size; the parts sum to min(k, numel).
+  static std::vector<int64_t> splitK(const at::Tensor& flat, const std::vector<int64_t>& segments,
+                                     int64_t k);
 
   // Selects k entries of `flat` (+ the bucket's residual) and packs them:
   // uint8 [packedBytes]. Updates the residual of `key`.
@@ -86,6 +102,10 @@ class TopKCodec {
   // The same with residuals kept in `feedback` (the caller's store, shared
   // with other codecs), or none when it is null; the codec's own is unused.
   at::Tensor encode(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* feedback);
+  // Per tensor: k split over `segments` by splitK, each selecting its own
+  // share; empty `segments` is the bucket-wide selection above.
+  at::Tensor encode(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* feedback,
+                    const std::vector<int64_t>& segments);
   // Sums every rank's payload, uint8 [world, packedBytes], into `out`
   // (zeroed first), in rank order, then divides by `divisor`.
   void decode(const at::Tensor& gathered, int64_t k, at::Tensor& out, double divisor) const;
@@ -100,11 +120,18 @@ class TopKCodec {
 
  private:
   at::Tensor select(const at::Tensor& magnitudes, int64_t k);
-  at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
-  at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
-  at::Tensor encodeDouble(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
+  // `parts` is the per-tensor split: (segment size, its k) in bucket order,
+  // or empty for one bucket-wide selection.
+  using Parts = std::vector<std::pair<int64_t, int64_t>>;
+  at::Tensor encodeGeneric(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                           const Parts& parts);
+  at::Tensor encodeFloat(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                         const Parts& parts);
+  at::Tensor encodeDouble(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                          const Parts& parts);
   // float16 / bfloat16: widened into float32 scratch, then the float32 scan.
-  at::Tensor encodeHalf(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
+  at::Tensor encodeHalf(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb,
+                        const Parts& parts);
   // A float32 GPU bucket: compress/cuda/TopKKernels.cu, same selection.
   at::Tensor encodeCuda(int64_t key, const at::Tensor& flat, int64_t k, ErrorFeedback* fb);
   // The fused selection on n values of type T (float or double): src, plus
@@ -114,6 +141,12 @@ class TopKCodec {
   template <typename T>
   void selectScan(const T* src, T* res, bool seeded, int64_t n, int64_t k, int32_t* outIdx,
                   T* outVal, TopKScratchOf<T>& scratch, TopKCandidatesOf<T>& cand);
+  // selectScan over the whole bucket, or part by part (`parts`), the
+  // indices shifted to bucket-wide ones.
+  template <typename T>
+  void selectParts(const T* src, T* res, bool seeded, int64_t n, int64_t k, const Parts& parts,
+                   int32_t* outIdx, T* outVal, TopKScratchOf<T>& scratch,
+                   TopKCandidatesOf<T>& cand);
 
   bool approximate_;
   bool useFeedback_;

@@ -117,15 +117,29 @@ void bindCodecs(py::module_& m) {
            py::arg("error_feedback"), py::arg("sample_size") = 4096, py::arg("seed") = 0)
       .def_static("k_for", &xcomm::TopKCodec::kFor, py::arg("numel"), py::arg("density"))
       .def_static("packed_bytes", &xcomm::TopKCodec::packedBytes, py::arg("k"), py::arg("dtype"))
-      .def("encode",
-           py::overload_cast<int64_t, const at::Tensor&, int64_t>(&xcomm::TopKCodec::encode),
-           py::arg("key"), py::arg("flat"), py::arg("k"), py::call_guard<py::gil_scoped_release>())
+      .def_static("split_k", &xcomm::TopKCodec::splitK, py::arg("flat"), py::arg("segments"),
+                  py::arg("k"), py::call_guard<py::gil_scoped_release>(),
+                  "k split between the consecutive segments of `flat` (their sizes) in "
+                  "proportion to each one's non-zero entries, each at most its size.")
+      .def(
+          "encode",
+          [](xcomm::TopKCodec& c, int64_t key, const at::Tensor& flat, int64_t k,
+             const std::vector<int64_t>& segments) {
+            return c.encode(key, flat, k, c.hasErrorFeedback() ? &c.errorFeedback() : nullptr,
+                            segments);
+          },
+          py::arg("key"), py::arg("flat"), py::arg("k"),
+          py::arg("segments") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>(),
+          "Selects k entries and packs them; with `segments` (the sizes of the tensors the "
+          "bucket is laid out from), k is split between them by split_k, each selecting its own.")
       .def(
           "encode_with_feedback",
           [](xcomm::TopKCodec& c, int64_t key, const at::Tensor& flat, int64_t k,
-             xcomm::ErrorFeedback& feedback) { return c.encode(key, flat, k, &feedback); },
+             xcomm::ErrorFeedback& feedback, const std::vector<int64_t>& segments) {
+            return c.encode(key, flat, k, &feedback, segments);
+          },
           py::arg("key"), py::arg("flat"), py::arg("k"), py::arg("feedback"),
-          py::call_guard<py::gil_scoped_release>(),
+          py::arg("segments") = std::vector<int64_t>{}, py::call_guard<py::gil_scoped_release>(),
           "encode with the residual of `key` kept in `feedback` (a shared ErrorFeedback).")
       .def(
           "decode",

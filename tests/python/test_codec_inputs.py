@@ -114,6 +114,104 @@ def test_topk_scans_half_and_double_buckets_on_every_input(name: str, dtype: tor
         assert torch.equal(_bits_of(kept), _bits_of(residual)), f"step {step}"
 
 
+def _split_reference(nonzero: list[int], sizes: list[int], k: int) -> list[int]:
+    """k split by largest remainders in proportion to ``nonzero`` (by size
+    when all are zero), each part at most its size, the rest to those with room."""
+    k = min(k, sum(sizes))
+    weights = nonzero if sum(nonzero) else sizes
+    quotas = [k * w / sum(weights) for w in weights]
+    parts = [min(int(q), s) for q, s in zip(quotas, sizes)]
+    order = sorted(range(len(sizes)), key=lambda i: -(quotas[i] - int(quotas[i])))
+    for i in order:
+        if sum(parts) < k and parts[i] < sizes[i] and quotas[i] > int(quotas[i]):
+            parts[i] += 1
+    for i in range(len(sizes)):
+        parts[i] += min(sizes[i] - parts[i], k - sum(parts))
+    return parts
+
+
+def test_top_k_splits_k_between_tensors_by_their_non_zero_entries() -> None:
+    x = torch.zeros(1000)
+    x[:100] = 1.0  # a dense tensor of 100
+    x[100:112] = 2.0  # 12 non-zero of a 900-entry table
+    assert _C.TopKCodec.split_k(x, [100, 900], 56) == [50, 6]
+    assert _C.TopKCodec.split_k(x, [100, 900], 1000) == [100, 900]  # capped, rest to room
+    assert _C.TopKCodec.split_k(torch.zeros(10), [4, 6], 5) == [2, 3]  # by size
+    assert _C.TopKCodec.split_k(x, [100, 0, 900], 7) == [6, 0, 1]
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(50):
+        sizes = torch.randint(0, 60, (5,), generator=gen).tolist()
+        g = torch.randn(sum(sizes), generator=gen) * (torch.rand(sum(sizes), generator=gen) < 0.3)
+        k = int(torch.randint(0, sum(sizes) + 3, (1,), generator=gen))
+        nonzero, at = [], 0
+        for size in sizes:
+            nonzero.append(int((g[at : at + size] != 0).sum()))
+            at += size
+        assert _C.TopKCodec.split_k(g, sizes, k) == _split_reference(nonzero, sizes, k)
+    with pytest.raises(ValueError, match="segment sizes sum to 3 but the bucket has 1000"):
+        _C.TopKCodec.split_k(x, [1, 2], 5)
+    with pytest.raises(ValueError, match="negative"):
+        _C.TopKCodec.split_k(x, [1001, -1], 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_top_k_per_tensor_is_each_tensors_exact_top_k(dtype: torch.dtype) -> None:
+    """Per tensor: each tensor's own top k_i (ties to the lower index), the
+    indices bucket-wide and ascending, the residual what was not sent; both
+    the sampled scan (a tensor of 2^17) and the exact one (small tensors) run."""
+    table = codecs.make_input("rows", 1 << 17, torch.Generator().manual_seed(5))
+    dense = torch.randn(3000, generator=torch.Generator().manual_seed(6)) * 50
+    g = torch.cat([dense[:1000], table, dense[1000:]]).to(dtype)
+    sizes = [1000, table.numel(), 2000]
+    k = _C.TopKCodec.k_for(g.numel(), 0.01)
+    codec, whole = _C.TopKCodec(False, True), _C.TopKCodec(False, False)
+    residual = torch.zeros_like(g)
+    for step in range(3):
+        acc = g + residual if step else g.clone()
+        parts = _C.TopKCodec.split_k(g, sizes, k)
+        assert sum(parts) == k and parts[1] > 0
+        packed = codec.encode(0, g, k, sizes)
+        assert codec.last_selection()["route"] == "scan"
+        idx = packed[: 4 * k].view(torch.int32).long()
+        want, at = [], 0
+        for size, part in zip(sizes, parts):
+            if part:
+                want.append(_topk_reference(acc[at : at + size].double(), part) + at)
+            at += size
+        want = torch.cat(want)
+        assert torch.equal(idx, want), f"step {step}"
+        vals = packed[4 * k :].clone().view(dtype)
+        assert torch.equal(_bits_of(vals), _bits_of(acc[want]))
+        residual = acc.index_fill(0, want, 0)
+        assert torch.equal(_bits_of(codec.feedback_state()[0]), _bits_of(residual))
+    # Bucket-wide, the dense entries (50x larger) take the whole of k.
+    top = whole.encode(0, g, k)[: 4 * k].view(torch.int32).long()
+    assert not ((top >= 1000) & (top < 1000 + table.numel())).any()
+
+
+def test_top_k_per_tensor_on_the_torch_route_selects_the_same_sets() -> None:
+    """A non-contiguous bucket takes at::topk: per tensor, the same sets."""
+    strided = torch.randn(12000, generator=torch.Generator().manual_seed(7))[::2]  # stride 2
+    g = strided.contiguous()
+    sizes, k = [1000, 5000], 60
+    codec = _C.TopKCodec(False, False)
+    packed = codec.encode(0, strided, k, sizes)
+    assert codec.last_selection()["route"] == "torch"
+    idx = packed[: 4 * k].view(torch.int32).long().sort().values
+    parts = _C.TopKCodec.split_k(g, sizes, k)
+    want = (
+        torch.cat(
+            [
+                torch.topk(g[:1000].abs(), parts[0]).indices,
+                torch.topk(g[1000:].abs(), parts[1]).indices + 1000,
+            ]
+        )
+        .sort()
+        .values
+    )
+    assert torch.equal(idx, want)
+
+
 _SCRIPT = r"""
 import sys, torch
 from xcomm import _C

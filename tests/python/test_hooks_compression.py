@@ -21,7 +21,7 @@ from ddp_helpers import checkpoint_resume, flat_params, train
 from dist_harness import RankContext, run_ranks
 
 xcomm = pytest.importorskip("xcomm")
-from xcomm import hooks
+from xcomm import _C, hooks
 
 METHODS = ["fp16", "bf16", "int8", "topk", "topk_approx", "randomk"]
 
@@ -282,3 +282,98 @@ def test_topk_allreduce_refuses_a_density_outside_zero_to_one_by_name(density: f
         ValueError, match=rf"topk_allreduce: density must be in \(0, 1\], got {density}"
     ):
         topk_allreduce(hooks.TopKState(), None, step=5, density=density)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- #
+# Top-k per tensor: against a reference written here, in torch.
+
+
+class _BagModel(torch.nn.Module):
+    """An embedding table (mostly zero gradient rows) before dense layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.EmbeddingBag(2000, 16, mode="mean")
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(x))
+
+
+def _bag_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 2000, (16, 8), generator=g), torch.randint(0, 5, (16,), generator=g)
+
+
+def _split(nonzero: list[int], sizes: list[int], k: int) -> list[int]:
+    """k in proportion to each tensor's non-zero entries, largest remainders."""
+    weights = nonzero if sum(nonzero) else sizes
+    quotas = [k * w / sum(weights) for w in weights]
+    parts = [min(int(q), s) for q, s in zip(quotas, sizes)]
+    for i in sorted(range(len(sizes)), key=lambda i: -(quotas[i] - int(quotas[i]))):
+        if sum(parts) < k and parts[i] < sizes[i] and quotas[i] > int(quotas[i]):
+            parts[i] += 1
+    for i in range(len(sizes)):
+        parts[i] += min(sizes[i] - parts[i], k - sum(parts))
+    return parts
+
+
+def _reference_per_tensor_topk(residuals, bucket):  # type: ignore[no-untyped-def]
+    """(Unannotated: DDP checks a hook's annotations, which this module keeps
+    as strings.) Each rank sends the top k_i of each gradient of (gradient + residual)
+    as a dense vector; their allreduce is the sum top-k's allgather decodes."""
+    buf, world = bucket.buffer(), dist.get_world_size()
+    step = residuals.setdefault(("step", bucket.index()), 0)
+    residuals[("step", bucket.index())] = step + 1
+    if step < 2:  # TopKState's start_iter
+        return (
+            dist.all_reduce(buf.div_(world), async_op=True)
+            .get_future()
+            .then(lambda f: f.value()[0])
+        )
+    sizes = [g.numel() for g in bucket.gradients()]
+    nonzero = [int((g != 0).sum()) for g in bucket.gradients()]
+    k = _C.TopKCodec.k_for(buf.numel(), 0.02)
+    acc = buf + residuals.get(bucket.index(), torch.zeros_like(buf))
+    send, at = torch.zeros_like(acc), 0
+    for size, part in zip(sizes, _split(nonzero, sizes, k)):
+        if part:
+            # Ties (rows of one bag share a gradient) go to the lower index.
+            mag = acc[at : at + size].abs()
+            kth = torch.topk(mag, part).values.min()
+            above = torch.nonzero(mag > kth).view(-1)
+            tied = torch.nonzero(mag == kth).view(-1)[: part - above.numel()]
+            idx = torch.cat([above, tied]) + at
+            send[idx] = acc[idx]
+        at += size
+    residuals[bucket.index()] = acc - send
+    return (
+        dist.all_reduce(send, async_op=True)
+        .get_future()
+        .then(lambda f: buf.copy_(f.value()[0].div_(world)))
+    )
+
+
+def _per_tensor_run(ctx: RankContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def run(hook: Callable, state: Any) -> torch.Tensor:
+        model = DDP(_BagModel())
+        model.register_comm_hook(state, hook)
+        train(model, torch.optim.SGD(model.parameters(), lr=0.5), _bag_batch, ctx.rank, range(8))
+        return flat_params(model)
+
+    per_tensor = hooks.TopKState(density=0.02, per_tensor=True)
+    got = run(hooks.topk_hook, per_tensor)
+    reference = run(_reference_per_tensor_topk, {})
+    bucket_wide = run(hooks.topk_hook, hooks.TopKState(density=0.02))
+    return got, reference, bucket_wide, per_tensor.stats.calls
+
+
+def test_top_k_per_tensor_matches_a_torch_reference_and_differs_from_bucket_wide() -> None:
+    for got, reference, bucket_wide, calls in run_ranks(_per_tensor_run, 2):
+        assert calls == 8  # one bucket, every step through the hook
+        torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+        # Bucket-wide, the dense layers' larger entries crowd out the table's.
+        assert (got - bucket_wide).abs().max().item() > 1e-3

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Hashable
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -64,11 +65,16 @@ class BucketView:
         tensor: torch.Tensor,
         index: torch.Tensor | None,
         buffer: torch.Tensor,
+        segments: list[int] | None = None,
     ) -> None:
         self.key = key
         self.tensor = tensor
         self._index = index
         self._buffer = buffer
+        #: The sizes of the consecutive stretches of :attr:`tensor` that are
+        #: one parameter's gradient each (summing to its numel): what a
+        #: per-tensor codec splits by.
+        self.segments = segments if segments is not None else [tensor.numel()]
 
     @property
     def index(self) -> torch.Tensor | None:
@@ -85,6 +91,14 @@ class BucketView:
             # the view is the bucket's own buffer, which DDP keeps).
             used_on_this_stream(self.tensor, self._index)
         return self._buffer
+
+
+def _stretches(current: list[tuple[Any, int, int]], numel: int) -> list[int]:
+    """The buffer cut at each gradient's offset: one stretch per gradient
+    (any padding after one goes with it), sizes summing to ``numel``."""
+    starts = sorted({offset for _, offset, _ in current if 0 < offset < numel})
+    bounds = [0, *starts, numel]
+    return [b - a for a, b in pairwise(bounds)] if numel else []
 
 
 # A parameter's identity: its name when the model is known, else the
@@ -204,8 +218,11 @@ class FeedbackStore:
                 if owner is not None:
                     self._evict(owner)
             self._assemble(key, order, buffer.device)
-        tensor = buffer if index is None else buffer.index_select(0, index)
-        return BucketView(key, tensor, index, buffer)
+        if index is None:
+            tensor, segments = buffer, _stretches(current, buffer.numel())
+        else:
+            tensor, segments = buffer.index_select(0, index), [k for _, k in order]
+        return BucketView(key, tensor, index, buffer, segments)
 
     def _assemble(self, key: int, order: _Layout, device: torch.device) -> None:
         self._layouts[key] = order

@@ -59,11 +59,25 @@ class TopKState(ResidualHookState):
             fresh DDP lays out its first buckets differently.
         feedback: an error-feedback store to share with other states (a bucket
             then keeps its residual when it switches method); default: its own.
+        per_tensor: select per parameter rather than over the whole bucket:
+            the bucket's ``k`` is split between its gradients in proportion to
+            each one's non-zero entries at this step, ``k_i = k * nnz_i /
+            nnz`` (largest remainders, at most a gradient's size), and each
+            sends its own ``k_i`` largest entries. Dense gradients then send
+            the same share of themselves (DGC's layer-wise selection); an
+            embedding table's gradient keeps its share of the bucket's
+            non-zero entries instead of losing them to a dense layer whose
+            entries are larger. Same wire format and bytes.
+
+    The math, per bucket of ``L`` entries, ``a = g + e`` (gradient plus
+    residual): send ``S = top_k(a)`` (or the union of ``top_{k_i}(a_i)``
+    per tensor), keep ``e = a - S``; the mean is ``(1/n) sum_r S_r``.
 
     Example::
 
         >>> from xcomm.hooks import TopKState, topk_hook
         >>> model.register_comm_hook(TopKState(density=0.01), topk_hook)  # doctest: +SKIP
+        >>> state = TopKState(density=0.01, per_tensor=True)  # layer-wise
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -77,6 +91,7 @@ class TopKState(ResidualHookState):
     model: torch.nn.Module | None = field(default=None, repr=False)
     stats: CompressionStats = field(default_factory=CompressionStats)
     feedback: FeedbackStore | None = field(default=None, repr=False)
+    per_tensor: bool = False
 
     def __post_init__(self) -> None:
         check_density("TopKState", self.density)
@@ -134,10 +149,13 @@ def topk_allreduce(
         density = state.current_density(step)
     k = _C.TopKCodec.k_for(buffer.numel(), density)
     view = state.codec_view(bucket)
+    segments = view.segments if state.per_tensor else []
     if state.error_feedback:
-        packed = state.codec.encode_with_feedback(view.key, view.tensor, k, state.feedback.feedback)
+        packed = state.codec.encode_with_feedback(
+            view.key, view.tensor, k, state.feedback.feedback, segments
+        )
     else:
-        packed = state.codec.encode(view.key, view.tensor, k)
+        packed = state.codec.encode(view.key, view.tensor, k, segments)
     state.stats.record(
         allreduce_bytes(buffer.nbytes, world), allgather_bytes(packed.numel(), world)
     )
