@@ -45,7 +45,8 @@ Optimizers: ``adamw`` (weight decay 0.01; lr 1e-3 for ``lm`` and ``vision``,
 0.02 for ``vision`` and 0.1 for ``code``).
 
 Methods: ``none`` (DDP's allreduce), xcomm's hooks ``bf16``, ``int8``,
-``topk`` (1%, error feedback), ``powersgd`` (rank 4, error feedback),
+``topk`` (1%, error feedback), ``topk-tensor`` (the same, selected per
+tensor: ``TopKState(per_tensor=True)``), ``powersgd`` (rank 4, error feedback),
 ``auto`` (the hook's default: none, bf16, int8 and top-k, each lossy one
 only on a bucket where it drops at most 1% of the step's gradient, and
 PowerSGD only where its step gate opens), ``auto-any`` (the same over every
@@ -142,13 +143,13 @@ __all__ = [
 TASKS: tuple[str, ...] = ("lm", "embedding", "vision", "code", "ngram")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
 #: Methods whose arithmetic does not depend on the link: steps measured once.
-STATIC_METHODS: tuple[str, ...] = ("none", "bf16", "int8", "topk", "powersgd")
+STATIC_METHODS: tuple[str, ...] = ("none", "bf16", "int8", "topk", "topk-tensor", "powersgd")
 #: Methods that choose by the link: trained at every rate.
 ADAPTIVE_METHODS: tuple[str, ...] = ("auto", "auto-any", "auto-any-step", "backend-auto")
 METHODS: tuple[str, ...] = STATIC_METHODS + ADAPTIVE_METHODS
 _START_ITER = 2  # compressed methods reduce the first steps uncompressed
 # The static methods whose hooks do that (start_iter / start_powerSGD_iter).
-_WARMS_UP = ("int8", "topk", "powersgd")
+_WARMS_UP = ("int8", "topk", "topk-tensor", "powersgd")
 
 
 # ----------------------------------------------------------------------------- data
@@ -530,6 +531,12 @@ class _Trainer:
                     ),
                     hooks.topk_hook,
                 ),
+                "topk-tensor": (
+                    lambda: hooks.TopKState(
+                        process_group=group, density=0.01, start_iter=_START_ITER, per_tensor=True
+                    ),
+                    hooks.topk_hook,
+                ),
                 "powersgd": (
                     lambda: hooks.PowerSGDState(
                         process_group=group,
@@ -551,6 +558,7 @@ class _Trainer:
         self.optimizer = _optimizer(optimizer, spec.name, self.model.parameters())
         self.gen = torch.Generator().manual_seed(100 + rank + 1000 * seed)
         self.steps = 0
+        self.gates: list[list[Any]] = []
 
     def step(self) -> float:
         """One training step; returns its wall seconds."""
@@ -560,7 +568,20 @@ class _Trainer:
         self.spec.loss(self.model(x), y).backward()
         self.optimizer.step()
         self.steps += 1
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        gate = getattr(self.state, "powersgd_gate", None)
+        if gate is not None and (not self.gates or self.gates[-1][1:4] != list(gate)):
+            # auto's PowerSGD gate at each evaluation: step, open, S_with, S_without,
+            # the step time it charged by, the methods then
+            self.gates.append(
+                [
+                    self.steps,
+                    *gate,
+                    self.state.charged_step_seconds,
+                    ",".join(self.state.methods_by_bucket()),
+                ]
+            )
+        return elapsed
 
     def validation_loss(self) -> float:
         """The mean loss over the held-out set, each rank evaluating its share."""
@@ -580,6 +601,7 @@ class _Trainer:
             out["chosen"] = ",".join(self.state.methods_by_bucket())
             # A run that ends on one method may have run others on the way.
             out["switches"] = self.state.switches
+            out["gates"] = self.gates
         if self.method == "backend-auto":
             chosen = self.state.compression_stats.get("auto", {}).get("chosen", {})
             out["chosen"] = ",".join(f"{m}*{n}" for m, n in chosen.items() if n)

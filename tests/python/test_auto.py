@@ -1078,6 +1078,67 @@ def test_powersgd_is_a_candidate_only_while_its_whole_step_is_m_times_faster() -
     assert only._charged(0, {"powersgd": psgd_s}) == {"powersgd": psgd_s}
 
 
+def test_powersgd_gate_takes_the_measured_step_of_a_side_that_has_run() -> None:
+    """The side of the gate a run is on is measured; the other is predicted
+    until it has run on a like link, then measured too. A predicted saving
+    larger than the measured one opened the gate from int8's steps and closed
+    it from PowerSGD's, round after round; with both sides measured it
+    settles (here closed: PowerSGD's steps are 2.2x faster, short of M = 2.5),
+    and a link 2x faster or slower sends it back to the prediction."""
+    shapes = [(1024, 1024)]
+    state = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=True)
+    state._agreed = (SLOW, COSTS)
+    state._bucket_inputs = {0: (1 << 20, shapes, 4, "cpu")}
+    state.lost_share = {0: {"bf16": 1e-5, "int8": 1e-4, "topk": 0.3}}
+    kw = {"density": 0.01, "rank": 4}
+    int8_s = predict_seconds("int8", 1 << 20, shapes, 2, SLOW, COSTS, **kw)
+    psgd_s = predict_seconds("powersgd", 1 << 20, shapes, 2, SLOW, COSTS, **kw)
+    saving = int8_s - psgd_s  # predicted
+
+    def evaluate(method: str, step_s: float, link: hooks.LinkModel = SLOW) -> bool:
+        state._agreed = (link, COSTS)
+        state._choices.decisions[0] = {"method": method, "since": 2, "round": 2, "numel": 1 << 20}
+        state._measure.agreed_step_seconds = step_s
+        state.charged_step_seconds = state._step_seconds(2)
+        state._evaluate_powersgd_gate(2)
+        assert state.powersgd_gate is not None
+        return state.powersgd_gate[0]
+
+    # int8's measured step, with a predicted saving that makes PowerSGD's
+    # step 3x faster: the prediction opens the gate.
+    int8_step = 1.5 * saving
+    assert evaluate("int8", int8_step)
+    assert state.powersgd_gate[1] == pytest.approx(int8_step - saving)
+    # PowerSGD's steps measure 2.2x faster, not 3x: the measured int8 step
+    # (not PowerSGD's step plus the predicted saving) closes it.
+    psgd_step = int8_step / 2.2
+    assert 2.5 * psgd_step <= 1.1 * (psgd_step + saving)  # the prediction would keep it open
+    assert not evaluate("powersgd", psgd_step)
+    assert state.powersgd_gate[1:] == pytest.approx((psgd_step, int8_step))
+    # Back on int8 it stays closed: PowerSGD's side is measured now.
+    for _ in range(3):
+        assert not evaluate("int8", int8_step)
+        assert state.powersgd_gate[1] == pytest.approx(psgd_step)
+    # A checkpoint keeps both sides.
+    resumed = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=True)
+    resumed.load_state_dict(state.state_dict())
+    assert resumed._gate_steps == state._gate_steps
+    # On a link 2x slower the old measurements no longer say what a step
+    # takes: the prediction decides again (and, with its larger saving, opens).
+    slower = hooks.LinkModel(SLOW.latency_s, SLOW.bandwidth_bytes_per_s / 2)
+    assert evaluate("int8", 2 * int8_step, slower)
+    # observe=False: nothing measured decides (a rerun chooses bit for bit alike).
+    fixed = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=False)
+    fixed._bucket_inputs = state._bucket_inputs
+    fixed.lost_share = state.lost_share
+    fixed._agreed = (SLOW, COSTS)
+    fixed._choices.decisions[0] = {"method": "powersgd", "since": 2, "round": 2, "numel": 1 << 20}
+    fixed._measure.agreed_step_seconds = psgd_step
+    fixed.charged_step_seconds = fixed._step_seconds(2)
+    fixed._evaluate_powersgd_gate(2)
+    assert fixed._gate_steps == {}
+
+
 def test_what_each_method_drops_is_measured_without_touching_the_callers_random_stream() -> None:
     g = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
     torch.manual_seed(5)

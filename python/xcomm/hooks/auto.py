@@ -254,6 +254,10 @@ _SPARSE_SHARE = 0.5
 # more per step than at 1x (138 against 120-126 ms) for the same 278 steps;
 # steps busier than the measured one drop only their smallest entries, and
 # the losses stayed within 1.3e-3 of uncompressed training's.
+# PowerSGD's gate takes a side's measured step time while the link's
+# bandwidth is within this factor of the one it was measured at (the
+# agreed readings of one link vary by 10-20% on this 2-core host).
+_SAME_LINK = 1.5
 # Steps at least between two measurements of what top-k drops: a
 # measurement runs every codec over the model's gradient once (measured at every
 # round, a 3.2M-entry embedding model's top-k steps took 42.5 ms against 34.6).
@@ -643,6 +647,9 @@ class AutoState(PicklableState):
         #: PowerSGD's gate at the last round: ``(open, S_with, S_without)`` in
         #: seconds (None before it was evaluated, and where it does not apply).
         self.powersgd_gate: tuple[bool, float, float] | None = None
+        # The agreed step time measured on each side of the gate (True: with
+        # PowerSGD running) and the link bandwidth it was measured at.
+        self._gate_steps: dict[bool, tuple[float, float]] = {}
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -678,6 +685,7 @@ class AutoState(PicklableState):
             "topk_density": {str(k): v for k, v in self._topk_density.items()},
             "charged_step_seconds": self.charged_step_seconds,
             "powersgd_gate": None if self.powersgd_gate is None else list(self.powersgd_gate),
+            "gate_steps": {str(int(k)): list(v) for k, v in self._gate_steps.items()},
             "check": self.check.state_dict(),
         }
 
@@ -704,6 +712,9 @@ class AutoState(PicklableState):
         self.charged_step_seconds = float(d.get("charged_step_seconds", 0.0))
         gate = d.get("powersgd_gate")
         self.powersgd_gate = None if gate is None else (bool(gate[0]), *map(float, gate[1:]))
+        self._gate_steps = {
+            bool(int(k)): (float(v[0]), float(v[1])) for k, v in d.get("gate_steps", {}).items()
+        }
         self.check.load_state_dict(d.get("check", {}))  # none before the check
         if not self.lost_share and self.iter >= self._errors_step:
             # A checkpoint from before the accuracy term: measure it on the next step.
@@ -1062,6 +1073,24 @@ class AutoState(PicklableState):
             with_s += min(best_other, raw.get("powersgd", best_other))
         rest = max(self.charged_step_seconds - current_s, 0.0)
         with_s, without_s = rest + with_s, rest + without_s
+        # The side the run is on is its measured step; the other side is
+        # this step less (or plus) the predicted saving, unless it has run on
+        # a link like this one: then its measured step. Predicted, a saving
+        # 10-20% above the measured one put the two sides' thresholds within
+        # noise of each other, and the gate flipped every round or two (the
+        # LM at 0.1 Gbit/s: 4-10 times a run, paying for both methods).
+        running = any(d.get("method") == "powersgd" for d in self.decisions.values())
+        measured = self._measure.agreed_step_seconds if self.observe else 0.0
+        if measured > 0.0:
+            self._gate_steps[running] = (measured, link.bandwidth_bytes_per_s)
+        other = self._gate_steps.get(not running)
+        if other is not None and abs(math.log(other[1] / link.bandwidth_bytes_per_s)) <= math.log(
+            _SAME_LINK
+        ):
+            if running:
+                without_s = other[0]
+            else:
+                with_s = other[0]
         # Hysteresis both ways, as for a bucket's method: it opens only on a
         # win by switch_margin and closes only on a loss by it. Opening on
         # any win let one noisy step time open it: on the LM at 0.1 Gbit/s
