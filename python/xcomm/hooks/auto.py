@@ -119,7 +119,13 @@ when a method has run and been observed (the starting round has only the
 probe and the calibration, and opened the gate on the LM in one run of two).
 It opens only when ``M * S_with`` is below ``S_without`` by
 ``switch_margin`` and, once open, closes only when it exceeds it by as much,
-so a noisy step time flips it neither way. A per-bucket version of the gate
+so a noisy step time flips it neither way. The side the run is on is its
+measured step; the other side is that step less (or plus) the predicted
+saving until it has run, and from then its own measured step, while the
+link's bandwidth stays within 1.5x of the one it was measured at. Predicted
+both ways, a saving 10-20% above the measured one put the two thresholds
+within noise of each other: on the LM at 0.1 Gbit/s the gate flipped 4-10
+times a run and paid for both methods. A per-bucket version of the gate
 would be wrong: at 0.5 Gbit/s the LM's reductions alone are 4.6x faster with PowerSGD, its
 whole steps 1.34x.
 
