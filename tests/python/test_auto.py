@@ -1119,6 +1119,8 @@ def test_powersgd_gate_takes_the_measured_step_of_a_side_that_has_run() -> None:
     for _ in range(3):
         assert not evaluate("int8", int8_step)
         assert state.powersgd_gate[1] == pytest.approx(psgd_step)
+    line = state._objective_line()
+    assert "ms (measured) x 2.5" in line and "without it (measured)" in line, line
     # A checkpoint keeps both sides.
     resumed = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=True)
     resumed.load_state_dict(state.state_dict())
@@ -1127,6 +1129,7 @@ def test_powersgd_gate_takes_the_measured_step_of_a_side_that_has_run() -> None:
     # takes: the prediction decides again (and, with its larger saving, opens).
     slower = hooks.LinkModel(SLOW.latency_s, SLOW.bandwidth_bytes_per_s / 2)
     assert evaluate("int8", 2 * int8_step, slower)
+    assert "ms (predicted) x 2.5" in state._objective_line()
     # observe=False: nothing measured decides (a rerun chooses bit for bit alike).
     fixed = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=False)
     fixed._bucket_inputs = state._bucket_inputs

@@ -656,6 +656,8 @@ class AutoState(PicklableState):
         # The agreed step time measured on each side of the gate (True: with
         # PowerSGD running) and the link bandwidth it was measured at.
         self._gate_steps: dict[bool, tuple[float, float]] = {}
+        # Whether the gate's S_with and S_without were measured or predicted.
+        self._gate_sources = ("predicted", "predicted")
 
     @property
     def decisions(self) -> dict[int, dict[str, Any]]:
@@ -787,11 +789,13 @@ class AutoState(PicklableState):
         if self.powersgd_gate is not None:
             is_open, with_s, without_s = self.powersgd_gate
             margin = f"{100 * self.switch_margin:.3g}% (switch_margin)"
+            with_from, without_from = self._gate_sources
             line += (
-                f"\npowersgd gate {'open' if is_open else 'closed'}: predicted step "
-                f"{with_s * 1e3:.2f} ms with it x {self.powersgd_steps:g} (powersgd_steps) = "
+                f"\npowersgd gate {'open' if is_open else 'closed'}: step with it "
+                f"{with_s * 1e3:.2f} ms ({with_from}) x {self.powersgd_steps:g} (powersgd_steps) = "
                 f"{self.powersgd_steps * with_s * 1e3:.2f} ms against {without_s * 1e3:.2f} ms "
-                f"without it; it {'closes above' if is_open else 'opens below'} that by {margin}"
+                f"without it ({without_from}); it {'closes above' if is_open else 'opens below'} "
+                f"that by {margin}"
             )
         elif "powersgd" in self.allowed and self.objective == "time_to_accuracy":
             line += (
@@ -1090,6 +1094,8 @@ class AutoState(PicklableState):
         if measured > 0.0:
             self._gate_steps[running] = (measured, link.bandwidth_bytes_per_s)
         other = self._gate_steps.get(not running)
+        sources = ["predicted", "predicted"]  # S_with's and S_without's
+        sources[0 if running else 1] = "measured" if measured > 0.0 else "predicted"
         if other is not None and abs(math.log(other[1] / link.bandwidth_bytes_per_s)) <= math.log(
             _SAME_LINK
         ):
@@ -1097,6 +1103,8 @@ class AutoState(PicklableState):
                 without_s = other[0]
             else:
                 with_s = other[0]
+            sources[1 if running else 0] = "measured"
+        self._gate_sources = (sources[0], sources[1])
         # Hysteresis both ways, as for a bucket's method: it opens only on a
         # win by switch_margin and closes only on a loss by it. Opening on
         # any win let one noisy step time open it: on the LM at 0.1 Gbit/s
