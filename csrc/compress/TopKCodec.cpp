@@ -598,8 +598,10 @@ at::Tensor TopKCodec::encodeGeneric(int64_t key, const at::Tensor& flat, int64_t
       if (partK > 0) chosen.push_back(select(magnitudes.narrow(0, offset, size), partK) + offset);
       offset += size;
     }
-    indices =
-        chosen.empty() ? at::empty({0}, magnitudes.options().dtype(at::kLong)) : at::cat(chosen);
+    // Ascending, as every other route packs them: the CUDA decode finds
+    // where each rank's pairs for a tile begin by that order.
+    indices = chosen.empty() ? at::empty({0}, magnitudes.options().dtype(at::kLong))
+                             : std::get<0>(at::sort(at::cat(chosen)));
   }
   at::Tensor values = acc.index_select(0, indices);
   if ((fb != nullptr)) {
