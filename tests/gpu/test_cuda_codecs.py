@@ -173,6 +173,36 @@ def test_topk_equals_the_cpu_codec(
     _bits_equal(out_gpu, out_cpu, "decode")
 
 
+@pytest.mark.parametrize("kind", ["normal", "layers"])
+def test_topk_per_tensor_equals_the_cpu_codec(kind: str) -> None:
+    """Per tensor a GPU bucket takes at::topk per segment (the CUDA kernels
+    select bucket-wide): without ties, the CPU scan's payload, residual and
+    decode, bit for bit, its indices ascending for the CUDA decode."""
+    n, sizes = 300_007, [7, 100_000, 4096, 195_904]
+    x0 = _input(n, 0, kind)
+    x0[100_007:104_103] = 0.0  # a tensor of zeros: by its share, k_i = 0
+    codec = _C.TopKCodec(False, False)
+    k = _C.TopKCodec.k_for(n, 0.01)
+    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
+    payloads_cpu, payloads_gpu = [], []
+    for step in range(3):
+        x = x0 if step == 0 else _input(n, step, kind)
+        p_cpu = codec.encode_with_feedback(0, x, k, fb_cpu, sizes)
+        p_gpu = codec.encode_with_feedback(0, x.to(DEV), k, fb_gpu, sizes)
+        assert p_gpu.is_cuda and codec.last_selection()["route"] == "torch"
+        _bits_equal(p_gpu[: 4 * k].view(torch.int32), p_cpu[: 4 * k].view(torch.int32), "indices")
+        _bits_equal(
+            p_gpu[4 * k :].view(torch.float32), p_cpu[4 * k :].view(torch.float32), "values"
+        )
+        _bits_equal(fb_gpu.get(0), fb_cpu.get(0), f"step {step}: residual")
+        payloads_cpu.append(p_cpu)
+        payloads_gpu.append(p_gpu)
+    out_cpu, out_gpu = torch.empty(n), torch.empty(n, device=DEV)
+    codec.decode(torch.stack(payloads_cpu), k, out_cpu, 3.0)
+    codec.decode(torch.stack(payloads_gpu), k, out_gpu, 3.0)
+    _bits_equal(out_gpu, out_cpu, "decode")
+
+
 def test_kernels_run_on_the_callers_stream() -> None:
     """Work queued on a side stream is ordered by that stream, not the default one."""
     codec = _C.Int8Codec(1024)
