@@ -1121,6 +1121,13 @@ def test_powersgd_gate_takes_the_measured_step_of_a_side_that_has_run() -> None:
         assert state.powersgd_gate[1] == pytest.approx(psgd_step)
     line = state._objective_line()
     assert "ms (measured) x 2.5" in line and "without it (measured)" in line, line
+    # The round that ends a check's trial (its recent steps partly
+    # uncompressed) keeps neither side's measurement.
+    kept = dict(state._gate_steps)
+    state._choices.decisions[0] = {"method": "int8", "since": 2, "round": 2, "numel": 1 << 20}
+    state._measure.agreed_step_seconds = 5 * int8_step
+    state._evaluate_powersgd_gate(2, record=False)
+    assert state._gate_steps == kept
     # A checkpoint keeps both sides.
     resumed = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=True)
     resumed.load_state_dict(state.state_dict())

@@ -891,7 +891,8 @@ class AutoState(PicklableState):
         self._fresh_round = True
         if self.lost_share or (self.iter >= self.start_iter and self._bucket_inputs):
             self.charged_step_seconds = self._step_seconds(world)
-            self._evaluate_powersgd_gate(world)
+            # A trial's recent steps are partly uncompressed: not a side's step.
+            self._evaluate_powersgd_gate(world, record=not agreed_trial)
         if self._checking and device.type == "cpu" and self.iter >= self.start_iter:
             due = self.check.at_round(
                 self.iter,
@@ -1047,10 +1048,13 @@ class AutoState(PicklableState):
             for index, (numel, shapes, itemsize, _) in self._bucket_inputs.items()
         )
 
-    def _evaluate_powersgd_gate(self, world: int) -> None:
+    def _evaluate_powersgd_gate(self, world: int, record: bool = True) -> None:
         """PowerSGD's gate (module docstring): is the whole step with it, M
         times over, predicted no slower than the step without it? From the
-        agreed inputs only, so every rank opens or closes it alike."""
+        agreed inputs only, so every rank opens or closes it alike. With
+        ``record`` off (the round that ends a check's trial, whose recent
+        steps are partly uncompressed) the measured step is not kept as the
+        current side's."""
         inputs_by_bucket = self._bucket_inputs.values()
         if self.objective != "time_to_accuracy" or not any(
             "powersgd" in self.candidates(inputs[3]) for inputs in inputs_by_bucket
@@ -1091,7 +1095,7 @@ class AutoState(PicklableState):
         # LM at 0.1 Gbit/s: 4-10 times a run, paying for both methods).
         running = any(d.get("method") == "powersgd" for d in self.decisions.values())
         measured = self._measure.agreed_step_seconds if self.observe else 0.0
-        if measured > 0.0:
+        if measured > 0.0 and record:
             self._gate_steps[running] = (measured, link.bandwidth_bytes_per_s)
         other = self._gate_steps.get(not running)
         sources = ["predicted", "predicted"]  # S_with's and S_without's
