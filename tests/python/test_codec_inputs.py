@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from topk_reference import split_k_reference, topk_reference
 from xcomm import _C
 from xcomm_bench import codecs
 
@@ -25,16 +26,6 @@ N = 1 << 18
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
-
-
-def _topk_reference(acc: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest |acc|, ties to the lower index, ascending:
-    every magnitude above the k-th, then the first of those equal to it."""
-    mag = acc.abs()
-    kth = torch.topk(mag, k).values.min()
-    above = torch.nonzero(mag > kth).view(-1)
-    tied = torch.nonzero(mag == kth).view(-1)[: k - above.numel()]
-    return torch.sort(torch.cat([above, tied])).values
 
 
 def test_inputs_are_the_gradients_they_name() -> None:
@@ -65,7 +56,7 @@ def test_topk_is_the_exact_top_k_on_every_input(name: str) -> None:
         acc = g + residual
         packed = codec.encode(0, g, k)
         idx = packed[: 4 * k].view(torch.int32).long()
-        want = _topk_reference(acc, k)
+        want = topk_reference(acc, k)
         assert torch.equal(idx, want), f"step {step}"
         assert torch.equal(_bits(packed[4 * k :].view(torch.float32)), _bits(acc[want]))
         residual = acc.index_fill(0, want, 0)
@@ -101,7 +92,7 @@ def test_topk_scans_half_and_double_buckets_on_every_input(name: str, dtype: tor
         assert sel["candidates"] <= 2 * k <= 2 * (sel["candidates"] + sel["reread"]), sel
         assert packed.numel() == (4 + size) * k
         idx = packed[: 4 * k].view(torch.int32).long()
-        want = _topk_reference(acc.double(), k)  # float64 holds every value exactly
+        want = topk_reference(acc.double(), k)  # float64 holds every value exactly
         assert torch.equal(idx, want), f"step {step}"
         vals = packed[4 * k :].clone().view(dtype)  # float64 is 8-byte aligned only for even k
         assert torch.equal(_bits_of(vals), _bits_of(acc[want]))
@@ -112,22 +103,6 @@ def test_topk_scans_half_and_double_buckets_on_every_input(name: str, dtype: tor
         kept = codec.feedback_state()[0]
         assert kept.dtype == dtype
         assert torch.equal(_bits_of(kept), _bits_of(residual)), f"step {step}"
-
-
-def _split_reference(nonzero: list[int], sizes: list[int], k: int) -> list[int]:
-    """k split by largest remainders in proportion to ``nonzero`` (by size
-    when all are zero), each part at most its size, the rest to those with room."""
-    k = min(k, sum(sizes))
-    weights = nonzero if sum(nonzero) else sizes
-    quotas = [k * w / sum(weights) for w in weights]
-    parts = [min(int(q), s) for q, s in zip(quotas, sizes)]
-    order = sorted(range(len(sizes)), key=lambda i: -(quotas[i] - int(quotas[i])))
-    for i in order:
-        if sum(parts) < k and parts[i] < sizes[i] and quotas[i] > int(quotas[i]):
-            parts[i] += 1
-    for i in range(len(sizes)):
-        parts[i] += min(sizes[i] - parts[i], k - sum(parts))
-    return parts
 
 
 def test_top_k_splits_k_between_tensors_by_their_non_zero_entries() -> None:
@@ -147,7 +122,7 @@ def test_top_k_splits_k_between_tensors_by_their_non_zero_entries() -> None:
         for size in sizes:
             nonzero.append(int((g[at : at + size] != 0).sum()))
             at += size
-        assert _C.TopKCodec.split_k(g, sizes, k) == _split_reference(nonzero, sizes, k)
+        assert _C.TopKCodec.split_k(g, sizes, k) == split_k_reference(nonzero, sizes, k)
     with pytest.raises(ValueError, match="segment sizes sum to 3 but the bucket has 1000"):
         _C.TopKCodec.split_k(x, [1, 2], 5)
     with pytest.raises(ValueError, match="negative"):
@@ -176,7 +151,7 @@ def test_top_k_per_tensor_is_each_tensors_exact_top_k(dtype: torch.dtype) -> Non
         want, at = [], 0
         for size, part in zip(sizes, parts):
             if part:
-                want.append(_topk_reference(acc[at : at + size].double(), part) + at)
+                want.append(topk_reference(acc[at : at + size].double(), part) + at)
             at += size
         want = torch.cat(want)
         assert torch.equal(idx, want), f"step {step}"

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import checkpoint_resume, flat_params, train
 from dist_harness import RankContext, run_ranks
+from topk_reference import split_k_reference, topk_reference
 
 xcomm = pytest.importorskip("xcomm")
 from xcomm import _C, hooks
@@ -308,19 +309,6 @@ def _bag_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 2000, (16, 8), generator=g), torch.randint(0, 5, (16,), generator=g)
 
 
-def _split(nonzero: list[int], sizes: list[int], k: int) -> list[int]:
-    """k in proportion to each tensor's non-zero entries, largest remainders."""
-    weights = nonzero if sum(nonzero) else sizes
-    quotas = [k * w / sum(weights) for w in weights]
-    parts = [min(int(q), s) for q, s in zip(quotas, sizes)]
-    for i in sorted(range(len(sizes)), key=lambda i: -(quotas[i] - int(quotas[i]))):
-        if sum(parts) < k and parts[i] < sizes[i] and quotas[i] > int(quotas[i]):
-            parts[i] += 1
-    for i in range(len(sizes)):
-        parts[i] += min(sizes[i] - parts[i], k - sum(parts))
-    return parts
-
-
 def _reference_per_tensor_topk(residuals, bucket):  # type: ignore[no-untyped-def]
     """(Unannotated: DDP checks a hook's annotations, which this module keeps
     as strings.) Each rank sends the top k_i of each gradient of (gradient + residual)
@@ -339,14 +327,10 @@ def _reference_per_tensor_topk(residuals, bucket):  # type: ignore[no-untyped-de
     k = _C.TopKCodec.k_for(buf.numel(), 0.02)
     acc = buf + residuals.get(bucket.index(), torch.zeros_like(buf))
     send, at = torch.zeros_like(acc), 0
-    for size, part in zip(sizes, _split(nonzero, sizes, k)):
+    for size, part in zip(sizes, split_k_reference(nonzero, sizes, k)):
         if part:
             # Ties (rows of one bag share a gradient) go to the lower index.
-            mag = acc[at : at + size].abs()
-            kth = torch.topk(mag, part).values.min()
-            above = torch.nonzero(mag > kth).view(-1)
-            tied = torch.nonzero(mag == kth).view(-1)[: part - above.numel()]
-            idx = torch.cat([above, tied]) + at
+            idx = topk_reference(acc[at : at + size], part) + at
             send[idx] = acc[idx]
         at += size
     residuals[bucket.index()] = acc - send
