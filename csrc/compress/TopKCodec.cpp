@@ -282,6 +282,10 @@ std::vector<int64_t> TopKCodec::splitK(const at::Tensor& flat, const std::vector
   const size_t parts = segments.size();
   std::vector<int64_t> ks(parts, 0);
   if (parts == 0 || k == 0) return ks;
+  if (parts == 1) {  // one tensor takes all of k: nothing to count
+    ks[0] = k;
+    return ks;
+  }
   // Each segment's non-zero entries, counted on the device in one batch.
   std::vector<at::Tensor> counts;
   counts.reserve(parts);

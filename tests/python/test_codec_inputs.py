@@ -113,6 +113,8 @@ def test_top_k_splits_k_between_tensors_by_their_non_zero_entries() -> None:
     assert _C.TopKCodec.split_k(x, [100, 900], 1000) == [100, 900]  # capped, rest to room
     assert _C.TopKCodec.split_k(torch.zeros(10), [4, 6], 5) == [2, 3]  # by size
     assert _C.TopKCodec.split_k(x, [100, 0, 900], 7) == [6, 0, 1]
+    assert _C.TopKCodec.split_k(x, [1000], 56) == [56]  # one tensor: all of k
+    assert _C.TopKCodec.split_k(x, [1000], 5000) == [1000]
     gen = torch.Generator().manual_seed(2)
     for _ in range(50):
         sizes = torch.randint(0, 60, (5,), generator=gen).tolist()
@@ -127,6 +129,8 @@ def test_top_k_splits_k_between_tensors_by_their_non_zero_entries() -> None:
         _C.TopKCodec.split_k(x, [1, 2], 5)
     with pytest.raises(ValueError, match="negative"):
         _C.TopKCodec.split_k(x, [1001, -1], 5)
+    with pytest.raises(ValueError, match="segment sizes sum to 999 but the bucket has 1000"):
+        _C.TopKCodec.split_k(x, [999], 5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
