@@ -136,6 +136,39 @@ def _topk_cases() -> list[tuple[int, float, str]]:
     return cases
 
 
+def _topk_matches_the_cpu_codec(
+    inputs: list[torch.Tensor], k: int, segments: list[int] | None = None, route: str | None = None
+) -> None:
+    """Encodes ``inputs`` as successive steps with error feedback on the CPU
+    and on the GPU (per tensor over ``segments`` when given), and checks the
+    payloads, the residuals and the decode of all three payloads (standing in
+    for three ranks', with overlapping indices) bit for bit; ``route``: the
+    GPU selection expected (``last_selection()``)."""
+    codec = _C.TopKCodec(False, False)
+    extra = [segments] if segments is not None else []
+    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
+    payloads_cpu, payloads_gpu = [], []
+    for step, x in enumerate(inputs):
+        p_cpu = codec.encode_with_feedback(0, x, k, fb_cpu, *extra)
+        p_gpu = codec.encode_with_feedback(0, x.to(DEV), k, fb_gpu, *extra)
+        assert p_gpu.is_cuda
+        if route is not None:
+            assert codec.last_selection()["route"] == route
+        # [k int32 indices | k float32 values]
+        _bits_equal(p_gpu[: 4 * k].view(torch.int32), p_cpu[: 4 * k].view(torch.int32), "indices")
+        _bits_equal(
+            p_gpu[4 * k :].view(torch.float32), p_cpu[4 * k :].view(torch.float32), "values"
+        )
+        _bits_equal(fb_gpu.get(0), fb_cpu.get(0), f"step {step}: residual")
+        payloads_cpu.append(p_cpu)
+        payloads_gpu.append(p_gpu)
+    n = inputs[0].numel()
+    out_cpu, out_gpu = torch.empty(n), torch.empty(n, device=DEV)
+    codec.decode(torch.stack(payloads_cpu), k, out_cpu, 3.0)
+    codec.decode(torch.stack(payloads_gpu), k, out_gpu, 3.0)
+    _bits_equal(out_gpu, out_cpu, "decode")
+
+
 @pytest.mark.parametrize("select", ["radix", "sampled"])
 @pytest.mark.parametrize("n,density,kind", _topk_cases())
 def test_topk_equals_the_cpu_codec(
@@ -149,28 +182,8 @@ def test_topk_equals_the_cpu_codec(
         monkeypatch.setenv("XCOMM_TOPK_SELECT", "radix")
     else:
         monkeypatch.delenv("XCOMM_TOPK_SELECT", raising=False)
-    codec = _C.TopKCodec(False, False)
     k = _C.TopKCodec.k_for(n, density)
-    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
-    payloads_cpu, payloads_gpu = [], []
-    for step in range(3):
-        x = _input(n, step, kind)
-        p_cpu = codec.encode_with_feedback(0, x, k, fb_cpu)
-        p_gpu = codec.encode_with_feedback(0, x.to(DEV), k, fb_gpu)
-        assert p_gpu.is_cuda
-        # [k int32 indices | k float32 values]
-        _bits_equal(p_gpu[: 4 * k].view(torch.int32), p_cpu[: 4 * k].view(torch.int32), "indices")
-        _bits_equal(
-            p_gpu[4 * k :].view(torch.float32), p_cpu[4 * k :].view(torch.float32), "values"
-        )
-        _bits_equal(fb_gpu.get(0), fb_cpu.get(0), f"step {step}: residual")
-        payloads_cpu.append(p_cpu)
-        payloads_gpu.append(p_gpu)
-    # Three payloads stand in for three ranks' (overlapping indices).
-    out_cpu, out_gpu = torch.empty(n), torch.empty(n, device=DEV)
-    codec.decode(torch.stack(payloads_cpu), k, out_cpu, 3.0)
-    codec.decode(torch.stack(payloads_gpu), k, out_gpu, 3.0)
-    _bits_equal(out_gpu, out_cpu, "decode")
+    _topk_matches_the_cpu_codec([_input(n, step, kind) for step in range(3)], k)
 
 
 @pytest.mark.parametrize("kind", ["normal", "layers"])
@@ -181,26 +194,9 @@ def test_topk_per_tensor_equals_the_cpu_codec(kind: str) -> None:
     n, sizes = 300_007, [7, 100_000, 4096, 195_904]
     x0 = _input(n, 0, kind)
     x0[100_007:104_103] = 0.0  # a tensor of zeros: by its share, k_i = 0
-    codec = _C.TopKCodec(False, False)
     k = _C.TopKCodec.k_for(n, 0.01)
-    fb_cpu, fb_gpu = _C.ErrorFeedback(), _C.ErrorFeedback()
-    payloads_cpu, payloads_gpu = [], []
-    for step in range(3):
-        x = x0 if step == 0 else _input(n, step, kind)
-        p_cpu = codec.encode_with_feedback(0, x, k, fb_cpu, sizes)
-        p_gpu = codec.encode_with_feedback(0, x.to(DEV), k, fb_gpu, sizes)
-        assert p_gpu.is_cuda and codec.last_selection()["route"] == "torch"
-        _bits_equal(p_gpu[: 4 * k].view(torch.int32), p_cpu[: 4 * k].view(torch.int32), "indices")
-        _bits_equal(
-            p_gpu[4 * k :].view(torch.float32), p_cpu[4 * k :].view(torch.float32), "values"
-        )
-        _bits_equal(fb_gpu.get(0), fb_cpu.get(0), f"step {step}: residual")
-        payloads_cpu.append(p_cpu)
-        payloads_gpu.append(p_gpu)
-    out_cpu, out_gpu = torch.empty(n), torch.empty(n, device=DEV)
-    codec.decode(torch.stack(payloads_cpu), k, out_cpu, 3.0)
-    codec.decode(torch.stack(payloads_gpu), k, out_gpu, 3.0)
-    _bits_equal(out_gpu, out_cpu, "decode")
+    inputs = [x0, _input(n, 1, kind), _input(n, 2, kind)]
+    _topk_matches_the_cpu_codec(inputs, k, sizes, route="torch")
 
 
 def test_kernels_run_on_the_callers_stream() -> None:
