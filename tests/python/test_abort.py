@@ -56,10 +56,11 @@ def _pending_op_released_by_abort(ctx: RankContext, route: str) -> dict[str, Any
     ones = torch.ones(4)
     dist.all_reduce(ones, group=group)  # the group works before the abort
     out: dict[str, Any] = {"sum": ones[0].item(), "before": backend.get_error().name}
-    # The first C++ error a process raises pages in the unwinder's tables and
-    # the backtrace code: 60-130 ms on a cold page cache here, and 1 s once in
-    # CI while another job filled the disk. That cost is the OS's, once per
-    # process, not abort()'s: pay it before the clock starts.
+    # The first error a process raises pages in the unwinder's tables and the
+    # code that turns a C++ error into a Python one: 25-130 ms on a cold page
+    # cache here, and 1 s once in CI while another job filled the disk.
+    # Importing xcomm pays the C++ part (csrc/python/Module.cpp); the rest is
+    # the OS's, once per process, not abort()'s: paid before the clock starts.
     out["first_error_s"] = _first_error_seconds()
     if ctx.rank == 1:
         # Never joins rank 0's next op; leaves once rank 0 has seen it released.
