@@ -20,7 +20,7 @@ from dist_harness import RankContext, run_ranks
 xcomm = pytest.importorskip("xcomm")
 from xcomm import hooks
 from xcomm.hooks import _measure
-from xcomm.hooks.auto import _BucketInputs, compression_errors, predict_seconds
+from xcomm.hooks.auto import compression_errors, predict_seconds
 
 # Fixed codec costs (seconds per element, or per m*n*r for PowerSGD's products).
 COSTS = {
@@ -522,14 +522,14 @@ def test_gpu_buckets_choose_only_among_methods_that_run_on_the_device(
     with pytest.raises(ValueError, match="built without its CUDA codec kernels"):
         hooks.AutoState(methods=("int8", "topk")).candidates("cuda")
     link = hooks.LinkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e6)  # slow: compress
-    predicted = every._predict(0, _BucketInputs(1 << 20, [(1024, 1024)], 4, "cuda"), 2, link, COSTS)
+    predicted = every._predict(0, 1 << 20, [(1024, 1024)], 4, "cuda", 2, link, COSTS)
     assert set(predicted) == {"none", "bf16", "fp16"}
     assert min(predicted, key=predicted.get) in ("bf16", "fp16")
 
     monkeypatch.setattr(_C, "cuda_codecs", True)
     assert every.candidates("cuda") == every.allowed
     assert hooks.AutoState(methods=("int8", "topk")).candidates("cuda") == ("int8", "topk")
-    predicted = every._predict(0, _BucketInputs(1 << 20, [(1024, 1024)], 4, "cuda"), 2, link, COSTS)
+    predicted = every._predict(0, 1 << 20, [(1024, 1024)], 4, "cuda", 2, link, COSTS)
     assert set(predicted) == set(every.allowed)
     assert min(predicted, key=predicted.get) in ("topk", "powersgd")
 
@@ -1005,7 +1005,7 @@ def _gate(
     on a step of ``rest_s`` seconds of compute plus its reduction."""
     shapes = [(1024, 1024)]
     state._agreed = (link, COSTS)
-    state._bucket_inputs = {0: _BucketInputs(1 << 20, shapes, 4, "cpu")}
+    state._bucket_inputs = {0: (1 << 20, shapes, 4, "cpu")}
     state.lost_share = {0: {"bf16": 1e-5, "int8": 1e-4, "topk": 0.3}}
     none_s = predict_seconds("none", 1 << 20, shapes, 2, link, COSTS, density=0.01, rank=4)
     state.charged_step_seconds = rest_s + none_s
@@ -1036,7 +1036,7 @@ def test_powersgd_is_a_candidate_only_while_its_whole_step_is_m_times_faster() -
     assert "powersgd" not in state._charged(0, predicted)  # closed before it is evaluated
     # The round that starts compression (no bucket has run a method) does not open it.
     state._agreed = (SLOW, COSTS)
-    state._bucket_inputs = {0: _BucketInputs(1 << 20, shapes, 4, "cpu")}
+    state._bucket_inputs = {0: (1 << 20, shapes, 4, "cpu")}
     state.charged_step_seconds = 0.01
     state._evaluate_powersgd_gate(2)
     assert state.powersgd_gate is None and "powersgd" not in state._charged(0, predicted)
@@ -1088,7 +1088,7 @@ def test_powersgd_gate_takes_the_measured_step_of_a_side_that_has_run() -> None:
     shapes = [(1024, 1024)]
     state = hooks.AutoState(link=SLOW, codec_costs=COSTS, observe=True)
     state._agreed = (SLOW, COSTS)
-    state._bucket_inputs = {0: _BucketInputs(1 << 20, shapes, 4, "cpu")}
+    state._bucket_inputs = {0: (1 << 20, shapes, 4, "cpu")}
     state.lost_share = {0: {"bf16": 1e-5, "int8": 1e-4, "topk": 0.3}}
     kw = {"density": 0.01, "rank": 4}
     int8_s = predict_seconds("int8", 1 << 20, shapes, 2, SLOW, COSTS, **kw)

@@ -177,7 +177,7 @@ Example::
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -268,26 +268,6 @@ _SAME_LINK = 1.5
 # measurement runs every codec over the model's gradient once (measured at every
 # round, a 3.2M-entry embedding model's top-k steps took 42.5 ms against 34.6).
 _REMEASURE_STEPS = 50
-
-
-class _BucketInputs(NamedTuple):
-    """What the cost model reads of a bucket: its size, its parameters'
-    shapes (PowerSGD's matrices), its element size and its device."""
-
-    numel: int
-    shapes: list[tuple[int, ...]]
-    itemsize: int
-    device_type: str
-
-    @staticmethod
-    def of(bucket: dist.GradBucket) -> "_BucketInputs":
-        buffer = bucket.buffer()
-        return _BucketInputs(
-            buffer.numel(),
-            [tuple(p.shape) for p in bucket.parameters()],
-            buffer.element_size(),
-            buffer.device.type,
-        )
 
 
 def _allreduce_wire(nbytes: float, world: int) -> float:
@@ -645,9 +625,9 @@ class AutoState(PicklableState):
         self.ran: dict[int, str] = {}
         self._fresh_round = False
         self._in_step = False
-        # Each bucket's inputs, to ask whether a new reading of the link
-        # would change its method.
-        self._bucket_inputs: dict[int, _BucketInputs] = {}
+        # Each bucket's (numel, parameter shapes, itemsize, device type), to ask
+        # whether a new reading of the link would change its method.
+        self._bucket_inputs: dict[int, tuple[int, list[tuple[int, ...]], int, str]] = {}
         # The largest bucket of the last uncompressed step (a copy), which the
         # codecs are timed on at the round that starts compression; then None.
         self._sample: torch.Tensor | None = None
@@ -892,7 +872,7 @@ class AutoState(PicklableState):
                 self._choices.would_switch(
                     index,
                     self._charged(
-                        index, self._predict(index, inputs, world, links["allreduce"], costs)
+                        index, self._predict(index, *inputs, world, links["allreduce"], costs)
                     ),
                 )
                 for index, inputs in self._bucket_inputs.items()
@@ -946,8 +926,14 @@ class AutoState(PicklableState):
         """What each lossy candidate would lose of this bucket (before it is
         reduced or its residual added), and the bucket's inputs."""
         buffer = bucket.buffer()
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
         index = bucket.index()
-        self._bucket_inputs[index] = _BucketInputs.of(bucket)
+        self._bucket_inputs[index] = (
+            buffer.numel(),
+            shapes,
+            buffer.element_size(),
+            buffer.device.type,
+        )
         # PowerSGD is judged by its step gate, not by what it drops (and
         # measuring that would cost a low-rank SVD of every matrix).
         lossy = tuple(
@@ -1027,8 +1013,16 @@ class AutoState(PicklableState):
         assert self._agreed is not None
         link, costs = self._agreed
         reductions = 0.0
-        for index, inputs in self._bucket_inputs.items():
-            predicted, current = self._predict_with_current(index, inputs, world, link, costs)
+        for index, (numel, shapes, itemsize, device_type) in self._bucket_inputs.items():
+            # Before the first choice the bucket went uncompressed ("none", allowed or not).
+            current = self.decisions.get(index, {}).get("method", "none")
+            predicted = self._predict(
+                index, numel, shapes, itemsize, device_type, world, link, costs
+            )
+            if current not in predicted:
+                predicted[current] = sum(
+                    self._parts(current, index, numel, shapes, itemsize, world, link, costs)
+                )
             reductions += predicted[current]
         # observe=False: no timing decides anything (a rerun, or a copy of the
         # state in a spawned process, chooses bit for bit what this one does).
@@ -1048,8 +1042,10 @@ class AutoState(PicklableState):
         assert self._agreed is not None
         link, costs = self._agreed
         return sum(
-            self._observed.predict("none", *self._parts("none", index, inputs, world, link, costs))
-            for index, inputs in self._bucket_inputs.items()
+            self._observed.predict(
+                "none", *self._parts("none", index, numel, shapes, itemsize, world, link, costs)
+            )
+            for index, (numel, shapes, itemsize, _) in self._bucket_inputs.items()
         )
 
     def _evaluate_powersgd_gate(self, world: int, record: bool = True) -> None:
@@ -1061,7 +1057,7 @@ class AutoState(PicklableState):
         current side's."""
         inputs_by_bucket = self._bucket_inputs.values()
         if self.objective != "time_to_accuracy" or not any(
-            "powersgd" in self.candidates(inputs.device_type) for inputs in inputs_by_bucket
+            "powersgd" in self.candidates(inputs[3]) for inputs in inputs_by_bucket
         ):
             return
         assert self._agreed is not None
@@ -1077,7 +1073,13 @@ class AutoState(PicklableState):
         link, costs = self._agreed
         current_s = without_s = with_s = 0.0
         for index, inputs in self._bucket_inputs.items():
-            raw, current = self._predict_with_current(index, inputs, world, link, costs)
+            numel, shapes, itemsize, device_type = inputs
+            raw = self._predict(index, numel, shapes, itemsize, device_type, world, link, costs)
+            current = self.decisions.get(index, {}).get("method", "none")
+            if current not in raw:
+                raw[current] = sum(
+                    self._parts(current, index, numel, shapes, itemsize, world, link, costs)
+                )
             current_s += raw[current]
             others = self._bounded(index, {m: t for m, t in raw.items() if m != "powersgd"})
             best_other = raw[min(others, key=others.__getitem__)] if others else raw[current]
@@ -1154,13 +1156,18 @@ class AutoState(PicklableState):
             return method
         assert self._agreed is not None
         link, costs = self._agreed
-        inputs = self._bucket_inputs[index] = _BucketInputs.of(bucket)
-        raw = self._predict(index, inputs, world, link, costs)
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
+        itemsize = bucket.buffer().element_size()
+        device_type = bucket.buffer().device.type
+        self._bucket_inputs[index] = (numel, shapes, itemsize, device_type)
+        raw = self._predict(index, numel, shapes, itemsize, device_type, world, link, costs)
         predicted = self._charged(index, raw)
         method = self._choices.choose(index, numel, self.iter, predicted)
         notes = []
         if self.observe:
-            notes = self._never_run_notes(method, predicted, index, inputs, world, link, costs)
+            notes = self._never_run_notes(
+                method, predicted, index, numel, shapes, itemsize, world, link, costs
+            )
         if "powersgd" in raw and "powersgd" not in predicted:
             notes.append(
                 "powersgd not chosen: its step gate is closed (explain()'s objective line)"
@@ -1201,7 +1208,9 @@ class AutoState(PicklableState):
         chosen: str,
         predicted: dict[str, float],
         index: int,
-        inputs: _BucketInputs,
+        numel: int,
+        shapes: list[tuple[int, ...]],
+        itemsize: int,
         world: int,
         link: LinkModel,
         costs: dict[str, float],
@@ -1213,7 +1222,9 @@ class AutoState(PicklableState):
         for m, t in predicted.items():
             if m == "none" or self._observed.key(m) in self._observed.seen:
                 continue
-            calibrated = self._observed.base(m, *self._parts(m, index, inputs, world, link, costs))
+            calibrated = self._observed.base(
+                m, *self._parts(m, index, numel, shapes, itemsize, world, link, costs)
+            )
             source = self._observed.inherited_from(m)
             if source is None:
                 how = (
@@ -1238,7 +1249,10 @@ class AutoState(PicklableState):
     def _predict(
         self,
         index: int,
-        inputs: _BucketInputs,
+        numel: int,
+        shapes: list[tuple[int, ...]],
+        itemsize: int,
+        device_type: str,
         world: int,
         link: LinkModel,
         costs: dict[str, float],
@@ -1246,38 +1260,24 @@ class AutoState(PicklableState):
         """Every candidate method's predicted seconds for bucket ``index``
         (corrected by what the methods were seen to take)."""
         return {
-            m: self._observed.predict(m, *self._parts(m, index, inputs, world, link, costs))
-            for m in self.candidates(inputs.device_type)
+            m: self._observed.predict(
+                m, *self._parts(m, index, numel, shapes, itemsize, world, link, costs)
+            )
+            for m in self.candidates(device_type)
         }
-
-    def _predict_with_current(
-        self,
-        index: int,
-        inputs: _BucketInputs,
-        world: int,
-        link: LinkModel,
-        costs: dict[str, float],
-    ) -> tuple[dict[str, float], str]:
-        """:meth:`_predict`, and the bucket's current method (``none`` before
-        its first choice, when it went uncompressed, allowed or not), whose
-        prediction it includes, a candidate or not."""
-        predicted = self._predict(index, inputs, world, link, costs)
-        current = self.decisions.get(index, {}).get("method", "none")
-        if current not in predicted:
-            predicted[current] = sum(self._parts(current, index, inputs, world, link, costs))
-        return predicted, current
 
     def _parts(
         self,
         method: str,
         index: int,
-        inputs: _BucketInputs,
+        numel: int,
+        shapes: list[tuple[int, ...]],
+        itemsize: int,
         world: int,
         link: LinkModel,
         costs: dict[str, float],
     ) -> tuple[float, float]:
         """The model's (codec seconds, link seconds) for bucket ``index``."""
-        numel, shapes, itemsize, _ = inputs
         kw: dict[str, Any] = {"density": self.topk_density(index), "rank": self.powersgd_rank}
         total = predict_seconds(method, numel, shapes, world, link, costs, itemsize=itemsize, **kw)
         wire = predict_seconds(
@@ -1303,8 +1303,18 @@ class AutoState(PicklableState):
         if not self.observe or self._agreed is None or step < 1 or buffer.device.type != "cpu":
             return
         link, costs = self._agreed
+        shapes = [tuple(p.shape) for p in bucket.parameters()]
         world = group_size(self.process_group)
-        parts = self._parts(method, bucket.index(), _BucketInputs.of(bucket), world, link, costs)
+        parts = self._parts(
+            method,
+            bucket.index(),
+            buffer.numel(),
+            shapes,
+            buffer.element_size(),
+            world,
+            link,
+            costs,
+        )
         self._observed.watch(fut, method, self._observed.base(method, *parts), issued_at)
 
 
