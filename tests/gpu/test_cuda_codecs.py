@@ -233,7 +233,7 @@ def test_auto_times_its_codecs_on_the_gpu_and_offers_them_there() -> None:
     state = hooks.AutoState(methods=METHODS)
     assert state.candidates("cuda") == state.allowed
     link = hooks.LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=1.25e8)  # 1 Gbit/s
-    predicted = state._predict(1 << 22, [(2048, 2048)], 4, "cuda", 2, link, gpu)
+    predicted = state._predict(0, 1 << 22, [(2048, 2048)], 4, "cuda", 2, link, gpu)
     assert min(predicted, key=predicted.get) not in ("none", "bf16", "fp16"), predicted
 
 
