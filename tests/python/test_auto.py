@@ -691,8 +691,9 @@ def test_a_codec_ten_times_slower_than_calibrated_is_left_within_two_rounds() ->
     methods = [m for m, _ in history]
     first = methods.index("topk")  # chosen from the calibrated cost
     rounds = sorted({r for _, r in history[first:]})  # the rounds due after it
-    left = next(s for s in range(first, len(methods)) if methods[s] == "none")
-    assert left <= rounds[min(1, len(rounds) - 1)], history
+    left = next((s for s in range(first, len(methods)) if methods[s] == "none"), None)
+    assert left is not None, (history, explain)  # what it saw, should it ever keep top-k
+    assert left <= rounds[min(1, len(rounds) - 1)], (history, explain)
     assert all(m == "none" for m in methods[left:]), history  # and does not return
     assert "topk x" in explain, explain
     topk_factor = float(explain.split("topk x")[1].split()[0].rstrip(","))
