@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/LinkBytes.hpp"
 #include "compress/Int8Codec.hpp"
 
 namespace xcomm {
@@ -146,17 +147,17 @@ double AutoCompression::codec(Compression method, int64_t numel, const AutoInput
 
 double AutoCompression::wire(Compression method, int64_t numel, int64_t elementSize, int size,
                              int64_t int8ChunkElems, const AutoInputs& in) {
-  const double ring = size > 1 ? 2.0 * (size - 1) / size : 0.0;
   const double n = static_cast<double>(numel);
+  const auto ring = [size](double bytes) { return ringAllreduceBytes(bytes, size); };
   switch (method) {
     case Compression::kNone:
-      return in.latencySeconds + ring * n * elementSize * in.secondsPerByte;
+      return in.latencySeconds + ring(n * elementSize) * in.secondsPerByte;
     case Compression::kBf16:
     case Compression::kFp16:
-      return in.latencySeconds + ring * n * 2.0 * in.secondsPerByte;
+      return in.latencySeconds + ring(n * 2.0) * in.secondsPerByte;
     case Compression::kInt8:
       return 2.0 * in.latencySeconds +
-             ring * n * (1.0 + 4.0 / static_cast<double>(int8ChunkElems)) * in.secondsPerByte;
+             ring(n * (1.0 + 4.0 / static_cast<double>(int8ChunkElems))) * in.secondsPerByte;
     case Compression::kAuto:
       break;
   }
@@ -224,8 +225,7 @@ void AutoCompression::round(Route& transport, std::chrono::milliseconds timeout)
   const auto t0 = Clock::now();
   allreduceAndWait(transport, probe, c10d::ReduceOp::SUM, timeout);
   const double took = seconds(t0);
-  const double probeWireBytes =
-      2.0 * (size_ - 1) / size_ * static_cast<double>(probe.numel()) * 4.0;
+  const double probeWireBytes = ringAllreduceBytes(static_cast<double>(probe.numel()) * 4.0, size_);
   // The latency is the least of the recent agreements (a late rank inflates
   // one) and may explain at most half of the probe, so a noisy latency cannot
   // make the link look infinitely fast.

@@ -10,6 +10,7 @@
 #include "collectives/gloo/DirectExchange.hpp"
 #include "common/CurrentStream.hpp"
 #include "common/ErrorText.hpp"
+#include "common/LinkBytes.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
@@ -17,11 +18,6 @@ namespace {
 
 bool isMean(const c10d::AllreduceOptions& opts) {
   return opts.reduceOp.op_ == c10d::ReduceOp::AVG;
-}
-
-// Bytes one rank sends in a ring allreduce of `bytes`.
-int64_t ringBytes(int64_t bytes, int size) {
-  return size > 1 ? 2 * (size - 1) * bytes / size : 0;
 }
 
 // The int8 chain's collectives on the CPU: point-to-point messages on the
@@ -148,7 +144,8 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::start(Route& transport,
 
 void CompressedAllreduce::count(const at::Tensor& tensor, int64_t sentBytes) {
   counters_->calls++;
-  counters_->linkBytesBefore += ringBytes(tensor.numel() * tensor.element_size(), size_);
+  counters_->linkBytesBefore +=
+      ringAllreduceBytes<int64_t>(tensor.numel() * tensor.element_size(), size_);
   counters_->linkBytesSent += sentBytes;
 }
 
@@ -163,7 +160,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(Route& transport,
   c10d::AllreduceOptions sumOpts = opts;
   sumOpts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
   auto work = transport.allreduce(wire[0], sumOpts);
-  count(tensor, ringBytes(wire[0].numel() * wire[0].element_size(), size_));
+  count(tensor, ringAllreduceBytes<int64_t>(wire[0].numel() * wire[0].element_size(), size_));
   finalize = [tensor, low = wire[0]]() mutable {
     tensor.copy_(low);
     usedOnCurrentStream({low});
@@ -195,7 +192,7 @@ Compression CompressedAllreduce::run(RawRoute& transport, const at::Tensor& tens
       transport.allreduce(flat, sum)->wait();
       if (isMean(opts)) flat.div_(size_);
       if (!tensor.is_contiguous()) tensor.copy_(flat);
-      count(tensor, ringBytes(tensor.numel() * tensor.element_size(), size_));
+      count(tensor, ringAllreduceBytes<int64_t>(tensor.numel() * tensor.element_size(), size_));
     }
   }
   if (auto_) {

@@ -5,18 +5,10 @@
 #include <c10/util/Exception.h>
 
 #include "common/CurrentStream.hpp"
+#include "common/LinkBytes.hpp"
 #include "compress/cuda/CudaCodecs.hpp"
 
 namespace xcomm {
-namespace {
-
-// Bytes one rank sends in an all-to-all of a `bytes` send buffer.
-int64_t alltoallBytes(int64_t bytes, int size) {
-  return size > 1 ? (size - 1) * bytes / size : 0;
-}
-
-}  // namespace
-
 CompressedRows::CompressedRows(Compression method, int size, std::shared_ptr<const Int8Codec> int8)
     : method_(method), size_(size), int8_(std::move(int8)) {
   TORCH_CHECK_VALUE(method_ == Compression::kInt8 || isCast(method_),
@@ -59,7 +51,7 @@ void CompressedRows::reduceInto(const at::Tensor& received, const at::Tensor& ou
 }
 
 int64_t CompressedRows::sentBytes(const at::Tensor& wire) const {
-  return alltoallBytes(wire.numel() * wire.element_size(), size_);
+  return alltoallBytes<int64_t>(wire.numel() * wire.element_size(), size_);
 }
 
 CompressedReduceScatter::CompressedReduceScatter(CompressionConfig config, int size,
@@ -122,7 +114,7 @@ c10::intrusive_ptr<c10d::Work> CompressedReduceScatter::start(
   a2a.timeout = opts.timeout;
   auto work = transport.alltoall(received, wire, a2a);
   counters_->calls++;
-  counters_->linkBytesBefore += alltoallBytes(input.numel() * input.element_size(), size_);
+  counters_->linkBytesBefore += alltoallBytes<int64_t>(input.numel() * input.element_size(), size_);
   counters_->linkBytesSent += rows_->sentBytes(wire);
   finalize = [rows = *rows_, output, received, wire, mean]() mutable {
     rows.reduceInto(received, output, mean);

@@ -209,7 +209,7 @@ from .feedback import FeedbackStore
 from .int8 import Int8State, int8_allreduce
 from .powersgd import PowerSGDState, powersgd_allreduce
 from .sparse import TopKState, topk_allreduce
-from .stats import CompressionStats
+from .stats import CompressionStats, allreduce_bytes
 
 __all__ = [
     "DEFAULT_METHODS",
@@ -268,10 +268,6 @@ _SAME_LINK = 1.5
 # measurement runs every codec over the model's gradient once (measured at every
 # round, a 3.2M-entry embedding model's top-k steps took 42.5 ms against 34.6).
 _REMEASURE_STEPS = 50
-
-
-def _allreduce_wire(nbytes: float, world: int) -> float:
-    return 2.0 * (world - 1) / world * nbytes
 
 
 def _powersgd_sizes(shapes: list[tuple[int, ...]], rank: int) -> tuple[float, float, float]:
@@ -335,8 +331,8 @@ def predict_seconds(
     if method == "powersgd":
         p_elems, q_elems, mnr = _powersgd_sizes(shapes, rank)
         compute = costs["powersgd_mnr"] * mnr + costs["powersgd_pass"] * numel
-        wire = _allreduce_wire(p_elems * itemsize, world) + _allreduce_wire(
-            q_elems * itemsize, world
+        wire = allreduce_bytes(int(p_elems) * itemsize, world) + allreduce_bytes(
+            int(q_elems) * itemsize, world
         )
         return compute + link.seconds(2 if q_elems else 1, wire)
     raise ValueError(f"xcomm.hooks.auto: unknown method {method!r}; choose from {METHODS}")
@@ -839,7 +835,7 @@ class AutoState(PicklableState):
             dist.all_reduce(t, group=group)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # NCCL's sync op returns once enqueued
-            return _allreduce_wire(t.numel() * 4.0, world)
+            return float(allreduce_bytes(t.nbytes, world))
 
         def calibrate() -> dict[str, float]:
             if self.codec_costs is not None:
