@@ -16,6 +16,12 @@ namespace xcomm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The checks route, which the exchange's messages need before anything runs.
+InnerRoute& checked(const std::shared_ptr<InnerRoute>& checks) {
+  TORCH_CHECK(checks, "xcomm: the checked route needs a checks route");
+  return *checks;
+}
 // Point-to-point tags of the checks group: one per kind of row.
 constexpr int kDescriptorTag = 1;
 constexpr int kPairsTag = 2;
@@ -136,20 +142,19 @@ std::chrono::milliseconds backstop(std::chrono::milliseconds timeout) {
 
 }  // namespace
 
-CheckedRoute::CheckedRoute(c10::intrusive_ptr<c10d::Backend> inner,
-                           c10::intrusive_ptr<c10d::Backend> checks,
+CheckedRoute::CheckedRoute(std::shared_ptr<InnerRoute> inner, std::shared_ptr<InnerRoute> checks,
                            std::chrono::milliseconds timeout, int64_t carryBytes,
                            std::string memberName, bool directExchange)
-    : Route(inner ? inner->getRank() : 0, inner ? inner->getSize() : 0),
+    : Route(inner ? inner->rank() : 0, inner ? inner->size() : 0),
       inner_(std::move(inner)),
       checks_(std::move(checks)),
       carryBytes_(carryBytes / 8 * 8),
       memberName_(std::move(memberName)),
-      direct_(checks_, kTransferTag, rank_, size_),
+      direct_(checked(checks_), kTransferTag),
       directEnabled_(directExchange),
       timeoutMs_(timeout.count()) {
-  TORCH_CHECK(inner_ && checks_, "xcomm: the checked route needs an inner and a checks backend");
-  TORCH_CHECK(checks_->getRank() == rank_ && checks_->getSize() == size_,
+  TORCH_CHECK(inner_, "xcomm: the checked route needs an inner route");
+  TORCH_CHECK(checks_->rank() == rank_ && checks_->size() == size_,
               "xcomm: the checks backend's rank/size differ from the group's");
   TORCH_CHECK(carryBytes_ >= 0, "xcomm: carryBytes must be >= 0, got ", carryBytes);
 }
@@ -599,7 +604,7 @@ c10::intrusive_ptr<c10d::Work> CheckedRoute::run(Op op) {
   Issue issue = [this, op = std::move(op), direct = std::move(checked.direct), title, type,
                  timeout]() mutable -> c10::intrusive_ptr<c10d::Work> {
     if (directAgreed_ && direct) return issueDirect(title, type, op.result, timeout, direct);
-    return op.issue(*inner_);
+    return inner_->run(std::move(op));
   };
   return submit(title, checked.call, std::move(checked.pairs), std::move(result), timeout,
                 withFuture, std::move(issue), std::move(checked.carry));

@@ -71,13 +71,13 @@ class CheckedRoute final : public Route {
   // ("rank 1"; a hierarchical group's leaders are "host 1"). `directExchange`
   // (agreed by the group's ranks): large all-to-alls and all-gathers go as
   // messages; false keeps them on Gloo's collectives.
-  CheckedRoute(c10::intrusive_ptr<c10d::Backend> inner, c10::intrusive_ptr<c10d::Backend> checks,
+  CheckedRoute(std::shared_ptr<InnerRoute> inner, std::shared_ptr<InnerRoute> checks,
                std::chrono::milliseconds timeout, int64_t carryBytes = 0,
                std::string memberName = "rank", bool directExchange = true);
   ~CheckedRoute() override;
 
   // The inner backend's name ("gloo"): that is what moves the data.
-  std::string name() const override { return inner_->getBackendName(); }
+  std::string name() const override { return inner_->name(); }
   int64_t carryBytes() const { return carryBytes_; }
   // Ops completed by the check's exchange alone (never issued on Gloo).
   uint64_t carriedOps() const { return carriedOps_.load(); }
@@ -148,8 +148,8 @@ class CheckedRoute final : public Route {
   void announceDeparture();
   std::chrono::milliseconds limit(std::chrono::milliseconds timeout) const;
 
-  c10::intrusive_ptr<c10d::Backend> inner_;
-  c10::intrusive_ptr<c10d::Backend> checks_;
+  std::shared_ptr<InnerRoute> inner_;
+  std::shared_ptr<InnerRoute> checks_;
   const int64_t carryBytes_;
   const std::string memberName_;
   DirectExchange direct_;

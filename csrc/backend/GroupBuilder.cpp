@@ -15,7 +15,7 @@
 #include "backend/GroupSettings.hpp"
 #include "backend/HierarchicalRoute.hpp"
 #include "backend/ShmRoute.hpp"
-#include "backend/StoreCpuBackend.hpp"
+#include "backend/StoreRoute.hpp"
 #include "backend/StoreText.hpp"
 #include "common/ErrorText.hpp"
 
@@ -23,7 +23,7 @@ namespace xcomm {
 namespace {
 
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
-using BackendPtr = c10::intrusive_ptr<c10d::Backend>;
+using InnerPtr = std::shared_ptr<InnerRoute>;
 
 StorePtr prefixed(const std::string& prefix, const StorePtr& store) {
   return c10::make_intrusive<c10d::PrefixStore>(prefix, store);
@@ -122,7 +122,7 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
       allowShm ? GroupPlan::decide(rank, size, agreed.hostIds, *options, agreed.settings)
                : GroupPlan::plain(rank, size, *options, "shared memory not used", agreed.settings);
   if (!factory.receivesShorter) plan.carrySmallOps = false;
-  auto make = [&](const std::string& name) -> BackendPtr {
+  auto make = [&](const std::string& name) -> InnerPtr {
     const auto groups = plan.auxGroups();
     const AuxGroup* g = findAux(groups, name);
     if (!g || !g->member) return {};
@@ -141,7 +141,7 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
   if (plan.shape == GroupShape::kSingleHostShm) {
     shmSetup = ShmTransport::Setup::begin(shmStore, rank, size, config.transport);
   }
-  BackendPtr gloo = make("xcomm/gloo");
+  InnerPtr gloo = make("xcomm/gloo");
   // Checked before the shared-memory attempt in a hierarchical group (its
   // Gloo ops span hosts), after it otherwise (a failed single-host attempt
   // leaves a plain group, which needs it): every rank builds it at the same point.
@@ -154,7 +154,7 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
   // Gloo over the whole group, checked where the plan checks it.
   auto glooRoute = [&]() -> std::shared_ptr<Route> {
     if (routes.checked) return routes.checked;
-    return gloo ? std::make_shared<RawRoute>(gloo) : nullptr;
+    return gloo;
   };
   const bool checkFirst = plan.shape == GroupShape::kHierarchical;
   if (checkFirst) checked();
@@ -162,8 +162,7 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
     std::string whyNot;
     if (plan.shape == GroupShape::kSingleHostShm) {
       // Collective: null on every rank when any rank failed.
-      routes.shm = ShmRoute::tryCreate(*shmSetup, timeout, std::make_shared<RawRoute>(gloo), config,
-                                       &whyNot);
+      routes.shm = ShmRoute::tryCreate(*shmSetup, timeout, gloo, config, &whyNot);
     } else {
       HierarchicalRoute::Leaders leaders;
       leaders.gloo = make("xcomm/leaders");
@@ -189,11 +188,11 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
   }
   if (!checkFirst && plan.shape == GroupShape::kPlain) checked();
   routes.cpu = routes.shm ? std::shared_ptr<Route>(routes.shm) : glooRoute();
-  routes.cpuGloo = gloo;
-  if (auto own = make("xcomm/gloo-int8")) routes.cpuCompressed = std::make_shared<RawRoute>(own);
+  routes.cpuInner = gloo;
+  routes.cpuCompressed = make("xcomm/gloo-int8");
   std::shared_ptr<Route> fusionControl;
-  if (BackendPtr fusionGloo = make("xcomm/gloo-fusion")) {
-    fusionControl = std::make_shared<RawRoute>(fusionGloo);
+  if (InnerPtr fusionGloo = make("xcomm/gloo-fusion")) {
+    fusionControl = fusionGloo;
     if (routes.shm && plan.shape == GroupShape::kSingleHostShm) {
       // The rounds' agreement (an 8-byte allreduce) over a small segment of
       // its own: ~10 us where Gloo's costs ~1 ms on busy cores, more than the
@@ -213,14 +212,14 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
     }
   }
   if (factory.cuda) {
-    BackendPtr nccl;
+    InnerPtr nccl;
     try {
       nccl = factory.cuda(prefixed("xcomm/nccl", groupStore), rank, size, timeout);
     } catch (...) {
       rethrowSetUpFailure("its NCCL group xcomm/nccl", rank, size, timeout,
                           std::current_exception());
     }
-    routes.cuda = std::make_shared<RawRoute>(nccl);
+    routes.cuda = nccl;
   }
   auto backend = c10::make_intrusive<XcommBackend>(std::move(options), plan, std::move(routes));
   backend->setRegroup(store, groupStore, regroupWith(factory, allowShm));
@@ -265,8 +264,8 @@ c10::intrusive_ptr<XcommBackend> XcommBackend::createWithStore(
     c10::intrusive_ptr<XcommOptions> options) {
   InnerBackendFactory factory;
   factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
-                   std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
-    return c10::make_intrusive<StoreCpuBackend>(prefixed, r, n, timeout);
+                   std::chrono::milliseconds timeout) -> std::shared_ptr<InnerRoute> {
+    return std::make_shared<StoreRoute>(prefixed, r, n, timeout);
   };
   factory.receivesShorter = false;
   return buildGroup(store, rank, size, std::move(options), factory, /*allowShm=*/false);

@@ -2,9 +2,10 @@
 // GroupBuilder: builds one xcomm process group from its GroupPlan.
 //
 // Collective over the group's store: every rank publishes its host identity,
-// GroupPlan::decide fixes the group's shape, and the builder asks a
-// InnerBackendFactory for each inner backend the plan names (Gloo and NCCL when
-// created from Python, xcomm's StoreCpuBackend in a C++-only program). When
+// GroupPlan::decide fixes the group's shape, and the builder asks an
+// InnerBackendFactory for each inner route the plan names (Gloo and NCCL, as
+// RawRoutes, when created from Python; xcomm's StoreRoute in a C++-only
+// program). When
 // the shared-memory segment cannot be set up on some rank, every rank falls
 // back to the plain plan (agreed through the store) before anything else is
 // built, so all ranks always hold the same plan.
@@ -19,17 +20,14 @@
 namespace xcomm {
 
 struct InnerBackendFactory {
-  // A CPU backend among `size` ranks over `store` (already prefixed with
+  using Make = std::function<std::shared_ptr<InnerRoute>(
+      const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+      std::chrono::milliseconds timeout)>;
+  // A CPU inner route among `size` ranks over `store` (already prefixed with
   // the auxiliary group's name); `rank` is this rank's rank in it.
-  std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>& store,
-                                                  int rank, int size,
-                                                  std::chrono::milliseconds timeout)>
-      cpu;
-  // The CUDA backend of the whole group, or null (no CUDA, no GPU); unset: none.
-  std::function<c10::intrusive_ptr<c10d::Backend>(const c10::intrusive_ptr<c10d::Store>& store,
-                                                  int rank, int size,
-                                                  std::chrono::milliseconds timeout)>
-      cuda;
+  Make cpu;
+  // The CUDA inner route of the whole group, or null (no CUDA, no GPU); unset: none.
+  Make cuda;
   // Whether the CPU backends' receives take a message shorter than their
   // buffer (Gloo's do; xcomm's store transport wants exact sizes): small ops
   // ride in the collective checks' exchange only then.

@@ -21,7 +21,7 @@ std::shared_ptr<HierarchicalRoute> HierarchicalRoute::tryCreate(
   TORCH_CHECK(fallback, "xcomm shm: a fallback route is required");
   TORCH_CHECK((localRank == 0) == static_cast<bool>(leaders.gloo),
               "xcomm shm: the leaders' backend is needed on local rank 0 and only there");
-  TORCH_CHECK(hosts >= 1 && (!leaders.gloo || leaders.gloo->getSize() == hosts),
+  TORCH_CHECK(hosts >= 1 && (!leaders.gloo || leaders.gloo->size() == hosts),
               "xcomm shm: the leaders' backend must span one rank per host (", hosts, " hosts)");
   TORCH_CHECK(!leaders.checks || leaders.gloo,
               "xcomm shm: leader checks need the leaders' backend");
@@ -43,7 +43,7 @@ HierarchicalRoute::HierarchicalRoute(std::unique_ptr<ShmTransport> transport, in
     leaderCompression_ = std::make_unique<CompressedAllreduce>(leaders.compression, hosts);
   }
   if (leaders.gloo) {
-    leaders_ = std::make_shared<RawRoute>(leaders.gloo);
+    leaders_ = leaders.gloo;
     if (leaders.checks) {
       checkedLeaders_ =
           std::make_shared<CheckedRoute>(leaders.gloo, std::move(leaders.checks), timeout,

@@ -29,10 +29,10 @@ class HierarchicalRoute final : public ShmRouteBase {
   // How the leaders' step runs.
   struct Leaders {
     // The leaders' Gloo (local rank 0 only; null elsewhere).
-    c10::intrusive_ptr<c10d::Backend> gloo;
+    std::shared_ptr<InnerRoute> gloo;
     // A group of the same ranks for the leaders' rank-agreement check (null:
     // the leaders do not check each other).
-    c10::intrusive_ptr<c10d::Backend> checks;
+    std::shared_ptr<InnerRoute> checks;
     // Bytes per leader a sum may carry in the check (CheckedRoute's carryBytes).
     int64_t carryBytes = 0;
     // Whether the leaders' check may send large all-to-alls and all-gathers
@@ -81,7 +81,7 @@ class HierarchicalRoute final : public ShmRouteBase {
   // What the host's ranks raise when this leader's step failed with `e`.
   std::string leaderError(const std::exception& e) const;
 
-  std::shared_ptr<RawRoute> leaders_;  // local rank 0 only
+  std::shared_ptr<InnerRoute> leaders_;  // local rank 0 only
   // leaders_ behind the leaders' rank-agreement check (null: unchecked).
   std::shared_ptr<CheckedRoute> checkedLeaders_;
   std::unique_ptr<CompressedAllreduce> leaderCompression_;  // over the hosts

@@ -1,5 +1,5 @@
 #pragma once
-// PREMUL_SUM for inner backends that lack it (Gloo, xcomm's StoreCpuBackend).
+// PREMUL_SUM for inner backends that lack it (Gloo, xcomm's StoreRoute).
 //
 // PREMUL_SUM(factor) means SUM over `factor * x`: when the inner backend cannot
 // apply the factor itself, the inputs are scaled here and the inner backend is

@@ -45,8 +45,8 @@ XcommBackend::XcommBackend(c10::intrusive_ptr<XcommOptions> options, GroupPlan p
       routes_(std::move(routes)) {
   TORCH_CHECK(options_, "xcomm: options must not be null");
   TORCH_CHECK(routes_.cpu || routes_.cuda, "xcomm: a process group needs a CPU or a CUDA route");
-  TORCH_CHECK(!routes_.cpu || routes_.cpuGloo,
-              "xcomm: a CPU route needs the Gloo backend under it (point-to-point ops)");
+  TORCH_CHECK(!routes_.cpu || routes_.cpuInner,
+              "xcomm: a CPU route needs the inner route under it (point-to-point ops)");
   TORCH_CHECK(!routes_.shm || routes_.cpu == routes_.shm,
               "xcomm: the shared-memory route must be the CPU route");
   TORCH_CHECK(plan_.usesShm() == static_cast<bool>(routes_.shm), "xcomm: a ",
@@ -171,7 +171,7 @@ void XcommBackend::abort() {
   };
   auto retired = c10::make_intrusive<Retired>();
   std::swap(retired->cpu.cpu, routes_.cpu);
-  std::swap(retired->cpu.cpuGloo, routes_.cpuGloo);
+  std::swap(retired->cpu.cpuInner, routes_.cpuInner);
   std::swap(retired->cpu.cpuCompressed, routes_.cpuCompressed);
   std::swap(retired->cpu.shm, routes_.shm);
   std::swap(retired->cpu.hierarchical, routes_.hierarchical);
@@ -452,9 +452,9 @@ Route& XcommBackend::routeFor(const at::Tensor& t, const char* op, bool flushFus
   return *route;
 }
 
-c10d::Backend& XcommBackend::pointToPointBackend(const at::Tensor& t, const char* op) {
+InnerRoute& XcommBackend::pointToPointRoute(const at::Tensor& t, const char* op) {
   routeFor(t, op);  // the same checks, and held fused ops go first
-  return t.device().is_cuda() ? *routes_.cuda->backend() : *routes_.cpuGloo;
+  return t.device().is_cuda() ? *routes_.cuda : *routes_.cpuInner;
 }
 
 bool XcommBackend::backendHasPremul(const at::Tensor& t) const {
@@ -969,8 +969,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::send(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, dstRank, size_, "destination");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.send: expects one tensor, got ", tensors.size());
-  return delegate(op, pointToPointBackend(tensors[0], op), c10d::OpType::SEND, listValue(tensors),
-                  tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, pointToPointRoute(tensors[0], op), c10d::OpType::SEND, listValue(tensors),
+                  tensors, [&](InnerRoute& inner, TensorStaging& staging) {
                     auto staged = staging.in(tensors);
                     return inner.send(staged, dstRank, tag);
                   });
@@ -982,8 +982,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recv(std::vector<at::Tensor>& tenso
   checks::tensorList(op, tensors);
   checks::rank(op, srcRank, size_, "source");
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
-  return delegate(op, pointToPointBackend(tensors[0], op), c10d::OpType::RECV, listValue(tensors),
-                  tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate(op, pointToPointRoute(tensors[0], op), c10d::OpType::RECV, listValue(tensors),
+                  tensors, [&](InnerRoute& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recv(staged, srcRank, tag);
                   });
@@ -995,8 +995,8 @@ c10::intrusive_ptr<c10d::Work> XcommBackend::recvAnysource(std::vector<at::Tenso
   checks::tensorList(op, tensors);
   TORCH_CHECK_VALUE(tensors.size() == 1, "xcomm.recv: expects one tensor, got ", tensors.size());
   // Named as Gloo names it under torch.profiler: "xcomm:recvAnySource".
-  return delegate("recvAnySource", pointToPointBackend(tensors[0], op), c10d::OpType::RECVANYSOURCE,
-                  listValue(tensors), tensors, [&](c10d::Backend& inner, TensorStaging& staging) {
+  return delegate("recvAnySource", pointToPointRoute(tensors[0], op), c10d::OpType::RECVANYSOURCE,
+                  listValue(tensors), tensors, [&](InnerRoute& inner, TensorStaging& staging) {
                     auto staged = staging.out(tensors);
                     return inner.recvAnysource(staged, tag);
                   });

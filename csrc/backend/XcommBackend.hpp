@@ -7,8 +7,8 @@
 // (runtime/Route.hpp): for CPU tensors the route the group's plan names
 // (CheckedRoute over Gloo, ShmRoute, HierarchicalRoute, or Gloo as it is),
 // for CUDA tensors NCCL. What the group is (its GroupPlan) and its routes come
-// from GroupBuilder. ("Inner backend": a whole c10d backend under a route,
-// Gloo, NCCL, or xcomm's own StoreCpuBackend in a C++-only program;
+// from GroupBuilder. ("Inner route": what the routes are built on, a whole
+// c10d backend (Gloo, NCCL) or, in a C++-only program, xcomm's StoreRoute;
 // "transport": a byte mover under csrc/transport/.)
 #include <atomic>
 #include <chrono>
@@ -43,13 +43,13 @@ class XcommBackend : public c10d::Backend {
   // The routes, one per device type; either may be null.
   struct Routes {
     std::shared_ptr<Route> cpu;
-    // The whole Gloo (or store) backend under the CPU route: point-to-point
+    // The whole Gloo (or store route) under the CPU route: point-to-point
     // ops, which match by tag rather than by order, go to it directly.
-    c10::intrusive_ptr<c10d::Backend> cpuGloo;
-    std::shared_ptr<RawRoute> cuda;  // NCCL
-    // A second CPU backend, only for int8-compressed allreduces: their two
+    std::shared_ptr<InnerRoute> cpuInner;
+    std::shared_ptr<InnerRoute> cuda;  // NCCL
+    // A second CPU inner route, only for int8-compressed allreduces: their two
     // collectives run on a worker thread and must not mix with other ops.
-    std::shared_ptr<RawRoute> cpuCompressed;
+    std::shared_ptr<InnerRoute> cpuCompressed;
     // Where the CPU route is one of these (also `cpu`), its counters.
     std::shared_ptr<ShmRouteBase> shm;
     std::shared_ptr<HierarchicalRoute> hierarchical;
@@ -297,7 +297,7 @@ class XcommBackend : public c10d::Backend {
   // The raw backend that carries `t`'s point-to-point messages: Gloo (or
   // NCCL) itself, since routes order collectives only. It first makes the
   // checks and the fused-ops flush a collective on `t` would make.
-  c10d::Backend& pointToPointBackend(const at::Tensor& t, const char* op);
+  InnerRoute& pointToPointRoute(const at::Tensor& t, const char* op);
   // Whether the inner backend for `t` implements PREMUL_SUM itself (NCCL does).
   bool backendHasPremul(const at::Tensor& t) const;
   // What every tensor op but all_reduce does after its checks, given the

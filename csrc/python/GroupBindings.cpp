@@ -213,8 +213,9 @@ using Factory = std::function<c10::intrusive_ptr<c10d::Backend>(
 // A Python factory a group keeps for building its successors (shrink): it
 // may be dropped on any thread, and after the interpreter finalised (a group
 // never destroyed), when taking the GIL to release it would crash. Then it
-// is left to the process's exit.
-Factory keptByGroup(Factory python) {
+// is left to the process's exit. The backends it makes (Gloo, NCCL) become
+// the group's inner routes as they are.
+xcomm::InnerBackendFactory::Make keptByGroup(Factory python) {
   std::shared_ptr<Factory> held(new Factory(std::move(python)), [](Factory* f) {
     if (Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
@@ -222,7 +223,11 @@ Factory keptByGroup(Factory python) {
     }
   });
   return [held](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                std::chrono::milliseconds timeout) { return (*held)(store, rank, size, timeout); };
+                std::chrono::milliseconds timeout) -> std::shared_ptr<xcomm::InnerRoute> {
+    auto backend = (*held)(store, rank, size, timeout);
+    if (!backend) return {};
+    return std::make_shared<xcomm::RawRoute>(std::move(backend));
+  };
 }
 
 void bindGroup(py::module_& m) {

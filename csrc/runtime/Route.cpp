@@ -18,7 +18,7 @@ std::chrono::milliseconds timeoutOf(c10d::Backend& backend) {
 }  // namespace
 
 RawRoute::RawRoute(c10::intrusive_ptr<c10d::Backend> backend)
-    : Route(backend ? backend->getRank() : 0, backend ? backend->getSize() : 0),
+    : InnerRoute(backend ? backend->getRank() : 0, backend ? backend->getSize() : 0),
       backend_(std::move(backend)) {
   TORCH_CHECK(backend_, "xcomm: a raw route needs a backend");
   timeoutMs_ = timeoutOf(*backend_).count();

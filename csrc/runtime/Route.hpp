@@ -7,9 +7,13 @@
 // device; the algorithms under collectives/ and schedule/ issue their own
 // collectives through the same interface, with the one-tensor helpers below.
 // The routes:
-// - RawRoute (below): a whole c10d backend as it is (NCCL; Gloo unchecked;
-//   an algorithm's own transport): every Op goes to Op::issue, the one place
-//   an op reaches Gloo or NCCL;
+// - InnerRoute (below): what a group is built on, a route that also carries
+//   point-to-point messages; its implementations are
+//   - RawRoute (below): a whole c10d backend as it is (NCCL; Gloo unchecked;
+//     an algorithm's own transport): every Op goes to Op::issue, the one
+//     place an op reaches Gloo or NCCL;
+//   - StoreRoute (backend/): xcomm's own collectives over a c10d::Store, a
+//     C++-only program's stand-in for Gloo;
 // - CheckedRoute (backend/): Gloo behind a rank-agreement check, small ops
 //   carried in the check's message, large all-to-alls and all-gathers as
 //   messages;
@@ -17,7 +21,7 @@
 // - HierarchicalRoute (backend/): several ranks per host on several hosts
 //   (shared memory inside a host, the hosts' leaders between them).
 // A route that has no algorithm of its own for an op hands it to the route
-// under it (its `fallback`: RawRoute or CheckedRoute), in its own order.
+// under it (its `fallback`: an InnerRoute or CheckedRoute), in its own order.
 #include <atomic>
 #include <chrono>
 #include <string>
@@ -82,13 +86,41 @@ class Route {
   const int size_;
 };
 
-// A whole c10d backend as a route.
-class RawRoute final : public Route {
+// A route with point-to-point messages besides its collectives: the inner
+// backends a group's routes are built on (its Gloo groups, NCCL, or the store
+// route), and what a route falls back to. Messages between two ranks on one
+// tag match in posting order; they are not ordered with the collectives.
+class InnerRoute : public Route {
+ public:
+  using Route::Route;
+  // One tensor per call, as c10d passes it. A send's work may complete once
+  // its bytes left (before the peer received them).
+  virtual c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                              int tag) = 0;
+  virtual c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                              int tag) = 0;
+  // The work's sourceRank() names the sender.
+  virtual c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                                       int tag) = 0;
+};
+
+// A whole c10d backend (Gloo, NCCL) as a route.
+class RawRoute final : public InnerRoute {
  public:
   explicit RawRoute(c10::intrusive_ptr<c10d::Backend> backend);
   std::string name() const override { return backend_->getBackendName(); }
-  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
   c10::intrusive_ptr<c10d::Work> run(Op op) override { return op.issue(*backend_); }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override {
+    return backend_->send(tensors, dstRank, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override {
+    return backend_->recv(tensors, srcRank, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return backend_->recvAnysource(tensors, tag);
+  }
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
     backend_->monitoredBarrier(opts, waitAllRanks);
   }

@@ -12,7 +12,7 @@
 
 #include "RankThreads.hpp"
 #include "backend/GroupBuilder.hpp"
-#include "backend/StoreCpuBackend.hpp"
+#include "backend/StoreRoute.hpp"
 #include "backend/XcommBackend.hpp"
 #include "backend/XcommWork.hpp"
 #include "common/TorchCompat.hpp"
@@ -233,7 +233,7 @@ TEST_CASE("over a TCPStore, a receive waiting on one thread does not hold up a s
         opts.port = server->getPort();
         opts.isServer = false;
         auto client = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", opts);
-        xcomm::StoreCpuBackend b(client, rank, 2, std::chrono::seconds(5));
+        xcomm::StoreRoute b(client, rank, 2, std::chrono::seconds(5));
         std::vector<at::Tensor> in{at::zeros({4})};
         auto recvWork = b.recv(in, 1 - rank, 0);
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -296,9 +296,9 @@ TEST_CASE("fused small allreduces equal the arithmetic and travel together", "[f
   constexpr int kSize = 2;
   auto controlStore = c10::make_intrusive<c10d::HashStore>();
   runRanks(kSize, [&](XcommBackend& b, int rank, int size) {
-    auto control = std::make_shared<xcomm::RawRoute>(c10::make_intrusive<xcomm::StoreCpuBackend>(
+    auto control = std::make_shared<xcomm::StoreRoute>(
         c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
-        std::chrono::seconds(20)));
+        std::chrono::seconds(20));
     b.setFusionThreshold(1024, {}, control);
     std::vector<std::vector<at::Tensor>> held;
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -339,9 +339,9 @@ TEST_CASE("a fusion cycle sends held ops unasked, the same groups on every rank"
   constexpr int kSize = 2;
   auto controlStore = c10::make_intrusive<c10d::HashStore>();
   runRanks(kSize, [&](XcommBackend& b, int rank, int size) {
-    auto control = std::make_shared<xcomm::RawRoute>(c10::make_intrusive<xcomm::StoreCpuBackend>(
+    auto control = std::make_shared<xcomm::StoreRoute>(
         c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
-        std::chrono::seconds(20)));
+        std::chrono::seconds(20));
     b.setFusionThreshold(1024, std::chrono::milliseconds(5), control);
     // Rank 1 starts late: rank 0's first round waits for it to catch up.
     if (rank == 1) std::this_thread::sleep_for(std::chrono::milliseconds(30));
@@ -378,9 +378,9 @@ TEST_CASE("bad fusion-cycle and bucket-launcher settings are refused with a mess
           "[fusion][schedule]") {
   auto controlStore = c10::make_intrusive<c10d::HashStore>();
   runRanks(1, [&](XcommBackend& b, int rank, int size) {
-    auto control = std::make_shared<xcomm::RawRoute>(c10::make_intrusive<xcomm::StoreCpuBackend>(
+    auto control = std::make_shared<xcomm::StoreRoute>(
         c10::make_intrusive<c10d::PrefixStore>("fusion", controlStore), rank, size,
-        std::chrono::seconds(20)));
+        std::chrono::seconds(20));
     const std::chrono::milliseconds cycle(5);
     CHECK_THROWS_WITH(b.setFusionThreshold(0, cycle, control),
                       Contains("needs fusion_threshold_bytes > 0"));
@@ -483,15 +483,15 @@ TEST_CASE("the chunk scheduler sends the first layers first, the same order on e
 
 namespace {
 
-// An inner backend that answers a synchronous op as NCCL does since torch
+// An inner route that answers a synchronous op as NCCL does since torch
 // 2.7: it runs the op on the caller's stream and returns no work.
-class NoWorkWhenSync : public xcomm::StoreCpuBackend {
+class NoWorkWhenSync : public xcomm::StoreRoute {
  public:
-  using StoreCpuBackend::StoreCpuBackend;
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions& opts) override {
-    auto work = StoreCpuBackend::allreduce(tensors, opts);
-    if (opts.asyncOp) return work;
+  using StoreRoute::StoreRoute;
+  c10::intrusive_ptr<c10d::Work> run(xcomm::Op op) override {
+    const bool keepWork = op.asyncOp || op.kind != xcomm::OpKind::kAllreduce;
+    auto work = StoreRoute::run(std::move(op));
+    if (keepWork) return work;
     work->wait();
     return {};
   }
@@ -504,8 +504,8 @@ TEST_CASE("a synchronous op whose inner backend returns no work returns none, fi
   auto store = c10::make_intrusive<c10d::HashStore>();
   xcomm::InnerBackendFactory factory;
   factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int r, int n,
-                   std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
-    return c10::make_intrusive<NoWorkWhenSync>(prefixed, r, n, timeout);
+                   std::chrono::milliseconds timeout) -> std::shared_ptr<xcomm::InnerRoute> {
+    return std::make_shared<NoWorkWhenSync>(prefixed, r, n, timeout);
   };
   auto b =
       xcomm::buildGroup(store, 0, 1, xcomm::XcommOptions::create(std::chrono::seconds(10)), factory,
@@ -535,8 +535,8 @@ TEST_CASE("a synchronous compressed allreduce whose inner backend returns no wor
   xcomm::testing::onRankThreads(2, [](int r, const c10::intrusive_ptr<c10d::Store>& store) {
     xcomm::InnerBackendFactory factory;
     factory.cpu = [](const c10::intrusive_ptr<c10d::Store>& prefixed, int rank, int n,
-                     std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
-      return c10::make_intrusive<NoWorkWhenSync>(prefixed, rank, n, timeout);
+                     std::chrono::milliseconds timeout) -> std::shared_ptr<xcomm::InnerRoute> {
+      return std::make_shared<NoWorkWhenSync>(prefixed, rank, n, timeout);
     };
     auto options = xcomm::XcommOptions::create(std::chrono::seconds(20));
     options->compression.method = xcomm::Compression::kFp16;

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "RankThreads.hpp"
-#include "backend/StoreCpuBackend.hpp"
+#include "backend/StoreRoute.hpp"
 #include "collectives/compressed/CompressedAllreduce.hpp"
 #include "compress/Int8Codec.hpp"
 
@@ -64,8 +64,7 @@ TEST_CASE("the int8 allreduce on the CPU equals its codec's arithmetic, every ra
       const at::Tensor expected = expectedInt8(size, numel, mean);
       xcomm::testing::onRankThreads(
           size, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
-            auto transport = std::make_shared<xcomm::RawRoute>(
-                c10::make_intrusive<xcomm::StoreCpuBackend>(store, rank, size, limit));
+            auto transport = std::make_shared<xcomm::StoreRoute>(store, rank, size, limit);
             xcomm::CompressedAllreduce algorithm(int8Config(), size);
             c10d::AllreduceOptions opts;
             opts.reduceOp = c10d::ReduceOp(mean ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM);
@@ -99,8 +98,7 @@ TEST_CASE(
   xcomm::testing::onRankThreads(2, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
     // The transport's own limit is longer: only the op's timeout can end the
     // wait in time. (Its receive thread waits out that limit at shutdown.)
-    auto transport = std::make_shared<xcomm::RawRoute>(
-        c10::make_intrusive<xcomm::StoreCpuBackend>(store, rank, 2, std::chrono::seconds(3)));
+    auto transport = std::make_shared<xcomm::StoreRoute>(store, rank, 2, std::chrono::seconds(3));
     if (rank == 1) return;  // never joins
     xcomm::CompressedAllreduce algorithm(int8Config(), 2);
     c10d::AllreduceOptions opts;

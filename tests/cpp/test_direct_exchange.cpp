@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "RankThreads.hpp"
-#include "backend/StoreCpuBackend.hpp"
+#include "backend/StoreRoute.hpp"
 #include "collectives/gloo/DirectExchange.hpp"
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
@@ -33,8 +33,8 @@ constexpr auto kLimit = std::chrono::seconds(10);
 TEST_CASE("DirectExchange's all-to-all and all-gather move every piece to its rank", "[direct]") {
   const int size = 3;
   xcomm::testing::onRankThreads(size, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
-    auto p2p = c10::make_intrusive<xcomm::StoreCpuBackend>(store, rank, size, kLimit);
-    DirectExchange direct(p2p, 3, rank, size);
+    xcomm::StoreRoute p2p(store, rank, size, kLimit);
+    DirectExchange direct(p2p, 3);
 
     // Uneven all_to_all_single of doubles; twice, so the second exchange's
     // messages match after the first's on the same tag.
@@ -78,7 +78,7 @@ TEST_CASE("DirectExchange's all-to-all and all-gather move every piece to its ra
       RANK_CHECK(at::equal(gathered.narrow(0, 7 * p, 7), at::arange(7, at::kLong) + 100 * p));
       RANK_CHECK(at::equal(flags[p], at::arange(4, at::kLong).remainder(size).eq(p)));
     }
-    p2p->shutdown();
+    p2p.shutdown();
   });
 }
 
@@ -87,9 +87,9 @@ TEST_CASE("a peer that never sends fails DirectExchange's wait at its limit, nam
   std::string error;
   xcomm::testing::onRankThreads(2, [&](int rank, const c10::intrusive_ptr<c10d::Store>& store) {
     const auto limit = std::chrono::milliseconds(300);
-    auto p2p = c10::make_intrusive<xcomm::StoreCpuBackend>(store, rank, 2, limit);
+    xcomm::StoreRoute p2p(store, rank, 2, limit);
     if (rank == 1) return;  // never posts its messages
-    DirectExchange direct(p2p, 3, rank, 2);
+    DirectExchange direct(p2p, 3);
     at::Tensor in = at::ones({2, 8});
     at::Tensor out = at::zeros({2, 8});
     auto posted = direct.postAlltoall(out, in, {32, 32}, {32, 32});
@@ -99,7 +99,7 @@ TEST_CASE("a peer that never sends fails DirectExchange's wait at its limit, nam
     } catch (const c10::DistBackendError& e) {
       error = e.what_without_backtrace();
     }
-    p2p->shutdown();
+    p2p.shutdown();
   });
   CHECK_THAT(error, Contains("xcomm.all_to_all_single: the transfer with rank 1 did not complete "
                              "within 300 ms"));

@@ -143,13 +143,16 @@ def _subclasses(base: str) -> set[str]:
 
 
 def test_one_c10d_face_and_every_cpu_route_behind_the_route_interface() -> None:
-    """``XcommBackend`` is the one c10d backend above a transport (the
-    C++-only program's ``StoreCpuBackend`` plays Gloo's part under the
-    routes); every way a group's ops run is a ``Route``."""
-    assert _subclasses("c10d::Backend") == {"XcommBackend", "StoreCpuBackend"}
-    routes = _subclasses("Route") | _subclasses("ShmRouteBase")
+    """``XcommBackend`` is xcomm's one c10d backend; every way a group's ops
+    run is a ``Route``, and what routes are built on (Gloo and NCCL as they
+    are, or the C++-only program's store collectives) is an ``InnerRoute``."""
+    assert _subclasses("c10d::Backend") == {"XcommBackend"}
+    assert _subclasses("InnerRoute") == {"RawRoute", "StoreRoute"}
+    routes = _subclasses("Route") | _subclasses("ShmRouteBase") | _subclasses("InnerRoute")
     assert routes == {
+        "InnerRoute",
         "RawRoute",
+        "StoreRoute",
         "CheckedRoute",
         "ShmRouteBase",
         "ShmRoute",

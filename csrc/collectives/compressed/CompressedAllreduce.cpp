@@ -27,9 +27,9 @@ bool isMean(const c10d::AllreduceOptions& opts) {
 // deadline for the whole allreduce.
 class DirectCollectives : public ChainCollectives {
  public:
-  DirectCollectives(RawRoute& route, int size, std::chrono::milliseconds limit)
+  DirectCollectives(InnerRoute& route, int size, std::chrono::milliseconds limit)
       : route_(route),
-        direct_(route.backend(), /*tag=*/3, route.rank(), size),
+        direct_(route, /*tag=*/3),
         size_(size),
         limit_(limit),
         deadline_(std::chrono::steady_clock::now() + limit) {}
@@ -64,7 +64,7 @@ class DirectCollectives : public ChainCollectives {
     return done;
   }
 
-  RawRoute& route_;
+  InnerRoute& route_;
   DirectExchange direct_;
   int size_;
   std::chrono::milliseconds limit_;
@@ -168,7 +168,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startCast(Route& transport,
   return work;
 }
 
-Compression CompressedAllreduce::run(RawRoute& transport, const at::Tensor& tensor,
+Compression CompressedAllreduce::run(InnerRoute& transport, const at::Tensor& tensor,
                                      const c10d::AllreduceOptions& opts) {
   const Compression method =
       auto_ ? auto_->choose(transport, tensor.numel(), tensor.element_size(), opts.timeout)
@@ -231,7 +231,7 @@ c10::intrusive_ptr<c10d::Work> CompressedAllreduce::startInt8(Route& transport,
   return work;
 }
 
-void CompressedAllreduce::runInt8(RawRoute& transport, const at::Tensor& tensor,
+void CompressedAllreduce::runInt8(InnerRoute& transport, const at::Tensor& tensor,
                                   const c10d::AllreduceOptions& opts) {
   if (!tensor.device().is_cpu()) {
     std::function<void()> finalize;

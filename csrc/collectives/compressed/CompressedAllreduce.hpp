@@ -96,7 +96,7 @@ class CompressedAllreduce {
   // (which may first measure the link on `transport`). Returns the method
   // that ran. Call it on one thread, in issue order. SUM or AVG of one float
   // tensor (applies()).
-  Compression run(RawRoute& transport, const at::Tensor& tensor,
+  Compression run(InnerRoute& transport, const at::Tensor& tensor,
                   const c10d::AllreduceOptions& opts);
   // Null unless the group's method is auto.
   const AutoCompression* autoCompression() const { return auto_.get(); }
@@ -118,7 +118,7 @@ class CompressedAllreduce {
   // on `transport` (tag 3, which nothing else on that group uses), until the
   // op's timeout, else the transport's; other devices: startInt8. Once one
   // failed, every later call raises at once, naming that failure.
-  void runInt8(RawRoute& transport, const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
+  void runInt8(InnerRoute& transport, const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
   CompressionConfig config_;
   std::string statsName_;

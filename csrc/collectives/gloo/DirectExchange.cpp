@@ -9,8 +9,8 @@
 
 namespace xcomm {
 
-DirectExchange::DirectExchange(c10::intrusive_ptr<c10d::Backend> p2p, int tag, int rank, int size)
-    : p2p_(std::move(p2p)), tag_(tag), rank_(rank), size_(size) {}
+DirectExchange::DirectExchange(InnerRoute& p2p, int tag)
+    : p2p_(p2p), tag_(tag), rank_(p2p.rank()), size_(p2p.size()) {}
 
 at::Tensor DirectExchange::bytesOf(const at::Tensor& t) {
   TORCH_CHECK(t.is_contiguous(), "DirectExchange: tensors must be contiguous");
@@ -31,7 +31,6 @@ std::vector<at::Tensor> DirectExchange::pieces(const at::Tensor& t,
 
 DirectExchange::Posted DirectExchange::post(const std::vector<at::Tensor>& toPeer,
                                             const std::vector<at::Tensor>& fromPeer) const {
-  TORCH_CHECK(p2p_, "DirectExchange needs a backend for its messages");
   TORCH_CHECK(
       static_cast<int>(toPeer.size()) == size_ && static_cast<int>(fromPeer.size()) == size_,
       "DirectExchange: one piece per rank");
@@ -42,14 +41,14 @@ DirectExchange::Posted DirectExchange::post(const std::vector<at::Tensor>& toPee
     const int r = (rank_ + size_ - i) % size_;
     if (fromPeer[r].numel() == 0) continue;
     std::vector<at::Tensor> in{fromPeer[r]};
-    posted.works.push_back(p2p_->recv(in, r, tag_));
+    posted.works.push_back(p2p_.recv(in, r, tag_));
     posted.peers.push_back(r);
   }
   for (int i = 1; i < size_; ++i) {
     const int r = (rank_ + i) % size_;
     if (toPeer[r].numel() == 0) continue;
     std::vector<at::Tensor> out{toPeer[r]};
-    posted.works.push_back(p2p_->send(out, r, tag_));
+    posted.works.push_back(p2p_.send(out, r, tag_));
     posted.peers.push_back(r);
   }
   // This rank's own piece while the messages travel.

@@ -20,7 +20,9 @@
 #include <vector>
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "runtime/Route.hpp"
 
 namespace xcomm {
 
@@ -32,10 +34,10 @@ class DirectExchange {
     std::vector<int> peers;
   };
 
-  // `p2p` carries the messages on point-to-point tag `tag`, which nothing
-  // else posts on; messages of consecutive exchanges share the tag and match
-  // in posting order, which is the same on every rank.
-  DirectExchange(c10::intrusive_ptr<c10d::Backend> p2p, int tag, int rank, int size);
+  // `p2p` (which must outlive this) carries the messages on point-to-point
+  // tag `tag`, which nothing else posts on; messages of consecutive exchanges
+  // share the tag and match in posting order, which is the same on every rank.
+  DirectExchange(InnerRoute& p2p, int tag);
 
   // all_to_all_single: `input`'s piece r (`sendBytes[r]` bytes, in rank
   // order) goes to rank r; rank r's piece for this rank lands at its place in
@@ -68,7 +70,7 @@ class DirectExchange {
   Posted post(const std::vector<at::Tensor>& toPeer, const std::vector<at::Tensor>& fromPeer) const;
 
  private:
-  c10::intrusive_ptr<c10d::Backend> p2p_;
+  InnerRoute& p2p_;
   int tag_;
   int rank_;
   int size_;
