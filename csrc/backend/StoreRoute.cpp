@@ -86,9 +86,16 @@ void StoreRoute::runFlat(Op& op, const std::string& ch, std::chrono::millisecond
       flat::reduce(transport_, ch, op.inputs[0], root, redOp, limit);
       return;
     case OpKind::kAllgather:
-    case OpKind::kAllgatherCoalesced:
       for (size_t i = 0; i < op.inputs.size(); ++i)
         flat::allgather(transport_, part(ch, i), op.inputs[i], op.outputLists[i], limit);
+      return;
+    case OpKind::kAllgatherCoalesced:
+      // c10d's lists are per rank here (outputLists[r][i]); the algorithm's per input.
+      for (size_t i = 0; i < op.inputs.size(); ++i) {
+        std::vector<at::Tensor> fromRanks;
+        for (const auto& ofRank : op.outputLists) fromRanks.push_back(ofRank[i]);
+        flat::allgather(transport_, part(ch, i), op.inputs[i], fromRanks, limit);
+      }
       return;
     case OpKind::kAllgatherBase:
     case OpKind::kAllgatherIntoTensorCoalesced:

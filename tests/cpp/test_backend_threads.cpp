@@ -160,6 +160,39 @@ TEST_CASE("broadcast, allgather, gather and scatter move the right data", "[back
   });
 }
 
+TEST_CASE("the coalesced all-gathers and reduce-scatter run on the store route, one op per tensor",
+          "[backend]") {
+  // A C++-only group's inner route is StoreRoute: these were c10d's "not
+  // supported" before it ran them.
+  runRanks(3, [](XcommBackend& b, int rank, int size) {
+    std::vector<at::Tensor> ins{rankValues(rank, 2, at::kFloat), rankValues(rank, 5, at::kFloat)};
+    std::vector<at::Tensor> outs{at::zeros({2 * size}), at::zeros({5 * size})};
+    b.allgather_into_tensor_coalesced(outs, ins)->wait();
+    for (int r = 0; r < size; ++r) {
+      RANK_CHECK(at::equal(outs[0].narrow(0, 2 * r, 2), rankValues(r, 2, at::kFloat)));
+      RANK_CHECK(at::equal(outs[1].narrow(0, 5 * r, 5), rankValues(r, 5, at::kFloat)));
+    }
+
+    // c10d's lists: one per rank, of one tensor per input.
+    std::vector<std::vector<at::Tensor>> lists;
+    for (int r = 0; r < size; ++r) lists.push_back({at::zeros({2}), at::zeros({5})});
+    b.allgather_coalesced(lists, ins)->wait();
+    for (int r = 0; r < size; ++r) {
+      RANK_CHECK(at::equal(lists[r][0], rankValues(r, 2, at::kFloat)));
+      RANK_CHECK(at::equal(lists[r][1], rankValues(r, 5, at::kFloat)));
+    }
+
+    // Every rank gives (rank + 1) * arange: rank r's shard of the sum is
+    // 6 * arange over its rows.
+    std::vector<at::Tensor> full{at::arange(3 * size, at::kFloat) * (rank + 1),
+                                 at::arange(size, at::kFloat) * (rank + 1)};
+    std::vector<at::Tensor> shards{at::zeros({3}), at::zeros({1})};
+    b.reduce_scatter_tensor_coalesced(shards, full)->wait();
+    RANK_CHECK(at::equal(shards[0], at::arange(3 * rank, 3 * rank + 3, at::kFloat) * 6));
+    RANK_CHECK(at::equal(shards[1], at::full({1}, 6.0 * rank)));
+  });
+}
+
 TEST_CASE("reduce_scatter_tensor and uneven all_to_all_single", "[backend]") {
   runRanks(2, [](XcommBackend& b, int rank, int size) {
     auto in = at::arange(6, at::kFloat) * (rank + 1);  // sum over ranks = 3 * arange
