@@ -60,8 +60,8 @@ c10::intrusive_ptr<c10d::Work> StoreRoute::run(Op op) {
   // one order, so the n-th op has channel n on every rank.
   const std::string channel = nextChannel();
   const auto limit = op.timeout == c10d::kUnsetTimeout ? timeout() : op.timeout;
-  auto work = c10::make_intrusive<FutureWork>(rank_, op.type, nullptr, c10::IValue(op.result),
-                                              tensorListType());
+  auto work = c10::make_intrusive<FutureWork>(rank_, op.type, profilingTitle("store:", op.title),
+                                              c10::IValue(op.result), tensorListType());
   collectives_.submit(finishing(work, [this, op = std::move(op), channel, limit]() mutable {
     runFlat(op, channel, limit);
     return -1;
@@ -155,7 +155,7 @@ c10::intrusive_ptr<c10d::Work> StoreRoute::send(std::vector<at::Tensor>& tensors
   // A store write does not wait for the receiver, so a send completes at once.
   transport_.send(dstRank, p2pChannel(rank_, dstRank, tag, n), t.data_ptr(),
                   t.numel() * t.element_size());
-  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::SEND, nullptr,
+  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::SEND, "store:send",
                                               c10::IValue(tensors), tensorListType());
   work->markSucceeded();
   return work;
@@ -163,7 +163,7 @@ c10::intrusive_ptr<c10d::Work> StoreRoute::send(std::vector<at::Tensor>& tensors
 
 c10::intrusive_ptr<c10d::Work> StoreRoute::recv(std::vector<at::Tensor>& tensors, int srcRank,
                                                 int tag) {
-  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::RECV, nullptr,
+  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::RECV, "store:recv",
                                               c10::IValue(tensors), tensorListType());
   receives_.submit(finishing(work, [this, tensors, srcRank, tag]() mutable {
     at::Tensor& t = tensors[0];
@@ -177,8 +177,9 @@ c10::intrusive_ptr<c10d::Work> StoreRoute::recv(std::vector<at::Tensor>& tensors
 
 c10::intrusive_ptr<c10d::Work> StoreRoute::recvAnysource(std::vector<at::Tensor>& tensors,
                                                          int tag) {
-  auto work = c10::make_intrusive<FutureWork>(rank_, c10d::OpType::RECVANYSOURCE, nullptr,
-                                              c10::IValue(tensors), tensorListType());
+  auto work =
+      c10::make_intrusive<FutureWork>(rank_, c10d::OpType::RECVANYSOURCE, "store:recv_any_source",
+                                      c10::IValue(tensors), tensorListType());
   receives_.submit(finishing(work, [this, tensors, tag]() mutable {
     at::Tensor& t = tensors[0];
     std::vector<int> sources;

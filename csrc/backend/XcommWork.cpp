@@ -30,10 +30,14 @@ std::vector<at::Tensor> tensorsOf(const c10::IValue& value) {
 }  // namespace
 
 const char* profilingTitle(const std::string& op) {
+  return profilingTitle("xcomm:", op);
+}
+
+const char* profilingTitle(const std::string& prefix, const std::string& op) {
   static std::mutex mutex;
   static std::unordered_set<std::string> titles;  // node-based: c_str() stays put
   std::lock_guard<std::mutex> lock(mutex);
-  return titles.insert("xcomm:" + op).first->c_str();
+  return titles.insert(prefix + op).first->c_str();
 }
 
 c10::TypePtr tensorListType() {

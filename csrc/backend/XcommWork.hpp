@@ -25,6 +25,8 @@ c10::TypePtr tensorListType();
 // "xcomm:<op>" as a string that lives as long as the process: the profiler
 // keeps the pointer a Work hands it, not a copy.
 const char* profilingTitle(const std::string& op);
+// `prefix` + `op`, kept for the process's life as profilingTitle's are.
+const char* profilingTitle(const std::string& prefix, const std::string& op);
 
 // Runs a callable exactly once, from whichever thread gets there first; later
 // callers block until it finished. An exception is rethrown to every caller.

@@ -1,11 +1,13 @@
 // XcommBackend's C++-only path: ranks are threads sharing a HashStore, as a
 // LibTorch program would run them; results are checked against arithmetic.
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <future>
 #include <mutex>
 #include <thread>
 
+#include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -191,6 +193,29 @@ TEST_CASE("the coalesced all-gathers and reduce-scatter run on the store route, 
     RANK_CHECK(at::equal(shards[0], at::arange(3 * rank, 3 * rank + 3, at::kFloat) * 6));
     RANK_CHECK(at::equal(shards[1], at::full({1}, 6.0 * rank)));
   });
+}
+
+TEST_CASE("under the profiler a C++-only group's op shows its store route's event inside xcomm's",
+          "[backend]") {
+  // The store route's works carry c10d's "<backend>:<op>" titles, as Gloo's do.
+  static std::atomic<int> xcommEvents{0}, storeEvents{0};
+  xcommEvents = 0;
+  storeEvents = 0;
+  auto handle = at::addGlobalCallback(at::RecordFunctionCallback(
+      [](const at::RecordFunction& fn) -> std::unique_ptr<at::ObserverContext> {
+        const std::string name = fn.name();
+        if (name == "xcomm:all_reduce") xcommEvents++;
+        if (name == "store:all_reduce") storeEvents++;
+        return nullptr;
+      }));
+  runRanks(2, [](XcommBackend& b, int rank, int size) {
+    std::vector<at::Tensor> ts{at::ones({4})};
+    b.allreduce(ts)->wait();
+    RANK_CHECK(at::equal(ts[0], at::full({4}, 2.0)));
+  });
+  at::removeCallback(handle);
+  CHECK(xcommEvents.load() == 2);
+  CHECK(storeEvents.load() == 2);
 }
 
 TEST_CASE("reduce_scatter_tensor and uneven all_to_all_single", "[backend]") {
