@@ -2,9 +2,12 @@
 
 Runs ``python -m xcomm_bench collectives ARGS`` ``--runs`` times with each
 source tree's ``python/`` (and ``xcomm_bench``) first on ``PYTHONPATH``,
-alternating before/after so a drift of the machine hits both alike, and
-prints, per (backend, op, size), the median over runs of the p50 time of
-each build and their ratio (after / before; below 1 is faster).
+in pairs whose order alternates (before-after, then after-before: the
+second run of a pair is often slower on a small machine, by 10-40% on 2
+cores, which a fixed order would charge to one build), and prints, per
+(backend, op, size), the median over runs of the p50 time of each build,
+their ratio (after / before; below 1 is faster) and the median of the
+pairs' ratios.
 
 A tree is a checkout whose extension is built in place, e.g. an older commit:
 
@@ -52,19 +55,39 @@ def main() -> int:
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
     p50: dict[tuple[str, str, int], dict[str, list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        order = [name for _ in range(args.runs) for name in ("before", "after")]
+        pairs = [
+            ("before", "after") if i % 2 == 0 else ("after", "before") for i in range(args.runs)
+        ]
+        order = [name for pair in pairs for name in pair]
         for i, name in enumerate(tqdm(order, desc="alternating runs", unit="run")):
             out = Path(tmp) / f"{i}"
             for r in run_once(trees[name], bench_args, out):
                 key = (r["backend"], r["op"], int(r["nbytes"]))
                 p50.setdefault(key, {"before": [], "after": []})[name].append(r["time_us"])
-    print(f"{'backend':<22}{'op':<16}{'bytes':>10}{'before us':>12}{'after us':>12}{'ratio':>8}")
+    print(
+        f"{'backend':<22}{'op':<16}{'bytes':>10}{'before us':>12}{'after us':>12}{'ratio':>8}"
+        f"{'paired':>8}"
+    )
     rows = []
     for (backend, op, nbytes), runs in sorted(p50.items()):
         before, after = statistics.median(runs["before"]), statistics.median(runs["after"])
         ratio = after / before if before else float("nan")
-        rows.append({"backend": backend, "op": op, "nbytes": nbytes, **runs, "ratio": ratio})
-        print(f"{backend:<22}{op:<16}{nbytes:>10}{before:>12.1f}{after:>12.1f}{ratio:>8.3f}")
+        # Run i of each build belong to one pair.
+        paired = statistics.median(a / b for a, b in zip(runs["after"], runs["before"]) if b)
+        rows.append(
+            {
+                "backend": backend,
+                "op": op,
+                "nbytes": nbytes,
+                **runs,
+                "ratio": ratio,
+                "paired": paired,
+            }
+        )
+        print(
+            f"{backend:<22}{op:<16}{nbytes:>10}{before:>12.1f}{after:>12.1f}{ratio:>8.3f}"
+            f"{paired:>8.3f}"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -54,11 +54,12 @@ inline bool isCast(Compression c) {
   return c == Compression::kFp16 || c == Compression::kBf16;
 }
 
-struct CompressionConfig {
-  // Int8Codec::kDefaultChunkElems (asserted equal where both are seen,
-  // CompressedAllreduce.cpp), spelled out so this floor needs no codec.
-  static constexpr int64_t kDefaultInt8ChunkElems = 1024;
+// Elements per float32 scale of int8 unless a caller says otherwise: the one
+// default of every int8 path (Int8Codec, Options, hooks, FSDP2 and DiLoCo
+// read it, Python through xcomm._C.Int8Codec.DEFAULT_CHUNK_ELEMS).
+inline constexpr int64_t kDefaultInt8ChunkElems = 1024;
 
+struct CompressionConfig {
   Compression method = Compression::kNone;
   int64_t minBytes = 64 * 1024;
   int64_t int8ChunkElems = kDefaultInt8ChunkElems;

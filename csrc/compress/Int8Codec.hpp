@@ -17,17 +17,14 @@
 
 #include <ATen/ATen.h>
 
+#include "common/Compression.hpp"
 #include "compress/ErrorFeedback.hpp"
 
 namespace xcomm {
 
 class Int8Codec {
  public:
-  // Elements per float32 scale unless a caller says otherwise: the one
-  // default of every int8 path (Options, hooks, FSDP2, DiLoCo read it).
-  static constexpr int64_t kDefaultChunkElems = 1024;
-
-  explicit Int8Codec(int64_t chunkElems = kDefaultChunkElems);
+  explicit Int8Codec(int64_t chunkElems = kDefaultInt8ChunkElems);
 
   int64_t chunkElems() const { return chunkElems_; }
   // Elements per shard: numel split over `world`, rounded up to whole chunks.

@@ -73,8 +73,8 @@ void bindCodecs(py::module_& m) {
 
   py::class_<xcomm::Int8Codec, std::shared_ptr<xcomm::Int8Codec>>(
       m, "Int8Codec", "int8 quantization with a float32 scale per chunk.")
-      .def(py::init<int64_t>(), py::arg("chunk_elems") = xcomm::Int8Codec::kDefaultChunkElems)
-      .def_readonly_static("DEFAULT_CHUNK_ELEMS", &xcomm::Int8Codec::kDefaultChunkElems)
+      .def(py::init<int64_t>(), py::arg("chunk_elems") = xcomm::kDefaultInt8ChunkElems)
+      .def_readonly_static("DEFAULT_CHUNK_ELEMS", &xcomm::kDefaultInt8ChunkElems)
       .def_property_readonly("chunk_elems", &xcomm::Int8Codec::chunkElems)
       .def("shard_elems", &xcomm::Int8Codec::shardElems, py::arg("numel"), py::arg("world"))
       .def("packed_bytes", &xcomm::Int8Codec::packedBytes, py::arg("elems"))

@@ -73,9 +73,6 @@ class DirectCollectives : public ChainCollectives {
 
 }  // namespace
 
-static_assert(CompressionConfig::kDefaultInt8ChunkElems == Int8Codec::kDefaultChunkElems,
-              "the int8 chunk default is one number");
-
 CompressedAllreduce::CompressedAllreduce(CompressionConfig config, int size)
     : config_(config), size_(size), int8_(std::make_shared<Int8Codec>(config.int8ChunkElems)) {
   config_.validate();
