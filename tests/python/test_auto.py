@@ -1291,19 +1291,18 @@ def test_the_uncompressed_check_decides_by_measured_steps() -> None:
 
 
 def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
-    """One 4 MiB bucket, auto between ``none`` and int8 on loopback, the
-    probe's bytes counted a tenth (it reads the link 10x slower, so the model
-    prefers int8 by far) and the per-reduction corrections held off: only
-    the whole steps can move the choice. Every step takes 100 ms more (the
+    """One 4 MiB bucket, auto between ``none`` and int8, every round's link
+    agreed as 1 Gbit/s (so the model prefers int8 by far, and predicts 34 ms
+    for an uncompressed reduction, whatever the host's load does to a probe:
+    on a loaded host loopback's probes read 0.06 Gbit/s, predicted 550 ms
+    uncompressed, longer than a step, and the check was skipped) and the
+    per-reduction corrections held off: only the whole steps can move the
+    choice. Every step takes 100 ms more (the
     compute of a larger model: uncompressed reductions, as predicted, fit
     in a step, so a check is worth its trial), and each step whose
     reductions were ``slow`` ("compressed" or "none") 80 ms more still, as
     a codec that takes cores from the backward pass makes it. Returns the
     method of each step and the explanation."""
-    from xcomm.hooks import auto
-
-    plain_wire = auto.allreduce_bytes  # the probe's bytes (and PowerSGD's, not allowed here)
-    auto.allreduce_bytes = lambda nbytes, world: plain_wire(nbytes, world) / 10
     torch.manual_seed(0)
     n = 1024
     model = DDP(torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, 8)))
@@ -1314,6 +1313,13 @@ def _checked(ctx: RankContext, slow: str) -> tuple[list[str], str]:
         probe_fraction=0.05,  # rounds every interval, not spaced out by their cost
     )
     state._observed.update = lambda agreed: None  # type: ignore[method-assign]
+    agree = state._measure.agree
+
+    def agree_on_one_gbit(*args: Any, **kwargs: Any) -> Any:
+        kwargs["fixed"] = {"allreduce": hooks.LinkModel(1e-4, 125e6)}
+        return agree(*args, **kwargs)
+
+    state._measure.agree = agree_on_one_gbit  # type: ignore[method-assign]
     model.register_comm_hook(state, hooks.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     methods = []
