@@ -11,6 +11,7 @@
 
 #include "backend/GroupBuilder.hpp"
 #include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
@@ -358,6 +359,38 @@ group's first reconfigure().)");
       "seconds for `method` ('none', 'bf16', 'fp16', 'int8') on `numel` elements, the codec "
       "at `codec_seconds_per_elem` plus the link. The backend's auto and the DDP hook's "
       "share it.");
+
+  py::class_<xcomm::ObservedFactors>(
+      m, "ObservedFactors",
+      "auto's closed loop (csrc/collectives/compressed/ObservedFactors): observed/predicted "
+      "factors per key, key 0 the link and 1.. the compressed methods. Every auto uses it: "
+      "the backend's, and the hooks' through xcomm.hooks._measure.ObservedCosts.")
+      .def(py::init<size_t>(), py::arg("keys"))
+      .def_readonly_static("FLOOR", &xcomm::ObservedFactors::kFloor)
+      .def_readonly_static("CEILING", &xcomm::ObservedFactors::kCeiling)
+      .def_property_readonly("keys", &xcomm::ObservedFactors::keys)
+      .def("record", &xcomm::ObservedFactors::record, py::arg("key"), py::arg("observed_s"),
+           py::arg("predicted_s"))
+      .def("local", &xcomm::ObservedFactors::local,
+           "This rank's ratios since the last update (0: not seen).")
+      .def("update", &xcomm::ObservedFactors::update, py::arg("agreed"),
+           "Folds the agreed ratios into the factors; starts a new period.")
+      .def(
+          "source",
+          [](const xcomm::ObservedFactors& o, size_t key) {
+            const int from = o.source(key);
+            return from < 0 ? py::object(py::none()) : py::object(py::int_(from));
+          },
+          py::arg("key"), "The key whose factor `key` is predicted with, or None.")
+      .def("factor", &xcomm::ObservedFactors::factor, py::arg("key"))
+      .def("predict", &xcomm::ObservedFactors::predict, py::arg("key"), py::arg("codec_s"),
+           py::arg("wire_s"))
+      .def("base", &xcomm::ObservedFactors::base, py::arg("key"), py::arg("codec_s"),
+           py::arg("wire_s"))
+      .def("stored", &xcomm::ObservedFactors::stored, py::arg("key"))
+      .def("seen", &xcomm::ObservedFactors::seen, py::arg("key"))
+      .def("restore", &xcomm::ObservedFactors::restore, py::arg("key"), py::arg("factor"),
+           py::arg("seen"));
 
   m.def("host_identity", &xcomm::hostIdentity,
         "This process's host identity: equal strings mean shared memory works between two "

@@ -48,7 +48,7 @@ TEST_CASE("auto's model prefers none on a fast link and int8 on a slow one", "[a
 
 TEST_CASE("auto's observed factors correct what ran and lend the least to what did not", "[auto]") {
   using xcomm::ObservedFactors;
-  ObservedFactors o;
+  ObservedFactors o(3);       // the link, bf16, int8
   CHECK(o.factor(0) == 1.0);  // nothing seen: the calibration stands
   CHECK(o.source(2) == -1);
   o.record(2, 0.010, 0.001);  // int8 took 10x its prediction
@@ -80,4 +80,10 @@ TEST_CASE("auto's observed factors correct what ran and lend the least to what d
   CHECK(o.factor(2) == Approx(std::sqrt(10.0)));
   o.update({0.0, 0.0, 1.0});
   CHECK(o.factor(2) == Approx(std::sqrt(std::sqrt(10.0))));
+  // the corrected prediction: none f_link * wire, a codec f_m * (codec + f_link * wire)
+  CHECK(o.predict(0, 0.0, 0.008) == Approx(0.5 * 0.008));
+  CHECK(o.base(2, 0.001, 0.004) == Approx(0.001 + 0.5 * 0.004));
+  CHECK(o.predict(2, 0.001, 0.004) == Approx(o.factor(2) * (0.001 + 0.5 * 0.004)));
+  CHECK_THROWS_WITH(o.factor(3), Catch::Contains("3 keys, not key 3"));
+  CHECK_THROWS_WITH(o.update({1.0}), Catch::Contains("1 observed ratios for 3 keys"));
 }

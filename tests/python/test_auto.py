@@ -733,7 +733,15 @@ def _untried(ctx: RankContext, inherit: bool) -> tuple[list[str], dict[str, int]
 
     auto.topk_allreduce, auto.int8_allreduce = slow_topk, slower_int8
     if not inherit:
-        _measure.ObservedCosts.inherited_from = lambda self, method: None  # type: ignore[method-assign]
+        plain_predict = _measure.ObservedCosts.predict
+
+        def calibrated_until_run(self: Any, method: str, codec_s: float, wire_s: float) -> float:
+            # A method never run keeps its calibration: no factor lent to it.
+            if method != "none" and self.key(method) not in self.seen:
+                return float(self.base(method, codec_s, wire_s))
+            return float(plain_predict(self, method, codec_s, wire_s))
+
+        _measure.ObservedCosts.predict = calibrated_until_run  # type: ignore[method-assign]
     torch.manual_seed(0)
     n = 2048
     model = DDP(torch.nn.Sequential(torch.nn.Linear(n, n), torch.nn.Linear(n, 8)))

@@ -48,48 +48,6 @@ size_t index(Compression m) {
 
 }  // namespace
 
-void ObservedFactors::record(size_t key, double observedSeconds, double predictedSeconds) {
-  if (observedSeconds <= 0 || predictedSeconds <= 0) return;
-  sums_[key][0] += observedSeconds;
-  sums_[key][1] += predictedSeconds;
-}
-
-std::array<double, ObservedFactors::kKeys> ObservedFactors::local() const {
-  std::array<double, kKeys> ratios{};
-  for (size_t k = 0; k < kKeys; ++k) {
-    if (sums_[k][1] > 0) ratios[k] = sums_[k][0] / sums_[k][1];
-  }
-  return ratios;
-}
-
-void ObservedFactors::update(const std::array<double, kKeys>& agreed) {
-  for (size_t k = 0; k < kKeys; ++k) {
-    if (agreed[k] > 0) {
-      // The first reading is the factor; later ones are averaged in
-      // geometrically, so one noisy round moves it by its square root.
-      const double reading = std::min(std::max(agreed[k], kFloor), kCeiling);
-      factors_[k] = seen_[k] ? std::sqrt(factors_[k] * reading) : reading;
-      seen_[k] = true;
-    }
-    sums_[k] = {0.0, 0.0};
-  }
-}
-
-int ObservedFactors::source(size_t key) const {
-  if (seen_[key]) return static_cast<int>(key);
-  if (key == 0) return -1;  // the link: the probe (or XCOMM_AUTO_LINK) stands
-  int least = -1;
-  for (size_t k = 1; k < kKeys; ++k) {
-    if (seen_[k] && (least < 0 || factors_[k] < factors_[least])) least = static_cast<int>(k);
-  }
-  return least;
-}
-
-double ObservedFactors::factor(size_t key) const {
-  const int from = source(key);
-  return from < 0 ? 1.0 : factors_[from];
-}
-
 AutoCompression::AutoCompression(int size, const CompressionConfig& config, int64_t interval)
     : size_(size), chunkElems_(config.int8ChunkElems), interval_(interval) {
   TORCH_CHECK_VALUE(interval_ > 0, "xcomm: auto compression's interval must be > 0");
@@ -171,15 +129,17 @@ double AutoCompression::predict(Compression method, int64_t numel, int64_t eleme
 }
 
 double AutoCompression::base(Compression method, int64_t numel, int64_t elementSize) const {
-  const double w = wire(method, numel, elementSize, size_, chunkElems_, inputs_);
-  if (method == Compression::kNone) return w;
-  return codec(method, numel, inputs_) + observed_.factor(0) * w;
+  return observed_.base(index(method), codec(method, numel, inputs_),
+                        wire(method, numel, elementSize, size_, chunkElems_, inputs_));
+}
+
+double AutoCompression::corrected(Compression method, int64_t numel, int64_t elementSize) const {
+  return observed_.predict(index(method), codec(method, numel, inputs_),
+                           wire(method, numel, elementSize, size_, chunkElems_, inputs_));
 }
 
 void AutoCompression::agreeFactors(const double* agreedRatios) {
-  std::array<double, ObservedFactors::kKeys> ratios{};
-  std::copy(agreedRatios, agreedRatios + ratios.size(), ratios.begin());
-  observed_.update(ratios);
+  observed_.update(std::vector<double>(agreedRatios, agreedRatios + observed_.keys()));
 }
 
 void AutoCompression::calibrate() {
@@ -273,7 +233,7 @@ void AutoCompression::publish() {
   std::lock_guard<std::mutex> lock(mutex_);
   report_.rounds++;
   report_.inputs = inputs_;
-  for (size_t k = 0; k < ObservedFactors::kKeys; ++k) {
+  for (size_t k = 0; k < observed_.keys(); ++k) {
     report_.factors[k] = observed_.factor(k);
     report_.factorSources[k] = observed_.source(k);
   }
@@ -289,9 +249,8 @@ Compression AutoCompression::choose(Route& transport, int64_t numel, int64_t ele
   why << numel << " elements:";
   for (Compression m : allowed_) {
     // Corrected by what the methods were seen to take (the factors agreed).
-    // none: f_link * its wire; a codec: f_m * (codec + f_link * wire).
     const double f = observed_.factor(index(m));
-    const double t = f * base(m, numel, elementSize);
+    const double t = corrected(m, numel, elementSize);
     why << " " << compressionName(m) << " " << t * 1e3 << " ms";
     if (f != 1.0) why << " (x" << f << ")";
     if (t < bestSeconds) {

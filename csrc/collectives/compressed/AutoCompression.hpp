@@ -19,22 +19,13 @@
 // "<latency s>,<bytes/s>" fixes the link instead of probing it (a known
 // network; tests). Codec costs are still measured and agreed.
 //
-// The loop is closed (the DDP hook's ObservedCosts, hooks/_measure.py, is the
-// same design): every allreduce auto runs is timed and compared with its
-// prediction, because the codecs were timed on randn data on an idle machine
-// and the probe can read a link slow. none's observations correct the link
-// (key "link"), a codec's correct that method: its prediction becomes
-//   f_m * (codec + f_link * wire),   none's f_link * (L + wire),
-// so a method seen taking 10x its prediction is predicted at what it took
-// and loses to none at the next round if that is slower than none. The
-// observed/predicted ratios since the last round go into the round's
-// allreduce MAX, so the factors, and hence the choices, are the same on
-// every rank. A key's first ratio becomes its factor, later ones are
-// averaged in geometrically (f <- sqrt(f * r)): one round's ratio is noisy
-// where reductions share the cores with the backward pass. A method that
-// has never run is predicted with the least factor of the codecs that did
-// (its calibration is likely as far off as theirs), so auto does not leave
-// an observed method for one only its calibration favours.
+// The loop is closed (ObservedFactors, the one every auto uses): every
+// allreduce auto runs is timed and compared with its prediction, because the
+// codecs were timed on randn data on an idle machine and the probe can read
+// a link slow. none's observations correct the link (key 0), a codec's
+// correct that method (keys 1 and 2, bf16 and int8), and the ratios since
+// the last round go into the round's allreduce MAX, so the factors, and
+// hence the choices, are the same on every rank.
 // XCOMM_AUTO_TEST_SLOW="<method>,<seconds>" (tests only: a codec far slower
 // than calibrated on any machine) takes that method's calibrated cost as 0
 // and makes each of its allreduces take <seconds> longer.
@@ -54,6 +45,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "runtime/Route.hpp"
 
@@ -67,42 +59,16 @@ struct AutoInputs {
   double int8SecondsPerElem = 0;
 };
 
-// Observed/predicted factors, keyed 0: the link (none's runs), 1: bf16,
-// 2: int8 (AutoCompression::kMethods' order).
-class ObservedFactors {
- public:
-  // Factors stay within [kFloor, kCeiling]: one odd reading (a paused
-  // process) cannot make a method look free or unusable for good.
-  static constexpr double kFloor = 0.05, kCeiling = 100.0;
-  static constexpr size_t kKeys = 3;
-
-  void record(size_t key, double observedSeconds, double predictedSeconds);
-  // This rank's ratios since the last update (0 where nothing was seen).
-  std::array<double, kKeys> local() const;
-  // The agreed ratios become the factors of the keys they saw; a new period.
-  void update(const std::array<double, kKeys>& agreed);
-  // The key whose factor `key` is predicted with: itself once seen; for a
-  // codec never seen, the seen codec with the least factor (ties to the
-  // earlier); -1 where none applies (its calibration stands, factor 1).
-  int source(size_t key) const;
-  double factor(size_t key) const;
-
- private:
-  std::array<double, kKeys> factors_{1.0, 1.0, 1.0};
-  std::array<bool, kKeys> seen_{};
-  std::array<std::array<double, 2>, kKeys> sums_{};  // observed, predicted
-};
-
 // What auto did so far (xcomm's stats and the group's explanation).
 struct AutoReport {
   int64_t rounds = 0;
   AutoInputs inputs;
   std::array<int64_t, 3> chosen{};  // none, bf16, int8
   std::string last;                 // the last choice and its predictions, in words
-  // Per ObservedFactors key: the factor applied and the key it comes from
-  // (-1: uncorrected), as of the last round.
-  std::array<double, ObservedFactors::kKeys> factors{1.0, 1.0, 1.0};
-  std::array<int, ObservedFactors::kKeys> factorSources{-1, -1, -1};
+  // Per ObservedFactors key (the link, bf16, int8): the factor applied and
+  // the key it comes from (-1: uncorrected), as of the last round.
+  std::array<double, 3> factors{1.0, 1.0, 1.0};
+  std::array<int, 3> factorSources{-1, -1, -1};
 };
 
 class AutoCompression {
@@ -152,6 +118,8 @@ class AutoCompression {
   // The prediction `method`'s observations are compared with: corrected by
   // the link factor, not by its own.
   double base(Compression method, int64_t numel, int64_t elementSize) const;
+  // Its prediction corrected by every factor that applies.
+  double corrected(Compression method, int64_t numel, int64_t elementSize) const;
   void agreeFactors(const double* agreedRatios);
   // A round's agreed inputs and factors into report_.
   void publish();
@@ -168,10 +136,10 @@ class AutoCompression {
   std::deque<double> readings_;    // the last three agreed seconds per byte
   std::deque<double> agreements_;  // the last few agreement times: the least is the latency
   std::chrono::steady_clock::time_point lastRound_;
-  ObservedFactors observed_;
-  AutoInputs inputs_;  // the last round's, for this thread's predictions
-  std::array<bool, ObservedFactors::kKeys> warm_{};  // a method's first run pays its set-up
-  int pending_ = -1;                                 // the key choose() returned last
+  ObservedFactors observed_{kMethods.size()};  // keyed by kMethods' index
+  AutoInputs inputs_;                          // the last round's, for this thread's predictions
+  std::array<bool, kMethods.size()> warm_{};   // a method's first run pays its set-up
+  int pending_ = -1;                           // the key choose() returned last
   double pendingBase_ = 0;
   Compression slowMethod_ = Compression::kAuto;  // XCOMM_AUTO_TEST_SLOW; kAuto: none
   double slowSeconds_ = 0;

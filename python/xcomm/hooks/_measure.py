@@ -446,6 +446,11 @@ class ObservedCosts:
     keeps its calibration (factor 1). The ratios are agreed, so which
     methods have run, and the factors, are the same on every rank.
 
+    The arithmetic is C++'s (``_C.ObservedFactors``,
+    csrc/collectives/compressed/ObservedFactors), the one the backend's
+    ``compression="auto"`` uses too; this class keys it by method name and
+    times the hooks' futures.
+
     Example::
 
         >>> o = ObservedCosts(("none", "int8", "topk"))
@@ -459,14 +464,13 @@ class ObservedCosts:
 
     #: Factors are kept within [FLOOR, CEILING]: one odd reading (a paused
     #: process) cannot make a method look free or unusable for good.
-    FLOOR, CEILING = 0.05, 100.0
+    FLOOR, CEILING = _C.ObservedFactors.FLOOR, _C.ObservedFactors.CEILING
 
     def __init__(self, methods: Sequence[str]) -> None:
         self.keys = ("link", *[m for m in methods if m != "none"])
-        self.factors = dict.fromkeys(self.keys, 1.0)
-        #: The keys some round agreed a ratio for (the same on every rank).
-        self.seen: set[str] = set()
-        self._sums = {k: [0.0, 0.0] for k in self.keys}  # observed, predicted
+        # The arithmetic, one for every auto (the backend's too): C++'s.
+        self._factors = _C.ObservedFactors(len(self.keys))
+        self._index = {k: i for i, k in enumerate(self.keys)}
         self._lock = threading.Lock()
         self._last_done = 0.0
         # Reductions watched and not yet recorded, in the order they were issued.
@@ -476,45 +480,43 @@ class ObservedCosts:
     def key(method: str) -> str:
         return "link" if method == "none" else method
 
+    @property
+    def factors(self) -> dict[str, float]:
+        """Each key's own factor (1 until a round saw it)."""
+        return {k: self._factors.stored(i) for i, k in enumerate(self.keys)}
+
+    @property
+    def seen(self) -> set[str]:
+        """The keys some round agreed a ratio for (the same on every rank)."""
+        return {k for i, k in enumerate(self.keys) if self._factors.seen(i)}
+
     def inherited_from(self, method: str) -> str | None:
         """For a compressed method that has never run: the method whose
         factor it is predicted with (the least factor among the compressed
         methods that ran; ties to the earlier), or None where none has run
         (its calibration stands). None for a method that has run."""
-        key = self.key(method)
-        if key == "link" or key in self.seen:
-            return None
-        ran = [k for k in self.keys if k != "link" and k in self.seen]
-        return min(ran, key=lambda k: self.factors[k]) if ran else None
+        index = self._index[self.key(method)]
+        source = self._factors.source(index)
+        return None if source is None or source == index else self.keys[source]
 
     def factor(self, method: str) -> float:
         """The correction applied to ``method``'s prediction: its own
         observed/predicted ratio, or for a method never run, the least of
         those that ran (1 before any has)."""
-        key = self.key(method)
-        source = self.inherited_from(method)
-        return self.factors.get(source if source else key, 1.0)
+        return self._factors.factor(self._index[self.key(method)])
 
     def predict(self, method: str, codec_s: float, wire_s: float) -> float:
         """The corrected prediction of ``method``, from the model's parts."""
-        link = self.factors["link"] * wire_s
-        if method == "none":
-            return link
-        return self.factor(method) * (codec_s + link)
+        return self._factors.predict(self._index[self.key(method)], codec_s, wire_s)
 
     def base(self, method: str, codec_s: float, wire_s: float) -> float:
         """What an observation of ``method`` is compared with: its
         prediction without its own factor."""
-        if method == "none":
-            return wire_s
-        return codec_s + self.factors["link"] * wire_s
+        return self._factors.base(self._index[self.key(method)], codec_s, wire_s)
 
     def record(self, key: str, observed_s: float, predicted_s: float) -> None:
-        if predicted_s > 0 and observed_s > 0:
-            with self._lock:
-                sums = self._sums[key]
-                sums[0] += observed_s
-                sums[1] += predicted_s
+        with self._lock:
+            self._factors.record(self._index[key], observed_s, predicted_s)
 
     def watch(
         self, fut: torch.futures.Future, method: str, predicted_s: float, issued_at: float
@@ -546,20 +548,14 @@ class ObservedCosts:
         """This rank's ratios since the last :meth:`update` (0: not seen)."""
         self._harvest()
         with self._lock:
-            return [o / p if p > 0 else 0.0 for o, p in (self._sums[k] for k in self.keys)]
+            return self._factors.local()
 
     def update(self, agreed: Sequence[float]) -> None:
         """Folds the agreed ratios into the factors (a key's first one is
         taken whole, later ones averaged geometrically with the factor; each
         reading bounded to [FLOOR, CEILING] first) and starts a new period."""
         with self._lock:
-            for k, ratio in zip(self.keys, agreed):
-                if ratio > 0:
-                    reading = min(max(ratio, self.FLOOR), self.CEILING)
-                    seen = k in self.seen
-                    self.factors[k] = math.sqrt(self.factors[k] * reading) if seen else reading
-                    self.seen.add(k)
-                self._sums[k] = [0.0, 0.0]
+            self._factors.update(list(agreed))
 
     def describe(self, key: str) -> str:
         """One key's factor and where it comes from."""
@@ -583,9 +579,9 @@ class ObservedCosts:
             # Before never-run methods were corrected the factors alone were
             # kept: one that moved off 1 was seen.
             d = {"factors": d, "seen": [k for k, v in d.items() if float(v) != 1.0]}
-        factors = d["factors"]
-        self.factors.update({k: float(v) for k, v in factors.items() if k in self.factors})
-        self.seen = {k for k in d["seen"] if k in self.factors}
+        factors, seen = d["factors"], set(d["seen"])
+        for i, k in enumerate(self.keys):
+            self._factors.restore(i, float(factors.get(k, self._factors.stored(i))), k in seen)
 
 
 def future_failed(fut: torch.futures.Future) -> bool:
