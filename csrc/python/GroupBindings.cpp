@@ -11,6 +11,7 @@
 
 #include "backend/GroupBuilder.hpp"
 #include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/compressed/CostModel.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "python/Bindings.hpp"
@@ -337,28 +338,64 @@ group's first reconfigure().)");
       "The backend's compression methods by name (Options(compression=) takes them, None "
       "for \"none\"), in the order of the C++ enum.");
 
+  // The cost model (collectives/compressed/CostModel): every auto's.
+  const auto linkModel = [](const char* what, double latencySeconds, double bytesPerSecond) {
+    TORCH_CHECK_VALUE(bytesPerSecond > 0, "xcomm: the ", what,
+                      " link's bandwidth must be > 0 bytes per second, got ", bytesPerSecond);
+    return xcomm::LinkModel{latencySeconds, bytesPerSecond};
+  };
+  const auto asPair = [](const xcomm::ReductionCost& c) {
+    return std::make_pair(c.codecSeconds, c.wireSeconds);
+  };
   m.def(
-      "predict_allreduce_seconds",
-      [](const std::string& method, int64_t numel, int64_t elementSize, int size,
-         int64_t int8ChunkElems, double latencySeconds, double bandwidthBytesPerSecond,
-         double codecSecondsPerElem) {
-        TORCH_CHECK_VALUE(bandwidthBytesPerSecond > 0,
-                          "xcomm: a link's bandwidth must be > 0 bytes per second, got ",
-                          bandwidthBytesPerSecond);
-        xcomm::AutoInputs in;
-        in.latencySeconds = latencySeconds;
-        in.secondsPerByte = 1.0 / bandwidthBytesPerSecond;
-        in.bf16SecondsPerElem = in.int8SecondsPerElem = codecSecondsPerElem;
-        return xcomm::AutoCompression::predict(xcomm::parseCompression(method), numel, elementSize,
-                                               size, int8ChunkElems, in);
+      "predict_allreduce",
+      [linkModel, asPair](const std::string& method, int64_t numel, int64_t elementSize, int world,
+                          double latencySeconds, double bytesPerSecond,
+                          const xcomm::CodecCosts& costs, int64_t int8ChunkElems,
+                          double topkDensity, int64_t powersgdP, int64_t powersgdQ,
+                          double powersgdMultiplyAdds) {
+        xcomm::BucketShape b;
+        b.numel = numel;
+        b.elementSize = elementSize;
+        b.world = world;
+        b.int8ChunkElems = int8ChunkElems;
+        b.topkDensity = topkDensity;
+        b.powersgdP = powersgdP;
+        b.powersgdQ = powersgdQ;
+        b.powersgdMultiplyAdds = powersgdMultiplyAdds;
+        return asPair(xcomm::predictAllreduce(
+            method, b, linkModel("allreduce", latencySeconds, bytesPerSecond), costs));
       },
-      py::arg("method"), py::arg("numel"), py::arg("element_size"), py::arg("size"),
-      py::arg("int8_chunk_elems"), py::arg("latency_s"), py::arg("bandwidth_bytes_per_s"),
-      py::arg("codec_seconds_per_elem"),
-      "auto's cost model of one allreduce (csrc/collectives/compressed/AutoCompression): "
-      "seconds for `method` ('none', 'bf16', 'fp16', 'int8') on `numel` elements, the codec "
-      "at `codec_seconds_per_elem` plus the link. The backend's auto and the DDP hook's "
-      "share it.");
+      py::arg("method"), py::arg("numel"), py::arg("element_size"), py::arg("world"),
+      py::arg("latency_s"), py::arg("bandwidth_bytes_per_s"), py::arg("costs"), py::kw_only(),
+      py::arg("int8_chunk_elems") = xcomm::kDefaultInt8ChunkElems, py::arg("topk_density") = 0.01,
+      py::arg("powersgd_p") = 0, py::arg("powersgd_q") = 0, py::arg("powersgd_multiply_adds") = 0.0,
+      "auto's cost model of one allreduce (csrc/collectives/compressed/CostModel): "
+      "(codec seconds, link seconds) of `method` ('none', 'bf16', 'fp16', 'int8', 'topk', "
+      "'powersgd') on a bucket of `numel` elements, `costs` the codecs' calibrated seconds "
+      "per element by name. The backend's auto and the DDP hook's share it.");
+  m.def(
+      "predict_reduce_scatter",
+      [linkModel, asPair](const std::string& method, int64_t numel, int64_t elementSize,
+                          double reduceScatterLatency, double reduceScatterBytesPerSecond,
+                          double allToAllLatency, double allToAllBytesPerSecond,
+                          const xcomm::CodecCosts& costs, int64_t int8ChunkElems) {
+        xcomm::BucketShape b;
+        b.numel = numel;
+        b.elementSize = elementSize;
+        b.int8ChunkElems = int8ChunkElems;
+        return asPair(xcomm::predictReduceScatter(
+            method, b,
+            linkModel("reduce-scatter", reduceScatterLatency, reduceScatterBytesPerSecond),
+            linkModel("all-to-all", allToAllLatency, allToAllBytesPerSecond), costs));
+      },
+      py::arg("method"), py::arg("numel"), py::arg("element_size"),
+      py::arg("reduce_scatter_latency_s"), py::arg("reduce_scatter_bytes_per_s"),
+      py::arg("all_to_all_latency_s"), py::arg("all_to_all_bytes_per_s"), py::arg("costs"),
+      py::kw_only(), py::arg("int8_chunk_elems") = xcomm::kDefaultInt8ChunkElems,
+      "auto's cost model of one reduce-scatter (csrc/collectives/compressed/CostModel): "
+      "(codec seconds, link seconds) of `method` ('none', 'bf16', 'fp16', 'int8'); the links "
+      "in bytes of input per second. FSDP2's auto predicts with it.");
 
   py::class_<xcomm::ObservedFactors>(
       m, "ObservedFactors",

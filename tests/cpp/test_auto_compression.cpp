@@ -16,14 +16,14 @@ TEST_CASE("auto's predictions are the documented formula", "[auto]") {
   const int64_t n = 1 << 20, chunk = 256;
   const int w = 4;
   const double ring = 2.0 * (w - 1) / w;
-  CHECK(AutoCompression::predict(Compression::kNone, n, 4, w, chunk, in) ==
+  CHECK(AutoCompression::predict(Compression::kNone, n, 4, w, chunk, in).total() ==
         Approx(1e-4 + ring * n * 4 * 1e-9));
-  CHECK(AutoCompression::predict(Compression::kBf16, n, 4, w, chunk, in) ==
+  CHECK(AutoCompression::predict(Compression::kBf16, n, 4, w, chunk, in).total() ==
         Approx(2e-9 * n + 1e-4 + ring * n * 2 * 1e-9));
-  CHECK(AutoCompression::predict(Compression::kInt8, n, 4, w, chunk, in) ==
+  CHECK(AutoCompression::predict(Compression::kInt8, n, 4, w, chunk, in).total() ==
         Approx(3e-9 * n + 2e-4 + ring * n * (1 + 4.0 / chunk) * 1e-9));
   // float64 doubles none's bytes; the codecs' wire stays the same
-  CHECK(AutoCompression::predict(Compression::kNone, n, 8, w, chunk, in) ==
+  CHECK(AutoCompression::predict(Compression::kNone, n, 8, w, chunk, in).total() ==
         Approx(1e-4 + ring * n * 8 * 1e-9));
 }
 
@@ -34,7 +34,7 @@ TEST_CASE("auto's model prefers none on a fast link and int8 on a slow one", "[a
     Compression pick = Compression::kNone;
     double least = 1e300;
     for (Compression m : AutoCompression::kMethods) {
-      const double t = AutoCompression::predict(m, n, 4, 2, chunk, in);
+      const double t = AutoCompression::predict(m, n, 4, 2, chunk, in).total();
       if (t < least) {
         least = t;
         pick = m;
@@ -86,4 +86,45 @@ TEST_CASE("auto's observed factors correct what ran and lend the least to what d
   CHECK(o.predict(2, 0.001, 0.004) == Approx(o.factor(2) * (0.001 + 0.5 * 0.004)));
   CHECK_THROWS_WITH(o.factor(3), Catch::Contains("3 keys, not key 3"));
   CHECK_THROWS_WITH(o.update({1.0}), Catch::Contains("1 observed ratios for 3 keys"));
+}
+
+TEST_CASE("the cost model's formulas for every method, allreduce and reduce-scatter", "[auto]") {
+  using xcomm::BucketShape;
+  using xcomm::LinkModel;
+  const LinkModel link{2e-4, 1e8};
+  const xcomm::CodecCosts costs{{"bf16", 1e-9},
+                                {"int8", 5e-9},
+                                {"topk", 8e-9},
+                                {"powersgd_mnr", 1e-10},
+                                {"powersgd_pass", 1e-9}};
+  BucketShape b;
+  b.numel = 1 << 20;
+  b.world = 4;
+  b.topkDensity = 0.01;
+  const double n = static_cast<double>(b.numel), ring = 2.0 * 3 / 4;
+  const auto topk = xcomm::predictAllreduce("topk", b, link, costs);
+  const double k = std::ceil(0.01 * n);
+  CHECK(topk.codecSeconds == Approx(8e-9 * n));
+  CHECK(topk.wireSeconds == Approx(2e-4 + 3 * k * 8 / 1e8));  // an all-gather of (index, value)
+  b.powersgdP = 1024 * 4 + 1024;
+  b.powersgdQ = 1024 * 4;
+  b.powersgdMultiplyAdds = 1024.0 * 1024 * 4;
+  const auto ps = xcomm::predictAllreduce("powersgd", b, link, costs);
+  CHECK(ps.codecSeconds == Approx(1e-10 * 1024 * 1024 * 4 + 1e-9 * n));
+  CHECK(ps.wireSeconds == Approx(2 * 2e-4 + ring * 4 * (1024 * 4 * 2 + 1024) / 1e8));
+  CHECK(xcomm::predictAllreduce("int8", b, link, costs).total() ==
+        Approx(5e-9 * n + 2 * 2e-4 + ring * n * (1 + 4.0 / 1024) / 1e8));
+  CHECK_THROWS_WITH(xcomm::predictAllreduce("zstd", b, link, costs),
+                    Catch::Contains("unknown method 'zstd'"));
+  CHECK_THROWS_WITH(xcomm::predictAllreduce("fp16", b, link, costs),
+                    Catch::Contains("no calibrated cost for 'fp16'"));
+
+  const LinkModel allToAll{2e-4, 2e8};
+  b.int8ChunkElems = 256;
+  CHECK(xcomm::predictReduceScatter("none", b, link, allToAll, costs).total() ==
+        2e-4 + 4 * n / 1e8);
+  CHECK(xcomm::predictReduceScatter("int8", b, link, allToAll, costs).total() ==
+        Approx(5e-9 * n + 2e-4 + n * (1 + 4.0 / 256) / 2e8));
+  CHECK_THROWS_WITH(xcomm::predictReduceScatter("topk", b, link, allToAll, costs),
+                    Catch::Contains("unknown method 'topk'"));
 }

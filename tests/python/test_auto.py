@@ -55,7 +55,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_the_cost_model_is_the_documented_formula() -> None:
     """The hook's model against its formula; for none, the casts and int8
-    it is the backend's own (``_C.predict_allreduce_seconds``)."""
+    it is the backend's own, for every method C++'s (``_C.predict_allreduce``)."""
     n, w, link = 1 << 20, 4, hooks.LinkModel(2e-4, 1e8)
     kw: dict[str, Any] = {"density": 0.01, "rank": 4}
     none = predict_seconds("none", n, [(1024, 1024)], w, link, COSTS, **kw)

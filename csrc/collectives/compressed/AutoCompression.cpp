@@ -90,52 +90,34 @@ std::vector<Compression> AutoCompression::methodsNamed(const std::vector<std::st
   return methods;
 }
 
-double AutoCompression::codec(Compression method, int64_t numel, const AutoInputs& in) {
-  const double n = static_cast<double>(numel);
-  switch (method) {
-    case Compression::kBf16:
-    case Compression::kFp16:
-      return in.bf16SecondsPerElem * n;
-    case Compression::kInt8:
-      return in.int8SecondsPerElem * n;
-    default:
-      return 0.0;
-  }
+ReductionCost AutoCompression::predict(Compression method, int64_t numel, int64_t elementSize,
+                                       int size, int64_t int8ChunkElems, const AutoInputs& in) {
+  TORCH_CHECK(method != Compression::kAuto, "xcomm: auto predicts none, bf16, fp16 or int8");
+  BucketShape bucket;
+  bucket.numel = numel;
+  bucket.elementSize = elementSize;
+  bucket.world = size;
+  bucket.int8ChunkElems = int8ChunkElems;
+  const LinkModel link{in.latencySeconds, in.secondsPerByte > 0 ? 1.0 / in.secondsPerByte : 0.0};
+  const CodecCosts costs{{"bf16", in.bf16SecondsPerElem},
+                         {"fp16", in.bf16SecondsPerElem},
+                         {"int8", in.int8SecondsPerElem}};
+  return predictAllreduce(compressionName(method), bucket, link, costs);
 }
 
-double AutoCompression::wire(Compression method, int64_t numel, int64_t elementSize, int size,
-                             int64_t int8ChunkElems, const AutoInputs& in) {
-  const double n = static_cast<double>(numel);
-  const auto ring = [size](double bytes) { return ringAllreduceBytes(bytes, size); };
-  switch (method) {
-    case Compression::kNone:
-      return in.latencySeconds + ring(n * elementSize) * in.secondsPerByte;
-    case Compression::kBf16:
-    case Compression::kFp16:
-      return in.latencySeconds + ring(n * 2.0) * in.secondsPerByte;
-    case Compression::kInt8:
-      return 2.0 * in.latencySeconds +
-             ring(n * (1.0 + 4.0 / static_cast<double>(int8ChunkElems))) * in.secondsPerByte;
-    case Compression::kAuto:
-      break;
-  }
-  TORCH_CHECK(false, "xcomm: auto predicts none, bf16, fp16 or int8, not ",
-              compressionName(method));
-}
-
-double AutoCompression::predict(Compression method, int64_t numel, int64_t elementSize, int size,
-                                int64_t int8ChunkElems, const AutoInputs& in) {
-  return codec(method, numel, in) + wire(method, numel, elementSize, size, int8ChunkElems, in);
+ReductionCost AutoCompression::uncorrected(Compression method, int64_t numel,
+                                           int64_t elementSize) const {
+  return predict(method, numel, elementSize, size_, chunkElems_, inputs_);
 }
 
 double AutoCompression::base(Compression method, int64_t numel, int64_t elementSize) const {
-  return observed_.base(index(method), codec(method, numel, inputs_),
-                        wire(method, numel, elementSize, size_, chunkElems_, inputs_));
+  const ReductionCost c = uncorrected(method, numel, elementSize);
+  return observed_.base(index(method), c.codecSeconds, c.wireSeconds);
 }
 
 double AutoCompression::corrected(Compression method, int64_t numel, int64_t elementSize) const {
-  return observed_.predict(index(method), codec(method, numel, inputs_),
-                           wire(method, numel, elementSize, size_, chunkElems_, inputs_));
+  const ReductionCost c = uncorrected(method, numel, elementSize);
+  return observed_.predict(index(method), c.codecSeconds, c.wireSeconds);
 }
 
 void AutoCompression::agreeFactors(const double* agreedRatios) {

@@ -45,6 +45,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "collectives/compressed/CostModel.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "runtime/Route.hpp"
@@ -89,16 +90,10 @@ class AutoCompression {
   // The methods it may choose (config.autoMethods, default all of kMethods).
   const std::vector<Compression>& allowed() const { return allowed_; }
 
-  // Predicted seconds of `method` for `numel` elements of `elementSize` bytes
-  // (uncorrected): codec() + wire().
-  static double predict(Compression method, int64_t numel, int64_t elementSize, int size,
-                        int64_t int8ChunkElems, const AutoInputs& in);
-
-  // The parts of predict(): the codec's seconds, and the link's (latency
-  // included) that the link factor corrects.
-  static double codec(Compression method, int64_t numel, const AutoInputs& in);
-  static double wire(Compression method, int64_t numel, int64_t elementSize, int size,
-                     int64_t int8ChunkElems, const AutoInputs& in);
+  // The cost model's prediction (CostModel.hpp, uncorrected) of `method` for
+  // `numel` elements of `elementSize` bytes from a round's inputs.
+  static ReductionCost predict(Compression method, int64_t numel, int64_t elementSize, int size,
+                               int64_t int8ChunkElems, const AutoInputs& in);
 
   // The method for one allreduce of `numel` elements. Every `interval`-th
   // call (the first included) first runs a round on `transport`: probe,
@@ -120,6 +115,7 @@ class AutoCompression {
   double base(Compression method, int64_t numel, int64_t elementSize) const;
   // Its prediction corrected by every factor that applies.
   double corrected(Compression method, int64_t numel, int64_t elementSize) const;
+  ReductionCost uncorrected(Compression method, int64_t numel, int64_t elementSize) const;
   void agreeFactors(const double* agreedRatios);
   // A round's agreed inputs and factors into report_.
   void publish();

@@ -219,6 +219,7 @@ __all__ = [
     "LinkModel",
     "auto_hook",
     "compression_errors",
+    "predict_parts",
     "predict_seconds",
 ]
 
@@ -236,8 +237,6 @@ _ON_DEVICE = method_names("ddp", device_capable_only=True)
 _INT8_CHUNK = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
 _CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
-# Codecs that cost nothing: the model's prediction of the wire alone.
-_FREE_CODECS = dict.fromkeys(_CODEC_KEYS, 0.0)
 # Codec timings before any bucket is compressed: cheap, replaced at start_iter.
 _STAND_IN_NUMEL = 1 << 16
 # A synthetic bucket's size where there is no sample: 16 MiB, out of cache as DDP's are.
@@ -290,6 +289,56 @@ def _powersgd_sizes(shapes: list[tuple[int, ...]], rank: int) -> tuple[float, fl
     return p_elems, q_elems, mnr
 
 
+def predict_parts(
+    method: str,
+    numel: int,
+    shapes: list[tuple[int, ...]],
+    world: int,
+    link: LinkModel,
+    costs: dict[str, float],
+    *,
+    density: float,
+    rank: int,
+    itemsize: int = 4,
+) -> tuple[float, float]:
+    """The cost model, split as the closed loop corrects it: predicted
+    (codec seconds, link seconds) to reduce one bucket with ``method``.
+    The formulas are C++'s (``csrc/collectives/compressed/CostModel``, bound
+    as ``_C.predict_allreduce``), the ones the backend's ``compression="auto"``
+    predicts with: a ring allreduce of the payload (none, the casts), int8's
+    all-to-all and all-gather of the packed shards, top-k's all-gather of
+    ``ceil(density * numel)`` (index, value) pairs, PowerSGD's allreduces of
+    P and Q (the sizes its hook would use on ``shapes`` at ``rank``).
+
+    Example::
+
+        >>> link = LinkModel(latency_s=1e-4, bandwidth_bytes_per_s=125e6)  # 1 Gbit/s
+        >>> codec_s, wire_s = predict_parts("int8", 1 << 20, [(1024, 1024)], 2, link,
+        ...                                 {"int8": 1e-9}, density=0.01, rank=4)
+        >>> round(codec_s, 6), round(wire_s, 4)
+        (0.001049, 0.0086)
+    """
+    p_elems = q_elems = 0
+    mnr = 0.0
+    if method == "powersgd":
+        p_elems, q_elems, mnr = _powersgd_sizes(shapes, rank)
+    codec_s, wire_s = _C.predict_allreduce(
+        method,
+        numel,
+        itemsize,
+        world,
+        link.latency_s,
+        link.bandwidth_bytes_per_s,
+        costs,
+        int8_chunk_elems=_INT8_CHUNK,
+        topk_density=density,
+        powersgd_p=int(p_elems),
+        powersgd_q=int(q_elems),
+        powersgd_multiply_adds=float(mnr),
+    )
+    return codec_s, wire_s
+
+
 def predict_seconds(
     method: str,
     numel: int,
@@ -302,7 +351,8 @@ def predict_seconds(
     rank: int,
     itemsize: int = 4,
 ) -> float:
-    """The cost model: predicted seconds to reduce one bucket with ``method``.
+    """The cost model: predicted seconds to reduce one bucket with ``method``
+    (:func:`predict_parts`, summed).
 
     Example::
 
@@ -311,31 +361,10 @@ def predict_seconds(
         ...                 density=0.01, rank=4)  # doctest: +ELLIPSIS
         0.0336...
     """
-    if method in ("none", "bf16", "fp16", "int8"):
-        # The backend's auto model (csrc/collectives/compressed/AutoCompression),
-        # one for both: a ring allreduce of the payload (none, the casts), or
-        # int8's all-to-all and all-gather of the packed shards.
-        return _C.predict_allreduce_seconds(
-            method,
-            numel,
-            itemsize,
-            world,
-            _INT8_CHUNK,
-            link.latency_s,
-            link.bandwidth_bytes_per_s,
-            costs[method] if method != "none" else 0.0,
-        )
-    if method == "topk":
-        k = max(1, math.ceil(density * numel))
-        return costs["topk"] * numel + link.seconds(1, (world - 1) * k * (4.0 + itemsize))
-    if method == "powersgd":
-        p_elems, q_elems, mnr = _powersgd_sizes(shapes, rank)
-        compute = costs["powersgd_mnr"] * mnr + costs["powersgd_pass"] * numel
-        wire = allreduce_bytes(int(p_elems) * itemsize, world) + allreduce_bytes(
-            int(q_elems) * itemsize, world
-        )
-        return compute + link.seconds(2 if q_elems else 1, wire)
-    raise ValueError(f"xcomm.hooks.auto: unknown method {method!r}; choose from {METHODS}")
+    codec_s, wire_s = predict_parts(
+        method, numel, shapes, world, link, costs, density=density, rank=rank, itemsize=itemsize
+    )
+    return codec_s + wire_s
 
 
 def calibrate_codecs(
@@ -1274,12 +1303,17 @@ class AutoState(PicklableState):
         costs: dict[str, float],
     ) -> tuple[float, float]:
         """The model's (codec seconds, link seconds) for bucket ``index``."""
-        kw: dict[str, Any] = {"density": self.topk_density(index), "rank": self.powersgd_rank}
-        total = predict_seconds(method, numel, shapes, world, link, costs, itemsize=itemsize, **kw)
-        wire = predict_seconds(
-            method, numel, shapes, world, link, _FREE_CODECS, itemsize=itemsize, **kw
+        return predict_parts(
+            method,
+            numel,
+            shapes,
+            world,
+            link,
+            costs,
+            density=self.topk_density(index),
+            rank=self.powersgd_rank,
+            itemsize=itemsize,
         )
-        return total - wire, wire
 
     def _watch(
         self,

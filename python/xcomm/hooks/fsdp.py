@@ -112,6 +112,7 @@ __all__ = [
     "CompressedReduceScatter",
     "FsdpCompressionState",
     "compress_reduce_scatter",
+    "predict_reduce_scatter_parts",
     "predict_reduce_scatter_seconds",
 ]
 
@@ -129,12 +130,49 @@ FSDP_STATE_VERSION = 2
 _PROBES = ("reduce_scatter", "all_to_all")
 
 
-#: Codec costs of nothing: the model's link part alone.
-_FREE_CODECS = dict.fromkeys(("bf16", "fp16", "int8"), 0.0)
-
 #: ``reduce_scatter_tensor`` under its newer name where torch has it (2.13+
 #: warns that the old name is deprecated).
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def predict_reduce_scatter_parts(
+    method: str,
+    numel: int,
+    links: dict[str, LinkModel],
+    costs: dict[str, float],
+    *,
+    chunk_elems: int,
+    itemsize: int = 4,
+) -> tuple[float, float]:
+    """``auto``'s cost model (module docstring), split as the closed loop
+    corrects it: predicted (codec seconds, link seconds) to reduce-scatter
+    ``numel`` elements with ``method``. ``links`` gives the
+    ``"reduce_scatter"`` and ``"all_to_all"`` links in bytes of input per
+    second. The formulas are C++'s (``csrc/collectives/compressed/CostModel``,
+    bound as ``_C.predict_reduce_scatter``), beside the allreduce's that the
+    DDP hook and the backend predict with.
+
+    Example::
+
+        >>> links = {k: LinkModel(1e-4, 125e6) for k in ("reduce_scatter", "all_to_all")}
+        >>> codec_s, wire_s = predict_reduce_scatter_parts(
+        ...     "int8", 1 << 20, links, {"int8": 1e-9}, chunk_elems=1024)
+        >>> round(codec_s, 6), round(wire_s, 4)
+        (0.001049, 0.0085)
+    """
+    rs, a2a = links["reduce_scatter"], links["all_to_all"]
+    codec_s, wire_s = _C.predict_reduce_scatter(
+        method,
+        numel,
+        itemsize,
+        rs.latency_s,
+        rs.bandwidth_bytes_per_s,
+        a2a.latency_s,
+        a2a.bandwidth_bytes_per_s,
+        costs,
+        int8_chunk_elems=chunk_elems,
+    )
+    return codec_s, wire_s
 
 
 def predict_reduce_scatter_seconds(
@@ -146,10 +184,8 @@ def predict_reduce_scatter_seconds(
     chunk_elems: int,
     itemsize: int = 4,
 ) -> float:
-    """``auto``'s cost model (module docstring): predicted seconds to
-    reduce-scatter ``numel`` elements with ``method``. ``links`` gives the
-    ``"reduce_scatter"`` and ``"all_to_all"`` links in bytes of input per
-    second.
+    """``auto``'s cost model: predicted seconds to reduce-scatter ``numel``
+    elements with ``method`` (:func:`predict_reduce_scatter_parts`, summed).
 
     Example::
 
@@ -157,17 +193,10 @@ def predict_reduce_scatter_seconds(
         >>> round(predict_reduce_scatter_seconds("none", 1 << 20, links, {}, chunk_elems=1024), 4)
         0.0337
     """
-    if method == "none":
-        return links["reduce_scatter"].seconds(1, numel * itemsize)
-    if method in ("bf16", "fp16"):
-        return costs[method] * numel + links["all_to_all"].seconds(1, numel * 2.0)
-    if method == "int8":
-        return costs["int8"] * numel + links["all_to_all"].seconds(
-            1, numel * (1.0 + 4.0 / chunk_elems)
-        )
-    raise ValueError(
-        f"xcomm.hooks.fsdp: unknown method {method!r}; choose from {FSDP_AUTO_METHODS}"
+    codec_s, wire_s = predict_reduce_scatter_parts(
+        method, numel, links, costs, chunk_elems=chunk_elems, itemsize=itemsize
     )
+    return codec_s + wire_s
 
 
 def calibrate_reduce_scatter_codecs(
@@ -392,13 +421,9 @@ class FsdpCompressionState:
         self, method: str, numel: int, links: dict[str, LinkModel], costs: dict[str, float]
     ) -> tuple[float, float]:
         """The model's (codec seconds, link seconds) for one reduce-scatter."""
-        wire = predict_reduce_scatter_seconds(
-            method, numel, links, _FREE_CODECS, chunk_elems=self.chunk_elems
-        )
-        total = predict_reduce_scatter_seconds(
+        return predict_reduce_scatter_parts(
             method, numel, links, costs, chunk_elems=self.chunk_elems
         )
-        return total - wire, wire
 
     def _took(self, method: str, numel: int, seconds: float) -> None:
         """``auto``: records that a reduce-scatter of ``numel`` elements with
