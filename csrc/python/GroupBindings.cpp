@@ -12,6 +12,7 @@
 #include "backend/GroupBuilder.hpp"
 #include "collectives/compressed/AutoCompression.hpp"
 #include "collectives/compressed/CostModel.hpp"
+#include "collectives/compressed/LinkEstimate.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "python/Bindings.hpp"
@@ -428,6 +429,44 @@ group's first reconfigure().)");
       .def("seen", &xcomm::ObservedFactors::seen, py::arg("key"))
       .def("restore", &xcomm::ObservedFactors::restore, py::arg("key"), py::arg("factor"),
            py::arg("seen"));
+
+  py::class_<xcomm::LinkEstimate>(
+      m, "LinkEstimate",
+      "auto's link measurement (csrc/collectives/compressed/LinkEstimate): the readings, "
+      "latency, probe sizing, round spacing and confirmations of every auto; the caller runs "
+      "the probes and the agreement. The hooks use it through "
+      "xcomm.hooks._measure.MeasuredLink.")
+      .def(py::init<size_t, double, int64_t>(), py::arg("kinds"), py::arg("probe_fraction"),
+           py::arg("interval"))
+      .def_readonly_static("MIN_PROBE_BYTES", &xcomm::LinkEstimate::kMinProbeBytes)
+      .def_readonly_static("CHANGE_FACTOR", &xcomm::LinkEstimate::kChangeFactor)
+      .def_readonly_static("MAX_CONFIRMATIONS", &xcomm::LinkEstimate::kMaxConfirmations)
+      .def_property_readonly("interval", &xcomm::LinkEstimate::interval)
+      .def_property_readonly("probe_fraction", &xcomm::LinkEstimate::probeFraction)
+      .def_property("probe_bytes", &xcomm::LinkEstimate::probeBytes,
+                    &xcomm::LinkEstimate::setProbeBytes)
+      .def_property_readonly("latency", &xcomm::LinkEstimate::latency)
+      .def_property_readonly("last_agreement", &xcomm::LinkEstimate::lastAgreement)
+      .def_property(
+          "agreements",
+          [](const xcomm::LinkEstimate& e) {
+            return std::vector<double>(e.agreements().begin(), e.agreements().end());
+          },
+          &xcomm::LinkEstimate::setAgreements)
+      .def_property_readonly("round_overheads",
+                             [](const xcomm::LinkEstimate& e) {
+                               return std::vector<double>(e.roundOverheads().begin(),
+                                                          e.roundOverheads().end());
+                             })
+      .def_property_readonly("changed", &xcomm::LinkEstimate::changed)
+      .def("seconds_per_byte", &xcomm::LinkEstimate::secondsPerByte, py::arg("took_s"),
+           py::arg("wire_bytes"))
+      .def("agreement_took", &xcomm::LinkEstimate::agreementTook, py::arg("seconds"))
+      .def("fold", &xcomm::LinkEstimate::fold, py::arg("latency_s"), py::arg("step_s"),
+           py::arg("round_s"), py::arg("newest"),
+           "Folds one round's agreed values in; each kind's seconds per byte to predict with.")
+      .def("stride", &xcomm::LinkEstimate::stride, py::arg("confirm"),
+           "Steps from this round to the next.");
 
   m.def("host_identity", &xcomm::hostIdentity,
         "This process's host identity: equal strings mean shared memory works between two "

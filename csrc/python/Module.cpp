@@ -106,6 +106,8 @@ PYBIND11_MODULE(_C, m) {
               in["int8_s_per_elem"] = r.inputs.int8SecondsPerElem;
               py::dict a2;
               a2["rounds"] = r.rounds;
+              a2["next_round"] = r.nextRound;
+              a2["probe_bytes"] = r.probeBytes;
               a2["chosen"] = choices;
               a2["inputs"] = in;
               a2["last"] = r.last;
@@ -130,7 +132,8 @@ PYBIND11_MODULE(_C, m) {
           },
           "Compressed allreduces and reduce-scatters of this group: calls, bytes a ring "
           "allreduce (all-to-all reduce-scatter) would have sent per rank, bytes sent per rank; "
-          "with compression='auto', also what it chose (counts per method), the inputs every "
+          "with compression='auto', also what it chose (counts per method), its rounds (count, "
+          "the choice the next is due at, the next probe's bytes), the inputs every "
           "rank agreed on, the observed/predicted factors it corrects its predictions by "
           "('observed': per key link, bf16, int8, the factor and the key it comes from), and "
           "its last choice with the predictions behind it.")

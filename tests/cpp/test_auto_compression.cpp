@@ -1,7 +1,9 @@
 // Options(compression="auto"): the cost model against its formula, and the
 // choice it implies at the two ends of the link range.
 #include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/compressed/LinkEstimate.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
@@ -127,4 +129,43 @@ TEST_CASE("the cost model's formulas for every method, allreduce and reduce-scat
         Approx(5e-9 * n + 2e-4 + n * (1 + 4.0 / 256) / 2e8));
   CHECK_THROWS_WITH(xcomm::predictReduceScatter("topk", b, link, allToAll, costs),
                     Catch::Contains("unknown method 'topk'"));
+}
+
+TEST_CASE("auto's link estimate: median, probe sizing, spacing by cost, confirmations", "[auto]") {
+  xcomm::LinkEstimate e(1, 0.01, 5);
+  CHECK(e.latency() == 0.0);
+  CHECK(e.secondsPerByte(0.004, 0.0) == 0.0);  // a group of one sends nothing
+  e.agreementTook(2e-3);
+  e.agreementTook(1e-3);
+  CHECK(e.latency() == 1e-3);  // the least recent agreement
+  CHECK(e.secondsPerByte(0.011, 1e7) == Approx(1e-9));
+  CHECK(e.secondsPerByte(0.0015, 1e6) == Approx(0.75e-9));  // latency explains at most half
+  const double tenGbit = 8.0 / 10e9;
+  // The first round: no step timed, the probe keeps its size, every `interval` steps.
+  const int64_t first = e.probeBytes();
+  CHECK(e.fold(1e-4, 0.0, 0.0, {tenGbit})[0] == tenGbit);
+  CHECK(e.probeBytes() == first);
+  CHECK(e.stride(false) == 5);
+  // 130 ms steps: 1% of 5 of them over the two runs of the probe at 10 Gbit/s.
+  e.fold(1e-4, 0.13, 0.0, {tenGbit});
+  CHECK(e.probeBytes() ==
+        static_cast<int64_t>(std::min(0.01 * 5 * 0.13 / 2 / tenGbit, 4.0 * first)));
+  // The latencies make the round 6.8 ms, 5.2 steps' share: due in 6.
+  CHECK(e.stride(false) == 6);
+  // One reading 100x slower: the median (of three, the middle) holds, the
+  // reading is a change, confirmed at the next step at most three times in a row.
+  const auto median = e.fold(1e-4, 0.13, 0.0, {100 * tenGbit});
+  CHECK(median[0] == tenGbit);
+  CHECK(e.changed());
+  CHECK(e.stride(true) == 1);
+  CHECK(e.stride(true) == 1);
+  CHECK(e.stride(true) == 1);
+  CHECK(e.stride(true) > 1);
+  // Rounds that take far longer than their bytes (a busy host's waits) are spaced out.
+  xcomm::LinkEstimate busy(1, 0.01, 5);
+  for (int i = 0; i < 3; ++i) busy.fold(1e-4, 0.02, 0.05, {tenGbit});
+  CHECK(busy.roundOverheads().size() == 3);
+  CHECK(busy.stride(false) >= static_cast<int64_t>(0.05 / (0.01 * 0.02)) - 1);
+  CHECK_THROWS_WITH(busy.fold(1e-4, 0.02, 0.0, {1.0, 2.0}), Catch::Contains("2 readings for 1"));
+  CHECK_THROWS_WITH(xcomm::LinkEstimate(1, 0.0, 5), Catch::Contains("probe_fraction"));
 }

@@ -49,7 +49,10 @@ size_t index(Compression m) {
 }  // namespace
 
 AutoCompression::AutoCompression(int size, const CompressionConfig& config, int64_t interval)
-    : size_(size), chunkElems_(config.int8ChunkElems), interval_(interval) {
+    : size_(size),
+      chunkElems_(config.int8ChunkElems),
+      interval_(interval),
+      link_(1, kProbeFraction, interval) {
   TORCH_CHECK_VALUE(interval_ > 0, "xcomm: auto compression's interval must be > 0");
   for (Compression m : kMethods) {
     const bool listed = std::find(config.autoMethods.begin(), config.autoMethods.end(), m) !=
@@ -115,11 +118,6 @@ double AutoCompression::base(Compression method, int64_t numel, int64_t elementS
   return observed_.base(index(method), c.codecSeconds, c.wireSeconds);
 }
 
-double AutoCompression::corrected(Compression method, int64_t numel, int64_t elementSize) const {
-  const ReductionCost c = uncorrected(method, numel, elementSize);
-  return observed_.predict(index(method), c.codecSeconds, c.wireSeconds);
-}
-
 void AutoCompression::agreeFactors(const double* agreedRatios) {
   observed_.update(std::vector<double>(agreedRatios, agreedRatios + observed_.keys()));
 }
@@ -146,9 +144,14 @@ void AutoCompression::calibrate() {
 
 void AutoCompression::round(Route& transport, std::chrono::milliseconds timeout) {
   if (!calibrated_) calibrate();
-  const double sinceLast = calls_ == 0 ? 0.0 : seconds(lastRound_);
+  const auto start = Clock::now();
+  // LinkEstimate's step is one choice: the time per choice since the last
+  // round (0 at the first: no budget to size the next probe from yet).
+  const int64_t choices = calls_ - lastRoundCall_;
+  const double perChoice = choices > 0 ? seconds(lastRound_) / static_cast<double>(choices) : 0.0;
+  lastRoundCall_ = calls_;
+  const auto ratios = observed_.local();
   if (fixedBandwidth_ > 0) {  // XCOMM_AUTO_LINK: agree the codec costs only
-    const auto ratios = observed_.local();
     at::Tensor costs = at::tensor({localBf16_, localInt8_, ratios[0], ratios[1], ratios[2]},
                                   at::TensorOptions().dtype(at::kDouble));
     allreduceAndWait(transport, costs, c10d::ReduceOp::MAX, timeout);
@@ -156,64 +159,53 @@ void AutoCompression::round(Route& transport, std::chrono::milliseconds timeout)
     const double* c = costs.data_ptr<double>();
     agreeFactors(c + 2);
     inputs_ = AutoInputs{fixedLatency_, 1.0 / fixedBandwidth_, c[0], c[1]};
+    nextRound_ = calls_ + interval_;
     publish();
     return;
   }
   // A probe twice back to back, timing the second: the first lines the ranks
   // up and drains what a link lets through faster than its sustained rate
   // after an idle moment (a token bucket's burst, switch buffers).
-  at::Tensor probe = at::zeros({std::max<int64_t>(1, probeBytes_ / 4)});
+  at::Tensor probe = at::zeros({std::max<int64_t>(1, link_.probeBytes() / 4)});
   allreduceAndWait(transport, probe, c10d::ReduceOp::SUM, timeout);
   const auto t0 = Clock::now();
   allreduceAndWait(transport, probe, c10d::ReduceOp::SUM, timeout);
-  const double took = seconds(t0);
-  const double probeWireBytes = ringAllreduceBytes(static_cast<double>(probe.numel()) * 4.0, size_);
-  // The latency is the least of the recent agreements (a late rank inflates
-  // one) and may explain at most half of the probe, so a noisy latency cannot
-  // make the link look infinitely fast.
-  const double latency =
-      agreements_.empty() ? 0.0 : *std::min_element(agreements_.begin(), agreements_.end());
-  const double perByte = std::max(took - latency, 0.5 * took) / probeWireBytes;
-
-  const auto ratios = observed_.local();
-  at::Tensor agreed = at::tensor(
-      {latency, perByte, localBf16_, localInt8_, sinceLast, ratios[0], ratios[1], ratios[2]},
-      at::TensorOptions().dtype(at::kDouble));
+  const double perByte = link_.secondsPerByte(
+      seconds(t0), ringAllreduceBytes(static_cast<double>(probe.numel()) * 4.0, size_));
+  // The round's cost so far, and the last agreement's as this one's.
+  const double spent = seconds(start) + link_.lastAgreement();
+  // The latency negated: agreed as the least over ranks (the first rank at
+  // an agreement also waited for the others to finish the probe).
+  at::Tensor agreed = at::tensor({-link_.latency(), perByte, localBf16_, localInt8_, perChoice,
+                                  spent, ratios[0], ratios[1], ratios[2]},
+                                 at::TensorOptions().dtype(at::kDouble));
   const auto t1 = Clock::now();
   allreduceAndWait(transport, agreed, c10d::ReduceOp::MAX, timeout);
-  agreements_.push_back(seconds(t1));
-  if (agreements_.size() > 5) agreements_.pop_front();
+  link_.agreementTook(seconds(t1));
   lastRound_ = Clock::now();
 
   const double* v = agreed.data_ptr<double>();
-  // The link used is the median of the last three agreed readings (of two,
-  // the slower), so one noisy probe cannot flip the choices until the next
-  // round. The readings are agreed values: the median is the same everywhere.
-  readings_.push_back(v[1]);
-  if (readings_.size() > 3) readings_.pop_front();
-  std::vector<double> sorted(readings_.begin(), readings_.end());
-  std::sort(sorted.begin(), sorted.end());
-  AutoInputs in{v[0], sorted[sorted.size() / 2], v[2], v[3]};
-  agreeFactors(v + 5);
-  // The next probe: about 1% of the time between rounds (both runs of it),
-  // growing at most 4x a round, between 64 kB (less measures a burst) and
-  // 32 MB; sized from the faster of the median and the newest reading (a
-  // probe too small for its link reads it slow, and sizing from that reading
-  // would keep it small). The first round has no time between rounds to size
-  // from: the probe keeps its size rather than shrinking to the smallest.
-  if (v[4] > 0) {
-    const double budget = 0.01 * v[4] / 2.0;
-    const double fastest = std::max(std::min(in.secondsPerByte, v[1]), 1e-15);
-    const double next = std::min({budget / fastest, 4.0 * static_cast<double>(probeBytes_), 32e6});
-    probeBytes_ = static_cast<int64_t>(std::max(next, 64e3));
+  const double latency = -v[0];
+  const std::vector<double> median = link_.fold(latency, v[4], v[5], {v[1]});
+  agreeFactors(v + 6);
+  inputs_ = AutoInputs{latency, median[0], v[2], v[3]};
+  // A reading far off the median is confirmed at the next choice where it
+  // would change the last choice (agreed values only: the same on every rank).
+  bool confirm = false;
+  if (link_.changed() && lastNumel_ > 0) {
+    const AutoInputs newest{latency, v[1], v[2], v[3]};
+    confirm =
+        best(lastNumel_, lastElementSize_, inputs_) != best(lastNumel_, lastElementSize_, newest);
   }
-  inputs_ = in;
+  nextRound_ = calls_ + link_.stride(confirm);
   publish();
 }
 
 void AutoCompression::publish() {
   std::lock_guard<std::mutex> lock(mutex_);
   report_.rounds++;
+  report_.nextRound = nextRound_;
+  report_.probeBytes = link_.probeBytes();
   report_.inputs = inputs_;
   for (size_t k = 0; k < observed_.keys(); ++k) {
     report_.factors[k] = observed_.factor(k);
@@ -221,32 +213,43 @@ void AutoCompression::publish() {
   }
 }
 
-Compression AutoCompression::choose(Route& transport, int64_t numel, int64_t elementSize,
-                                    std::chrono::milliseconds timeout) {
-  if (calls_ % interval_ == 0) round(transport, timeout);
-  ++calls_;
-  Compression best = kMethods[0];
-  double bestSeconds = std::numeric_limits<double>::infinity();
-  std::ostringstream why;
-  why << numel << " elements:";
+Compression AutoCompression::best(int64_t numel, int64_t elementSize, const AutoInputs& in,
+                                  std::ostringstream* why) const {
+  Compression pick = kMethods[0];
+  double least = std::numeric_limits<double>::infinity();
   for (Compression m : allowed_) {
     // Corrected by what the methods were seen to take (the factors agreed).
-    const double f = observed_.factor(index(m));
-    const double t = corrected(m, numel, elementSize);
-    why << " " << compressionName(m) << " " << t * 1e3 << " ms";
-    if (f != 1.0) why << " (x" << f << ")";
-    if (t < bestSeconds) {
-      best = m;
-      bestSeconds = t;
+    const ReductionCost c = predict(m, numel, elementSize, size_, chunkElems_, in);
+    const double t = observed_.predict(index(m), c.codecSeconds, c.wireSeconds);
+    if (why != nullptr) {
+      const double f = observed_.factor(index(m));
+      *why << " " << compressionName(m) << " " << t * 1e3 << " ms";
+      if (f != 1.0) *why << " (x" << f << ")";
+    }
+    if (t < least) {
+      pick = m;
+      least = t;
     }
   }
-  why << " -> " << compressionName(best);
-  pending_ = static_cast<int>(index(best));
-  pendingBase_ = base(best, numel, elementSize);
+  return pick;
+}
+
+Compression AutoCompression::choose(Route& transport, int64_t numel, int64_t elementSize,
+                                    std::chrono::milliseconds timeout) {
+  if (calls_ >= nextRound_) round(transport, timeout);
+  ++calls_;
+  std::ostringstream why;
+  why << numel << " elements:";
+  const Compression pick = best(numel, elementSize, inputs_, &why);
+  why << " -> " << compressionName(pick);
+  lastNumel_ = numel;
+  lastElementSize_ = elementSize;
+  pending_ = static_cast<int>(index(pick));
+  pendingBase_ = base(pick, numel, elementSize);
   std::lock_guard<std::mutex> lock(mutex_);
-  report_.chosen[index(best)]++;
+  report_.chosen[index(pick)]++;
   report_.last = why.str();
-  return best;
+  return pick;
 }
 
 void AutoCompression::observed(double seconds) {

@@ -2,16 +2,16 @@
 // Options(compression="auto"): per allreduce, the method predicted fastest on
 // this link and machine (none, bf16 or int8).
 //
-// For `n` float elements of `b` bytes over `w` ranks, with latency L, link
-// seconds per byte s (as a ring allreduce sees it) and codec seconds per
-// element c:
-//   none : L + 2 (w-1)/w * n b s
-//   bf16 : c_bf16 n + L + 2 (w-1)/w * 2n s
-//   int8 : c_int8 n + 2L + 2 (w-1)/w * n (1 + 4/chunk) s   (all-to-all + allgather)
-// The inputs are measured, never guessed: the codecs timed once on this
-// machine, the link probed by the group's own collectives every `interval`
-// choices, and every input agreed by an allreduce MAX, so every rank computes
-// the same choice from the same numbers and their collectives match.
+// Each method's time is the cost model's (CostModel.hpp, the one every auto
+// predicts with). The inputs are measured, never guessed: the codecs timed
+// once on this machine, the link probed by the group's own collectives at
+// rounds (LinkEstimate, the one every auto measures with: median of three
+// readings, probes sized and rounds spaced to take about 1% of the time
+// between them, at least every `interval` choices, and a reading 2x off the
+// median that would change the last choice confirmed at the next choice),
+// and every input agreed by one allreduce MAX, so every rank computes the
+// same choice from the same numbers and their collectives match. A "step"
+// of LinkEstimate is one choice here.
 //
 // Two environment variables bound it (read and agreed by every rank when the
 // group is made, backend/GroupSettings, and passed in the config):
@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "collectives/compressed/CostModel.hpp"
+#include "collectives/compressed/LinkEstimate.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "runtime/Route.hpp"
@@ -63,6 +65,8 @@ struct AutoInputs {
 // What auto did so far (xcomm's stats and the group's explanation).
 struct AutoReport {
   int64_t rounds = 0;
+  int64_t nextRound = 0;  // the choice (counted from 0) at which the next round is due
+  int64_t probeBytes = 0;
   AutoInputs inputs;
   std::array<int64_t, 3> chosen{};  // none, bf16, int8
   std::string last;                 // the last choice and its predictions, in words
@@ -77,6 +81,8 @@ class AutoCompression {
   // Methods auto chooses from, cheapest codec first (ties go to the earlier).
   static constexpr std::array<Compression, 3> kMethods{Compression::kNone, Compression::kBf16,
                                                        Compression::kInt8};
+  // The share of the time its rounds (probes and agreement) may take.
+  static constexpr double kProbeFraction = 0.01;
 
   // The methods `names` name ("none", "bf16", "int8"), deduplicated, in
   // kMethods' order; ValueError naming `source` (the variable or option that
@@ -95,9 +101,10 @@ class AutoCompression {
   static ReductionCost predict(Compression method, int64_t numel, int64_t elementSize, int size,
                                int64_t int8ChunkElems, const AutoInputs& in);
 
-  // The method for one allreduce of `numel` elements. Every `interval`-th
-  // call (the first included) first runs a round on `transport`: probe,
-  // agree. Blocking; call it on the thread that issues the op's collectives.
+  // The method for one allreduce of `numel` elements. Where a round is due
+  // (the first call, then as LinkEstimate spaces them) it first runs one on
+  // `transport`: probe, agree. Blocking; call it on the thread that issues
+  // the op's collectives.
   Compression choose(Route& transport, int64_t numel, int64_t elementSize,
                      std::chrono::milliseconds timeout);
 
@@ -113,9 +120,11 @@ class AutoCompression {
   // The prediction `method`'s observations are compared with: corrected by
   // the link factor, not by its own.
   double base(Compression method, int64_t numel, int64_t elementSize) const;
-  // Its prediction corrected by every factor that applies.
-  double corrected(Compression method, int64_t numel, int64_t elementSize) const;
   ReductionCost uncorrected(Compression method, int64_t numel, int64_t elementSize) const;
+  // The allowed method predicted fastest (corrected) for `numel` elements
+  // under `in`; with `why`, its predictions in words.
+  Compression best(int64_t numel, int64_t elementSize, const AutoInputs& in,
+                   std::ostringstream* why = nullptr) const;
   void agreeFactors(const double* agreedRatios);
   // A round's agreed inputs and factors into report_.
   void publish();
@@ -126,11 +135,12 @@ class AutoCompression {
   std::vector<Compression> allowed_;
   double fixedLatency_ = -1, fixedBandwidth_ = -1;  // config.autoLink*; -1: probe
   int64_t calls_ = 0;
-  int64_t probeBytes_ = 1 << 20;
+  int64_t nextRound_ = 0;                        // the call at which the next round is due
+  int64_t lastRoundCall_ = 0;                    // the call of the last round
+  int64_t lastNumel_ = 0, lastElementSize_ = 4;  // the last choice's (does a change matter)
   bool calibrated_ = false;
   double localBf16_ = 0, localInt8_ = 0;
-  std::deque<double> readings_;    // the last three agreed seconds per byte
-  std::deque<double> agreements_;  // the last few agreement times: the least is the latency
+  LinkEstimate link_;
   std::chrono::steady_clock::time_point lastRound_;
   ObservedFactors observed_{kMethods.size()};  // keyed by kMethods' index
   AutoInputs inputs_;                          // the last round's, for this thread's predictions

@@ -117,6 +117,11 @@ class MeasuredLink:
     :attr:`next_round`, computed from agreed values only, so every rank runs
     it at the same step.
 
+    The arithmetic (readings, latency, probe sizing, spacing, confirmations)
+    is C++'s (``_C.LinkEstimate``, csrc/collectives/compressed/LinkEstimate),
+    the one the backend's ``compression="auto"`` measures with too; this
+    class runs the probes and the agreement on the hooks' group.
+
     Args:
         kinds: the probes' names, in the order their links are agreed.
         codec_keys: the codec costs to agree, in order.
@@ -125,11 +130,11 @@ class MeasuredLink:
     """
 
     #: The smallest probe, bytes.
-    MIN_PROBE_BYTES = 64e3
+    MIN_PROBE_BYTES = _C.LinkEstimate.MIN_PROBE_BYTES
     #: A reading this far off the median is confirmed by a round at the next step.
-    CHANGE_FACTOR = 2.0
+    CHANGE_FACTOR = _C.LinkEstimate.CHANGE_FACTOR
     #: The most rounds in a row due at the next step.
-    MAX_CONFIRMATIONS = 3
+    MAX_CONFIRMATIONS = _C.LinkEstimate.MAX_CONFIRMATIONS
 
     def __init__(
         self,
@@ -140,10 +145,7 @@ class MeasuredLink:
     ) -> None:
         self.kinds = kinds
         self.codec_keys = codec_keys
-        self.probe_fraction = probe_fraction
-        self.interval = interval
-        self.probe_bytes = 1 << 20
-        self.latencies: list[float] = []
+        self._estimate = _C.LinkEstimate(len(kinds), probe_fraction, interval)
         self.step_times: list[float] = []
         self._step_start: float | None = None
         self._round_in_step = False
@@ -156,19 +158,38 @@ class MeasuredLink:
         self.agreed_extra: list[float] = []
         #: The median recent step time, the slowest rank's, as the last round agreed it.
         self.agreed_step_seconds = 0.0
-        self._readings: list[list[float]] = []  # agreed seconds/byte per kind, last 3 rounds
-        #: What the last rounds took beyond what their bytes and latency
-        #: explain (agreed: the slowest rank's), seconds; the newest last.
-        self.round_overheads: list[float] = []
-        self._confirmations = 0  # rounds in a row due at once to confirm a change
 
-    def _median(self) -> list[float] | None:
-        """Per kind, the median of the recent readings (seconds per byte);
-        of two, the slower."""
-        if not self._readings:
-            return None
-        mid = len(self._readings) // 2
-        return [sorted(r[i] for r in self._readings)[mid] for i in range(len(self.kinds))]
+    @property
+    def interval(self) -> int:
+        return int(self._estimate.interval)
+
+    @property
+    def probe_fraction(self) -> float:
+        return float(self._estimate.probe_fraction)
+
+    @property
+    def probe_bytes(self) -> int:
+        """The next probe's size, bytes."""
+        return int(self._estimate.probe_bytes)
+
+    @probe_bytes.setter
+    def probe_bytes(self, nbytes: int) -> None:
+        self._estimate.probe_bytes = int(nbytes)
+
+    @property
+    def latencies(self) -> list[float]:
+        """This rank's last agreements' durations, seconds (the least is the latency)."""
+        return list(self._estimate.agreements)
+
+    @latencies.setter
+    def latencies(self, seconds: Sequence[float]) -> None:
+        self._estimate.agreements = list(seconds)
+
+    @property
+    def round_overheads(self) -> list[float]:
+        """What the last rounds took beyond what their bytes and latency
+        explain (agreed: the slowest rank's), seconds; the newest last."""
+        return list(self._estimate.round_overheads)
 
     def step_started(self) -> float | None:
         """Called at the start of each step: the probes' budget is a share of
@@ -207,29 +228,23 @@ class MeasuredLink:
             self.local_costs = dict(calibrate())
         self._round_in_step = True
         round_start = time.perf_counter()
+        estimate = self._estimate
         seconds_per_byte = dict.fromkeys(self.kinds, 0.0)
         if fixed is None:
             assert probes is not None
-            latency = min(self.latencies, default=0.0)
+            nbytes = estimate.probe_bytes
             for kind in self.kinds:
-                probes[kind](self.probe_bytes)  # lines the ranks up, drains a burst
+                probes[kind](nbytes)  # lines the ranks up, drains a burst
                 t0 = time.perf_counter()
-                wire = probes[kind](self.probe_bytes)
-                took = time.perf_counter() - t0
-                # A group of one sends nothing (wire == 0): its link costs nothing.
-                seconds_per_byte[kind] = max(took - latency, 0.5 * took) / wire if wire else 0.0
+                wire = probes[kind](nbytes)
+                seconds_per_byte[kind] = estimate.seconds_per_byte(time.perf_counter() - t0, wire)
         recent = sorted(self.step_times[-5:])
         step_seconds = recent[len(recent) // 2] if recent else 0.0  # median: robust to pauses
         # The latency is agreed as the least over ranks (negated, so the one
-        # MAX agrees it): the rank that reaches the agreement first also
-        # waits for the others to finish the probe (at 0.1 Gbit/s a ring's
-        # last chunk lands milliseconds apart on the two ranks), which is not
-        # a cost each collective pays; the last to arrive waits for none.
-        # What this round has cost so far (the backward pass waits for it:
-        # probes, the wait to line up, the scheduler's delays on a busy
-        # host), plus the previous agreement's duration as this one's.
-        spent = time.perf_counter() - round_start + (self.latencies[-1] if self.latencies else 0.0)
-        local = [-min(self.latencies, default=0.0), step_seconds, spent]
+        # MAX agrees it). What this round has cost so far (the backward pass
+        # waits for it), plus the previous agreement's duration as this one's.
+        spent = time.perf_counter() - round_start + estimate.last_agreement
+        local = [-estimate.latency, step_seconds, spent]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
         local += list(extra)
@@ -237,92 +252,31 @@ class MeasuredLink:
         agreed = torch.tensor(local, dtype=torch.float64, device=device)
         t0 = time.perf_counter()
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-        self.latencies = [*self.latencies[-4:], time.perf_counter() - t0]
+        estimate.agreement_took(time.perf_counter() - t0)
         values = agreed.tolist()
         latency, step_seconds, n = -values[0], values[1], len(self.kinds)
         self.agreed_step_seconds = step_seconds
         ncodecs = len(self.codec_keys)
         costs = dict(zip(self.codec_keys, values[3 + n : 3 + n + ncodecs]))
         self.agreed_extra = values[3 + n + ncodecs :]
-        stride = self.interval
+
+        def as_links(per_byte: Sequence[float]) -> dict[str, LinkModel]:
+            return {
+                k: LinkModel(latency, 1.0 / max(s, 1e-15)) for k, s in zip(self.kinds, per_byte)
+            }
+
         if fixed is not None:
-            links = dict(fixed)
+            links, stride = dict(fixed), self.interval
         else:
             newest = values[3 : 3 + n]
-            before = self._median()
-            self._readings = [*self._readings[-2:], newest]
-            median = self._median()
-            assert median is not None
-
-            def as_links(seconds_per_byte: list[float]) -> dict[str, LinkModel]:
-                return {
-                    k: LinkModel(latency, 1.0 / max(s, 1e-15))
-                    for k, s in zip(self.kinds, seconds_per_byte)
-                }
-
-            links = as_links(median)
-            # Probes are sized for the faster of the median and the newest
-            # reading: a probe too small for the link reads it slower than
-            # it is (per-op costs the latency does not hold), and a probe
-            # sized from that reading would stay small. After a link sped
-            # up the probe grows (at most 4x a round); after it slowed, a
-            # round or two cost more until the median follows.
-            slowest = 1.0 / max(max(min(a, b) for a, b in zip(median, newest)), 1e-15)
-            # What this round took beyond its bytes at its own reading: the
-            # wait to line up, the scheduler's delays on a busy host.
-            explained = _round_seconds(latency, self.probe_bytes, newest)
-            if step_seconds > 0:  # the first round also waits for the ranks to start
-                self.round_overheads = [
-                    *self.round_overheads[-2:],
-                    max(values[2] - explained, 0.0),
-                ]
-            # Before any step without a round has been timed (the first
-            # round) there is no budget to size from, nor a step to space
-            # rounds by: the probe keeps its size rather than shrinking to
-            # the smallest, which would read a fast link several times too
-            # slow at the next round.
-            if step_seconds > 0:
-                budget = self.probe_fraction * self.interval * step_seconds / (2 * n)
-                size = min(budget * slowest, 4.0 * self.probe_bytes, 32e6)
-                self.probe_bytes = int(max(size, self.MIN_PROBE_BYTES))
-                # What the next round will cost: every probe twice, the
-                # agreement, and what recent rounds took beyond their bytes
-                # (the median; of two, the less). On a busy host those waits
-                # outweigh the bytes: on 2 cores a round on an emulated
-                # 10 Gbit/s link took 1-13 ms, not the 0.5-1.5 ms its bytes
-                # and latency predict.
-                round_seconds = _round_seconds(latency, self.probe_bytes, [1.0 / slowest] * n)
-                if self.round_overheads:
-                    waits = sorted(self.round_overheads)
-                    round_seconds += waits[(len(waits) - 1) // 2]
-                stride = max(
-                    stride, math.ceil(round_seconds / (self.probe_fraction * step_seconds))
-                )
-            # A reading more than 2x off the median is a change of the link
-            # or a noisy probe: the next step's round tells which (a second
-            # reading like it moves the median; one like the others outvotes
-            # it). At most MAX_CONFIRMATIONS rounds in a row.
-            changed = any(
-                max(a, b) > self.CHANGE_FACTOR * min(a, b)
-                for ref in (median, before or median)
-                for a, b in zip(newest, ref)
-            )
+            links = as_links(estimate.fold(latency, step_seconds, values[2], newest))
+            changed = estimate.changed
             if changed and matters is not None:
                 changed = matters(as_links(newest), costs)
-            if changed and self._confirmations < self.MAX_CONFIRMATIONS:
-                stride = 1
-                self._confirmations += 1
-            else:
-                self._confirmations = 0
+            stride = estimate.stride(changed)
         self.next_round = step + stride
         self.agreed = (links, costs)
         return self.agreed
-
-
-def _round_seconds(latency: float, probe_bytes: float, seconds_per_byte: list[float]) -> float:
-    """What a round's bytes and latency take: every kind's probe twice, then
-    the agreement."""
-    return 2 * sum(latency + probe_bytes * s for s in seconds_per_byte) + latency
 
 
 class MethodChoices:
