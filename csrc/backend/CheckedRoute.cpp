@@ -22,6 +22,7 @@ InnerRoute& checked(const std::shared_ptr<InnerRoute>& checks) {
   TORCH_CHECK(checks, "xcomm: the checked route needs a checks route");
   return *checks;
 }
+
 // Point-to-point tags of the checks group: one per kind of row.
 constexpr int kDescriptorTag = 1;
 constexpr int kPairsTag = 2;
@@ -155,7 +156,8 @@ CheckedRoute::CheckedRoute(std::shared_ptr<InnerRoute> inner, std::shared_ptr<In
       timeoutMs_(timeout.count()) {
   TORCH_CHECK(inner_, "xcomm: the checked route needs an inner route");
   TORCH_CHECK(checks_->rank() == rank_ && checks_->size() == size_,
-              "xcomm: the checks backend's rank/size differ from the group's");
+              "xcomm: the checks route's rank and size (", checks_->rank(), " of ", checks_->size(),
+              ") differ from the group's (", rank_, " of ", size_, ")");
   TORCH_CHECK(carryBytes_ >= 0, "xcomm: carryBytes must be >= 0, got ", carryBytes);
 }
 

@@ -3,7 +3,7 @@
 // xcomm._C.PowerSgdAllreduce, Int8Allreduce, TopKAllreduce and
 // RandomKAllreduce, one per hook state, started by the hooks in
 // python/xcomm/hooks/; and CompressedRows, the compressed reduce-scatter's
-// arithmetic (collectives/compressed/CompressedReduceScatter.hpp) that
+// arithmetic (collectives/compressed/CompressedRows.hpp) that
 // FSDP2's state shares with the backend; CompletionClock, when a future
 // completed, for auto's timing.
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -17,7 +17,7 @@
 #include "collectives/chains/Int8Allreduce.hpp"
 #include "collectives/chains/PowerSgdAllreduce.hpp"
 #include "collectives/chains/SparseAllreduce.hpp"
-#include "collectives/compressed/CompressedReduceScatter.hpp"
+#include "collectives/compressed/CompressedRows.hpp"
 #include "python/Bindings.hpp"
 
 namespace py = pybind11;
@@ -195,7 +195,7 @@ Python callback on it (one would take the GIL on the thread completing the futur
 
   py::class_<xcomm::CompressedRows>(m, "CompressedRows", R"(The compressed reduce-scatter's
 arithmetic, as the backend's compression= route runs it (see
-csrc/collectives/compressed/CompressedReduceScatter.hpp): encode the input's rows, all-to-all
+csrc/collectives/compressed/CompressedRows.hpp): encode the input's rows, all-to-all
 them (the caller's collective), reduce_into the output.)")
       .def(py::init([](const std::string& method, int size,
                        std::shared_ptr<xcomm::Int8Codec> codec) {

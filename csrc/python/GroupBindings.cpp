@@ -11,6 +11,7 @@
 
 #include "backend/GroupBuilder.hpp"
 #include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/compressed/CodecCalibration.hpp"
 #include "collectives/compressed/CostModel.hpp"
 #include "collectives/compressed/LinkEstimate.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
@@ -397,6 +398,19 @@ group's first reconfigure().)");
       "auto's cost model of one reduce-scatter (csrc/collectives/compressed/CostModel): "
       "(codec seconds, link seconds) of `method` ('none', 'bf16', 'fp16', 'int8'); the links "
       "in bytes of input per second. FSDP2's auto predicts with it.");
+
+  // The codec calibration (collectives/compressed/CodecCalibration): every auto's.
+  m.def("calibrate_allreduce_codecs", &xcomm::calibrateAllreduceCodecs, py::arg("sample"),
+        py::arg("world"), py::arg("int8_chunk_elems"), py::arg("powersgd_rank"), py::arg("methods"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Each codec's seconds per element on this machine for one allreduce of `sample` "
+        "(flat float32, on its device): encode with error feedback, decode and sum `world` "
+        "copies, best of 3. Keys as the cost model's (PowerSGD's as powersgd_mnr and "
+        "powersgd_pass).");
+  m.def("calibrate_reduce_scatter_codecs", &xcomm::calibrateReduceScatterCodecs, py::arg("sample"),
+        py::arg("world"), py::arg("int8_chunk_elems"), py::call_guard<py::gil_scoped_release>(),
+        "bf16's, fp16's and int8's seconds per element for one reduce-scatter of `sample` "
+        "(FSDP2's rows), best of 3.");
 
   py::class_<xcomm::ObservedFactors>(
       m, "ObservedFactors",

@@ -1,10 +1,14 @@
-// Options(compression="auto"): the cost model against its formula, and the
-// choice it implies at the two ends of the link range.
+// What every auto shares (the cost model against its formula, the link
+// estimate, the closed loop's factors, the codec calibration) and the
+// backend's choice at the two ends of the link range.
 #include "collectives/compressed/AutoCompression.hpp"
+#include "collectives/compressed/CodecCalibration.hpp"
 #include "collectives/compressed/LinkEstimate.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <vector>
 
 // After torch's headers: c10 defines a CHECK macro that must not replace Catch's.
 #include <catch2/catch.hpp>
@@ -168,4 +172,27 @@ TEST_CASE("auto's link estimate: median, probe sizing, spacing by cost, confirma
   CHECK(busy.stride(false) >= static_cast<int64_t>(0.05 / (0.01 * 0.02)) - 1);
   CHECK_THROWS_WITH(busy.fold(1e-4, 0.02, 0.0, {1.0, 2.0}), Catch::Contains("2 readings for 1"));
   CHECK_THROWS_WITH(xcomm::LinkEstimate(1, 0.0, 5), Catch::Contains("probe_fraction"));
+}
+
+TEST_CASE("every auto's codec calibration times each method it is asked for", "[auto]") {
+  const at::Tensor sample = at::randn({1 << 16});
+  const auto costs = xcomm::calibrateAllreduceCodecs(
+      sample, 2, 1024, 4, {"none", "bf16", "fp16", "int8", "topk", "powersgd"});
+  std::vector<std::string> keys;
+  for (const auto& [key, seconds] : costs) {
+    keys.push_back(key);
+    CHECK(seconds > 0);
+    CHECK(seconds < 1e-3);  // per element: a millisecond would be a hang, not a codec
+  }
+  CHECK(keys ==
+        std::vector<std::string>{"bf16", "fp16", "int8", "powersgd_mnr", "powersgd_pass", "topk"});
+  // The backend's auto asks for its two only.
+  CHECK(xcomm::calibrateAllreduceCodecs(sample, 4, 256, 1, {"bf16", "int8"}).size() == 2);
+  const auto rows = xcomm::calibrateReduceScatterCodecs(at::randn({1001}), 2, 1024);
+  CHECK(rows.size() == 3);
+  CHECK(rows.at("int8") > 0);
+  CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(sample, 2, 1024, 4, {"zstd"}),
+                    Catch::Contains("no calibration for method 'zstd'"));
+  CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(at::empty({0}), 2, 1024, 4, {"bf16"}),
+                    Catch::Contains("non-empty sample"));
 }

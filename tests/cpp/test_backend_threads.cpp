@@ -195,6 +195,18 @@ TEST_CASE("the coalesced all-gathers and reduce-scatter run on the store route, 
   });
 }
 
+TEST_CASE("a C++-only group refuses monitored_barrier and names the backend that has one",
+          "[backend]") {
+  // Gloo's is the only monitored barrier; the store route says so, as
+  // c10d's default does for a backend without one.
+  runRanks(2, [](XcommBackend& b, int /*rank*/, int /*size*/) {
+    c10d::BarrierOptions opts;
+    opts.timeout = std::chrono::milliseconds(2000);
+    RANK_CHECK_THROWS_WITH(b.monitoredBarrier(opts, false),
+                           Catch::Contains("does not support monitoredBarrier, only GLOO"));
+  });
+}
+
 TEST_CASE("under the profiler a C++-only group's op shows its store route's event inside xcomm's",
           "[backend]") {
   // The store route's works carry c10d's "<backend>:<op>" titles, as Gloo's do.

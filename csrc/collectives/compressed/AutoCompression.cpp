@@ -10,8 +10,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "collectives/compressed/CodecCalibration.hpp"
 #include "common/LinkBytes.hpp"
-#include "compress/Int8Codec.hpp"
 
 namespace xcomm {
 namespace {
@@ -20,18 +20,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds(Clock::time_point since) {
   return std::chrono::duration<double>(Clock::now() - since).count();
-}
-
-// The least time of three runs of `fn`.
-template <typename Fn>
-double bestOfThree(Fn&& fn) {
-  double best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < 3; ++i) {
-    const auto t0 = Clock::now();
-    fn();
-    best = std::min(best, seconds(t0));
-  }
-  return best;
 }
 
 void allreduceAndWait(Route& transport, at::Tensor t, c10d::ReduceOp::RedOpType op,
@@ -123,20 +111,13 @@ void AutoCompression::agreeFactors(const double* agreedRatios) {
 }
 
 void AutoCompression::calibrate() {
-  // 16 MiB of float32: out of cache, as gradients are. The work each method
-  // adds to an allreduce of it (float32 in and out, this group's size).
-  constexpr int64_t kElems = 1 << 22;
-  at::Tensor x = at::randn({kElems}, at::TensorOptions().dtype(at::kFloat));
-  at::Tensor out = at::empty_like(x);
-  localBf16_ = bestOfThree([&] { out.copy_(x.to(at::kBFloat16)); }) / kElems;
-  Int8Codec codec(chunkElems_);
-  const int64_t shard = codec.shardElems(kElems, size_);
-  localInt8_ = bestOfThree([&] {
-                 at::Tensor packed = codec.packShards(x, size_);
-                 at::Tensor mine = codec.reduceAndPack(packed, shard, 1.0);
-                 codec.unpackAll(mine.repeat({size_}), shard, out);
-               }) /
-               kElems;
+  // 16 MiB of float32 (out of cache, as gradients are), timed as every auto
+  // times its codecs (CodecCalibration).
+  const CodecCosts costs =
+      calibrateAllreduceCodecs(at::randn({int64_t{1} << 22}, at::TensorOptions().dtype(at::kFloat)),
+                               size_, chunkElems_, 1, {"bf16", "int8"});
+  localBf16_ = costs.at("bf16");
+  localInt8_ = costs.at("int8");
   if (slowMethod_ == Compression::kBf16) localBf16_ = 0;
   if (slowMethod_ == Compression::kInt8) localInt8_ = 0;
   calibrated_ = true;

@@ -11,10 +11,10 @@
 // itself is exact, unlike a reduce-scatter run in the low precision; every
 // shard is reduced on its one owner. Stateless, like CompressedAllreduce.
 //
-// CompressedRows is that arithmetic, whoever issues the all-to-all: the
-// backend (CompressedReduceScatter::start, on the input's route) and FSDP2's
-// state (xcomm.hooks.compress_reduce_scatter, on its process group, with
-// error feedback and auto's per-call method).
+// CompressedRows (its own file) is that arithmetic, whoever issues the
+// all-to-all: the backend (CompressedReduceScatter::start, on the input's
+// route) and FSDP2's state (xcomm.hooks.compress_reduce_scatter, on its
+// process group, with error feedback and auto's per-call method).
 #include <functional>
 #include <memory>
 #include <optional>
@@ -24,35 +24,12 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "collectives/compressed/CompressedAllreduce.hpp"
+#include "collectives/compressed/CompressedRows.hpp"
 #include "compress/ErrorFeedback.hpp"
 #include "compress/Int8Codec.hpp"
 #include "runtime/Route.hpp"
 
 namespace xcomm {
-
-class CompressedRows {
- public:
-  // `method`: fp16, bf16 or int8; `size`: the group's.
-  CompressedRows(Compression method, int size, std::shared_ptr<const Int8Codec> int8);
-
-  // Row j of `input` (`size` equal rows) encoded for rank j: int8 uint8
-  // [size, bytes per row] (Int8Codec::packRows), a cast [size, row elements]
-  // in the low precision. With `feedback`, the key's residual is added first
-  // and what the encoding lost is stored back as the key's residual.
-  at::Tensor encode(const at::Tensor& input, ErrorFeedback* feedback = nullptr,
-                    int64_t key = 0) const;
-  // The received rows decoded and summed in rank order (the same bits every
-  // run), in float32 (float64 for a float64 output), divided by `size` under
-  // `mean`, into `output` (one row's elements).
-  void reduceInto(const at::Tensor& received, const at::Tensor& output, bool mean) const;
-  // Link bytes this rank sends: an all-to-all of `wire`.
-  int64_t sentBytes(const at::Tensor& wire) const;
-
- private:
-  Compression method_;
-  int size_;
-  std::shared_ptr<const Int8Codec> int8_;
-};
 
 class CompressedReduceScatter {
  public:

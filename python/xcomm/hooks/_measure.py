@@ -52,26 +52,6 @@ class LinkModel:
         return collectives * self.latency_s + wire_bytes / self.bandwidth_bytes_per_s
 
 
-def best_seconds(
-    fn: Callable[[], Any], repeat: int = 3, device: torch.device | None = None
-) -> float:
-    """The least wall time of ``repeat`` calls of ``fn``; on a CUDA
-    ``device``, until the work it queued there has finished."""
-
-    def sync() -> None:
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    best = math.inf
-    for _ in range(repeat):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 #: A probe: issues one collective of about ``nbytes`` on the group and
 #: returns the bytes it put on this rank's link, in the unit its link is
 #: modelled in.

@@ -200,7 +200,6 @@ from ._measure import (
     MethodChoices,
     ObservedCosts,
     UncompressedCheck,
-    best_seconds,
     future_failed,
 )
 from ._methods import method_names
@@ -375,7 +374,9 @@ def calibrate_codecs(
     sample: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Measures each codec's seconds per element on this machine (float32,
-    encode + reduce + decode with error feedback, best of 3), on a bucket of
+    encode + reduce + decode with error feedback, best of 3; C++'s
+    ``calibrateAllreduceCodecs``, csrc/collectives/compressed/CodecCalibration,
+    which the backend's ``compression="auto"`` times with too), on a bucket of
     ``numel`` elements on ``device`` (default the CPU; a CUDA device times
     xcomm's kernels there, to completion): 16 MiB by default, out of cache
     as DDP's are. ``sample``: time them on these values instead (a real
@@ -391,52 +392,16 @@ def calibrate_codecs(
     """
     device = torch.device("cpu") if device is None else torch.device(device)
     if sample is not None:
-        x = sample.detach().reshape(-1).to(device=device, dtype=torch.float32).clone()
-        numel = x.numel()
+        x = sample.detach().reshape(-1).to(device=device, dtype=torch.float32)
     else:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(numel, generator=g).to(device)
-    out = torch.empty_like(x)
-    costs: dict[str, float] = {}
-
-    def timed(fn: Any) -> float:
-        return best_seconds(fn, device=device)
-
-    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        costs[name] = timed(lambda dtype=dtype: out.copy_(x.to(dtype).div_(world))) / numel
-    codec, fb = _C.Int8Codec(_INT8_CHUNK), _C.ErrorFeedback()
-    shard = codec.shard_elems(numel, world)
-
-    def int8() -> None:
-        packed = codec.pack_shards_with_feedback(x, world, fb, 0)
-        mean = codec.reduce_and_pack(packed, shard, float(world))
-        codec.unpack_all(mean.repeat(world), shard, out)
-
-    costs["int8"] = timed(int8) / numel
-    topk, fb2 = _C.TopKCodec(False, False), _C.ErrorFeedback()
-    k = _C.TopKCodec.k_for(numel, 0.01)
-
-    def top() -> None:
-        packed = topk.encode_with_feedback(0, x, k, fb2)
-        topk.decode(packed.repeat(world).reshape(world, -1), k, out, float(world))
-
-    costs["topk"] = timed(top) / numel
-    # PowerSGD: xcomm's own codec (all three products, error feedback,
-    # orthogonalisation, decompression) on one matrix, per m*n*r.
-    ps = PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
-    m = 1 << (max(numel.bit_length() - 1, 0) // 2)  # a square matrix
-    buf = x[: m * (numel // m)].clone()
-    ps.codec.set_layout(0, buf, [buf.view(m, -1)], [0])
-
-    def powersgd() -> None:
-        seed = 1 if ps.codec.needs_seed(0) else None
-        wire, _q, _b, _a = ps.codec.prepare(0, buf, seed)
-        summed_q = ps.codec.reduce_p(0, wire, world)
-        ps.codec.finish(0, summed_q, world)
-
-    costs["powersgd_mnr"] = timed(powersgd) / (buf.numel() * min(rank, m))
-    costs["powersgd_pass"] = timed(lambda: out.add_(x)) / numel  # uncompressed 1-D tensors
-    return costs
+    # The one calibration every auto times with (the backend's too).
+    return dict(
+        _C.calibrate_allreduce_codecs(
+            x, world, _INT8_CHUNK, rank, ["bf16", "fp16", "int8", "topk", "powersgd"]
+        )
+    )
 
 
 def compression_errors(

@@ -101,7 +101,6 @@ from ._measure import (
     MethodChoices,
     ObservedCosts,
     UncompressedCheck,
-    best_seconds,
 )
 from ._methods import method_names
 from ._pickling import pack_state, pickled_state
@@ -208,19 +207,8 @@ def calibrate_reduce_scatter_codecs(
     cache, as gradients are)."""
     numel -= numel % world
     x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    out = torch.empty(numel // world)
-    codec, feedback = _C.Int8Codec(chunk_elems), _C.ErrorFeedback()
-    costs: dict[str, float] = {}
-    for name in ("bf16", "fp16", "int8"):
-        rows = _C.CompressedRows(name, world, codec)
-
-        # What reduces: the encode, and (as if every rank sent the same rows)
-        # the decode and sum of what arrives.
-        def run(rows: Any = rows, fb: Any = feedback if name == "int8" else None) -> None:
-            rows.reduce_into(rows.encode(x, fb, 0), out, False)
-
-        costs[name] = best_seconds(run) / numel
-    return costs
+    # The one calibration every auto times with (C++'s, CodecCalibration).
+    return dict(_C.calibrate_reduce_scatter_codecs(x, world, chunk_elems))
 
 
 @dataclass
