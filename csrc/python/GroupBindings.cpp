@@ -402,9 +402,10 @@ group's first reconfigure().)");
   // The codec calibration (collectives/compressed/CodecCalibration): every auto's.
   m.def("calibrate_allreduce_codecs", &xcomm::calibrateAllreduceCodecs, py::arg("sample"),
         py::arg("world"), py::arg("int8_chunk_elems"), py::arg("powersgd_rank"), py::arg("methods"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("error_feedback") = true, py::call_guard<py::gil_scoped_release>(),
         "Each codec's seconds per element on this machine for one allreduce of `sample` "
-        "(flat float32, on its device): encode with error feedback, decode and sum `world` "
+        "(flat float32, on its device): encode (with error feedback unless told not to), decode "
+        "and sum `world` "
         "copies, best of 3. Keys as the cost model's (PowerSGD's as powersgd_mnr and "
         "powersgd_pass).");
   m.def("calibrate_reduce_scatter_codecs", &xcomm::calibrateReduceScatterCodecs, py::arg("sample"),

@@ -112,10 +112,12 @@ void AutoCompression::agreeFactors(const double* agreedRatios) {
 
 void AutoCompression::calibrate() {
   // 16 MiB of float32 (out of cache, as gradients are), timed as every auto
-  // times its codecs (CodecCalibration).
+  // times its codecs (CodecCalibration); without error feedback, as the
+  // backend's int8 runs (timed with it, int8 read dearer and lost to bf16 at
+  // 10 Gbit/s, where int8's steps were the faster).
   const CodecCosts costs =
       calibrateAllreduceCodecs(at::randn({int64_t{1} << 22}, at::TensorOptions().dtype(at::kFloat)),
-                               size_, chunkElems_, 1, {"bf16", "int8"});
+                               size_, chunkElems_, 1, {"bf16", "int8"}, /*errorFeedback=*/false);
   localBf16_ = costs.at("bf16");
   localInt8_ = costs.at("int8");
   if (slowMethod_ == Compression::kBf16) localBf16_ = 0;

@@ -54,7 +54,8 @@ int64_t squareSide(int64_t numel) {
 }  // namespace
 
 CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t int8ChunkElems,
-                                    int64_t powersgdRank, const std::vector<std::string>& methods) {
+                                    int64_t powersgdRank, const std::vector<std::string>& methods,
+                                    bool errorFeedback) {
   TORCH_CHECK_VALUE(world >= 1, "xcomm: auto calibrates for a group of >= 1 ranks, got ", world);
   const at::Tensor x = flatFloat(sample);
   const c10::Device device = x.device();
@@ -74,7 +75,9 @@ CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t
       costs[method] = bestOfThree(device,
                                   [&] {
                                     at::Tensor packed =
-                                        codec.packShardsWithFeedback(x, world, feedback, 0);
+                                        errorFeedback
+                                            ? codec.packShardsWithFeedback(x, world, feedback, 0)
+                                            : codec.packShards(x, world);
                                     at::Tensor mean = codec.reduceAndPack(packed, shard, world);
                                     codec.unpackAll(mean.repeat({world}), shard, out);
                                   }) /
@@ -86,7 +89,8 @@ CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t
       costs[method] =
           bestOfThree(device,
                       [&] {
-                        at::Tensor packed = codec.encode(0, x, k, &feedback);
+                        at::Tensor packed =
+                            codec.encode(0, x, k, errorFeedback ? &feedback : nullptr);
                         codec.decode(packed.repeat({world}).reshape({world, -1}), k, out, world);
                       }) /
           n;
@@ -95,6 +99,7 @@ CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t
       // orthogonalisation, decompression) on one square matrix.
       PowerSgdOptions options;
       options.matrixApproximationRank = powersgdRank;
+      options.useErrorFeedback = errorFeedback;
       PowerSgdCodec codec(options);
       const int64_t m = squareSide(numel);
       at::Tensor matrix = x.narrow(0, 0, m * (numel / m)).clone();

@@ -5,11 +5,11 @@
 // (hooks/fsdp.py, calibrate_reduce_scatter_codecs).
 //
 // Each codec's seconds per element on this machine: the work its method adds
-// to one reduction of `sample` (encode with error feedback, then decode and
-// sum `world` received copies, as if every rank sent the same), the least of
-// three runs, to completion on the sample's device. `sample` is what will be
-// reduced where the caller has it (a codec's cost depends on its input:
-// top-k's on a mostly zero bucket) and randn otherwise; float32, flat.
+// to one reduction of `sample` (encode, with error feedback where the
+// caller's codecs keep residuals, then decode and sum `world` received copies, as if every rank
+// sent the same), the least of three runs, to completion on the sample's device. `sample` is what
+// will be reduced where the caller has it (a codec's cost depends on its input: top-k's on a mostly
+// zero bucket) and randn otherwise; float32, flat.
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -24,8 +24,11 @@ namespace xcomm {
 // "powersgd"; none costs nothing): CostModel's keys, PowerSGD's as
 // "powersgd_mnr" (per multiply-add of a rank-`powersgdRank` step on one
 // square matrix) and "powersgd_pass" (per element sent whole). Top-k at 1%.
+// `errorFeedback`: as the caller's codecs run (the hooks' int8, top-k and
+// PowerSGD keep residuals; the backend's int8 does not).
 CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t int8ChunkElems,
-                                    int64_t powersgdRank, const std::vector<std::string>& methods);
+                                    int64_t powersgdRank, const std::vector<std::string>& methods,
+                                    bool errorFeedback = true);
 
 // For a reduce-scatter (FSDP2's rows: encode `world` rows, decode and sum
 // them), "bf16", "fp16" and "int8". The sample's size is cut to a multiple

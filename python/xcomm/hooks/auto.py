@@ -397,11 +397,8 @@ def calibrate_codecs(
         g = torch.Generator().manual_seed(0)
         x = torch.randn(numel, generator=g).to(device)
     # The one calibration every auto times with (the backend's too).
-    return dict(
-        _C.calibrate_allreduce_codecs(
-            x, world, _INT8_CHUNK, rank, ["bf16", "fp16", "int8", "topk", "powersgd"]
-        )
-    )
+    compressed = [m for m in METHODS if m != "none"]  # the registry's (hooks/_methods.py)
+    return dict(_C.calibrate_allreduce_codecs(x, world, _INT8_CHUNK, rank, compressed))
 
 
 def compression_errors(
