@@ -901,7 +901,9 @@ def _explain(state: Any) -> str:
         return str(state.explain())
     if isinstance(state, _C.XcommBackend) and "auto" in state.compression_stats:
         a = state.compression_stats["auto"]
-        rounds = f"rounds {a['rounds']} (next at choice {a['next_round']}, probe {a['probe_bytes']} B)"
+        rounds = (
+            f"rounds {a['rounds']} (next at choice {a['next_round']}, probe {a['probe_bytes']} B)"
+        )
         return f"{rounds}; inputs {a['inputs']}; last: {a['last']}"
     return ""
 
