@@ -92,6 +92,8 @@ TEST_CASE("auto's observed factors correct what ran and lend the least to what d
   CHECK(o.predict(2, 0.001, 0.004) == Approx(o.factor(2) * (0.001 + 0.5 * 0.004)));
   CHECK_THROWS_WITH(o.factor(3), Catch::Contains("3 keys, not key 3"));
   CHECK_THROWS_WITH(o.update({1.0}), Catch::Contains("1 observed ratios for 3 keys"));
+  CHECK_THROWS_WITH(o.restore(1, 0.0, true), Catch::Contains("must be a positive number"));
+  CHECK_THROWS_WITH(ObservedFactors(0), Catch::Contains("at least the link's key"));
 }
 
 TEST_CASE("the cost model's formulas for every method, allreduce and reduce-scatter", "[auto]") {
@@ -171,6 +173,8 @@ TEST_CASE("auto's link estimate: median, probe sizing, spacing by cost, confirma
   CHECK(busy.roundOverheads().size() == 3);
   CHECK(busy.stride(false) >= static_cast<int64_t>(0.05 / (0.01 * 0.02)) - 1);
   CHECK_THROWS_WITH(busy.fold(1e-4, 0.02, 0.0, {1.0, 2.0}), Catch::Contains("2 readings for 1"));
+  CHECK_THROWS_WITH(xcomm::LinkEstimate(0, 0.01, 5), Catch::Contains("at least one probe"));
+  CHECK_THROWS_WITH(xcomm::LinkEstimate(1, 0.01, 0), Catch::Contains("interval must be > 0"));
   CHECK_THROWS_WITH(xcomm::LinkEstimate(1, 0.0, 5), Catch::Contains("probe_fraction"));
 }
 
@@ -195,4 +199,8 @@ TEST_CASE("every auto's codec calibration times each method it is asked for", "[
                     Catch::Contains("no calibration for method 'zstd'"));
   CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(at::empty({0}), 2, 1024, 4, {"bf16"}),
                     Catch::Contains("non-empty sample"));
+  CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(sample, 0, 1024, 4, {"bf16"}),
+                    Catch::Contains("group of >= 1 ranks, got 0"));
+  CHECK_THROWS_WITH(xcomm::calibrateReduceScatterCodecs(at::randn({1}), 2, 1024),
+                    Catch::Contains("needs at least 2 elements, got 1"));
 }

@@ -102,6 +102,12 @@ def test_bad_link_and_unknown_method_are_refused() -> None:
         hooks.LinkModel(latency_s=-1.0, bandwidth_bytes_per_s=1e9)
     with pytest.raises(ValueError, match="unknown method 'zstd'"):
         predict_seconds("zstd", 10, [], 2, FAST, COSTS, density=0.01, rank=4)
+    from xcomm import _C
+
+    with pytest.raises(ValueError, match="allreduce link's bandwidth must be > 0"):
+        _C.predict_allreduce("none", 10, 4, 2, 1e-4, 0.0, {})
+    with pytest.raises(ValueError, match="no calibrated cost for 'int8'"):
+        predict_seconds("int8", 10, [], 2, FAST, {}, density=0.01, rank=4)
 
 
 def _run(
