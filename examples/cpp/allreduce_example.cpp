@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -42,6 +43,13 @@ int main(int argc, char** argv) {
 
   backend->barrier()->wait();
   backend->shutdown();
+  // Rank 0 hosts the store: it leaves only when every rank is done with it.
+  store->add("example/done", 1);
+  const auto deadline = std::chrono::steady_clock::now() + storeOpts.timeout;
+  while (rank == 0 && store->add("example/done", 0) < size &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   std::cout << "rank " << rank << ": allreduce sum " << tensors[0][0].item<double>()
             << (ok ? " (correct)" : " (WRONG)") << ", allgather "
             << (gatherOk ? "correct" : "WRONG") << "\n";

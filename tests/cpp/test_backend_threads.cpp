@@ -792,3 +792,38 @@ TEST_CASE("the bucket launcher frees last iteration's grads outside its lock", "
     RANK_CHECK(probe.freedUnderLock() == 0);
   });
 }
+
+TEST_CASE("a message received is kept when its store cannot delete it any more", "[backend]") {
+  // A store whose host finished after a barrier's last message (rank 0 of a
+  // LibTorch program exits) refuses the receiver's delete: the message itself
+  // was read, so the collective succeeds.
+  struct StoreThatCannotDelete : c10d::HashStore {
+    std::atomic<int> deletesRefused{0};
+    bool deleteKey(const std::string&) override {
+      deletesRefused++;
+      C10_THROW_ERROR(DistNetworkError, "Failed to recv, got 0 bytes (store host gone)");
+    }
+  };
+  auto store = c10::make_intrusive<StoreThatCannotDelete>();
+  std::vector<std::exception_ptr> errors(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        xcomm::StoreRoute route(store, rank, 2, std::chrono::seconds(5));
+        std::vector<at::Tensor> t{at::full({3}, double(rank + 1))};
+        route.run(xcomm::Op::allreduce(t, c10d::AllreduceOptions{}))->wait();
+        RANK_CHECK(at::equal(t[0], at::full({3}, 3.0)));
+        route.run(xcomm::Op::barrier(c10d::BarrierOptions{}))->wait();
+        route.shutdown();
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  CHECK(store->deletesRefused.load() >= 4);  // each rank's allreduce and barrier message
+}
