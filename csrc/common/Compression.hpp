@@ -3,7 +3,6 @@
 // the methods, their names and the group's settings. Here, below both, so that
 // the options (backend/XcommOptions) and the algorithms
 // (collectives/compressed/) share it without including each other.
-#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -11,30 +10,54 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/Methods.hpp"
+
 namespace xcomm {
 
-// kAuto: per allreduce, whichever of none, bf16 and int8 is predicted
-// fastest (collectives/compressed/AutoCompression.hpp).
-enum class Compression { kNone, kFp16, kBf16, kInt8, kAuto };
+// The backend's methods, in the table's order (common/Methods.hpp: the
+// first four methods are the backend's, checked below), then kAuto: per
+// allreduce, whichever of none, bf16 and int8 is predicted fastest
+// (collectives/compressed/AutoCompression.hpp).
+enum class Compression { kNone, kBf16, kFp16, kInt8, kAuto };
 
-// Every value's name, in the enum's order: the one list of backend methods
-// (bound as xcomm._C.compression_names(), which Options reads).
-inline constexpr std::array<const char*, 5> kCompressionNames = {"none", "fp16", "bf16", "int8",
-                                                                 "auto"};
+inline constexpr size_t kBackendMethodCount = static_cast<size_t>(Compression::kAuto);
 
-inline const char* compressionName(Compression c) {
+constexpr bool backendMethodIs(Compression c, const char* name) {
+  const auto& m = kMethodTable[static_cast<size_t>(c)];
+  return (m.surfaces & kBackendSurface) && sameName(m.name, name);
+}
+static_assert(backendMethodIs(Compression::kNone, "none") &&
+                  backendMethodIs(Compression::kBf16, "bf16") &&
+                  backendMethodIs(Compression::kFp16, "fp16") &&
+                  backendMethodIs(Compression::kInt8, "int8"),
+              "Compression's methods must be kMethodTable's first entries, in its order");
+static_assert(!(kMethodTable[kBackendMethodCount].surfaces & kBackendSurface),
+              "a backend method in kMethodTable has no Compression value");
+
+constexpr const char* compressionName(Compression c) {
+  if (c == Compression::kAuto) return "auto";
   const auto i = static_cast<size_t>(c);
-  return i < kCompressionNames.size() ? kCompressionNames[i] : "?";
+  return i < kBackendMethodCount ? kMethodTable[i].name : "?";
 }
 
-// The names, for an error: "none, fp16, bf16, int8, auto" (`quote`: each in
+// Options(compression=)'s names: the backend's methods, then "auto" (bound as
+// xcomm._C.compression_names(), which Options reads).
+inline std::vector<std::string> compressionNames() {
+  std::vector<std::string> names;
+  for (size_t i = 0; i <= kBackendMethodCount; ++i) {
+    names.emplace_back(compressionName(static_cast<Compression>(i)));
+  }
+  return names;
+}
+
+// The names, for an error: "none, bf16, fp16, int8, auto" (`quote`: each in
 // single quotes; `withNone`: "none" included).
 inline std::string compressionChoices(bool quote = false, bool withNone = true) {
   std::string out;
-  for (const char* name : kCompressionNames) {
-    if (!withNone && std::string(name) == "none") continue;
+  for (const auto& name : compressionNames()) {
+    if (!withNone && name == "none") continue;
     if (!out.empty()) out += ", ";
-    out += quote ? "'" + std::string(name) + "'" : std::string(name);
+    out += quote ? "'" + name + "'" : name;
   }
   return out;
 }
@@ -42,8 +65,9 @@ inline std::string compressionChoices(bool quote = false, bool withNone = true) 
 // A name (or "" for none) as its value; ValueError naming the choices otherwise.
 inline Compression parseCompression(const std::string& name) {
   if (name.empty()) return Compression::kNone;
-  for (size_t i = 0; i < kCompressionNames.size(); ++i) {
-    if (name == kCompressionNames[i]) return static_cast<Compression>(i);
+  for (size_t i = 0; i <= kBackendMethodCount; ++i) {
+    const auto c = static_cast<Compression>(i);
+    if (name == compressionName(c)) return c;
   }
   TORCH_CHECK_VALUE(false, "xcomm: unknown allreduce compression '", name, "'; choose one of ",
                     compressionChoices());

@@ -16,6 +16,7 @@
 #include "collectives/compressed/LinkEstimate.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
+#include "common/Methods.hpp"
 #include "python/Bindings.hpp"
 #include "python/NoGilHolder.hpp"
 #include "transport/HostIdentity.hpp"
@@ -80,9 +81,8 @@ c10::intrusive_ptr<xcomm::XcommOptions> makeOptions(
     }
     const auto name = compression.cast<std::string>();
     // None, not "none", says "no compression" here.
-    const bool known = name != "none" &&
-                       std::find(xcomm::kCompressionNames.begin(), xcomm::kCompressionNames.end(),
-                                 name) != xcomm::kCompressionNames.end();
+    const auto names = xcomm::compressionNames();
+    const bool known = name != "none" && std::find(names.begin(), names.end(), name) != names.end();
     TORCH_CHECK_VALUE(known, "xcomm.Options: compression must be one of None, ",
                       xcomm::compressionChoices(/*quote=*/true, /*withNone=*/false), ", got '",
                       name, "'");
@@ -332,13 +332,33 @@ group's first reconfigure().)");
           "fusion, and each auxiliary group with the reason it exists.");
 
   m.def(
-      "compression_names",
+      "methods",
       [] {
-        return std::vector<std::string>(xcomm::kCompressionNames.begin(),
-                                        xcomm::kCompressionNames.end());
+        std::vector<py::dict> rows;
+        for (const auto& method : xcomm::kMethodTable) {
+          py::dict row;
+          row["name"] = method.name;
+          row["lossless"] = method.lossless;
+          row["in_default"] = method.inDefault;
+          row["host_only"] = method.hostOnly;
+          py::list surfaces;
+          for (const auto& [bit, name] :
+               {std::pair{xcomm::kDdpSurface, "ddp"}, std::pair{xcomm::kFsdpSurface, "fsdp"},
+                std::pair{xcomm::kDilocoSurface, "diloco"},
+                std::pair{xcomm::kBackendSurface, "backend"}}) {
+            if (method.surfaces & bit) surfaces.append(name);
+          }
+          row["surfaces"] = surfaces;
+          rows.push_back(std::move(row));
+        }
+        return rows;
       },
-      "The backend's compression methods by name (Options(compression=) takes them, None "
-      "for \"none\"), in the order of the C++ enum.");
+      "Every compression method (common/Methods.hpp), cheapest codec first: name, lossless, "
+      "in_default, host_only and surfaces (where it runs: ddp, fsdp, diloco, backend).");
+  m.def(
+      "compression_names", [] { return xcomm::compressionNames(); },
+      "The backend's compression methods by name, then \"auto\" (Options(compression=) takes "
+      "them, None for \"none\"), in the method table's order.");
 
   // The cost model (collectives/compressed/CostModel): every auto's.
   const auto linkModel = [](const char* what, double latencySeconds, double bytesPerSecond) {

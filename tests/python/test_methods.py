@@ -1,5 +1,5 @@
-"""The one table of compression methods (python/xcomm/hooks/_methods.py)
-against the code that accepts or refuses a method: the C++ backend's names,
+"""The one table of compression methods (csrc/common/Methods.hpp, read by
+python/xcomm/hooks/_methods.py) against the code that accepts or refuses a method: the C++ backend's names,
 ``xcomm.Options``, ``AutoState``, FSDP2's state and DiLoCo. Single process,
 no group."""
 
@@ -15,11 +15,11 @@ from xcomm.hooks import AutoState, FsdpCompressionState
 from xcomm.hooks._methods import METHODS, method_names
 
 
-def test_the_backend_methods_are_the_c_plus_plus_names() -> None:
+def test_the_backend_methods_are_the_tables_in_its_order() -> None:
     # "auto" is the backend's chooser, not a method of its own.
-    cpp = tuple(n for n in _C.compression_names() if n != "auto")
-    assert sorted(method_names("backend")) == sorted(cpp)  # each list has its own order
-    assert xcomm.options.COMPRESSIONS == (None, *cpp[1:], "auto")
+    assert _C.compression_names() == [*method_names("backend"), "auto"]
+    assert xcomm.options.COMPRESSIONS == (None, *method_names("backend")[1:], "auto")
+    assert [m.name for m in METHODS] == [row["name"] for row in _C.methods()]
 
 
 @pytest.mark.parametrize("name", method_names("backend")[1:])

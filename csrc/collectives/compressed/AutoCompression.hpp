@@ -78,7 +78,8 @@ struct AutoReport {
 
 class AutoCompression {
  public:
-  // Methods auto chooses from, cheapest codec first (ties go to the earlier).
+  // Methods auto chooses from, cheapest codec first (ties go to the earlier):
+  // the method table's default backend methods (checked below).
   static constexpr std::array<Compression, 3> kMethods{Compression::kNone, Compression::kBf16,
                                                        Compression::kInt8};
   // The share of the time its rounds (probes and agreement) may take.
@@ -152,5 +153,21 @@ class AutoCompression {
   mutable std::mutex mutex_;  // guards report_ (read from other threads)
   AutoReport report_;
 };
+
+// AutoCompression::kMethods is exactly the table's default backend methods.
+constexpr bool autoMethodsAreTheDefaultBackendOnes() {
+  size_t listed = 0;
+  for (const auto& m : kMethodTable) {
+    if (!(m.surfaces & kBackendSurface) || !m.inDefault) continue;
+    if (listed >= AutoCompression::kMethods.size() ||
+        !sameName(compressionName(AutoCompression::kMethods[listed]), m.name)) {
+      return false;
+    }
+    ++listed;
+  }
+  return listed == AutoCompression::kMethods.size();
+}
+static_assert(autoMethodsAreTheDefaultBackendOnes(),
+              "AutoCompression::kMethods must be kMethodTable's default backend methods, in order");
 
 }  // namespace xcomm

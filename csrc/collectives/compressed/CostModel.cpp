@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "common/LinkBytes.hpp"
+#include "common/Methods.hpp"
 
 namespace xcomm {
 namespace {
@@ -44,8 +45,7 @@ ReductionCost predictAllreduce(const std::string& method, const BucketShape& buc
             link.seconds(q > 0 ? 2 : 1, ring(p * b) + ring(q * b))};
   }
   TORCH_CHECK_VALUE(false, "xcomm: unknown method '", method,
-                    "' for auto's allreduce cost model; choose from none, bf16, fp16, int8, "
-                    "topk, powersgd");
+                    "' for auto's allreduce cost model; choose from ", methodChoices(kDdpSurface));
 }
 
 ReductionCost predictReduceScatter(const std::string& method, const BucketShape& bucket,
@@ -63,7 +63,8 @@ ReductionCost predictReduceScatter(const std::string& method, const BucketShape&
     return {cost(costs, method) * n, allToAll.seconds(1, n * (1.0 + 4.0 / chunk))};
   }
   TORCH_CHECK_VALUE(false, "xcomm: unknown method '", method,
-                    "' for auto's reduce-scatter cost model; choose from none, bf16, fp16, int8");
+                    "' for auto's reduce-scatter cost model; choose from ",
+                    methodChoices(kFsdpSurface));
 }
 
 }  // namespace xcomm

@@ -1,14 +1,12 @@
-"""The compression methods xcomm's Python surfaces know, listed once.
+"""The compression methods xcomm knows, as Python reads them.
 
-Each method says where it runs, so that every list of method names (what the
-DDP hook's ``auto`` may choose, its default set, what FSDP2 and DiLoCo
-accept, what ``auto`` may choose on a GPU bucket without xcomm's CUDA
-kernels) is a question to this table rather than a tuple of its own.
-
-The backend's ``Options(compression=)`` names live in C++
-(``csrc/common/Compression.hpp``, bound as ``xcomm._C.compression_names()``);
-``tests/python/test_methods.py`` checks that the methods marked ``backend``
-here are exactly those.
+The table itself lives in C++ (``csrc/common/Methods.hpp``, bound as
+``xcomm._C.methods()``), where the backend's ``Options(compression=)``
+names, its ``auto``'s choices and the cost model's errors read it too. Each
+method says where it runs, so that every list of method names (what the DDP
+hook's ``auto`` may choose, its default set, what FSDP2 and DiLoCo accept,
+what ``auto`` may choose on a GPU bucket without xcomm's CUDA kernels) is a
+question to this one table rather than a tuple of its own.
 
 Order: cheapest codec first. Every chooser breaks ties towards the earlier
 method, and DiLoCo agrees on a method by its index in its list, so the order
@@ -25,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from .. import _C
 
 __all__ = ["METHODS", "Method", "Surface", "method_names"]
 
@@ -70,18 +70,18 @@ class Method:
     surfaces: frozenset[str]
 
 
-_EVERYWHERE = frozenset({"ddp", "fsdp", "diloco", "backend"})
+_SURFACES = frozenset({"ddp", "fsdp", "diloco", "backend"})
 
-#: Every method, cheapest codec first.
-METHODS: tuple[Method, ...] = (
-    Method("none", lossless=True, in_default=True, host_only=False, surfaces=_EVERYWHERE),
-    Method("bf16", lossless=False, in_default=True, host_only=False, surfaces=_EVERYWHERE),
-    Method("fp16", lossless=False, in_default=False, host_only=False, surfaces=_EVERYWHERE),
-    Method("int8", lossless=False, in_default=True, host_only=True, surfaces=_EVERYWHERE),
-    Method("topk", lossless=False, in_default=True, host_only=True, surfaces=frozenset({"ddp"})),
+#: Every method, cheapest codec first (the C++ table's rows).
+METHODS: tuple[Method, ...] = tuple(
     Method(
-        "powersgd", lossless=False, in_default=True, host_only=True, surfaces=frozenset({"ddp"})
-    ),
+        name=row["name"],
+        lossless=row["lossless"],
+        in_default=row["in_default"],
+        host_only=row["host_only"],
+        surfaces=frozenset(row["surfaces"]),
+    )
+    for row in _C.methods()
 )
 
 
@@ -105,8 +105,8 @@ def method_names(
         >>> method_names("ddp", device_capable_only=True)
         ('none', 'bf16', 'fp16')
     """
-    if surface not in _EVERYWHERE:
-        raise ValueError(f"unknown surface {surface!r}; known: {sorted(_EVERYWHERE)}")
+    if surface not in _SURFACES:
+        raise ValueError(f"unknown surface {surface!r}; known: {sorted(_SURFACES)}")
     return tuple(
         m.name
         for m in METHODS
