@@ -14,6 +14,7 @@
 #include "collectives/compressed/CodecCalibration.hpp"
 #include "collectives/compressed/CostModel.hpp"
 #include "collectives/compressed/LinkEstimate.hpp"
+#include "collectives/compressed/MethodChoice.hpp"
 #include "collectives/compressed/ObservedFactors.hpp"
 #include "common/Compression.hpp"
 #include "common/Methods.hpp"
@@ -369,6 +370,13 @@ group's first reconfigure().)");
   const auto asPair = [](const xcomm::ReductionCost& c) {
     return std::make_pair(c.codecSeconds, c.wireSeconds);
   };
+  m.def("choose_method", &xcomm::chooseMethod, py::arg("seconds"), py::arg("current"),
+        py::arg("switch_margin"), py::arg("none_index"),
+        "auto's one rule (csrc/collectives/compressed/MethodChoice): the index of the method to "
+        "run, of each candidate's predicted `seconds` in the table's order. The least, ties to "
+        "the earlier; `current` (-1: none) is kept unless another is `switch_margin` faster, "
+        "but never while predicted slower than the uncompressed method at `none_index` "
+        "(-1: not a candidate).");
   m.def(
       "predict_allreduce",
       [linkModel, asPair](const std::string& method, int64_t numel, int64_t elementSize, int world,

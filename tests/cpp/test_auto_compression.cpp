@@ -1,9 +1,11 @@
 // What every auto shares (the cost model against its formula, the link
-// estimate, the closed loop's factors, the codec calibration) and the
+// estimate, the closed loop's factors, the codec calibration, the choice
+// rule) and the
 // backend's choice at the two ends of the link range.
 #include "collectives/compressed/AutoCompression.hpp"
 #include "collectives/compressed/CodecCalibration.hpp"
 #include "collectives/compressed/LinkEstimate.hpp"
+#include "collectives/compressed/MethodChoice.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -203,4 +205,27 @@ TEST_CASE("every auto's codec calibration times each method it is asked for", "[
                     Catch::Contains("group of >= 1 ranks, got 0"));
   CHECK_THROWS_WITH(xcomm::calibrateReduceScatterCodecs(at::randn({1}), 2, 1024),
                     Catch::Contains("needs at least 2 elements, got 1"));
+}
+
+TEST_CASE("every auto's choice: the least, ties to the earlier, hysteresis, never slower than none",
+          "[auto]") {
+  using xcomm::chooseMethod;
+  // none, bf16, int8 (the table's order); no current method: the least.
+  CHECK(chooseMethod({3.0, 2.0, 1.0}, -1, 0.1, 0) == 2);
+  CHECK(chooseMethod({1.0, 1.0, 1.0}, -1, 0.1, 0) == 0);  // a tie goes to the cheaper codec
+  CHECK(chooseMethod({2.0, 1.0, 1.0}, -1, 0.0, 0) == 1);
+  // bf16 is kept while int8 is less than 10% faster, left when it is more.
+  CHECK(chooseMethod({3.0, 1.0, 0.95}, 1, 0.1, 0) == 1);
+  CHECK(chooseMethod({3.0, 1.0, 0.85}, 1, 0.1, 0) == 2);
+  CHECK(chooseMethod({3.0, 1.0, 0.9}, 1, 0.1, 0) == 1);  // exactly the margin: kept
+  // int8 seen slower than none is never kept, though within the margin of it.
+  CHECK(chooseMethod({1.0, 1.2, 1.05}, 2, 0.1, 0) == 0);
+  // Without none among the candidates, hysteresis alone.
+  CHECK(chooseMethod({1.0, 1.05}, 1, 0.1, -1) == 1);
+  // An infinite prediction (a method out of bounds) is never the least.
+  CHECK(chooseMethod({INFINITY, 2.0}, 0, 0.1, -1) == 1);
+  CHECK_THROWS_WITH(chooseMethod({}, -1, 0.1, -1), Catch::Contains("no method to choose"));
+  CHECK_THROWS_WITH(chooseMethod({1.0}, 1, 0.1, 0), Catch::Contains("current method 1"));
+  CHECK_THROWS_WITH(chooseMethod({1.0}, 0, 0.1, 2), Catch::Contains("uncompressed method 2"));
+  CHECK_THROWS_WITH(chooseMethod({1.0}, 0, 1.0, 0), Catch::Contains("switch margin"));
 }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -11,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "collectives/compressed/CodecCalibration.hpp"
+#include "collectives/compressed/MethodChoice.hpp"
 #include "common/LinkBytes.hpp"
 
 namespace xcomm {
@@ -198,8 +198,8 @@ void AutoCompression::publish() {
 
 Compression AutoCompression::best(int64_t numel, int64_t elementSize, const AutoInputs& in,
                                   std::ostringstream* why) const {
-  Compression pick = kMethods[0];
-  double least = std::numeric_limits<double>::infinity();
+  std::vector<double> seconds;
+  int noneIndex = -1;
   for (Compression m : allowed_) {
     // Corrected by what the methods were seen to take (the factors agreed).
     const ReductionCost c = predict(m, numel, elementSize, size_, chunkElems_, in);
@@ -209,12 +209,12 @@ Compression AutoCompression::best(int64_t numel, int64_t elementSize, const Auto
       *why << " " << compressionName(m) << " " << t * 1e3 << " ms";
       if (f != 1.0) *why << " (x" << f << ")";
     }
-    if (t < least) {
-      pick = m;
-      least = t;
-    }
+    if (m == Compression::kNone) noneIndex = static_cast<int>(seconds.size());
+    seconds.push_back(t);
   }
-  return pick;
+  // Every allreduce is a fresh choice (no method to keep: sizes vary, and the
+  // agreed factors already drop a method seen slower than predicted).
+  return allowed_[chooseMethod(seconds, /*current=*/-1, /*switchMargin=*/0.0, noneIndex)];
 }
 
 Compression AutoCompression::choose(Route& transport, int64_t numel, int64_t elementSize,

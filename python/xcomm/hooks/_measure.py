@@ -260,9 +260,11 @@ class MeasuredLink:
 
 
 class MethodChoices:
-    """Each key's method (a DDP bucket, an FSDP2 module), chosen as the least
+    """Each key's method (a DDP bucket, an FSDP2 module), chosen by the rule
+    every auto shares (C++ ``chooseMethod``, also the backend's): the least
     predicted time; a key keeps its method unless another is predicted
-    ``switch_margin`` faster, so noise does not flip it.
+    ``switch_margin`` faster, so noise does not flip it, but never one
+    predicted slower than ``"none"``.
 
     ``decisions[key]`` holds the method, the step it started (``since``), the
     step it was last evaluated (``round``), the key's size and every allowed
@@ -282,6 +284,20 @@ class MethodChoices:
             return None
         return d["method"]
 
+    def _pick(self, predicted: dict[str, float], keep: str | None) -> str:
+        """The C++ rule every auto shares (``xcomm._C.choose_method``): the
+        least predicted time, ties to the first (cheapest codec); ``keep`` is
+        kept unless another is ``switch_margin`` faster, but never while
+        predicted slower than ``"none"``."""
+        names = list(predicted)
+        index = _C.choose_method(
+            [float(predicted[m]) for m in names],
+            names.index(keep) if keep in predicted else -1,
+            self.switch_margin,
+            names.index("none") if "none" in predicted else -1,
+        )
+        return names[index]
+
     def would_switch(self, key: Any, predicted: dict[str, float]) -> bool:
         """Whether ``predicted`` times would move the key off its method."""
         current = self.decisions.get(key)
@@ -289,23 +305,15 @@ class MethodChoices:
             return False
         if current["method"] not in predicted:  # no longer a candidate (e.g. over a bound)
             return True
-        best = min(predicted, key=lambda m: predicted[m])
-        return predicted[best] < (1.0 - self.switch_margin) * predicted[current["method"]]
+        return self._pick(predicted, current["method"]) != current["method"]
 
     def choose(self, key: Any, numel: int, step: int, predicted: dict[str, float]) -> str:
         current = self.decisions.get(key)
-        best = min(predicted, key=lambda m: predicted[m])  # ties: the first (cheapest codec)
-        method, since = best, step
+        keep = None
         if current is not None and current["numel"] == numel and current["method"] in predicted:
             keep = current["method"]
-            # Hysteresis, except that a method predicted slower than sending
-            # the bucket uncompressed is never kept (with observed costs,
-            # "predicted" is what it was seen to take).
-            slower_than_none = predicted[keep] > predicted.get("none", math.inf)
-            if predicted[best] >= (1.0 - self.switch_margin) * predicted[keep] and not (
-                slower_than_none
-            ):
-                method, since = keep, current["since"]
+        method = self._pick(predicted, keep)
+        since = current["since"] if keep is not None and method == keep else step
         if current is not None and method != current["method"]:
             self.switches += 1
         self.decisions[key] = {
