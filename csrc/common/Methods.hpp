@@ -47,11 +47,12 @@ inline constexpr std::array<MethodInfo, 6> kMethodTable = {{
     {"powersgd", false, true, true, kDdpSurface},
 }};
 
-// The names of the methods that run on `surface`, joined by ", " for an error.
-inline std::string methodChoices(MethodSurface surface) {
+// The names of the methods that run on `surface` (`lossyOnly`: without the
+// exact one), joined by ", " for an error.
+inline std::string methodChoices(MethodSurface surface, bool lossyOnly = false) {
   std::string out;
   for (const auto& m : kMethodTable) {
-    if (!(m.surfaces & surface)) continue;
+    if (!(m.surfaces & surface) || (lossyOnly && m.lossless)) continue;
     if (!out.empty()) out += ", ";
     out += m.name;
   }

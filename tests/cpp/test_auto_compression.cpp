@@ -4,6 +4,7 @@
 // backend's choice at the two ends of the link range.
 #include "collectives/compressed/AutoCompression.hpp"
 #include "collectives/compressed/CodecCalibration.hpp"
+#include "collectives/compressed/CompressedRows.hpp"
 #include "collectives/compressed/LinkEstimate.hpp"
 #include "collectives/compressed/MethodChoice.hpp"
 
@@ -194,11 +195,18 @@ TEST_CASE("every auto's codec calibration times each method it is asked for", "[
         std::vector<std::string>{"bf16", "fp16", "int8", "powersgd_mnr", "powersgd_pass", "topk"});
   // The backend's auto asks for its two only.
   CHECK(xcomm::calibrateAllreduceCodecs(sample, 4, 256, 1, {"bf16", "int8"}).size() == 2);
+  // FSDP2's: the table's lossy FSDP2 methods.
   const auto rows = xcomm::calibrateReduceScatterCodecs(at::randn({1001}), 2, 1024);
   CHECK(rows.size() == 3);
+  CHECK(rows.count("bf16") == 1);
+  CHECK(rows.count("fp16") == 1);
+  CHECK_THROWS_WITH(xcomm::CompressedRows(Compression::kNone, 2, nullptr),
+                    Catch::Contains("is one of bf16, fp16, int8, not none"));
   CHECK(rows.at("int8") > 0);
-  CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(sample, 2, 1024, 4, {"zstd"}),
-                    Catch::Contains("no calibration for method 'zstd'"));
+  CHECK_THROWS_WITH(
+      xcomm::calibrateAllreduceCodecs(sample, 2, 1024, 4, {"zstd"}),
+      Catch::Contains("no calibration for method 'zstd'; it calibrates bf16, fp16, int8, topk, "
+                      "powersgd"));
   CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(at::empty({0}), 2, 1024, 4, {"bf16"}),
                     Catch::Contains("non-empty sample"));
   CHECK_THROWS_WITH(xcomm::calibrateAllreduceCodecs(sample, 0, 1024, 4, {"bf16"}),

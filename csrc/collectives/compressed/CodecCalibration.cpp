@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "collectives/compressed/CompressedRows.hpp"
+#include "common/Methods.hpp"
 #include "compress/ErrorFeedback.hpp"
 #include "compress/Int8Codec.hpp"
 #include "compress/PowerSgdCodec.hpp"
@@ -115,7 +116,7 @@ CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t
       costs["powersgd_pass"] = bestOfThree(device, [&] { out.add_(x); }) / n;
     } else {
       TORCH_CHECK_VALUE(false, "xcomm: auto has no calibration for method '", method,
-                        "'; it calibrates bf16, fp16, int8, topk and powersgd");
+                        "'; it calibrates ", methodChoices(kDdpSurface, /*lossyOnly=*/true));
     }
   }
   return costs;
@@ -134,7 +135,9 @@ CodecCosts calibrateReduceScatterCodecs(const at::Tensor& sample, int world,
   auto codec = std::make_shared<const Int8Codec>(int8ChunkElems);
   ErrorFeedback feedback;
   CodecCosts costs;
-  for (const char* method : {"bf16", "fp16", "int8"}) {
+  for (const auto& info : kMethodTable) {
+    if (!(info.surfaces & kFsdpSurface) || info.lossless) continue;
+    const char* method = info.name;
     const CompressedRows rows(parseCompression(method), world, codec);
     ErrorFeedback* fb = std::string(method) == "int8" ? &feedback : nullptr;
     // The encode, and (as if every rank sent the same rows) the decode and

@@ -3,13 +3,15 @@
 #include <c10/util/Exception.h>
 
 #include "common/LinkBytes.hpp"
+#include "common/Methods.hpp"
 
 namespace xcomm {
 
 CompressedRows::CompressedRows(Compression method, int size, std::shared_ptr<const Int8Codec> int8)
     : method_(method), size_(size), int8_(std::move(int8)) {
   TORCH_CHECK_VALUE(method_ == Compression::kInt8 || isCast(method_),
-                    "xcomm: a compressed reduce-scatter is fp16, bf16 or int8, not ",
+                    "xcomm: a compressed reduce-scatter is one of ",
+                    methodChoices(kFsdpSurface, /*lossyOnly=*/true), ", not ",
                     compressionName(method_));
   TORCH_CHECK_VALUE(size_ >= 1, "xcomm: a compressed reduce-scatter needs a group size >= 1");
   TORCH_CHECK(method_ != Compression::kInt8 || int8_, "xcomm: int8 rows need an Int8Codec");
