@@ -232,6 +232,9 @@ TEST_CASE("every auto's choice: the least, ties to the earlier, hysteresis, neve
   CHECK(chooseMethod({1.0, 1.05}, 1, 0.1, -1) == 1);
   // An infinite prediction (a method out of bounds) is never the least.
   CHECK(chooseMethod({INFINITY, 2.0}, 0, 0.1, -1) == 1);
+  // Nor one that is not a number: it counts as the slowest.
+  CHECK(chooseMethod({NAN, 2.0}, -1, 0.1, -1) == 1);
+  CHECK(chooseMethod({1.0, NAN}, 1, 0.1, 0) == 0);
   CHECK_THROWS_WITH(chooseMethod({}, -1, 0.1, -1), Catch::Contains("no method to choose"));
   CHECK_THROWS_WITH(chooseMethod({1.0}, 1, 0.1, 0), Catch::Contains("current method 1"));
   CHECK_THROWS_WITH(chooseMethod({1.0}, 0, 0.1, 2), Catch::Contains("uncompressed method 2"));

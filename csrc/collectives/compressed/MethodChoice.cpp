@@ -1,5 +1,8 @@
 #include "collectives/compressed/MethodChoice.hpp"
 
+#include <cmath>
+#include <limits>
+
 #include <c10/util/Exception.h>
 
 namespace xcomm {
@@ -14,17 +17,22 @@ size_t chooseMethod(const std::vector<double>& seconds, int current, double swit
                     noneIndex, " is not one of its ", n, " candidates");
   TORCH_CHECK_VALUE(switchMargin >= 0.0 && switchMargin < 1.0,
                     "xcomm: auto's switch margin must be in [0, 1), got ", switchMargin);
-  size_t best = 0;
-  for (size_t i = 1; i < seconds.size(); ++i) {
-    if (seconds[i] < seconds[best]) best = i;  // strictly less: ties keep the earlier
+  // A prediction that is not a number (a corrupt input) counts as the slowest.
+  const auto at = [&](int i) {
+    const double t = seconds[i];
+    return std::isnan(t) ? std::numeric_limits<double>::infinity() : t;
+  };
+  int best = 0;
+  for (int i = 1; i < n; ++i) {
+    if (at(i) < at(best)) best = i;  // strictly less: ties keep the earlier
   }
-  if (current < 0) return best;
-  const double kept = seconds[current];
-  const bool slowerThanNone = noneIndex >= 0 && kept > seconds[noneIndex];
-  if (!slowerThanNone && seconds[best] >= (1.0 - switchMargin) * kept) {
+  if (current < 0) return static_cast<size_t>(best);
+  const double kept = at(current);
+  const bool slowerThanNone = noneIndex >= 0 && kept > at(noneIndex);
+  if (!slowerThanNone && at(best) >= (1.0 - switchMargin) * kept) {
     return static_cast<size_t>(current);
   }
-  return best;
+  return static_cast<size_t>(best);
 }
 
 }  // namespace xcomm

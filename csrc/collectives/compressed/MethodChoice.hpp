@@ -15,7 +15,8 @@ namespace xcomm {
 // seconds, in the table's order). `current`: the key's method's index, or -1
 // when it has none (or is no longer a candidate). `noneIndex`: the
 // uncompressed method's index, or -1 when it is not a candidate.
-// `switchMargin` in [0, 1). ValueError for no candidate or an index out of range.
+// `switchMargin` in [0, 1). A prediction that is not a number counts as the
+// slowest. ValueError for no candidate or an index out of range.
 size_t chooseMethod(const std::vector<double>& seconds, int current, double switchMargin,
                     int noneIndex);
 

@@ -135,7 +135,7 @@ class MeasuredLink:
         #: The step at which the next round is due.
         self.next_round = 0
         #: The ``extra`` values every rank agreed on last.
-        self.agreed_extra: list[float] = []
+        self.agreed_extra: dict[str, list[float]] = {}
         #: The median recent step time, the slowest rank's, as the last round agreed it.
         self.agreed_step_seconds = 0.0
 
@@ -195,15 +195,17 @@ class MeasuredLink:
         fixed: Mapping[str, LinkModel] | None = None,
         matters: Callable[[dict[str, LinkModel], dict[str, float]], bool] | None = None,
         device: torch.device | None = None,
-        extra: Sequence[float] = (),
+        extra: Mapping[str, Sequence[float]] | None = None,
     ) -> tuple[dict[str, LinkModel], dict[str, float]]:
         """One round at ``step``: probe (unless ``fixed`` links are given),
         agree, schedule the next round; returns the agreed links by kind and
         codec costs. ``matters(links, costs)`` says whether the newest
         reading, were it the link, would change a choice: only then is a
         reading far off the median confirmed at the next step. ``extra``
-        values (:class:`ObservedCosts`' ratios) are agreed in the same
-        allreduce, as the MAX over ranks, into :attr:`agreed_extra`."""
+        holds the caller's own values by part (:class:`ObservedCosts`'
+        ratios, a trial's step times), each agreed in the same allreduce as
+        the MAX over ranks, into :attr:`agreed_extra` under the same
+        names."""
         if self.local_costs is None:
             self.local_costs = dict(calibrate())
         self._round_in_step = True
@@ -227,7 +229,9 @@ class MeasuredLink:
         local = [-estimate.latency, step_seconds, spent]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
-        local += list(extra)
+        parts = {name: list(values) for name, values in (extra or {}).items()}
+        for values in parts.values():
+            local += values
         # On the buckets' device: a NCCL group has no CPU collectives.
         agreed = torch.tensor(local, dtype=torch.float64, device=device)
         t0 = time.perf_counter()
@@ -238,7 +242,11 @@ class MeasuredLink:
         self.agreed_step_seconds = step_seconds
         ncodecs = len(self.codec_keys)
         costs = dict(zip(self.codec_keys, values[3 + n : 3 + n + ncodecs]))
-        self.agreed_extra = values[3 + n + ncodecs :]
+        offset = 3 + n + ncodecs
+        self.agreed_extra = {}
+        for name, part in parts.items():
+            self.agreed_extra[name] = values[offset : offset + len(part)]
+            offset += len(part)
 
         def as_links(per_byte: Sequence[float]) -> dict[str, LinkModel]:
             return {

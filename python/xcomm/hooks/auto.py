@@ -864,14 +864,14 @@ class AutoState(PicklableState):
                 )
                 for index, inputs in self._bucket_inputs.items()
             ),
-            extra=[*observed, *errors, *trial],
+            extra={"observed": observed, "errors": errors, "trial": trial},
         )
         agreed_extra = self._measure.agreed_extra
         if self.observe:
-            self._observed.update(agreed_extra[: len(observed)])
+            self._observed.update(agreed_extra["observed"])
         if errors:
-            self._agree_lost_share(agreed_extra[len(observed) : len(observed) + len(errors)])
-        agreed_trial = agreed_extra[len(observed) + len(errors) :]
+            self._agree_lost_share(agreed_extra["errors"])
+        agreed_trial = agreed_extra["trial"]
         if self.iter < self.start_iter:  # one round to start with, the next at start_iter
             self._measure.next_round = self.start_iter
         self._agreed = (links["allreduce"], costs)

@@ -453,13 +453,13 @@ class FsdpCompressionState:
                 self._choices.would_switch(name, self._predict(numel, cpu, links, costs))
                 for name, (numel, cpu) in self._module_inputs.items()
             ),
-            extra=[*observed, *trial],
+            extra={"observed": observed, "trial": trial},
         )
         agreed_extra = self._measure.agreed_extra
         if self.observe:
-            self._observed.update(agreed_extra[: len(observed)])
+            self._observed.update(agreed_extra["observed"])
         self._fresh_round = True
-        agreed_trial = agreed_extra[len(observed) :]
+        agreed_trial = agreed_extra["trial"]
         inputs = self._module_inputs.values()
         if self._checking and inputs and all(cpu for _, cpu in inputs):
             links, costs = self._measure.agreed  # type: ignore[misc]
