@@ -632,6 +632,35 @@ def test_a_method_predicted_slower_than_none_is_never_kept() -> None:
     assert c.switches == 1
 
 
+def test_would_switch_asks_the_rule_choose_follows() -> None:
+    """The confirmation's question (would this reading move a key?) and the
+    choice are one C++ rule: on random predictions, ``would_switch`` is true
+    exactly where ``choose`` then moves the key, and the move goes to the
+    least unless the kept method is within the margin and not slower than none."""
+    import random
+
+    from xcomm.hooks._measure import MethodChoices
+
+    rng = random.Random(7)
+    names = ("none", "bf16", "int8", "topk")
+    moved = kept = 0
+    for trial in range(500):
+        c = MethodChoices(switch_margin=0.1)
+        first = {m: rng.uniform(0.5, 2.0) for m in names}
+        start = c.choose(0, 100, 0, first)
+        assert start == min(first, key=lambda m: first[m])
+        later = {m: first[m] * rng.uniform(0.8, 1.25) for m in names}
+        switches = c.would_switch(0, later)
+        after = c.choose(0, 100, 1, later)
+        assert switches == (after != start), (trial, first, later)
+        best = min(later, key=lambda m: later[m])
+        keep = later[best] >= 0.9 * later[start] and later[start] <= later["none"]
+        assert after == (start if keep else best), (trial, first, later)
+        moved += after != start
+        kept += after == start and best != start
+    assert moved > 20 and kept > 20  # both branches ran
+
+
 def _wide_batch(n: int) -> Any:
     """Batches of 8 ``n``-wide inputs over 8 classes, per rank and step."""
 
