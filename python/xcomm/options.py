@@ -42,8 +42,9 @@ class Options:
             (per allreduce, whichever of none, bf16 and int8 a cost model
             with measured inputs predicts fastest: the codecs timed once on
             this machine, the link probed by the group's own collectives
-            every 64 compressible allreduces, every input agreed by all
-            ranks so they choose alike; each method's observed time corrects
+            every 64 compressible allreduces, or further apart where a
+            round would take more than about 1% of the time between, every
+            input agreed by all ranks so they choose alike; each method's observed time corrects
             its prediction, so one slower than predicted, and than none, is
             left at the next probe; ``compression_stats["auto"]`` on the
             group's backend says what it chose and why; its
