@@ -10,9 +10,11 @@
 
 namespace xcomm::testing {
 
-inline void onRankThreads(
-    int size, const std::function<void(int rank, const c10::intrusive_ptr<c10d::Store>&)>& fn) {
-  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::HashStore>();
+using RankBody = std::function<void(int rank, const c10::intrusive_ptr<c10d::Store>&)>;
+
+// Over `store` (a test's own, e.g. one that fails on purpose).
+inline void onRankThreads(int size, const c10::intrusive_ptr<c10d::Store>& store,
+                          const RankBody& fn) {
   std::vector<std::exception_ptr> errors(size);
   std::vector<std::thread> threads;
   for (int r = 0; r < size; ++r) {
@@ -28,6 +30,10 @@ inline void onRankThreads(
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+inline void onRankThreads(int size, const RankBody& fn) {
+  onRankThreads(size, c10::make_intrusive<c10d::HashStore>(), fn);
 }
 
 }  // namespace xcomm::testing

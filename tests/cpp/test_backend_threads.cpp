@@ -805,25 +805,13 @@ TEST_CASE("a message received is kept when its store cannot delete it any more",
     }
   };
   auto store = c10::make_intrusive<StoreThatCannotDelete>();
-  std::vector<std::exception_ptr> errors(2);
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back([&, rank] {
-      try {
-        xcomm::StoreRoute route(store, rank, 2, std::chrono::seconds(5));
-        std::vector<at::Tensor> t{at::full({3}, double(rank + 1))};
-        route.run(xcomm::Op::allreduce(t, c10d::AllreduceOptions{}))->wait();
-        RANK_CHECK(at::equal(t[0], at::full({3}, 3.0)));
-        route.run(xcomm::Op::barrier(c10d::BarrierOptions{}))->wait();
-        route.shutdown();
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  xcomm::testing::onRankThreads(2, store, [](int rank, const c10::intrusive_ptr<c10d::Store>& s) {
+    xcomm::StoreRoute route(s, rank, 2, std::chrono::seconds(5));
+    std::vector<at::Tensor> t{at::full({3}, double(rank + 1))};
+    route.run(xcomm::Op::allreduce(t, c10d::AllreduceOptions{}))->wait();
+    RANK_CHECK(at::equal(t[0], at::full({3}, 3.0)));
+    route.run(xcomm::Op::barrier(c10d::BarrierOptions{}))->wait();
+    route.shutdown();
+  });
   CHECK(store->deletesRefused.load() >= 4);  // each rank's allreduce and barrier message
 }
