@@ -370,6 +370,9 @@ group's first reconfigure().)");
   const auto asPair = [](const xcomm::ReductionCost& c) {
     return std::make_pair(c.codecSeconds, c.wireSeconds);
   };
+  m.def("allreduce_cost_keys", &xcomm::allreduceCostKeys, py::arg("methods"),
+        "The keys calibrate_allreduce_codecs gives for `methods`, in their order: none has "
+        "none, powersgd two (powersgd_mnr, powersgd_pass), every other method its name.");
   m.def("choose_method", &xcomm::chooseMethod, py::arg("seconds"), py::arg("current"),
         py::arg("switch_margin"), py::arg("none_index"),
         "auto's one rule (csrc/collectives/compressed/MethodChoice): the index of the method to "

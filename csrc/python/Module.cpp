@@ -11,6 +11,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace py = pybind11;
 
@@ -115,7 +116,11 @@ PYBIND11_MODULE(_C, m) {
               // predictions are multiplied by and whose observations it is
               // (the key's own, a codec that ran for one that has not, or
               // None: uncorrected).
-              const char* keys[] = {"link", "bf16", "int8"};
+              // Key 0 the link, key k the k-th method auto chooses from.
+              std::vector<std::string> keys{"link"};
+              for (size_t k = 1; k < xcomm::AutoCompression::kMethods.size(); ++k) {
+                keys.emplace_back(xcomm::compressionName(xcomm::AutoCompression::kMethods[k]));
+              }
               py::dict observed;
               for (size_t k = 0; k < r.factors.size(); ++k) {
                 py::dict one;
@@ -123,7 +128,7 @@ PYBIND11_MODULE(_C, m) {
                 one["from"] = r.factorSources[k] < 0
                                   ? py::object(py::none())
                                   : py::object(py::str(keys[r.factorSources[k]]));
-                observed[keys[k]] = one;
+                observed[py::str(keys[k])] = one;
               }
               a2["observed"] = observed;
               d["auto"] = a2;

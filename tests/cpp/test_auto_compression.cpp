@@ -193,6 +193,9 @@ TEST_CASE("every auto's codec calibration times each method it is asked for", "[
   }
   CHECK(keys ==
         std::vector<std::string>{"bf16", "fp16", "int8", "powersgd_mnr", "powersgd_pass", "topk"});
+  // The keys it announces are the keys it gives, in the methods' order.
+  CHECK(xcomm::allreduceCostKeys({"none", "bf16", "fp16", "int8", "topk", "powersgd"}) ==
+        std::vector<std::string>{"bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass"});
   // The backend's auto asks for its two only.
   CHECK(xcomm::calibrateAllreduceCodecs(sample, 4, 256, 1, {"bf16", "int8"}).size() == 2);
   // FSDP2's: the table's lossy FSDP2 methods.

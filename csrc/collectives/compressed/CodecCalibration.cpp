@@ -122,6 +122,19 @@ CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t
   return costs;
 }
 
+std::vector<std::string> allreduceCostKeys(const std::vector<std::string>& methods) {
+  std::vector<std::string> keys;
+  for (const std::string& method : methods) {
+    if (method == "none") continue;
+    if (method == "powersgd") {
+      keys.insert(keys.end(), {"powersgd_mnr", "powersgd_pass"});
+    } else {
+      keys.push_back(method);
+    }
+  }
+  return keys;
+}
+
 CodecCosts calibrateReduceScatterCodecs(const at::Tensor& sample, int world,
                                         int64_t int8ChunkElems) {
   TORCH_CHECK_VALUE(world >= 1, "xcomm: auto calibrates for a group of >= 1 ranks, got ", world);

@@ -30,6 +30,10 @@ CodecCosts calibrateAllreduceCodecs(const at::Tensor& sample, int world, int64_t
                                     int64_t powersgdRank, const std::vector<std::string>& methods,
                                     bool errorFeedback = true);
 
+// The keys calibrateAllreduceCodecs gives for `methods`, in their order:
+// none has none, PowerSGD two, every other method its name.
+std::vector<std::string> allreduceCostKeys(const std::vector<std::string>& methods);
+
 // For a reduce-scatter (FSDP2's rows: encode `world` rows, decode and sum
 // them), "bf16", "fp16" and "int8". The sample's size is cut to a multiple
 // of `world`.

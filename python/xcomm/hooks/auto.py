@@ -235,7 +235,7 @@ DEFAULT_METHODS = method_names("ddp", default_only=True)
 _ON_DEVICE = method_names("ddp", device_capable_only=True)
 _INT8_CHUNK = _C.Int8Codec.DEFAULT_CHUNK_ELEMS
 # Order of the agreed vector: latency, seconds per wire byte, then codec costs.
-_CODEC_KEYS = ("bf16", "fp16", "int8", "topk", "powersgd_mnr", "powersgd_pass")
+_CODEC_KEYS = tuple(_C.allreduce_cost_keys(list(METHODS)))
 # Codec timings before any bucket is compressed: cheap, replaced at start_iter.
 _STAND_IN_NUMEL = 1 << 16
 # A synthetic bucket's size where there is no sample: 16 MiB, out of cache as DDP's are.
