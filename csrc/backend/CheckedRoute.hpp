@@ -63,8 +63,10 @@ class CheckedRoute final : public Route {
     int64_t tensors = 0;
   };
 
-  // `inner` runs the ops; `checks` (a group of the same ranks no other op
-  // uses) carries the descriptors, and ops of up to `carryBytes` per rank
+  // `inner` runs the ops; `checks` (a group of the same ranks that no other
+  // op uses, but for the backend's compressed allreduce, on tags this route
+  // never posts, and its Gloo collectives, which this route never issues)
+  // carries the descriptors, and ops of up to `carryBytes` per rank
   // (0: none). Every rank must pass the same `carryBytes`, and a nonzero one
   // needs a `checks` whose receives accept shorter messages than their
   // buffer (Gloo's do). Errors call a member `memberName` and its number
@@ -79,6 +81,10 @@ class CheckedRoute final : public Route {
   // The inner backend's name ("gloo"): that is what moves the data.
   std::string name() const override { return inner_->name(); }
   int64_t carryBytes() const { return carryBytes_; }
+  // Whether `route` is one this route runs on (its inner or its checks group).
+  bool uses(const InnerRoute& route) const {
+    return &route == inner_.get() || &route == checks_.get();
+  }
   // Ops completed by the check's exchange alone (never issued on Gloo).
   uint64_t carriedOps() const { return carriedOps_.load(); }
   // Ops sent as point-to-point messages (DirectExchange), not Gloo's collectives.

@@ -145,8 +145,9 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
   // Checked before the shared-memory attempt in a hierarchical group (its
   // Gloo ops span hosts), after it otherwise (a failed single-host attempt
   // leaves a plain group, which needs it): every rank builds it at the same point.
+  InnerPtr checks;
   auto checked = [&] {
-    if (auto checks = make("xcomm/gloo-check")) {
+    if ((checks = make("xcomm/gloo-check"))) {
       routes.checked = std::make_shared<CheckedRoute>(gloo, checks, timeout, plan.carryBytes(),
                                                       "rank", plan.settings.directExchange);
     }
@@ -189,7 +190,15 @@ c10::intrusive_ptr<XcommBackend> buildOrThrow(const StorePtr& store, int rank, i
   if (!checkFirst && plan.shape == GroupShape::kPlain) checked();
   routes.cpu = routes.shm ? std::shared_ptr<Route>(routes.shm) : glooRoute();
   routes.cpuInner = gloo;
+  // The compressed allreduce's own collectives: on the check's group where
+  // the plan checks (GroupPlan::auxGroups says why that is safe), else on a
+  // group of their own.
   routes.cpuCompressed = make("xcomm/gloo-int8");
+  const Compression method = plan.backendMethod();
+  if (!routes.cpuCompressed && (method == Compression::kInt8 || method == Compression::kAuto) &&
+      plan.shape == GroupShape::kPlain) {
+    routes.cpuCompressed = checks;
+  }
   std::shared_ptr<Route> fusionControl;
   if (InnerPtr fusionGloo = make("xcomm/gloo-fusion")) {
     fusionControl = fusionGloo;

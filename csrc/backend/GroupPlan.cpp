@@ -124,7 +124,7 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
     groups.push_back({"xcomm/gloo-check",
                       "checks that every rank calls the same collective (op, dtype, reduce op, "
                       "root, sizes) before Gloo runs it: Gloo aborts, hangs or returns a wrong "
-                      "result otherwise",
+                      "result otherwise; also carries the int8/auto allreduce's own collectives",
                       true, rank, size});
   }
   if (shape == GroupShape::kHierarchical) {
@@ -137,10 +137,17 @@ std::vector<AuxGroup> GroupPlan::auxGroups() const {
                       "between hosts (each host's ranks agree over shared memory)",
                       localRank == 0, localRank == 0 ? host : -1, hosts});
   }
-  if (backendMethod() == Compression::kInt8 || backendMethod() == Compression::kAuto) {
+  // The int8/auto allreduce's collectives (and auto's link probes) run on a
+  // worker thread and must not interleave with the caller's ops. The check's
+  // group carries them where there is one (it sends only tagged messages of
+  // its own, which never pair with theirs); an unchecked group needs a group
+  // for them alone.
+  if ((backendMethod() == Compression::kInt8 || backendMethod() == Compression::kAuto) &&
+      !checksCollectives()) {
     groups.push_back({"xcomm/gloo-int8",
-                      "int8/auto allreduce: its collectives (and auto's link probes) run on a "
-                      "worker thread and must not interleave with the caller's ops",
+                      "int8/auto allreduce without the check: its collectives (and auto's link "
+                      "probes) run on a worker thread and must not interleave with the caller's "
+                      "ops",
                       true, rank, size});
   }
   if (fusionThresholdBytes > 0) {

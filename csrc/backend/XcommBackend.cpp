@@ -437,7 +437,11 @@ std::vector<std::shared_ptr<Route>> XcommBackend::allRoutes() const {
   std::vector<std::shared_ptr<Route>> all;
   if (routes_.cpu) all.push_back(routes_.cpu);
   if (routes_.cuda) all.push_back(routes_.cuda);
-  if (routes_.cpuCompressed) all.push_back(routes_.cpuCompressed);
+  // The check's group, where it carries the compressed collectives, is
+  // the checked route's to time out, shut down and abort.
+  const bool ownCompressedRoute =
+      routes_.cpuCompressed && !(routes_.checked && routes_.checked->uses(*routes_.cpuCompressed));
+  if (ownCompressedRoute) all.push_back(routes_.cpuCompressed);
   return all;
 }
 

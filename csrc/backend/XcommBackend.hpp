@@ -47,8 +47,9 @@ class XcommBackend : public c10d::Backend {
     // ops, which match by tag rather than by order, go to it directly.
     std::shared_ptr<InnerRoute> cpuInner;
     std::shared_ptr<InnerRoute> cuda;  // NCCL
-    // A second CPU inner route, only for int8-compressed allreduces: their two
-    // collectives run on a worker thread and must not mix with other ops.
+    // The CPU inner route of int8/auto-compressed allreduces, whose
+    // collectives run on a worker thread and must not mix with other ops:
+    // the check's group (CheckedRoute's), or one of their own when unchecked.
     std::shared_ptr<InnerRoute> cpuCompressed;
     // Where the CPU route is one of these (also `cpu`), its counters.
     std::shared_ptr<ShmRouteBase> shm;

@@ -109,8 +109,13 @@ TEST_CASE("a shared-memory failure falls back to plain and moves compression to 
   CHECK(fallback.backendCompression.method == Compression::kInt8);
   CHECK(fallback.leaderCompression.method == Compression::kNone);
   CHECK(fallback.localRank == 3);
-  CHECK(auxNames(fallback) ==
-        std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check", "xcomm/gloo-int8"});
+  // The compressed allreduce's collectives ride on the check's group...
+  CHECK(auxNames(fallback) == std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-check"});
+  // ...and need one of their own where nothing is checked.
+  auto unchecked = withCompression(Compression::kInt8);
+  unchecked.checkCollectives = false;
+  CHECK(auxNames(GroupPlan::decide(0, 2, {"x", "y"}, unchecked, GroupSettings{})) ==
+        std::vector<std::string>{"xcomm/gloo", "xcomm/gloo-int8"});
 }
 
 TEST_CASE("plain groups: one rank per host, shm off by option or environment, one rank", "[plan]") {

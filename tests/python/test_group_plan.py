@@ -71,7 +71,11 @@ def test_plan_follows_host_identities(tags: list[str], shape: str) -> None:
         else:
             assert plan["backend_compression"] == "int8"
             assert plan["leader_compression"] == "none"
-            assert "xcomm/gloo-int8" in groups and "xcomm/leaders" not in groups
+            assert "xcomm/leaders" not in groups
+            # Its own collectives ride on the check's group where there is one
+            # (plain); a single-host group has no check group and a group of its own.
+            assert ("xcomm/gloo-int8" in groups) == (shape != "plain"), groups
+            assert ("xcomm/gloo-check" in groups) == (shape == "plain"), groups
             assert r["stats"]["calls"] == 1, r["stats"]
         assert (r["shm_ops"] > 0) == (shape != "plain"), r["shm_ops"]
         # shm=False with a fusion cycle: plain, with the cycle's control group.

@@ -21,15 +21,17 @@ bool isMean(const c10d::AllreduceOptions& opts) {
 }
 
 // The int8 chain's collectives on the CPU: point-to-point messages on the
-// compressed route's own Gloo group, because Gloo's own collectives fill a
-// rate-limited link only about half (collectives/gloo/DirectExchange.hpp).
-// Each waits on the calling thread (the compression worker) until one
-// deadline for the whole allreduce.
+// compressed route (the check's Gloo group, or one of their own), because
+// Gloo's own collectives fill a rate-limited link only about half
+// (collectives/gloo/DirectExchange.hpp). Their tag is one the checked route
+// never posts (it uses 1-3). Each waits on the calling thread (the
+// compression worker) until one deadline for the whole allreduce.
+constexpr int kInt8Tag = 4;
 class DirectCollectives : public ChainCollectives {
  public:
   DirectCollectives(InnerRoute& route, int size, std::chrono::milliseconds limit)
       : route_(route),
-        direct_(route, /*tag=*/3),
+        direct_(route, kInt8Tag),
         size_(size),
         limit_(limit),
         deadline_(std::chrono::steady_clock::now() + limit) {}

@@ -115,7 +115,7 @@ class CompressedAllreduce {
                                            std::function<void()>& finalize);
   // int8 waited for on the calling thread. CPU tensors: the int8 chain (the
   // DDP hook's one body, chains/Int8Allreduce) over DirectExchange messages
-  // on `transport` (tag 3, which nothing else on that group uses), until the
+  // on `transport` (tag 4, which nothing else on that group uses), until the
   // op's timeout, else the transport's; other devices: startInt8. Once one
   // failed, every later call raises at once, naming that failure.
   void runInt8(InnerRoute& transport, const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
