@@ -1251,6 +1251,42 @@ def test_with_observe_off_no_measured_step_time_decides() -> None:
     assert torch.equal(slow["params"], quick["params"])
 
 
+def test_a_pause_between_steps_does_not_decide_the_uncompressed_check() -> None:
+    """A trial step that holds a pause between steps (an evaluation, another
+    model's turn) is left out of its side's median. Three of the five
+    compressed steps at 2.2 s (a benchmark that trains several models in
+    turn) made the compressed median 2.2 s against 0.1 s uncompressed,
+    every bucket uncompressed, and the next check 12,000 steps away."""
+    from xcomm.hooks._measure import UncompressedCheck
+
+    c = UncompressedCheck()
+    assert c.at_round(2, 0.1, compressing=True, none_can_win=True) is None
+    start = c.next_check
+    end = c.at_round(start, 0.090, compressing=True, none_can_win=True)
+    assert end == start + c.TRIAL_STEPS and c.trial == "none"
+    paused = 0
+    for s in range(start + 1, end):
+        if c.runs_none(s):
+            c.record(s, 0.103)
+        else:
+            c.record(s, 2.2 if paused < 3 else 0.090)  # the first three hold a pause
+            paused += 1
+    none_s, compressed_s = c.local_trial_seconds(end)
+    assert (none_s, compressed_s) == (0.103, 0.090)
+    c.at_round(end, 0.09, compressing=True, none_can_win=True, trial_s=(none_s, compressed_s))
+    assert c.verdict == "compress" and c.next_check < end + 1000, c.explain()
+    # A side whose every timed step is over the bound decides nothing: the
+    # verdict (the side that ran before the trial at 0.09 s) is kept.
+    start = c.next_check
+    end = c.at_round(start, 0.090, compressing=True, none_can_win=True)
+    for s in range(start + 1, end):
+        c.record(s, 0.5 if c.runs_none(s) else 0.090)
+    trial_s = c.local_trial_seconds(end)
+    assert trial_s == [0.0, 0.090]
+    c.at_round(end, 0.09, compressing=True, none_can_win=True, trial_s=trial_s)
+    assert c.verdict == "compress" and "verdict kept" in c.note
+
+
 def test_the_uncompressed_check_decides_by_measured_steps() -> None:
     """:class:`UncompressedCheck` alone: a trial alternating ``none`` and
     compressed steps after compression has run, compression kept only when

@@ -578,7 +578,14 @@ class UncompressedCheck:
     whatever overlaps it: a slow link, where a trial would cost most). Where
     steps under the verdict become slower, by the margin, than the other
     side's were at the last check (the link or the load changed), the next
-    check comes at once. The first check is :attr:`FIRST_AFTER` steps after
+    check comes at once. A timed trial step longer than :attr:`PAUSE_FACTOR`
+    times the steps before the trial is left out: a pause between steps
+    (an evaluation, a checkpoint, a program that trains several models in
+    turn) falls into one step's time, and three such steps on one side
+    once made a median of 2.2 s against 0.1 s, which held every bucket
+    uncompressed for the next 12,000 steps. A side that is really that much
+    slower loses every timed step, and a side with none keeps the verdict,
+    which is then the faster side anyway. The first check is :attr:`FIRST_AFTER` steps after
     compression starts; each next one at least :attr:`FIRST_BACKOFF` steps
     after the last, doubling, and far enough that its trial's steps on the
     slower side, if the verdict holds, cost at most :attr:`TRIAL_FRACTION`
@@ -613,6 +620,9 @@ class UncompressedCheck:
     FIRST_BACKOFF = 40
     #: The most of the training time trials may cost (run slower than the verdict).
     TRIAL_FRACTION = 0.01
+    #: A timed trial step this many times the steps before the trial is a
+    #: pause between steps, not a measurement of either side.
+    PAUSE_FACTOR = 3.0
 
     def __init__(self, margin: float = 0.02, unit: str = "bucket") -> None:
         self.margin = margin
@@ -624,6 +634,8 @@ class UncompressedCheck:
         self.trial: str | None = None
         self.trial_start = -1
         self.trial_end = -1
+        #: The agreed median step before the trial (seconds; 0: unknown).
+        self.trial_reference = 0.0
         #: This rank's timed trial steps, seconds, by side ("none", "compress").
         self.trial_times: dict[str, list[float]] = {"none": [], "compress": []}
         self.next_check: int | None = None
@@ -664,12 +676,15 @@ class UncompressedCheck:
     def local_trial_seconds(self, step: int) -> list[float]:
         """At the round that ends a trial: this rank's median step of each
         side, ``[none, compress]`` (0 for a side with no timed step), to
-        agree with the round; otherwise nothing (every rank alike)."""
+        agree with the round; otherwise nothing (every rank alike). Steps
+        longer than :attr:`PAUSE_FACTOR` times the steps before the trial
+        are left out (pauses)."""
         if self.trial is None or step < self.trial_end:
             return []
+        bound = self.PAUSE_FACTOR * self.trial_reference if self.trial_reference > 0 else math.inf
         medians = []
         for side in ("none", "compress"):
-            times = sorted(self.trial_times[side])
+            times = sorted(t for t in self.trial_times[side] if t <= bound)
             medians.append(times[(len(times) - 1) // 2] if times else 0.0)
         return medians
 
@@ -694,9 +709,12 @@ class UncompressedCheck:
             self.trial = None
             self.trial_times = {"none": [], "compress": []}
             if len(trial_s) != 2 or min(trial_s) <= 0:
-                # Rounds took every timed step of a side: nothing to compare.
+                # Rounds (or pauses) took every timed step of a side: nothing to compare.
                 self.next_check = step + self.backoff
-                self.note = f"step {step}: the trial timed no step of a side; verdict kept"
+                self.note = (
+                    f"step {step}: the trial timed no step of a side (each ran a round, or "
+                    f"took over {self.PAUSE_FACTOR:g}x the steps before it); verdict kept"
+                )
                 return None
             none_s, compressed_s = trial_s  # what local_trial_seconds() gives, agreed
             pays = compressed_s < (1.0 - self.margin) * none_s
@@ -749,6 +767,7 @@ class UncompressedCheck:
             return None
         self.trial = "none" if self.verdict == "compress" else "compress"
         self.trial_start, self.trial_end = step, step + self.TRIAL_STEPS
+        self.trial_reference = step_s
         self.trial_times = {"none": [], "compress": []}
         return self.trial_end
 
@@ -786,6 +805,7 @@ class UncompressedCheck:
                 "trial",
                 "trial_start",
                 "trial_end",
+                "trial_reference",
                 "trial_times",
                 "next_check",
                 "backoff",
