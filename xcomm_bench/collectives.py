@@ -99,8 +99,6 @@ class BackendSpec:
         "noshm": {"shm": False},
         "unchecked": {"check_collectives": False},
         "uncarried": {"carry_small_ops": False},
-        "int8": {"compression": "int8"},
-        "auto": {"compression": "auto"},
     }
 
     @classmethod

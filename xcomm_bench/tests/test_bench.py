@@ -107,7 +107,6 @@ def test_backend_spec() -> None:
     options = spec.pg_options()
     assert options.shm is False and options.check_collectives is False
     assert BackendSpec.parse("xcomm+uncarried").pg_options().carry_small_ops is False
-    assert BackendSpec.parse("xcomm+noshm+int8").pg_options().compression == "int8"
     assert BackendSpec.parse("xcomm").pg_options() is None
     with pytest.raises(ValueError, match="unknown variant"):
         BackendSpec.parse("xcomm+fast")
