@@ -452,6 +452,7 @@ group's first reconfigure().)");
       .def(py::init<size_t>(), py::arg("keys"))
       .def_readonly_static("FLOOR", &xcomm::ObservedFactors::kFloor)
       .def_readonly_static("CEILING", &xcomm::ObservedFactors::kCeiling)
+      .def_readonly_static("RELEARN", &xcomm::ObservedFactors::kRelearn)
       .def_property_readonly("keys", &xcomm::ObservedFactors::keys)
       .def("record", &xcomm::ObservedFactors::record, py::arg("key"), py::arg("observed_s"),
            py::arg("predicted_s"))
@@ -459,6 +460,14 @@ group's first reconfigure().)");
            "This rank's ratios since the last update (0: not seen).")
       .def("update", &xcomm::ObservedFactors::update, py::arg("agreed"),
            "Folds the agreed ratios into the factors; starts a new period.")
+      .def("set_link", &xcomm::ObservedFactors::setLink, py::arg("seconds_per_byte"),
+           "The agreed link reading the predictions use from now on (after update()); "
+           "returns whether it dropped the link's factor (a reading over 2x off the one "
+           "the factor was seen against, none not seen since the last update; with none "
+           "seen, the factor is rescaled to the new reading).")
+      .def_property_readonly("link_seen_at", &xcomm::ObservedFactors::linkSeenAt)
+      .def("restore_link_seen_at", &xcomm::ObservedFactors::restoreLinkSeenAt,
+           py::arg("seconds_per_byte"))
       .def(
           "source",
           [](const xcomm::ObservedFactors& o, size_t key) {

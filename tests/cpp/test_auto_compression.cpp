@@ -99,6 +99,53 @@ TEST_CASE("auto's observed factors correct what ran and lend the least to what d
   CHECK_THROWS_WITH(ObservedFactors(0), Catch::Contains("at least the link's key"));
 }
 
+TEST_CASE("the link's factor is dropped when the reading it corrects moves over 2x", "[auto]") {
+  using xcomm::ObservedFactors;
+  // The MLP at 10 Gbit/s: the first probe read 1.3 Gbit/s, uncompressed
+  // buckets ran at 0.29x that prediction; later probes read 6.0 Gbit/s.
+  const double slowReading = 8.0 / 1.3e9, fastReading = 8.0 / 6.0e9;
+  ObservedFactors o(2);
+  CHECK_FALSE(o.setLink(slowReading));  // nothing seen: nothing to drop
+  o.update({0.29, 0.0});                // none seen against the 1.3 Gbit/s reading
+  CHECK(o.linkSeenAt() == slowReading);
+  CHECK(o.factor(0) == Approx(0.29));
+  // A reading within 2x keeps it (noise, or a small change the factor follows).
+  CHECK_FALSE(o.setLink(slowReading / 1.9));
+  CHECK(o.factor(0) == Approx(0.29));
+  // 0.29 applied to 6.0 Gbit/s would predict 21 Gbit/s on a 10 Gbit/s link;
+  // none has not run since (a period of top-k alone): dropped.
+  o.update({0.0, 1.0});
+  CHECK(o.setLink(fastReading));
+  CHECK(o.factor(0) == 1.0);
+  CHECK_FALSE(o.seen(0));
+  CHECK(o.predict(0, 0.0, 0.055) == Approx(0.055));  // the reading stands
+  // none seen against the new reading: learned again, against it.
+  o.update({0.9, 0.0});
+  CHECK(o.factor(0) == Approx(0.9));
+  CHECK(o.linkSeenAt() == fastReading);
+  CHECK_FALSE(o.setLink(fastReading));
+  // A period without none, then a reading 4x slower: dropped the same way.
+  o.update({0.0, 1.0});
+  CHECK(o.setLink(fastReading * 4));
+  CHECK(o.factor(0) == 1.0);
+  // none seen in the period just folded, then a reading 4x off: the factor is
+  // carried to it, so the corrected link stays where none ran.
+  o.update({0.5, 0.0});
+  CHECK(o.linkSeenAt() == fastReading * 4);
+  CHECK_FALSE(o.setLink(fastReading));
+  CHECK(o.seen(0));
+  CHECK(o.factor(0) == Approx(2.0));
+  CHECK(o.predict(0, 0.0, 1.0) == Approx(2.0));
+  CHECK(o.linkSeenAt() == fastReading);
+  // A checkpoint from before the reading was kept: the next reading is taken as it.
+  ObservedFactors restored(2);
+  restored.restore(0, 0.5, true);
+  CHECK_FALSE(restored.setLink(fastReading));
+  CHECK(restored.linkSeenAt() == fastReading);
+  CHECK(restored.setLink(slowReading));
+  CHECK_THROWS_WITH(restored.restoreLinkSeenAt(-1.0), Catch::Contains("must be >= 0"));
+}
+
 TEST_CASE("the cost model's formulas for every method, allreduce and reduce-scatter", "[auto]") {
   using xcomm::BucketShape;
   using xcomm::LinkModel;

@@ -620,6 +620,86 @@ def test_observed_costs_correct_the_model_and_are_bounded() -> None:
     assert o.factors["int8"] == o.FLOOR and o.factor("int8") == o.FLOOR  # its own now
 
 
+def test_the_link_factor_is_dropped_when_the_reading_it_corrects_moves() -> None:
+    """The link's factor corrects the reading it was seen against. On the
+    MLP at 10 Gbit/s a factor of 0.29 learned on a 1.3 Gbit/s reading,
+    applied to a later 6.0 Gbit/s one, predicted uncompressed buckets at an
+    impossible 21 Gbit/s, and they ran uncompressed for 13 steps: a reading
+    over 2x off drops the factor; within 2x it is kept."""
+    from xcomm import _C
+    from xcomm.hooks._measure import ObservedCosts
+
+    assert _C.ObservedFactors.RELEARN == 2.0
+    slow, fast = 8 / 1.3e9, 8 / 6.0e9  # seconds per byte
+    o = ObservedCosts(("none", "int8", "topk"))
+    assert not o.set_link(slow)
+    o.record("link", observed_s=0.029, predicted_s=0.1)
+    o.update(o.local())
+    assert o.factor("none") == pytest.approx(0.29)
+    assert not o.set_link(slow * 1.5)  # within 2x: noise, or a change the factor follows
+    assert o.predict("none", codec_s=0.0, wire_s=0.055) == pytest.approx(0.29 * 0.055)
+    restored = ObservedCosts(("none", "int8", "topk"))
+    restored.load_state_dict(o.state_dict())
+    o.update(o.local())  # a round in which only compressed methods ran
+    assert o.set_link(fast)
+    assert o.factor("none") == 1.0 and "link" not in o.seen
+    assert o.predict("none", codec_s=0.0, wire_s=0.055) == pytest.approx(0.055)
+    assert "link x1.00 (dropped: the reading moved over 2x" in o.explain(), o.explain()
+    # The checkpoint kept the reading the factor was seen against.
+    assert restored.set_link(fast) and restored.factor("none") == 1.0
+    # Seen again against the new reading: learned again, and explained so.
+    o.record("link", observed_s=0.09, predicted_s=0.1)
+    o.update(o.local())
+    assert not o.set_link(fast) and o.factor("none") == pytest.approx(0.9)
+    assert "link x0.90" in o.explain() and "dropped" not in o.explain()
+    # Uncompressed reductions seen in the round just ended are newer evidence
+    # than a probe 3x off: the factor is rescaled, the corrected link kept.
+    o.record("link", observed_s=0.09, predicted_s=0.1)
+    o.update(o.local())
+    assert not o.set_link(fast * 3) and "link" in o.seen
+    assert o.predict("none", codec_s=0.0, wire_s=3.0) == pytest.approx(0.9)
+
+
+def _relinked(ctx: RankContext) -> dict[str, Any]:
+    """auto with its link given (``link=``), then given 10x faster between
+    rounds: the round folds the uncompressed steps' ratio against the old
+    reading, then drops the factor for the new one."""
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    state = hooks.AutoState(
+        link=hooks.LinkModel(1e-4, 1e6), codec_costs=COSTS, model=model, interval=1
+    )
+    model.register_comm_hook(state, hooks.auto_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    drops = []
+    set_link = state._observed.set_link
+
+    def counted(seconds_per_byte: float) -> bool:
+        drops.append(set_link(seconds_per_byte))
+        return drops[-1]
+
+    state._observed.set_link = counted  # type: ignore[method-assign]
+    train(model, opt, batch, ctx.rank, range(6))
+    before = (dict(state._observed.factors), sorted(state._observed.seen), len(drops))
+    state.link = hooks.LinkModel(1e-4, 1e7)
+    train(model, opt, batch, ctx.rank, range(6, 8))
+    return {"before": before, "drops": drops, "explain": state.explain()}
+
+
+def test_auto_drops_the_link_factor_when_its_link_reading_moves() -> None:
+    """In the hook: every round tells the closed loop its agreed link, and a
+    reading 10x off the one the factor was seen against drops it, on every
+    rank alike."""
+    results = run_ranks(_relinked, 2)
+    (factors, seen, rounds), drops = results[0]["before"], results[0]["drops"]
+    assert results[1]["drops"] == drops
+    # Uncompressed steps on loopback ran far faster than 1 MB/s predicts.
+    assert "link" in seen and factors["link"] < 0.5, factors
+    # No drop while the reading held; the first round on the new one drops it.
+    assert rounds >= 3 and drops[rounds] and sum(drops) == 1, (rounds, drops)
+    assert "link x1.00 (dropped" in results[0]["explain"], results[0]["explain"]
+
+
 def test_a_method_predicted_slower_than_none_is_never_kept() -> None:
     """Hysteresis keeps a method against a slightly faster rival, but not
     against sending the bucket uncompressed."""

@@ -142,6 +142,7 @@ void AutoCompression::round(Route& transport, std::chrono::milliseconds timeout)
     const double* c = costs.data_ptr<double>();
     agreeFactors(c + 2);
     inputs_ = AutoInputs{fixedLatency_, 1.0 / fixedBandwidth_, c[0], c[1]};
+    observed_.setLink(inputs_.secondsPerByte);
     nextRound_ = calls_ + interval_;
     publish();
     return;
@@ -172,6 +173,7 @@ void AutoCompression::round(Route& transport, std::chrono::milliseconds timeout)
   const std::vector<double> median = link_.fold(latency, v[4], v[5], {v[1]});
   agreeFactors(v + 6);
   inputs_ = AutoInputs{latency, median[0], v[2], v[3]};
+  observed_.setLink(inputs_.secondsPerByte);
   // A reading far off the median is confirmed at the next choice where it
   // would change the last choice (agreed values only: the same on every rank).
   bool confirm = false;

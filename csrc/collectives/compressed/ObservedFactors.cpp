@@ -36,6 +36,7 @@ std::vector<double> ObservedFactors::local() const {
 void ObservedFactors::update(const std::vector<double>& agreed) {
   TORCH_CHECK_VALUE(agreed.size() == keys(), "xcomm: auto agreed ", agreed.size(),
                     " observed ratios for ", keys(), " keys");
+  linkFresh_ = agreed[kLink] > 0;
   for (size_t k = 0; k < keys(); ++k) {
     if (agreed[k] > 0) {
       // The first reading is the factor; later ones are averaged in
@@ -43,9 +44,39 @@ void ObservedFactors::update(const std::vector<double>& agreed) {
       const double reading = std::min(std::max(agreed[k], kFloor), kCeiling);
       factors_[k] = seen_[k] ? std::sqrt(factors_[k] * reading) : reading;
       seen_[k] = true;
+      if (k == kLink) linkSeenAt_ = linkInForce_;
     }
     observed_[k] = predicted_[k] = 0.0;
   }
+}
+
+bool ObservedFactors::setLink(double secondsPerByte) {
+  if (!(secondsPerByte > 0) || !std::isfinite(secondsPerByte)) return false;
+  linkInForce_ = secondsPerByte;
+  if (!seen_[kLink]) return false;
+  if (!(linkSeenAt_ > 0)) {  // restored from a checkpoint without it
+    linkSeenAt_ = secondsPerByte;
+    return false;
+  }
+  const double off = secondsPerByte / linkSeenAt_;
+  if (off <= kRelearn && off >= 1.0 / kRelearn) return false;
+  if (linkFresh_) {
+    // Seen just now: the corrected link stays where uncompressed reductions ran.
+    factors_[kLink] = std::min(std::max(factors_[kLink] / off, kFloor), kCeiling);
+    linkSeenAt_ = secondsPerByte;
+    return false;
+  }
+  factors_[kLink] = 1.0;
+  seen_[kLink] = false;
+  linkSeenAt_ = 0.0;
+  return true;
+}
+
+void ObservedFactors::restoreLinkSeenAt(double secondsPerByte) {
+  TORCH_CHECK_VALUE(secondsPerByte >= 0 && std::isfinite(secondsPerByte),
+                    "xcomm: the link reading a factor was seen against must be >= 0, got ",
+                    secondsPerByte);
+  linkSeenAt_ = secondsPerByte;
 }
 
 int ObservedFactors::source(size_t key) const {

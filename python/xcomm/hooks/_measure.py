@@ -382,6 +382,17 @@ class ObservedCosts:
     the run (a method not run is not seen again), 11% slower steps. A factor
     not seen again keeps its last value.
 
+    The link's factor corrects the link reading it was seen against
+    (:meth:`set_link`, at each round): a probe reads a link slow while it is
+    small, and close to right once it has grown, and a factor of 0.29 learned
+    on a 1.3 Gbit/s reading, applied to a later 6.0 Gbit/s one, predicted the
+    MLP's uncompressed buckets at 3.6x faster than they ran at 10 Gbit/s and
+    sent them uncompressed for 13 steps. A reading over 2x off the one the
+    factor was seen against drops the factor, and the reading stands until
+    uncompressed reductions are seen against it; where they were seen in
+    the round just ended, the factor is instead rescaled to the new
+    reading, so the corrected link stays where they ran.
+
     A method that has never run in this run has no ratio of its own, and its
     calibration (``randn`` data, an idle machine) is as wrong for it as it
     was for the methods that did run on these buckets: on 2 busy cores a
@@ -421,6 +432,8 @@ class ObservedCosts:
         # The arithmetic, one for every auto (the backend's too): C++'s.
         self._factors = _C.ObservedFactors(len(self.keys))
         self._index = {k: i for i, k in enumerate(self.keys)}
+        #: Whether the last link reading dropped the link's factor (explain()).
+        self.link_dropped = False
         self._lock = threading.Lock()
         self._last_done = 0.0
         # Reductions watched and not yet recorded, in the order they were issued.
@@ -507,8 +520,27 @@ class ObservedCosts:
         with self._lock:
             self._factors.update(list(agreed))
 
+    def set_link(self, seconds_per_byte: float) -> bool:
+        """The agreed link reading (of the kind uncompressed reductions use)
+        the predictions use from now on; call after :meth:`update`. Returns
+        whether it dropped the link's factor (a reading over
+        ``ObservedFactors.RELEARN`` times off the one it was seen against,
+        with no uncompressed reduction seen since the last round; with
+        one, the factor is rescaled to the new reading and kept)."""
+        with self._lock:
+            dropped = self._factors.set_link(seconds_per_byte)
+        if dropped:
+            self.link_dropped = True
+        elif "link" in self.seen:
+            self.link_dropped = False
+        return dropped
+
     def describe(self, key: str) -> str:
         """One key's factor and where it comes from."""
+        if key == "link" and self.link_dropped and key not in self.seen:
+            return (
+                "link x1.00 (dropped: the reading moved over 2x from the one it was seen against)"
+            )
         if key == "link" or key in self.seen:
             return f"{key} x{self.factors[key]:.2f}" + ("" if key in self.seen else " (not seen)")
         source = self.inherited_from(key)
@@ -522,7 +554,11 @@ class ObservedCosts:
         return f"observed/predicted (applied to the model): {seen}"
 
     def state_dict(self) -> dict[str, Any]:
-        return {"factors": dict(self.factors), "seen": sorted(self.seen)}
+        return {
+            "factors": dict(self.factors),
+            "seen": sorted(self.seen),
+            "link_seen_at": self._factors.link_seen_at,
+        }
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         if "factors" not in d:
@@ -532,6 +568,8 @@ class ObservedCosts:
         factors, seen = d["factors"], set(d["seen"])
         for i, k in enumerate(self.keys):
             self._factors.restore(i, float(factors.get(k, self._factors.stored(i))), k in seen)
+        # 0 (a checkpoint from before it was kept): the next reading is taken as it.
+        self._factors.restore_link_seen_at(float(d.get("link_seen_at", 0.0)))
 
 
 def future_failed(fut: torch.futures.Future) -> bool:

@@ -869,6 +869,7 @@ class AutoState(PicklableState):
         agreed_extra = self._measure.agreed_extra
         if self.observe:
             self._observed.update(agreed_extra["observed"])
+            self._observed.set_link(1.0 / links["allreduce"].bandwidth_bytes_per_s)
         if errors:
             self._agree_lost_share(agreed_extra["errors"])
         agreed_trial = agreed_extra["trial"]

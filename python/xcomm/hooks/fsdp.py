@@ -458,6 +458,9 @@ class FsdpCompressionState:
         agreed_extra = self._measure.agreed_extra
         if self.observe:
             self._observed.update(agreed_extra["observed"])
+            links, _ = self._measure.agreed  # type: ignore[misc]
+            # Uncompressed reduce-scatters are predicted on this kind's link.
+            self._observed.set_link(1.0 / links["reduce_scatter"].bandwidth_bytes_per_s)
         self._fresh_round = True
         agreed_trial = agreed_extra["trial"]
         inputs = self._module_inputs.values()
