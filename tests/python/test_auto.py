@@ -662,8 +662,7 @@ def test_the_link_factor_is_dropped_when_the_reading_it_corrects_moves() -> None
 
 def _relinked(ctx: RankContext) -> dict[str, Any]:
     """auto with its link given (``link=``), then given 10x faster between
-    rounds: the round folds the uncompressed steps' ratio against the old
-    reading, then drops the factor for the new one."""
+    rounds; every round's fold and link reading are recorded."""
     torch.manual_seed(0)
     model = DDP(make_model())
     state = hooks.AutoState(
@@ -671,33 +670,63 @@ def _relinked(ctx: RankContext) -> dict[str, Any]:
     )
     model.register_comm_hook(state, hooks.auto_hook)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    drops = []
-    set_link = state._observed.set_link
+    observed = state._observed
+    rounds: list[dict[str, Any]] = []
+    update, set_link = observed.update, observed.set_link
+
+    def folded(agreed: Any) -> None:
+        # Whether this period's uncompressed reductions were seen (C++'s rule
+        # keys on it), and the link factor before the reading arrives.
+        rounds.append({"fresh": agreed[0] > 0})
+        update(agreed)
+        rounds[-1]["factor"] = observed.factors["link"]
 
     def counted(seconds_per_byte: float) -> bool:
-        drops.append(set_link(seconds_per_byte))
-        return drops[-1]
+        dropped = set_link(seconds_per_byte)
+        rounds[-1].update(
+            reading=seconds_per_byte,
+            dropped=dropped,
+            after=observed.factors["link"],
+            seen_at=observed._factors.link_seen_at,
+        )
+        return dropped
 
-    state._observed.set_link = counted  # type: ignore[method-assign]
+    observed.update = folded  # type: ignore[method-assign]
+    observed.set_link = counted  # type: ignore[method-assign]
     train(model, opt, batch, ctx.rank, range(6))
-    before = (dict(state._observed.factors), sorted(state._observed.seen), len(drops))
+    before = (dict(observed.factors), sorted(observed.seen), len(rounds))
     state.link = hooks.LinkModel(1e-4, 1e7)
     train(model, opt, batch, ctx.rank, range(6, 8))
-    return {"before": before, "drops": drops, "explain": state.explain()}
+    return {"before": before, "rounds": rounds, "explain": state.explain()}
 
 
-def test_auto_drops_the_link_factor_when_its_link_reading_moves() -> None:
+def test_auto_tells_the_link_factor_each_rounds_link_reading() -> None:
     """In the hook: every round tells the closed loop its agreed link, and a
-    reading 10x off the one the factor was seen against drops it, on every
-    rank alike."""
+    reading 10x off the one the factor was seen against drops the factor, or,
+    where uncompressed reductions were seen in the round just folded,
+    rescales it so the corrected link stays where they ran; on every rank
+    alike. (Which of the two happens depends on whether the whole-step check
+    ran uncompressed steps in that round; C++'s test covers both.)"""
     results = run_ranks(_relinked, 2)
-    (factors, seen, rounds), drops = results[0]["before"], results[0]["drops"]
-    assert results[1]["drops"] == drops
+    (factors, seen, count), rounds = results[0]["before"], results[0]["rounds"]
+    assert results[1]["rounds"] == rounds
     # Uncompressed steps on loopback ran far faster than 1 MB/s predicts.
     assert "link" in seen and factors["link"] < 0.5, factors
-    # No drop while the reading held; the first round on the new one drops it.
-    assert rounds >= 3 and drops[rounds] and sum(drops) == 1, (rounds, drops)
-    assert "link x1.00 (dropped" in results[0]["explain"], results[0]["explain"]
+    assert count >= 3 and all(r["reading"] == 1e-6 for r in rounds[:count]), rounds
+    # No drop while the reading held.
+    assert not any(r["dropped"] for r in rounds[:count]), rounds
+    first = rounds[count]
+    assert first["reading"] == 1e-7, first
+    if first["fresh"]:
+        from xcomm.hooks._measure import ObservedCosts
+
+        ceiling = ObservedCosts.CEILING
+        assert not first["dropped"] and first["seen_at"] == 1e-7, first
+        assert first["after"] == pytest.approx(min(first["factor"] * 10, ceiling)), first
+    else:
+        assert first["dropped"] and first["after"] == 1.0 and first["seen_at"] == 0.0, first
+        assert "link x1.00 (dropped" in results[0]["explain"], results[0]["explain"]
+    assert sum(r["dropped"] for r in rounds) <= 1, rounds
 
 
 def test_a_method_predicted_slower_than_none_is_never_kept() -> None:
