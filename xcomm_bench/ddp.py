@@ -482,6 +482,10 @@ class DDPResult:
     step_ms: list[float] = dataclasses.field(default_factory=list)
     #: The hook's auto only: which timed steps ran a measuring round.
     round_steps: list[bool] = dataclasses.field(default_factory=list)
+    #: The hook's auto only: which timed steps ran every bucket uncompressed
+    #: (a trial of its whole-step check, its verdict, or its choice), so the
+    #: cost of its check can be read from the steps.
+    uncompressed_steps: list[bool] = dataclasses.field(default_factory=list)
     #: The hook's auto only: each change of its per-bucket methods during the
     #: timed steps, ``{"step": i, "chosen": "...", "explain": "..."}`` (``i``
     #: the timed step after which it was seen), so an excursion to a slower
@@ -576,6 +580,7 @@ class _Runner:
         self.batch = spec.batch
         self.times: list[float] = []
         self.rounds: list[bool] = []  # auto: which timed steps ran a measuring round
+        self.uncompressed: list[bool] = []  # auto: which timed steps ran every bucket "none"
         self.changes: list[dict[str, Any]] = []  # auto: its method changes (DDPResult.changes)
         self.last_warm = math.inf  # the last untimed step's seconds
         self.cpu: list[float] = []
@@ -686,6 +691,8 @@ class _Runner:
                     # A round moves next_round past the step it was due at.
                     self.rounds.append(self.state.next_round > due)
                     due = self.state.next_round
+                    ran = set(self.state.ran.values())
+                    self.uncompressed.append(bool(ran) and ran <= {"none"})
                     self._note_change()
             else:
                 self.last_warm = dt
@@ -887,6 +894,7 @@ def run_model(
                 explain=_explain(done[r].state),
                 step_ms=[x * 1e3 for x in times[i].tolist()],
                 round_steps=done[r].rounds,
+                uncompressed_steps=done[r].uncompressed,
                 changes=done[r].changes,
             )
         )
@@ -1312,7 +1320,12 @@ def write_reports(
     import csv
 
     out.mkdir(parents=True, exist_ok=True)
-    lists = ("step_ms", "round_steps", "changes")  # per-step lists: the JSON has them
+    lists = (
+        "step_ms",
+        "round_steps",
+        "uncompressed_steps",
+        "changes",
+    )  # per-step lists: the JSON has them
     fields = [f.name for f in dataclasses.fields(DDPResult) if f.name not in lists]
     with open(out / "ddp.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
