@@ -93,7 +93,15 @@ class MeasuredLink:
     bytes and latency predict plus what the recent rounds took beyond
     theirs (the median of the last three, agreed as the slowest rank's):
     the backward pass waits for a round, and on a busy host its collectives
-    also wait to line up and on the scheduler. The next round is due at step
+    also wait to line up and on the scheduler. What a round took is its
+    own duration plus the hidden cost of the round before it: what that
+    round's whole step took beyond the median of the steps before it and
+    beyond the round's duration (:meth:`step_started`). A round delays the
+    buckets' own collectives behind it, which its duration does not see: on
+    the DDP sweep (the MLP at 0.1 Gbit/s) rounds came 8 steps apart and
+    each step with one took about 87 ms over the others', where the rounds'
+    durations predicted 14 ms: 5.5% of the run instead of 1%. The next
+    round is due at step
     :attr:`next_round`, computed from agreed values only, so every rank runs
     it at the same step.
 
@@ -138,6 +146,11 @@ class MeasuredLink:
         self.agreed_extra: dict[str, list[float]] = {}
         #: The median recent step time, the slowest rank's, as the last round agreed it.
         self.agreed_step_seconds = 0.0
+        #: What the last steps with a round took beyond the median step
+        #: before them and the round's own duration, seconds (this rank's;
+        #: the newest last).
+        self.round_step_hidden: list[float] = []
+        self._round_took = 0.0  # the last round's own duration, seconds
 
     @property
     def interval(self) -> int:
@@ -171,16 +184,24 @@ class MeasuredLink:
         explain (agreed: the slowest rank's), seconds; the newest last."""
         return list(self._estimate.round_overheads)
 
-    def step_started(self) -> float | None:
+    def step_started(self, comparable: bool = True) -> float | None:
         """Called at the start of each step: the probes' budget is a share of
         the median recent step time (of steps without a round: a round's own
         cost must not size the next). Returns the step just ended's seconds,
-        or None if it ran a round (or is the first)."""
+        or None if it ran a round (or is the first). A step that ran a
+        round is kept as what it took beyond the median of the five steps
+        before it and the round's own duration (the round's hidden cost),
+        where ``comparable`` (the caller's word that they and it reduced
+        alike: not a trial of uncompressed steps)."""
         now = time.perf_counter()
         took = None
         if self._step_start is not None and not self._round_in_step:
             took = now - self._step_start
             self.step_times = [*self.step_times[-9:], took]
+        elif self._step_start is not None and comparable and self.step_times:
+            recent = sorted(self.step_times[-5:])
+            beyond = now - self._step_start - recent[len(recent) // 2] - self._round_took
+            self.round_step_hidden = [*self.round_step_hidden[-2:], max(beyond, 0.0)]
         self._step_start = now
         self._round_in_step = False
         return took
@@ -206,9 +227,10 @@ class MeasuredLink:
         ratios, a trial's step times), each agreed in the same allreduce as
         the MAX over ranks, into :attr:`agreed_extra` under the same
         names."""
+        self._round_in_step = True
+        agree_start = time.perf_counter()
         if self.local_costs is None:
             self.local_costs = dict(calibrate())
-        self._round_in_step = True
         round_start = time.perf_counter()
         estimate = self._estimate
         seconds_per_byte = dict.fromkeys(self.kinds, 0.0)
@@ -226,6 +248,8 @@ class MeasuredLink:
         # MAX agrees it). What this round has cost so far (the backward pass
         # waits for it), plus the previous agreement's duration as this one's.
         spent = time.perf_counter() - round_start + estimate.last_agreement
+        if self.round_step_hidden:  # what the last round's step took beyond it and the others
+            spent += self.round_step_hidden[-1]
         local = [-estimate.latency, step_seconds, spent]
         local += [seconds_per_byte[k] for k in self.kinds]
         local += [self.local_costs[k] for k in self.codec_keys]
@@ -264,6 +288,7 @@ class MeasuredLink:
             stride = estimate.stride(changed)
         self.next_round = step + stride
         self.agreed = (links, costs)
+        self._round_took = time.perf_counter() - agree_start
         return self.agreed
 
 
@@ -707,6 +732,12 @@ class UncompressedCheck:
         The model's choices are kept meanwhile: a trial's compressed steps
         run them."""
         return self.trial is None and self.verdict == "none"
+
+    def settled(self, step: int) -> bool:
+        """Whether ``step`` and the :attr:`TRIAL_PAIRS` steps before it all
+        ran the verdict's side: no trial in progress or just ended, so
+        their times compare (what a round step took beyond the others)."""
+        return self.trial is None and step - self.trial_end > self.TRIAL_PAIRS
 
     def side(self, step: int) -> str:
         """``"none"`` or ``"compress"``: what ``step`` runs."""

@@ -1341,7 +1341,9 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
     group, world = state.process_group, group_size(state.process_group)
     if not state._in_step:  # the first bucket of a step: nothing of ours in flight
         state._in_step = True
-        took = state._measure.step_started()
+        took = state._measure.step_started(
+            comparable=not state._checking or state.check.settled(state.iter - 1)
+        )
         if took is not None and state._checking:
             state.check.record(state.iter - 1, took)
         due = state.iter >= state._measure.next_round

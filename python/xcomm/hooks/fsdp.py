@@ -363,7 +363,9 @@ class FsdpCompressionState:
         elif name == self._first_module:
             self.iter += 1
         if name == self._first_module:
-            took = self._measure.step_started()
+            took = self._measure.step_started(
+                comparable=not self._checking or self.check.settled(self.iter - 1)
+            )
             if took is not None and self._checking:
                 self.check.record(self.iter - 1, took)
             self._fresh_round = False
